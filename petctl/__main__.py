@@ -1,0 +1,3 @@
+from petctl.cli import main
+
+main()

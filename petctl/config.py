@@ -1,0 +1,61 @@
+"""The user's petctl config: which provider was set up and what `setup` produced.
+
+Stored as JSON in `$PETCTL_HOME/config.json` (default `~/.petctl`), written atomically so a crash never
+leaves a half-written file. Passed around explicitly (no module-level state) so tests can point each run
+at its own home directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petctl.errors import NotSetUp
+
+PROVIDERS = ("local", "aws")
+
+
+def petctl_home() -> Path:
+    return Path(os.environ.get("PETCTL_HOME") or Path.home() / ".petctl")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class PetctlConfig:
+    home: Path
+    provider: str = ""
+    # Per-provider settings and setup results, e.g. {"local": {"etcd_endpoint": ...}, "aws": {...}}.
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.home / "config.json"
+
+    @classmethod
+    def load(cls, home: Path | None = None) -> PetctlConfig:
+        home = home or petctl_home()
+        path = home / "config.json"
+        if not path.exists():
+            return cls(home=home)
+        data = json.loads(path.read_text() or "{}")
+        return cls(home=home, provider=data.get("provider", ""), settings=data.get("settings", {}))
+
+    def save(self) -> None:
+        atomic_write(self.path, json.dumps({"provider": self.provider, "settings": self.settings}, indent=2,
+                                           sort_keys=True))
+
+    def section(self, provider: str | None = None) -> dict[str, Any]:
+        return self.settings.setdefault(provider or self.provider, {})
+
+    def require_setup(self) -> None:
+        if not self.provider or not self.settings.get(self.provider, {}).get("ready"):
+            raise NotSetUp("petctl is not set up: run `petctl setup` first")

@@ -1,0 +1,70 @@
+"""One structured line per event.
+
+Every component (agent, reconciler, CLI) reports what happened as a single JSON object on one line:
+`{"ts": <unix seconds>, "event": "<area>.<what>", ...fields}`. Humans can grep it, `petctl events` and the
+benchmark parse it back (`parse_line`), and nothing depends on log formatting elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import IO, Any, Callable, Iterable, Iterator
+
+Sink = Callable[[dict[str, Any]], None]
+
+
+class EventLog:
+    """Writes events to a stream and forwards them to optional sinks (etcd, S3 mirror)."""
+
+    def __init__(self, component: str, stream: IO[str] | None = None, **context: Any) -> None:
+        self.component = component
+        self.stream = stream if stream is not None else sys.stderr
+        self.context = {k: v for k, v in context.items() if v is not None}
+        self._sinks: list[Sink] = []
+        self._lock = threading.Lock()
+
+    def add_sink(self, sink: Sink) -> None:
+        self._sinks.append(sink)
+
+    def bind(self, **context: Any) -> None:
+        """Add fields to every later event (for example the node's rank once it is known)."""
+        self.context.update({k: v for k, v in context.items() if v is not None})
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"ts": round(time.time(), 6), "event": event, "component": self.component, **self.context,
+                  **fields}
+        line = json.dumps(record, default=str, separators=(",", ":"))
+        with self._lock:
+            try:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            except (ValueError, OSError):  # stream closed during shutdown: events are best effort
+                pass
+        for sink in list(self._sinks):
+            try:
+                sink(record)
+            except Exception:  # a failing sink (etcd down) must never break the caller
+                pass
+        return record
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """The event on this log line, or None if the line is not an event (worker output, say)."""
+    line = line.strip()
+    if not line.startswith("{") or '"event"' not in line:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "event" in record and "ts" in record else None
+
+
+def parse_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        record = parse_line(line)
+        if record is not None:
+            yield record

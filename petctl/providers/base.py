@@ -1,0 +1,108 @@
+"""The one interface every capacity backend implements (modelled on Ray's NodeProvider and
+torch.distributed.elastic's narrow ABCs): the CLI never branches on which provider it has.
+
+Job *state* (ranks, rounds, restarts) belongs to the agents and lives in etcd; providers own *capacity*
+(instances, their count, their teardown) and know how to reach the job's etcd.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from petctl.config import PetctlConfig
+from petctl.spec import JobSpec
+
+
+@dataclass
+class HostInfo:
+    """One instance of a job's capacity, as the provider sees it."""
+
+    host_id: str
+    state: str  # pending | running | frozen | terminating | terminated
+    instance_type: str = "local"
+    az: str = ""
+    market: str = ""  # spot | on-demand | local
+    private_ip: str = ""
+    launched_at: float | None = None
+    rank: int | None = None  # filled from etcd by the CLI when the agent has one
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class JobInfo:
+    name: str
+    state: str  # running | succeeded | failed | killed | unknown
+    min_size: int
+    max_size: int
+    desired: int
+    created_at: float
+    provider: str
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Provider(ABC):
+    """Capacity for jobs. Methods raise `PetctlError` subclasses with user-facing messages."""
+
+    name: str = ""
+
+    def __init__(self, config: PetctlConfig) -> None:
+        self.config = config
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.config.section(self.name)
+
+    # --- shared infrastructure -------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, **options: Any) -> dict[str, Any]:
+        """Create what all jobs share; returns what was recorded in the config."""
+
+    @abstractmethod
+    def teardown(self, force: bool = False) -> None:
+        """Remove what setup created; refuses while jobs run unless `force`."""
+
+    # --- jobs ------------------------------------------------------------------------------------
+    @abstractmethod
+    def create_job(self, spec: JobSpec, script: Path) -> JobInfo:
+        """Upload `script` (file or directory) and start `spec.size` instances running the agent."""
+
+    @abstractmethod
+    def kill_job(self, name: str) -> None:
+        """Delete the job's capacity, and only it."""
+
+    @abstractmethod
+    def scale(self, name: str, size: int) -> None:
+        """Set the desired instance count (validated against the job's [min, max])."""
+
+    @abstractmethod
+    def hosts(self, name: str) -> list[HostInfo]:
+        ...
+
+    @abstractmethod
+    def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
+        """Take one instance away (chaos/testing). mode: kill | freeze | term | notice. Returns its id."""
+
+    @abstractmethod
+    def jobs(self) -> list[JobInfo]:
+        ...
+
+    @abstractmethod
+    def job(self, name: str) -> JobInfo:
+        """One job; raises JobNotFound."""
+
+    @abstractmethod
+    def etcd_endpoint(self) -> str:
+        """Where this provider's jobs keep their rendezvous and state (reachable from the CLI)."""
+
+    @abstractmethod
+    def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
+        """Lines of the job's node logs, each prefixed with its node id unless one node is asked for."""

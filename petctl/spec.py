@@ -1,0 +1,123 @@
+"""Specs that travel between the CLI, the providers and the agent.
+
+They are plain dataclasses serialised as JSON so that the same spec can be written to etcd, to S3, into EC2
+user data or onto a local file, and read back by an agent that has neither boto3 nor torch loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from petctl.errors import ValidationError
+
+JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$")
+
+
+def _from_dict(cls: type, data: dict[str, Any]):
+    """Build a dataclass from a dict, ignoring unknown keys so newer writers don't break older readers."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Timeouts:
+    """Agent timing knobs. Defaults favour fast recovery on a LAN; tests shrink them further."""
+
+    heartbeat_interval: float = 1.0  # seconds between TTL refreshes of a node's liveness key
+    heartbeat_ttl: float = 3.0  # a node silent for this long is dropped (a frozen host included)
+    last_call: float = 1.0  # once `min` nodes joined, wait this long for stragglers still alive
+    join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails
+    stop_grace: float = 5.0  # SIGTERM -> SIGKILL grace when stopping workers
+    preempt_deadline: float = 90.0  # how long a noticed node waits for its workers' checkpoint
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeouts:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class JobSpec:
+    """Everything needed to run one job, independent of where its capacity comes from."""
+
+    name: str
+    min_size: int
+    max_size: int
+    size: int
+    entrypoint: str  # script path relative to the job's code dir
+    args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    checkpoint_url: str = ""  # s3://bucket/jobs/<job>/checkpoints or file:///.../checkpoints
+    code_url: str = ""  # where the agent fetches the script from (s3://... or file://...)
+    etcd_endpoint: str = ""  # http://host:port
+    env: dict[str, str] = field(default_factory=dict)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    # AWS-only knobs; ignored by the local provider.
+    instance_types: list[str] = field(default_factory=list)
+    on_demand: bool = False
+    on_demand_base: int = 0
+
+    def validate(self) -> None:
+        """Reject bad input before any side effect, with one message a user can act on."""
+        if not JOB_NAME_RE.match(self.name):
+            raise ValidationError(
+                f"invalid job name {self.name!r}: use 2-32 lowercase letters, digits and '-', "
+                "starting with a letter"
+            )
+        if self.min_size < 1:
+            raise ValidationError(f"--min must be >= 1 (got {self.min_size})")
+        if self.min_size > self.max_size:
+            raise ValidationError(f"--min ({self.min_size}) is greater than --max ({self.max_size})")
+        if not self.min_size <= self.size <= self.max_size:
+            raise ValidationError(
+                f"--size {self.size} is outside [--min {self.min_size}, --max {self.max_size}]"
+            )
+        if self.nproc_per_node < 1:
+            raise ValidationError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
+        if self.max_restarts < 0:
+            raise ValidationError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobSpec:
+        data = dict(data)
+        data["timeouts"] = Timeouts.from_dict(data.get("timeouts") or {})
+        return _from_dict(cls, data)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class AgentConfig:
+    """What one agent needs at boot: the job, who it is, and where its instance's services live."""
+
+    job: JobSpec
+    node_id: str  # unique per instance (EC2 instance id, or i-local-<n>)
+    host_addr: str = "127.0.0.1"  # address other nodes use to reach this one (MASTER_ADDR)
+    work_dir: str = ""  # where the code is unpacked and workers run
+    imds_endpoint: str = ""  # instance metadata service; "" disables the preemption watcher
+    asg_name: str = ""  # for completing the termination lifecycle action on AWS
+    lifecycle_hook: str = ""
+    region: str = ""
+    status_url: str = ""  # optional s3://... or file://... prefix the agent mirrors status/events/logs to
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentConfig:
+        data = json.loads(text)
+        data["job"] = JobSpec.from_dict(data["job"])
+        return _from_dict(cls, data)
