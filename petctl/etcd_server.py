@@ -148,8 +148,9 @@ def _alive(pid: int, proc: subprocess.Popen | None) -> bool:
 
 def etcd_client(endpoint: str, read_timeout: float = 5.0):
     """A python-etcd client for an `http://host:port` endpoint (imported lazily: the CLI stays light)."""
-    import etcd
     from urllib.parse import urlparse
+
+    import etcd
 
     u = urlparse(endpoint)
     return etcd.Client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",

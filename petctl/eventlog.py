@@ -11,7 +11,8 @@ import json
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any
 
 Sink = Callable[[dict[str, Any]], None]
 

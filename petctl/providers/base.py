@@ -8,9 +8,10 @@ Job *state* (ranks, rounds, restarts) belongs to the agents and lives in etcd; p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from petctl.config import PetctlConfig
 from petctl.spec import JobSpec
@@ -102,6 +103,14 @@ class Provider(ABC):
     @abstractmethod
     def etcd_endpoint(self) -> str:
         """Where this provider's jobs keep their rendezvous and state (reachable from the CLI)."""
+
+    def node_states(self, name: str):
+        """The job's live state as its agents publish it (etcd). A provider whose CLI cannot reach etcd
+        (AWS, etcd inside the VPC) overrides this to read the agents' status mirror instead."""
+        from petctl.etcd_server import etcd_client
+        from petctl.jobstate import read_job_state
+
+        return read_job_state(etcd_client(self.etcd_endpoint()), name)
 
     @abstractmethod
     def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
