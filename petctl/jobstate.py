@@ -57,37 +57,60 @@ def _json(value: str | None) -> Any:
 
 
 def read_job_state(client, job: str) -> JobState:
-    """One recursive read of the job's keys (cheap, consistent as of one etcd index)."""
+    """Two reads: the live prefix (heartbeats, round) and the nodes' published status.
+
+    Only nodes with a live heartbeat are listed; a node's status without a heartbeat is a node that is
+    gone (its status key outlives it for a while, by design, so `status` can say what it last did).
+    """
     import etcd
 
     keys = JobKeys(job)
     state = JobState(job=job)
     try:
-        root = client.read(keys.base, recursive=True)
+        for leaf in client.read(keys.base, recursive=False).leaves:
+            if leaf.key == keys.spec:
+                state.spec = _json(leaf.value)
+            elif leaf.key == keys.result:
+                state.result = _json(leaf.value)
     except etcd.EtcdKeyNotFound:
         return state
-    for leaf in root.leaves:
+    statuses: dict[str, dict[str, Any]] = {}
+    try:
+        for leaf in client.read(keys.status, recursive=True).leaves:
+            if not leaf.dir:
+                statuses[leaf.key.rsplit("/", 1)[1]] = _json(leaf.value) or {}
+    except etcd.EtcdKeyNotFound:
+        pass
+    try:
+        live = client.read(keys.live, recursive=True)
+    except etcd.EtcdKeyNotFound:
+        return state
+    for leaf in live.leaves:
         if leaf.dir:
             continue
         if leaf.key.startswith(keys.nodes + "/"):
             node_id = leaf.key.rsplit("/", 1)[1]
-            state.nodes[node_id] = _json(leaf.value) or {"node_id": node_id}
+            beat = _json(leaf.value) or {}
+            state.nodes[node_id] = {"node_id": node_id, **beat, **statuses.get(node_id, {})}
         elif leaf.key == keys.round:
             state.round = _json(leaf.value)
-        elif leaf.key == keys.result:
-            state.result = _json(leaf.value)
-        elif leaf.key == keys.spec:
-            state.spec = _json(leaf.value)
     return state
 
 
 def write_result(client, job: str, state: str, reason: str, round_no: int | None = None) -> bool:
-    """Record the job's final state once; returns False if another writer got there first."""
+    """End the job once: record the result, then flip `live/round` to `final` so every agent wakes.
+
+    Returns False if another writer ended the job first (its result stands).
+    """
     import etcd
 
-    value = json.dumps({"state": state, "reason": reason, "ts": time.time(), "round": round_no})
+    keys = JobKeys(job)
+    now = time.time()
+    value = json.dumps({"state": state, "reason": reason, "ts": now, "round": round_no})
     try:
-        client.write(JobKeys(job).result, value, prevExist=False)
-        return True
+        client.write(keys.result, value, prevExist=False)
     except etcd.EtcdAlreadyExist:
         return False
+    client.write(keys.round, json.dumps({"round": round_no, "phase": "final", "state": state,
+                                         "reason": reason, "ts": now}))
+    return True

@@ -6,9 +6,12 @@ Everything a job writes lives under `/petctl/jobs/<job>/`. Keys that agents watc
 
     spec                    JobSpec JSON, written once by the provider
     desired                 desired node count (the provider's view; informational for agents)
-    live/nodes/<node_id>    heartbeat, TTL; value = the node's published state (JSON)
+    live/nodes/<node_id>    heartbeat, TTL, refreshed silently; value = {node_id, host_addr, pid}
     live/round              the current rendezvous round (JSON), changed only by compare-and-swap
-    rounds/<n>/<node_id>    join records of round n (TTL'd, so old rounds clean themselves up)
+    live/done/<n>/<node_id> node finished round n with all workers exiting 0
+    rounds/<n>/<node_id>    join records of round n (TTL'd; outside live/ so joins wake only the closer)
+    status/<node_id>        the node's published state (rank, round, step, ...), TTL'd; outside live/
+                            so frequent updates never wake the agents' watches
     result                  final job state {state, reason, ts}; its presence ends the job
     events/                 append-only structured events (in-order keys, TTL'd)
 """
@@ -56,6 +59,16 @@ class JobKeys:
 
     def round_member(self, round_no: int, node_id: str) -> str:
         return f"{self.base}/rounds/{round_no}/{node_id}"
+
+    def done(self, round_no: int) -> str:
+        return f"{self.base}/live/done/{round_no}"
+
+    @property
+    def status(self) -> str:
+        return f"{self.base}/status"
+
+    def node_status(self, node_id: str) -> str:
+        return f"{self.base}/status/{node_id}"
 
     @property
     def result(self) -> str:

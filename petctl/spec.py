@@ -30,6 +30,7 @@ class Timeouts:
     heartbeat_interval: float = 1.0  # seconds between TTL refreshes of a node's liveness key
     heartbeat_ttl: float = 3.0  # a node silent for this long is dropped (a frozen host included)
     last_call: float = 1.0  # once `min` nodes joined, wait this long for stragglers still alive
+    initial_wait: float = 30.0  # the first round waits up to this long for `size` nodes (job start)
     join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL grace when stopping workers
     preempt_deadline: float = 90.0  # how long a noticed node waits for its workers' checkpoint

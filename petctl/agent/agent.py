@@ -1,0 +1,289 @@
+"""The elastic agent: one per instance, beside the workers. Never imports torch.
+
+Loop: rendezvous -> start workers -> watch (membership, workers, job end, preemption notices) -> stop
+workers and rendezvous again. Every decision is taken on a fresh etcd snapshot, so a missed watch event
+costs latency, never correctness. Why a global restart on every membership change: collective
+libraries (gloo, NCCL) cannot shrink or grow a live process group, and a peer that vanished leaves the
+others blocked in a collective; restarting every worker from the newest checkpoint is the one robust
+answer, and it is what torchrun does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import etcd
+
+from petctl.agent import controlfiles
+from petctl.agent.code import fetch_code
+from petctl.agent.heartbeat import Heartbeat
+from petctl.agent.preemption import PreemptionHandler, clear_markers, speaks_protocol
+from petctl.agent.rendezvous import (
+    EtcdRendezvous,
+    JobEnded,
+    LiveWatcher,
+    RendezvousAborted,
+    RequestStats,
+    RoundInfo,
+    Snapshot,
+)
+from petctl.agent.workers import WorkerGroup, WorkerSpec
+from petctl.etcd_server import etcd_client
+from petctl.eventlog import EventLog
+from petctl.keys import JobKeys
+from petctl.spec import AgentConfig
+
+STATUS_TTL = 120
+PUBLISH_EVERY = 5.0
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, out: IO[str] | None = None) -> None:
+        self.config = config
+        self.spec = config.job
+        self.t = config.job.timeouts
+        self.out = out or sys.stdout
+        self.node_id = config.node_id
+        self.keys = JobKeys(self.spec.name)
+        self.events = EventLog("agent", stream=self.out, job=self.spec.name, node=self.node_id)
+        self.work_dir = Path(config.work_dir or os.getcwd())
+        self.control_dir = self.work_dir / "control"
+        self.stats = RequestStats()
+        self.leave = threading.Event()
+        self.client = etcd_client(self.spec.etcd_endpoint)
+        self.watcher = LiveWatcher(etcd_client(self.spec.etcd_endpoint, read_timeout=30), self.keys.live,
+                                   self.stats)
+        self.heartbeat = Heartbeat(etcd_client(self.spec.etcd_endpoint), self.keys, self.node_id,
+                                   config.host_addr, os.getpid(), self.t.heartbeat_interval,
+                                   self.t.heartbeat_ttl)
+        self.rdzv = EtcdRendezvous(self.client, self.spec.name, self.node_id, config.host_addr,
+                                   self.spec.min_size, self.spec.max_size, self.spec.max_restarts, self.t,
+                                   self.events, self.watcher, self.stats, initial_size=self.spec.size)
+        self.preemption = PreemptionHandler(config, self.events)
+        self.progress: dict[str, Any] = {"step": None, "last_checkpoint": None}
+        self.round: RoundInfo | None = None
+        self.state = "starting"
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.leave.set())
+        signal.signal(signal.SIGINT, lambda *_: self.leave.set())
+        self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(),
+                         min=self.spec.min_size, max=self.spec.max_size, nproc=self.spec.nproc_per_node)
+        code_dir = self.work_dir / "code"
+        if self.spec.code_url:
+            fetch_code(self.spec.code_url, code_dir)
+        else:
+            code_dir = self.work_dir
+        self.worker_spec = WorkerSpec(cmd=[sys.executable, "-u", self.spec.entrypoint, *self.spec.args],
+                                      cwd=str(code_dir), nproc=self.spec.nproc_per_node,
+                                      base_env=dict(self.spec.env))
+        self.heartbeat.start()
+        self.watcher.start()
+        self.preemption.start()
+        try:
+            return self._loop()
+        finally:
+            self.preemption.stop()
+            self.watcher.stop()
+
+    def _loop(self) -> int:
+        prev_rank: int | None = None
+        while True:
+            try:
+                info = self.rdzv.next_rendezvous(prev_rank, self._abort_rendezvous, self._set_state)
+            except RendezvousAborted:
+                if self.leave.is_set():
+                    return self._leave(None)
+                if self.preemption.notice is not None:
+                    return self._leave(None, cause="preemption")
+                self._rejoin_as_new()
+                prev_rank = None
+                continue
+            except JobEnded as ended:
+                return self._finish(ended)
+            prev_rank = info.rank
+            outcome = self._run_round(info)
+            if isinstance(outcome, JobEnded):
+                return self._finish(outcome)
+            if outcome == "leave":
+                return self._leave(info)
+            if outcome == "preempted":
+                return self._leave(info, cause="preemption")
+            if outcome == "lost":
+                self._rejoin_as_new()
+                prev_rank = None
+
+    def _abort_rendezvous(self) -> bool:
+        return self.leave.is_set() or self.heartbeat.lost.is_set() or self.preemption.notice is not None
+
+    def _rejoin_as_new(self) -> None:
+        """Our heartbeat expired (we were frozen): the others dropped us; come back as a new node."""
+        self.events.emit("heartbeat.lost")
+        self.heartbeat.register()
+
+    # --- one round ---------------------------------------------------------------------------------
+    def _run_round(self, info: RoundInfo) -> str | JobEnded:
+        self.round = info
+        clear_markers(self.control_dir)
+        workers = WorkerGroup(self.worker_spec, self.out, on_event=self._on_worker_event)
+        workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
+                      master_port=info.master_port, restart_count=info.round - 1,
+                      max_restarts=self.spec.max_restarts, run_id=self.spec.name,
+                      extra_env=self._extra_env(info))
+        self.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
+                         nproc=self.spec.nproc_per_node)
+        self._set_state("running")
+        failed_at: float | None = None
+        failure = ""
+        finished = False
+        preempt_flagged = False
+        last_snapshot = last_publish = time.monotonic()
+        fail_grace = self.t.heartbeat_ttl + self.t.heartbeat_interval
+        snap = self.rdzv.snapshot()
+        while True:
+            if self.leave.is_set():
+                self._stop(workers, info, "agent asked to leave")
+                return "leave"
+            if self.heartbeat.lost.is_set():
+                self._stop(workers, info, "heartbeat lost")
+                return "lost"
+            if self.preemption.notice is not None and not self.preemption.announced:
+                self.preemption.announce(self._announce_preemption)
+            woke = self.watcher.wait(0.1)
+            now = time.monotonic()
+            if woke or now - last_snapshot > 2.0:
+                snap, last_snapshot = self.rdzv.snapshot(), now
+                verdict = self._judge(snap, info)
+                if verdict is not None:
+                    self._stop(workers, info, verdict if isinstance(verdict, str) else "job ended")
+                    return verdict
+                preempt = (snap.round or {}).get("preempt")
+                if preempt and not preempt_flagged:
+                    preempt_flagged = True
+                    controlfiles.write_preempt(self.control_dir, preempt["node_id"], preempt["deadline"])
+                    self.events.emit("preemption.flagged", round=info.round, noticed=preempt["node_id"])
+                    if preempt["node_id"] == self.node_id and not speaks_protocol(
+                            self.control_dir, self.spec.nproc_per_node):
+                        workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
+            if self.preemption.announced and self.preemption.save_finished(workers, self.control_dir):
+                self._stop(workers, info, "preemption checkpoint done")
+                return "preempted"
+            result = None if finished else workers.poll()
+            if result is not None and not (snap.round or {}).get("preempt"):
+                if result.succeeded:
+                    finished = True
+                    self.rdzv.mark_done(info.round)
+                    self.events.emit("workers.succeeded", round=info.round)
+                    self._set_state("succeeded")
+                else:
+                    if failed_at is None:
+                        local_rank, code = result.first_failure() or (0, -1)
+                        failure = (f"worker failure on {self.node_id} "
+                                   f"(local rank {local_rank}, exit code {code})")
+                        failed_at = now
+                        self.events.emit("workers.failed", round=info.round, local_rank=local_rank, code=code)
+                    # A peer that vanished makes our workers fail too; wait for its heartbeat to expire
+                    # so membership changes are not counted as failures.
+                    elif now - failed_at > fail_grace:
+                        self.rdzv.start_round(self.rdzv.snapshot(), cause=failure, failure=True)
+                        failed_at = now + 3600  # one attempt; the snapshot will show the new round
+            if now - last_publish > PUBLISH_EVERY:
+                last_publish = now
+                self._publish()
+
+    def _announce_preemption(self) -> bool:
+        return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.notice.deadline)
+
+    def _judge(self, snap: Snapshot, info: RoundInfo) -> str | JobEnded | None:
+        """What the snapshot means for this round: None to keep going, else why it is over."""
+        rnd = snap.round or {}
+        if rnd.get("phase") == "final":
+            return JobEnded(rnd)
+        if int(rnd.get("round", 0)) != info.round:
+            return "next round"
+        alive = set(snap.nodes)
+        done = snap.done.get(info.round, set())
+        lost = sorted(n for n in info.ranks if n not in alive and n not in done)
+        if lost:
+            self.events.emit("membership.lost", round=info.round, nodes=lost)
+            self.rdzv.start_round(snap, cause=f"node lost: {','.join(lost)}")
+            return None
+        waiting = sorted(alive - set(info.ranks))
+        if waiting and len(info.ranks) < self.spec.max_size and self._is_lowest_live_rank(info, alive):
+            self.events.emit("membership.waiting", round=info.round, nodes=waiting)
+            self.rdzv.start_round(snap, cause=f"scale-up: {','.join(waiting)}")
+            return None
+        if done >= set(info.ranks):
+            self.rdzv.end_job("succeeded", "all workers exited 0", info.round)
+        return None
+
+    def _is_lowest_live_rank(self, info: RoundInfo, alive: set[str]) -> bool:
+        live_ranks = [r for n, r in info.ranks.items() if n in alive]
+        return bool(live_ranks) and info.rank == min(live_ranks)
+
+    def _stop(self, workers: WorkerGroup, info: RoundInfo, why: str) -> None:
+        t0 = time.monotonic()
+        self._set_state("stopping")
+        codes = workers.stop(self.t.stop_grace)
+        self.events.emit("workers.stopped", round=info.round, why=why, codes=codes,
+                         seconds=round(time.monotonic() - t0, 3))
+
+    def _extra_env(self, info: RoundInfo) -> dict[str, str]:
+        return {"PETCTL_JOB": self.spec.name, "PETCTL_NODE_ID": self.node_id,
+                "PETCTL_ROUND": str(info.round), "PETCTL_CHECKPOINT_URL": self.spec.checkpoint_url,
+                "PETCTL_CONTROL_DIR": str(self.control_dir), "PETCTL_CACHE_DIR": str(self.work_dir / "cache")}
+
+    # --- leaving -----------------------------------------------------------------------------------
+    def _leave(self, info: RoundInfo | None, cause: str = "leave") -> int:
+        """Graceful leave: heartbeat gone and the next round opened now, so nobody waits for a TTL."""
+        self._set_state("leaving")
+        self.heartbeat.stop(delete=True)
+        snap = self.rdzv.snapshot()
+        rnd = snap.round or {}
+        if rnd.get("phase") == "frozen" and self.node_id in (rnd.get("ranks") or {}):
+            self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}")
+        self.events.emit("agent.left", cause=cause, round=info.round if info else None)
+        if cause == "preemption":
+            self.preemption.complete_lifecycle()
+            self.preemption.wait_for_termination(self.leave)
+        return 0
+
+    def _finish(self, ended: JobEnded) -> int:
+        self.heartbeat.stop(delete=True)
+        self._set_state(ended.state)
+        self.events.emit("agent.exit", state=ended.state, reason=ended.reason)
+        return 0 if ended.state in ("succeeded", "killed") else 1
+
+    # --- status ------------------------------------------------------------------------------------
+    def _on_worker_event(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if event == "train.step" and int(record.get("rank", 0) or 0) % self.spec.nproc_per_node == 0:
+            self.progress["step"] = record.get("step")
+        elif event == "checkpoint.saved":
+            self.progress["last_checkpoint"] = {"step": record.get("step"), "url": record.get("url")}
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self._publish()
+
+    def _publish(self) -> None:
+        info = self.round if self.state not in ("joining", "waiting") else None
+        value = {"node_id": self.node_id, "host_addr": self.config.host_addr, "pid": os.getpid(),
+                 "state": self.state, "round": self.round.round if self.round else None,
+                 "rank": info.rank if info else None, "world_size": info.world_size if info else None,
+                 "restarts": info.restarts if info else None, "updated": time.time(),
+                 "etcd_requests": {"reads": self.stats.reads, "writes": self.stats.writes,
+                                   "watches": self.stats.watches},
+                 **self.progress}
+        try:
+            self.client.write(self.keys.node_status(self.node_id), json.dumps(value), ttl=STATUS_TTL)
+        except etcd.EtcdException:
+            pass  # status is informational; never let it stop training

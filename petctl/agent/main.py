@@ -1,0 +1,55 @@
+"""`petctl-agent --config agent.json`: the process every instance runs.
+
+Kept on argparse and the stdlib so it starts fast and carries nothing it does not need; the config is a
+file path or an s3:// URL (the job's S3 prefix on AWS), never values baked into the image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from petctl.spec import AgentConfig
+
+
+def load_config(location: str) -> AgentConfig:
+    u = urlparse(location)
+    if u.scheme == "s3":
+        import boto3
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / "agent.json"
+            boto3.client("s3").download_file(u.netloc, u.path.lstrip("/"), str(local))
+            return AgentConfig.from_json(local.read_text())
+    return AgentConfig.from_json(Path(u.path if u.scheme == "file" else location).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="petctl-agent", description="petctl elastic agent")
+    parser.add_argument("--config", default=os.environ.get("PETCTL_AGENT_CONFIG"),
+                        help="agent config JSON: a path or s3:// URL (default $PETCTL_AGENT_CONFIG)")
+    parser.add_argument("--node-id", help="override the node id in the config")
+    parser.add_argument("--host-addr", help="override the address peers use to reach this node")
+    args = parser.parse_args(argv)
+    if not args.config:
+        parser.error("--config is required")
+    try:
+        config = load_config(args.config)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot load agent config {args.config}: {e}", file=sys.stderr)
+        return 2
+    if args.node_id:
+        config.node_id = args.node_id
+    if args.host_addr:
+        config.host_addr = args.host_addr
+    from petctl.agent.agent import Agent
+
+    return Agent(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

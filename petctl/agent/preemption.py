@@ -1,0 +1,101 @@
+"""What the agent does with a preemption notice (spot interruption or ASG scale-in).
+
+EC2 gives two minutes; we spend them like this: announce the preemption in the round (so every node
+flags its workers and all ranks save the same step), wait for the local workers' save with a deadline well
+inside the notice, leave the rendezvous so the others re-form at once, and complete the ASG lifecycle
+action so the instance can go. The metadata watcher and lifecycle client live in imds.py/lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from petctl.agent import controlfiles
+from petctl.agent.workers import WorkerGroup
+from petctl.eventlog import EventLog
+from petctl.spec import AgentConfig
+
+SAFETY_MARGIN = 15.0  # leave at least this long before the instance is reclaimed
+ELASTIC_MARKER = "elastic."  # <control>/elastic.<LOCAL_RANK>: this worker handles the preempt flag
+
+
+def speaks_protocol(control_dir: Path, nproc: int) -> bool:
+    """True when every local worker uses petctl.elastic (it marks itself on start); else the agent
+    falls back to SIGTERM at the notice, as torchrun would."""
+    return all((control_dir / f"{ELASTIC_MARKER}{lr}").exists() for lr in range(nproc))
+
+
+def clear_markers(control_dir: Path) -> None:
+    controlfiles.clear(control_dir)
+    if control_dir.is_dir():
+        for path in control_dir.glob(f"{ELASTIC_MARKER}*"):
+            path.unlink(missing_ok=True)
+
+
+class PreemptionHandler:
+    def __init__(self, config: AgentConfig, events: EventLog) -> None:
+        self.config = config
+        self.events = events
+        self.notice: Any = None
+        self.announced = False
+        self.save_deadline = 0.0
+        self._watcher: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if not self.config.imds_endpoint:
+            return
+        from petctl.agent.imds import IMDSWatcher
+
+        self._watcher = IMDSWatcher(self.config.imds_endpoint)
+        self._watcher.start(self._on_notice)
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def _on_notice(self, notice: Any) -> None:
+        with self._lock:
+            if self.notice is not None:
+                return
+            budget = min(notice.deadline - SAFETY_MARGIN - time.time(),
+                         self.config.job.timeouts.preempt_deadline)
+            self.save_deadline = time.time() + max(1.0, budget)
+            self.notice = notice
+        self.events.emit("preemption.notice", kind=notice.kind, action=notice.action,
+                         deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
+
+    def announce(self, cas: Callable[[], bool]) -> None:
+        """Put the preemption into the current round (retried by the caller's loop until it sticks)."""
+        if cas():
+            self.announced = True
+            self.events.emit("preemption.announced", deadline=self.notice.deadline)
+
+    def save_finished(self, workers: WorkerGroup, control_dir: Path) -> bool:
+        """Our workers saved (or exited), or time is up: either way it is time to go."""
+        if not workers.running:
+            return True
+        if controlfiles.all_saved(control_dir, workers.spec.nproc):
+            return True
+        if time.time() >= self.save_deadline:
+            self.events.emit("preemption.save_timeout", save_deadline=self.save_deadline)
+            return True
+        return False
+
+    def complete_lifecycle(self) -> None:
+        if not (self.config.asg_name and self.config.lifecycle_hook):
+            return
+        from petctl.agent.lifecycle import complete_lifecycle_action
+
+        complete_lifecycle_action(self.config.asg_name, self.config.lifecycle_hook, self.config.node_id,
+                                  self.config.region)
+
+    def wait_for_termination(self, stop: threading.Event) -> None:
+        """A preempted instance has nothing left to do; idle until it is taken (or told to stop)."""
+        deadline = (self.notice.deadline if self.notice is not None else time.time()) + 30.0
+        while not stop.is_set() and time.time() < deadline:
+            stop.wait(0.5)

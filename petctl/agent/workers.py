@@ -1,0 +1,180 @@
+"""The local worker processes of one node: start them with torchrun's environment, watch, stop.
+
+Workers share the agent's process group on purpose: a frozen or killed "instance" (the whole group)
+takes its workers with it, exactly as a vanished host would. They also die with the agent
+(PR_SET_PDEATHSIG) so no orphan keeps a GPU or a gloo socket busy after the agent is gone.
+Their output is piped through one reader thread each, so lines from several workers never interleave
+mid-line and the agent can follow progress events (steps, checkpoints) without touching torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+from petctl.eventlog import parse_line
+
+PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """A preexec function that makes the child die with its parent (Linux only; else None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return preexec
+
+
+@dataclass
+class WorkerSpec:
+    """What to run, identical on every node; the per-rank env is computed by `WorkerGroup.start`."""
+
+    cmd: list[str]
+    cwd: str
+    nproc: int
+    base_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class GroupResult:
+    """Outcome of a worker group that is no longer running."""
+
+    exit_codes: dict[int, int]  # local rank -> exit code (negative: killed by that signal)
+
+    @property
+    def succeeded(self) -> bool:
+        return all(code == 0 for code in self.exit_codes.values())
+
+    def first_failure(self) -> tuple[int, int] | None:
+        for local_rank, code in sorted(self.exit_codes.items()):
+            if code != 0:
+                return local_rank, code
+        return None
+
+
+class WorkerGroup:
+    """`nproc` worker processes for one rendezvous round."""
+
+    def __init__(self, spec: WorkerSpec, out: IO[str], on_event: Callable[[dict], None] | None = None):
+        self.spec = spec
+        self.out = out
+        self.on_event = on_event
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._readers: list[threading.Thread] = []
+        self._out_lock = threading.Lock()
+        self._preexec = _pdeathsig()
+        self.started_at = 0.0
+
+    def start(self, *, node_rank: int, num_nodes: int, master_addr: str, master_port: int,
+              restart_count: int, max_restarts: int, run_id: str, extra_env: dict[str, str]) -> None:
+        nproc = self.spec.nproc
+        world = num_nodes * nproc
+        self.started_at = time.time()
+        for local_rank in range(nproc):
+            rank = node_rank * nproc + local_rank
+            env = {
+                **os.environ,
+                **self.spec.base_env,
+                **extra_env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": str(node_rank),
+                "GROUP_WORLD_SIZE": str(num_nodes),
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world),
+                "ROLE_NAME": "default",
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+                "TORCHELASTIC_RUN_ID": run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "PYTHONUNBUFFERED": "1",
+            }
+            proc = subprocess.Popen(
+                self.spec.cmd, cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self._preexec,
+            )
+            self.procs[local_rank] = proc
+            reader = threading.Thread(target=self._pump, args=(proc,), name=f"worker-out-{local_rank}",
+                                      daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            with self._out_lock:
+                try:
+                    self.out.write(line if line.endswith("\n") else line + "\n")
+                    self.out.flush()
+                except (ValueError, OSError):
+                    pass
+            if self.on_event is not None:
+                record = parse_line(line)
+                if record is not None:
+                    self.on_event(record)
+        proc.stdout.close()
+
+    def poll(self) -> GroupResult | None:
+        """None while any worker runs (or none were started); the result once all have exited.
+
+        A group with one failed worker is reported as soon as that worker fails: its peers are likely
+        blocked in a collective and would otherwise hold the node until a timeout.
+        """
+        if not self.procs:
+            return None
+        codes = {lr: p.poll() for lr, p in self.procs.items()}
+        if any(c is not None and c != 0 for c in codes.values()):
+            return GroupResult({lr: (c if c is not None else 0) for lr, c in codes.items()
+                                if c is not None})
+        if all(c is not None for c in codes.values()):
+            return GroupResult({lr: int(c) for lr, c in codes.items()})  # type: ignore[arg-type]
+        return None
+
+    @property
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
+    def signal_all(self, sig: int) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float) -> dict[int, int]:
+        """SIGTERM every worker, SIGKILL what is left after `grace`; returns exit codes."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.signal_all(signal.SIGKILL)
+        codes = {lr: p.wait() for lr, p in self.procs.items()}
+        for reader in self._readers:
+            reader.join(timeout=1.0)
+        return codes
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait up to `timeout` for every worker to exit on its own; True if they all did."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.running

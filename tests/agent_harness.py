@@ -1,0 +1,114 @@
+"""Start real agents (each its own process group, like an instance) against a real etcd, for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petctl.etcd_server import etcd_client
+from petctl.eventlog import parse_line
+from petctl.jobstate import JobState, read_job_state
+from petctl.spec import AgentConfig, JobSpec
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+
+
+@dataclass
+class AgentProc:
+    node_id: str
+    proc: subprocess.Popen
+    log: Path
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            record = parse_line(line)
+            if record is not None and (name is None or record["event"] == name):
+                out.append(record)
+        return out
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class AgentCluster:
+    """A job's agents, started by hand (no provider): what the agent tests drive."""
+
+    endpoint: str
+    root: Path
+    spec: JobSpec
+    agents: dict[str, AgentProc] = field(default_factory=dict)
+    _count: int = 0
+
+    def start(self, node_id: str | None = None) -> AgentProc:
+        self._count += 1
+        node_id = node_id or f"n{self._count}"
+        work = self.root / node_id
+        work.mkdir(parents=True, exist_ok=True)
+        cfg = work / "agent.json"
+        cfg.write_text(AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work)).to_json())
+        log = work / "agent.log"
+        proc = subprocess.Popen([sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)
+        agent = AgentProc(node_id, proc, log)
+        self.agents[node_id] = agent
+        return agent
+
+    def state(self) -> JobState:
+        return read_job_state(etcd_client(self.endpoint), self.spec.name)
+
+    def steps(self, node_id: str) -> list[dict[str, Any]]:
+        return self.agents[node_id].events("train.step")
+
+    def stop_all(self) -> None:
+        for agent in self.agents.values():
+            agent.signal_group(signal.SIGCONT)
+            agent.signal_group(signal.SIGKILL)
+        for agent in self.agents.values():
+            try:
+                agent.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def make_spec(name: str, endpoint: str, *, min_size: int, max_size: int, size: int | None = None,
+              env: dict[str, str] | None = None, max_restarts: int = 3, **timeouts: float) -> JobSpec:
+    spec = JobSpec(name=name, min_size=min_size, max_size=max_size, size=size or min_size,
+                   entrypoint="steps.py", code_url=f"file://{WORKLOADS / 'steps.py'}", etcd_endpoint=endpoint,
+                   env=env or {}, max_restarts=max_restarts)
+    spec.timeouts.heartbeat_interval = 0.5
+    spec.timeouts.heartbeat_ttl = 2.0
+    spec.timeouts.stop_grace = 2.0
+    spec.timeouts.initial_wait = 20.0
+    for key, value in timeouts.items():
+        setattr(spec.timeouts, key, value)
+    return spec
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}; last={last!r}")
+
+
+def dump(value: Any) -> str:
+    return json.dumps(value, default=str, indent=1)[:4000]

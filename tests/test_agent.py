@@ -1,0 +1,168 @@
+"""The elastic agent against a real etcd and real gloo workers, without any provider in between.
+
+Each test starts agents as separate process groups (one per simulated instance), changes membership
+the way the outside world does (SIGKILL, SIGSTOP, SIGTERM, a new agent) and asserts what the job must
+do: ranks, world sizes, restart accounting and the final result, as published in etcd and in the steps
+the workers actually ran.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import time
+
+import pytest
+
+from petctl.etcd_server import EtcdServer
+from tests.agent_harness import AgentCluster, dump, make_spec, wait_for
+
+pytestmark = pytest.mark.slow
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory):
+    server = EtcdServer.start(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop(remove_data=True)
+
+
+@pytest.fixture
+def cluster_factory(etcd_server, tmp_path):
+    clusters: list[AgentCluster] = []
+
+    def make(**kwargs) -> AgentCluster:
+        spec = make_spec(f"job{next(_names)}", etcd_server.endpoint, **kwargs)
+        cluster = AgentCluster(etcd_server.endpoint, tmp_path / spec.name, spec)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop_all()
+
+
+def frozen_world(cluster: AgentCluster, size: int):
+    def check():
+        st = cluster.state()
+        return st if st.state == "running" and st.world_size == size else None
+    return check
+
+
+def trained_at(cluster: AgentCluster, node_id: str, world: int, after: float) -> bool:
+    return any(s["world_size"] == world and s["ts"] > after for s in cluster.steps(node_id))
+
+
+def test_two_nodes_form_ranks_and_succeed(cluster_factory):
+    cluster = cluster_factory(min_size=2, max_size=2, env={"STEPS": "15", "STEP_TIME": "0.05"})
+    a, b = cluster.start(), cluster.start()
+    st = wait_for(frozen_world(cluster, 2), 30, what="world of 2")
+    assert sorted(st.ranks.values()) == [0, 1]
+    assert set(st.ranks) == {a.node_id, b.node_id}
+    assert a.proc.wait(timeout=60) == 0 and b.proc.wait(timeout=60) == 0
+    final = cluster.state()
+    assert final.result["state"] == "succeeded", dump(final.to_dict())
+    # Every rank ran every step at world size 2, in one round.
+    for agent in (a, b):
+        steps = agent.events("train.step")
+        assert [s["step"] for s in steps] == list(range(15))
+        assert {s["world_size"] for s in steps} == {2}
+        assert len(agent.events("rendezvous.complete")) == 1
+
+
+def test_killed_node_reforms_smaller_then_grows_back(cluster_factory):
+    cluster = cluster_factory(min_size=1, max_size=3, size=3)
+    nodes = [cluster.start() for _ in range(3)]
+    st = wait_for(frozen_world(cluster, 3), 30, what="world of 3")
+    rank0 = next(n for n, r in st.ranks.items() if r == 0)
+    victim = next(a for a in nodes if st.ranks[a.node_id] == 2)
+    t_kill = time.time()
+    victim.signal_group(signal.SIGKILL)
+    st2 = wait_for(frozen_world(cluster, 2), 20, what="world of 2 after kill")
+    survivor = next(a for a in nodes if a is not victim and a.node_id != rank0)
+    wait_for(lambda: trained_at(cluster, survivor.node_id, 2, t_kill), 20, what="steps at world 2")
+    assert st2.ranks[rank0] == 0, "rank 0 survived and must stay rank 0"
+    assert st2.round["restarts"] == 0, "a lost node is a membership change, not a failure"
+    assert victim.node_id not in st2.ranks
+    # A replacement instance joins: the job grows back to 3.
+    t_join = time.time()
+    newcomer = cluster.start()
+    st3 = wait_for(frozen_world(cluster, 3), 20, what="world of 3 after replacement")
+    assert newcomer.node_id in st3.ranks and st3.ranks[rank0] == 0
+    wait_for(lambda: trained_at(cluster, newcomer.node_id, 3, t_join), 30, what="newcomer trains")
+
+
+def test_frozen_node_is_dropped_within_seconds_and_rejoins_after_thaw(cluster_factory):
+    cluster = cluster_factory(min_size=1, max_size=2, size=2)
+    a, b = cluster.start(), cluster.start()
+    st = wait_for(frozen_world(cluster, 2), 30, what="world of 2")
+    frozen = a if st.ranks[a.node_id] == 1 else b
+    other = b if frozen is a else a
+    t_freeze = time.time()
+    frozen.signal_group(signal.SIGSTOP)  # sockets stay open: only the heartbeat can tell
+    wait_for(lambda: trained_at(cluster, other.node_id, 1, t_freeze), 15, what="survivor trains alone")
+    resumed_after = min(s["ts"] for s in cluster.steps(other.node_id)
+                        if s["ts"] > t_freeze and s["world_size"] == 1) - t_freeze
+    assert resumed_after < 15, f"survivor resumed {resumed_after:.1f}s after the freeze"
+    assert cluster.state().round["restarts"] == 0
+    t_thaw = time.time()
+    frozen.signal_group(signal.SIGCONT)
+    st2 = wait_for(frozen_world(cluster, 2), 20, what="thawed node rejoins")
+    assert frozen.node_id in st2.ranks
+    assert any(e["ts"] > t_thaw for e in frozen.events("heartbeat.lost"))
+    wait_for(lambda: trained_at(cluster, frozen.node_id, 2, t_thaw), 30, what="thawed node trains")
+
+
+def test_graceful_leave_reforms_without_waiting_for_ttl(cluster_factory):
+    cluster = cluster_factory(min_size=1, max_size=2, size=2, heartbeat_ttl=30.0)
+    a, b = cluster.start(), cluster.start()
+    st = wait_for(frozen_world(cluster, 2), 30, what="world of 2")
+    leaver = a if st.ranks[a.node_id] == 1 else b
+    stayer = b if leaver is a else a
+    t_term = time.time()
+    leaver.proc.send_signal(signal.SIGTERM)
+    assert leaver.proc.wait(timeout=15) == 0
+    wait_for(lambda: trained_at(cluster, stayer.node_id, 1, t_term), 15, what="re-formed at 1")
+    # With a 30 s TTL, only the graceful leave can explain a re-form this fast.
+    first = min(s["ts"] for s in cluster.steps(stayer.node_id) if s["ts"] > t_term and s["world_size"] == 1)
+    assert first - t_term < 10
+
+
+def test_worker_failures_count_and_exhaust_max_restarts(cluster_factory):
+    cluster = cluster_factory(min_size=2, max_size=2, max_restarts=1,
+                              env={"CRASH_AT": "3", "STEP_TIME": "0.05"})
+    a, b = cluster.start(), cluster.start()
+    assert a.proc.wait(timeout=90) == 1 and b.proc.wait(timeout=90) == 1
+    final = cluster.state()
+    assert final.result["state"] == "failed"
+    assert "max_restarts=1 exhausted" in final.result["reason"]
+    assert "worker failure" in final.result["reason"]
+    restarts = [e for agent in (a, b) for e in agent.events("rendezvous.restart")]
+    assert [e["restarts"] for e in restarts if e["failure"]] == [1], dump(restarts)
+    # TORCHELASTIC_RESTART_COUNT seen by the workers went 0 then 1.
+    assert {s["restart"] for s in cluster.steps(a.node_id)} == {"0", "1"}
+
+
+def test_below_min_for_too_long_fails_the_job(cluster_factory):
+    cluster = cluster_factory(min_size=2, max_size=2, join_timeout=3.0, initial_wait=1.0)
+    lone = cluster.start()
+    assert lone.proc.wait(timeout=30) == 1
+    result = cluster.state().result
+    assert result["state"] == "failed" and "fewer than min=2" in result["reason"]
+
+
+def test_etcd_writes_per_node_per_round_are_bounded(cluster_factory):
+    cluster = cluster_factory(min_size=1, max_size=4, size=4, env={"STEP_TIME": "0.05"})
+    nodes = [cluster.start() for _ in range(4)]
+    st = wait_for(frozen_world(cluster, 4), 30, what="world of 4")
+    victim = next(a for a in nodes if st.ranks[a.node_id] == 3)
+    victim.signal_group(signal.SIGKILL)
+    wait_for(frozen_world(cluster, 3), 20, what="world of 3")
+    time.sleep(6)  # one status publication later
+    st = cluster.state()
+    rounds = st.round["round"]
+    for node_id, node in st.nodes.items():
+        writes = node["etcd_requests"]["writes"]
+        # join + open-next-round CAS + freeze CAS + cleanup, per round: a constant, whatever N.
+        assert writes <= 6 * rounds, f"{node_id}: {writes} writes in {rounds} rounds"

@@ -1,0 +1,30 @@
+"""A tiny torchrun-style job for agent tests: all-reduce every step, print one JSON line per step.
+
+Env knobs: STEPS (total steps, default endless), STEP_TIME (seconds per step), CRASH_AT (exit 1 at that
+step on RANK 0), so a test can produce success, failure and long-running jobs from one script.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+steps = int(os.environ.get("STEPS", "1000000"))
+step_time = float(os.environ.get("STEP_TIME", "0.1"))
+crash_at = int(os.environ.get("CRASH_AT", "-1"))
+for step in range(steps):
+    if step == crash_at and rank == 0:
+        print("crashing on purpose", flush=True)
+        sys.exit(1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(json.dumps({"ts": time.time(), "event": "train.step", "step": step, "rank": rank,
+                      "world_size": int(t.item()), "restart": os.environ["TORCHELASTIC_RESTART_COUNT"]}),
+          flush=True)
+    time.sleep(step_time)
+dist.destroy_process_group()
