@@ -1,0 +1,69 @@
+"""A node-local copy of the newest checkpoint this node wrote or read.
+
+A restart on the same node (the common case after a worker failure or a peer's preemption) then loads
+from local disk instead of downloading the whole state again. The cache is only a hint: an entry is used
+only when its manifest equals the store's newest valid one and every file's size and sha256 verify.
+
+    <cache>/<id of the checkpoint URL>/step-<n>/<files>     the newest checkpoint
+    <cache>/<id>/staging-<n>-<pid>/<files>                  a save or download in progress
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from petctl.elastic.manifest import Manifest, verify_file
+
+ENV_CACHE_DIR = "PETCTL_CACHE_DIR"
+
+
+def default_cache_root() -> Path:
+    """$PETCTL_CACHE_DIR, else a directory under the system temp dir (on the node's local disk)."""
+    value = os.environ.get(ENV_CACHE_DIR, "")
+    return Path(value) if value else Path(tempfile.gettempdir()) / "petctl-cache"
+
+
+class LocalCache:
+    """Holds at most one committed checkpoint per checkpoint URL, plus in-progress staging dirs."""
+
+    def __init__(self, url: str, root: Path | None = None) -> None:
+        url_id = hashlib.sha256(url.encode()).hexdigest()[:16]
+        self.dir = (root or default_cache_root()) / url_id
+
+    def staging(self, step: int) -> Path:
+        """A fresh directory to write a checkpoint's files into before it is committed."""
+        path = self.dir / f"staging-{step:012d}-{os.getpid()}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def committed(self, step: int) -> Path:
+        return self.dir / f"step-{step:012d}"
+
+    def commit(self, staging: Path, step: int) -> Path:
+        """Make `staging` the cached checkpoint of `step` and forget every other one."""
+        dest = self.committed(step)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)
+        for other in self.dir.glob("step-*"):
+            if other != dest:
+                shutil.rmtree(other, ignore_errors=True)
+        return dest
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def lookup(self, manifest: Manifest) -> Path | None:
+        """The cached directory holding exactly this manifest's objects, verified, or None."""
+        path = self.committed(manifest.step)
+        if not path.is_dir():
+            return None
+        for entry in manifest.objects:
+            if not verify_file(path / entry.name, entry):
+                shutil.rmtree(path, ignore_errors=True)  # stale or damaged: never trust it again
+                return None
+        return path

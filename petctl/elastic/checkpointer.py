@@ -1,0 +1,263 @@
+"""`Checkpointer`: resume in one call, periodic saves in the background, a clean exit on preemption.
+
+    state = State(model=model, optimizer=opt, scheduler=sched, extra={"step": 0})
+    ckpt = Checkpointer(keep=3, every=50)            # URL from $PETCTL_CHECKPOINT_URL
+    start = ckpt.resume(state)                       # next step to run (0 on a fresh start)
+    for step in range(start, total):
+        train_step()
+        if ckpt.step_end(step, state):               # preemption saved: leave the loop, exit 0
+            break
+    ckpt.close()
+
+Who does what under DDP: every rank holds the same state, so rank 0 alone reads and writes the store;
+the loaded checkpoint is broadcast to the other ranks (S3 is read once per job, not once per rank), and
+the preemption flag is all-reduced so every rank saves (rank 0) and exits at the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from petctl.elastic import manifest as mf
+from petctl.elastic.background import BackgroundUploader
+from petctl.elastic.cache import LocalCache
+from petctl.elastic.dist import Comm
+from petctl.elastic.preemption import PreemptionMonitor
+from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
+from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options, open_store
+from petctl.eventlog import EventLog
+
+ENV_CHECKPOINT_URL = "PETCTL_CHECKPOINT_URL"
+
+
+class Checkpointer:
+    """Saves and restores a `State` under one checkpoint URL (`s3://...` or `file://...`).
+
+    url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
+    keep: newest complete checkpoints to keep in the store (older ones are deleted after each save).
+    every: periodic save after every `every` completed steps (when `(step + 1) % every == 0`); 0: never.
+    check_every: steps between preemption checks (each is one tiny all-reduce); 0 disables them.
+    background: False makes every periodic save synchronous (preemption saves always are).
+    cache_dir: node-local cache root (default `$PETCTL_CACHE_DIR` or <tmp>/petctl-cache); use_cache=False
+        to always read the store.
+    weights_only: passed to torch.load; set False only if `extra` holds arbitrary Python objects.
+    store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
+    """
+
+    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, check_every: int = 1,
+                 background: bool = True, cache_dir: Path | str | None = None, use_cache: bool = True,
+                 weights_only: bool = True, s3: S3Options | None = None,
+                 store: CheckpointStore | None = None, control_dir: Path | str | None = None,
+                 log: EventLog | None = None) -> None:
+        url = url or (store.url if store is not None else os.environ.get(ENV_CHECKPOINT_URL, ""))
+        if not url:
+            raise ValueError(f"no checkpoint URL: pass url= or set ${ENV_CHECKPOINT_URL}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (got {keep})")
+        self.url = url
+        self.keep = keep
+        self.every = every
+        self.background = background
+        self.weights_only = weights_only
+        self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
+        self.log = log or EventLog("elastic", rank=self.comm.rank, node_id=os.environ.get("PETCTL_NODE_ID"))
+        monitor_args: dict[str, Any] = {"comm": self.comm, "check_every": check_every}
+        if control_dir is not None:
+            monitor_args["control_dir"] = Path(control_dir)
+        self.preemption = PreemptionMonitor(**monitor_args)
+        self._store = store
+        self._s3 = s3
+        self.cache = LocalCache(url, Path(cache_dir) if cache_dir else None) if use_cache else None
+        self._uploader = BackgroundUploader(on_error=self._on_save_error)
+        self._submitted_step: int | None = None
+        self.last_saved: mf.Manifest | None = None  # newest manifest this process wrote
+        self.preempted_at: int | None = None  # the step of the preemption save, once made
+
+    # --- store access (rank 0 only: other ranks never need credentials or bandwidth) -------------
+    @property
+    def store(self) -> CheckpointStore:
+        if self._store is None:
+            self._store = open_store(self.url, self._s3)
+        return self._store
+
+    # --- resume ----------------------------------------------------------------------------------
+    def resume(self, state: State) -> int:
+        """Load the newest complete checkpoint into `state`; returns the next step to run (0 if none).
+
+        Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
+        """
+        t0 = time.monotonic()
+        found: tuple[int, Path, dict[str, Any], str] | None = None
+        if self.comm.is_writer or not self.comm.distributed:
+            found = self._load_newest()
+        if not self.comm.distributed:
+            if found is None:
+                return 0
+            step, _path, snapshot, _source = found
+            state.load_state_dict(snapshot)
+            self._submitted_step = step
+            return step + 1
+        shared = self.comm.broadcast_object(None if found is None else (found[0], found[1].read_bytes()))
+        if shared is None:
+            return 0
+        step, data = shared
+        if self.comm.is_writer:
+            assert found is not None
+            snapshot = found[2]
+        else:
+            _step, snapshot = load_payload(data, self.weights_only)
+            self.log.emit("checkpoint.loaded", step=step, source="broadcast", bytes=len(data),
+                          seconds=round(time.monotonic() - t0, 3), url=self.url)
+        state.load_state_dict(snapshot)
+        self._submitted_step = step
+        return step + 1
+
+    def _load_newest(self) -> tuple[int, Path, dict[str, Any], str] | None:
+        """Newest manifest whose objects verify and load; corrupt ones are reported and skipped."""
+        t0 = time.monotonic()
+        for step in mf.manifest_steps(self.store):
+            try:
+                manifest = mf.read_manifest(self.store, step)
+            except (ValueError, ObjectNotFound) as e:
+                self.log.emit("checkpoint.skipped_corrupt", step=step, reason=f"manifest: {e}", url=self.url)
+                continue
+            found = self._fetch(manifest)
+            if found is None:
+                continue
+            path, source = found
+            try:
+                loaded_step, snapshot = load_payload(path / _state_name(manifest), self.weights_only)
+            except Exception as e:  # verified bytes that torch cannot read: same as corrupt
+                self.log.emit("checkpoint.skipped_corrupt", step=step, reason=f"load: {e!r}", url=self.url)
+                continue
+            self.log.emit("checkpoint.loaded", step=loaded_step, source=source, bytes=manifest.total_bytes,
+                          seconds=round(time.monotonic() - t0, 3), url=self.url)
+            return loaded_step, path / _state_name(manifest), snapshot, source
+        return None
+
+    def _fetch(self, manifest: mf.Manifest) -> tuple[Path, str] | None:
+        """A local directory holding the manifest's verified objects: the cache, else a download."""
+        if self.cache is not None:
+            cached = self.cache.lookup(manifest)
+            if cached is not None:
+                return cached, "cache"
+        cache = self.cache or LocalCache(self.url)
+        staging = cache.staging(manifest.step)
+        try:
+            for entry in manifest.objects:
+                target = staging / entry.name
+                self.store.get_file(manifest.key_of(entry), target)
+                if not mf.verify_file(target, entry):
+                    self.log.emit("checkpoint.skipped_corrupt", step=manifest.step, object=entry.name,
+                                  reason="size or sha256 mismatch", url=self.url)
+                    cache.discard(staging)
+                    return None
+        except ObjectNotFound as e:
+            self.log.emit("checkpoint.skipped_corrupt", step=manifest.step, reason=f"missing object {e}",
+                          url=self.url)
+            cache.discard(staging)
+            return None
+        except BaseException:
+            cache.discard(staging)
+            raise
+        return cache.commit(staging, manifest.step), "store"
+
+    # --- saving ----------------------------------------------------------------------------------
+    def should_checkpoint(self, step: int) -> bool:
+        """True on every rank at the same step when any node of the job has a preemption pending."""
+        return self.preemption.should_checkpoint(step)
+
+    def step_end(self, step: int, state: State) -> bool:
+        """Call after each completed step (on every rank). True: the preemption save of `step` is
+        done and this worker should leave its training loop and exit 0."""
+        if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
+            return True
+        if self.should_checkpoint(step):
+            self._preemption_save(step, state)
+            self.preempted_at = step
+            return True
+        if self.every > 0 and (step + 1) % self.every == 0:
+            self.save(step, state, block=not self.background)
+        return False
+
+    def save(self, step: int, state: State, block: bool = False) -> mf.Manifest | None:
+        """Save `state` as checkpoint `step` (rank 0 only; other ranks return None at once).
+
+        The state is copied to CPU here, on the calling thread; serialising and uploading happen in
+        the background unless `block`. A save waits only for the previous upload still in flight.
+        Returns the manifest when `block` and the save succeeded.
+        """
+        if not self.comm.is_writer:
+            return None
+        if step == self._submitted_step:  # already saved (or uploading): never upload a step twice
+            if not block:
+                return None
+            done = self._uploader.wait()
+            if done is not None and done.step == step:
+                return done  # else that attempt failed: save again below
+        snapshot = state.snapshot()
+        self._submitted_step = step
+        self._uploader.submit(lambda: self._write(step, snapshot))
+        return self._uploader.wait() if block else None
+
+    def _write(self, step: int, snapshot: dict[str, Any]) -> mf.Manifest:
+        """Background thread: serialise to the node-local staging dir, upload data, then manifest."""
+        t0 = time.monotonic()
+        cache = self.cache or LocalCache(self.url)
+        staging = cache.staging(step)
+        try:
+            files = save_snapshot(snapshot, step, staging)
+            meta = {"world_size": self.comm.world_size, "torch": torch.__version__,
+                    "node_id": os.environ.get("PETCTL_NODE_ID", "")}
+            manifest = mf.write_checkpoint(self.store, step, files, meta)
+        except BaseException:
+            cache.discard(staging)
+            raise
+        if self.cache is not None:
+            self.cache.commit(staging, step)
+        else:
+            cache.discard(staging)
+        deleted = mf.prune(self.store, self.keep)
+        self.last_saved = manifest
+        self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes,
+                      seconds=round(time.monotonic() - t0, 3), url=self.url, pruned=deleted)
+        return manifest
+
+    def _on_save_error(self, error: BaseException) -> None:
+        self.log.emit("checkpoint.save_failed", error=repr(error), url=self.url)
+
+    def _preemption_save(self, step: int, state: State) -> None:
+        """Synchronous save of `step` on rank 0, then every rank reports it and may exit."""
+        self.log.emit("preempt.detected", step=step, deadline=self.preemption.deadline())
+        ok = True
+        if self.comm.is_writer:
+            ok = self.save(step, state, block=True) is not None
+        ok = bool(self.comm.broadcast_object(ok))  # also the barrier: nobody reports before rank 0 saved
+        if ok:
+            self.preemption.report_saved(step)
+        self.log.emit("preempt.saved" if ok else "preempt.save_failed", step=step)
+
+    def wait(self) -> None:
+        """Block until the upload in flight (if any) is complete."""
+        self._uploader.wait()
+
+    def close(self) -> None:
+        """Finish the upload in flight and release the background thread and the gloo group."""
+        self._uploader.close()
+        self.comm.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _state_name(manifest: mf.Manifest) -> str:
+    """The object holding the serialised state (one today; the manifest allows more, e.g. DCP shards)."""
+    return STATE_FILE if any(e.name == STATE_FILE for e in manifest.objects) else manifest.objects[0].name

@@ -1,0 +1,115 @@
+"""`State`: what a training job needs to continue exactly where it stopped.
+
+The model, optimizer and LR scheduler, any other object with `state_dict`/`load_state_dict` (a GradScaler,
+a stateful sampler), and plain user extras (step, epoch, sampler position). `snapshot()` copies all of it
+to CPU on the calling (training) thread, so the background uploader serialises a frozen copy while the
+training loop keeps mutating the live tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+STATE_FILE = "state.pt"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module inside DDP/DataParallel, so a checkpoint's keys don't depend on the wrapper."""
+    wrappers: tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+def to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor copied to CPU (a copy even for CPU tensors: the live one moves on)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = [(k, to_cpu(v)) for k, v in obj.items()]
+        try:
+            out = type(obj)(items)
+        except TypeError:  # a dict subclass with another constructor: a plain dict holds the same data
+            out = dict(items)
+        metadata = getattr(obj, "_metadata", None)  # module state_dicts carry versions load_state_dict reads
+        if metadata is not None and hasattr(out, "__dict__"):
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+@dataclass
+class State:
+    """The training state petctl.elastic saves and restores. Every field is optional.
+
+    `extra` is restored in place (the same dict object), so code holding a reference to it sees the
+    loaded values after `Checkpointer.resume`.
+    """
+
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    stateful: dict[str, Stateful] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """References to the live state (no copy); use `snapshot` to save it."""
+        out: dict[str, Any] = {"extra": self.extra}
+        if self.model is not None:
+            out["model"] = unwrap_model(self.model).state_dict()
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        if self.stateful:
+            out["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """A CPU copy, independent of the live objects: safe to serialise on another thread."""
+        return to_cpu(self.state_dict())
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        """Restore from `state_dict`/`snapshot` output; missing parts leave the live objects as they are."""
+        if self.model is not None and "model" in data:
+            unwrap_model(self.model).load_state_dict(data["model"])
+        if self.optimizer is not None and "optimizer" in data:
+            self.optimizer.load_state_dict(data["optimizer"])
+        if self.scheduler is not None and "scheduler" in data:
+            self.scheduler.load_state_dict(data["scheduler"])
+        for name, obj in self.stateful.items():
+            if name in data.get("stateful", {}):
+                obj.load_state_dict(data["stateful"][name])
+        self.extra.update(data.get("extra", {}))
+
+
+def save_snapshot(snapshot: dict[str, Any], step: int, directory: Path) -> dict[str, Path]:
+    """Serialise a snapshot into `directory`; returns {object name: path} for the manifest."""
+    path = directory / STATE_FILE
+    torch.save({"step": step, "state": snapshot}, path)
+    return {STATE_FILE: path}
+
+
+def load_payload(source: Path | bytes, weights_only: bool = True) -> tuple[int, dict[str, Any]]:
+    """(step, snapshot) from a saved file or its bytes, always onto CPU (load_state_dict moves it).
+
+    `weights_only=True` (torch's safe unpickler) accepts tensors and plain containers/numbers/strings;
+    pass False for extras holding arbitrary Python objects, only for checkpoints you trust.
+    """
+    f: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    payload = torch.load(f, map_location="cpu", weights_only=weights_only)
+    return int(payload["step"]), payload["state"]

@@ -1,0 +1,329 @@
+"""Checkpointer in one process: round trips, torn and corrupt saves, retention, background saves, cache,
+and the preemption path. Every test runs against a directory (file://) and moto's S3 over loopback HTTP."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from petctl.agent import controlfiles
+from petctl.elastic import Checkpointer, State
+from petctl.elastic import manifest as mf
+from petctl.elastic.store import CheckpointStore, ObjectInfo, open_store
+from petctl.eventlog import EventLog, parse_lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["file", "s3"])
+def url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("PETCTL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PETCTL_CONTROL_DIR", raising=False)
+    if request.param == "file":
+        return (tmp_path / "ckpt").as_uri()
+    endpoint = request.getfixturevalue("moto_endpoint")
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+    import boto3
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/jobs/demo/checkpoints"
+
+
+class Recorder:
+    """An EventLog writing to memory, for asserting on the structured events."""
+
+    def __init__(self) -> None:
+        self.stream = io.StringIO()
+        self.log = EventLog("elastic", stream=self.stream)
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in parse_lines(self.stream.getvalue().splitlines()) if e["event"] == name]
+
+
+class CountingStore(CheckpointStore):
+    """Wraps a store, counts reads, and can hold uploads until released (a slow network)."""
+
+    def __init__(self, inner: CheckpointStore, hold: threading.Event | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.hold = hold
+        self.reads = 0
+        self.uploading = threading.Event()
+
+    def put_file(self, key: str, path: Path) -> None:
+        self.uploading.set()
+        if self.hold is not None:
+            assert self.hold.wait(30), "test never released the upload"
+        self.inner.put_file(key, path)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.inner.put_bytes(key, data)
+
+    def get_file(self, key: str, path: Path) -> None:
+        self.reads += 1
+        self.inner.get_file(key, path)
+
+    def get_bytes(self, key: str) -> bytes:
+        self.reads += 1
+        return self.inner.get_bytes(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: list[str]) -> None:
+        self.inner.delete(keys)
+
+
+def make_state(seed: int = 0) -> State:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return State(model=model, optimizer=opt, scheduler=sched, extra={"step": 0, "epoch": 0})
+
+
+def train(state: State, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        loss = state.model(x).pow(2).mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        state.optimizer.step()
+        state.scheduler.step()
+
+
+def assert_same(a: State, b: State) -> None:
+    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for pid, st in sa["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb["state"][pid][k]))
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert a.extra == b.extra
+
+
+def test_fresh_start_returns_zero(url: str) -> None:
+    with Checkpointer(url) as ckpt:
+        assert ckpt.resume(make_state()) == 0
+
+
+def test_round_trip_model_optimizer_scheduler_extra(url: str, tmp_path: Path) -> None:
+    rec = Recorder()
+    state = make_state()
+    train(state, 3)
+    state.extra.update(step=9, epoch=2, sampler={"offset": 123})
+    with Checkpointer(url, log=rec.log) as ckpt:
+        manifest = ckpt.save(9, state, block=True)
+    assert manifest is not None and manifest.step == 9
+    (saved,) = rec.events("checkpoint.saved")
+    assert saved["step"] == 9 and saved["bytes"] == manifest.total_bytes > 0 and saved["url"] == url
+
+    fresh = make_state(seed=1)
+    extra = fresh.extra
+    with Checkpointer(url, cache_dir=tmp_path / "other-node", log=rec.log) as ckpt:
+        assert ckpt.resume(fresh) == 10
+    assert_same(state, fresh)
+    assert fresh.extra is extra  # restored in place
+    (loaded,) = rec.events("checkpoint.loaded")
+    assert loaded["step"] == 9 and loaded["source"] == "store"
+
+
+def test_snapshot_is_taken_at_save_time(url: str) -> None:
+    state = make_state()
+    with Checkpointer(url) as ckpt:
+        ckpt.save(0, state)  # background
+        expected = {k: v.clone() for k, v in state.model.state_dict().items()}
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(1.0)  # training moves on while the upload runs
+    fresh = make_state(seed=5)
+    with Checkpointer(url, use_cache=False) as ckpt:
+        ckpt.resume(fresh)
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, expected[k])
+
+
+def test_data_without_manifest_resumes_previous(url: str, tmp_path: Path) -> None:
+    """A kill between the data upload and the manifest: the previous checkpoint is the newest complete."""
+    state = make_state()
+    with Checkpointer(url) as ckpt:
+        ckpt.save(9, state, block=True)
+    store = open_store(url)
+    partial = tmp_path / "partial"
+    partial.write_bytes(b"\x00" * 100)
+    store.put_file(mf.data_prefix(19) + "state.pt", partial)
+    with Checkpointer(url, use_cache=False) as ckpt:
+        assert ckpt.resume(make_state(seed=3)) == 10
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "bad-hash", "bad-manifest", "missing-data"])
+def test_corrupt_newest_is_never_loaded(url: str, tmp_path: Path, damage: str) -> None:
+    rec = Recorder()
+    state = make_state()
+    with Checkpointer(url, keep=5) as ckpt:
+        ckpt.save(9, state, block=True)
+        expected = make_state(seed=7)
+        with Checkpointer(url, use_cache=False) as reader:
+            reader.resume(expected)
+        train(state, 1)
+        ckpt.save(19, state, block=True)
+    store = open_store(url)
+    key = mf.data_prefix(19) + "state.pt"
+    good = store.get_bytes(key)
+    if damage == "truncate":
+        store.put_bytes(key, good[: len(good) // 2])
+    elif damage == "bitflip":
+        store.put_bytes(key, good[:-1] + bytes([good[-1] ^ 0xFF]))
+    elif damage == "bad-hash":
+        m = mf.read_manifest(store, 19)
+        m.objects[0] = mf.ObjectEntry(m.objects[0].name, m.objects[0].size, "0" * 64)
+        store.put_bytes(mf.manifest_key(19), m.to_json().encode())
+    elif damage == "bad-manifest":
+        store.put_bytes(mf.manifest_key(19), b'{"format": 1, "step": 19')
+    else:
+        store.delete([key])
+    fresh = make_state(seed=3)
+    with Checkpointer(url, cache_dir=tmp_path / "elsewhere", log=rec.log) as ckpt:
+        assert ckpt.resume(fresh) == 10
+    assert_same(expected, fresh)
+    (skipped,) = rec.events("checkpoint.skipped_corrupt")
+    assert skipped["step"] == 19
+    assert [e["step"] for e in rec.events("checkpoint.loaded")] == [9]
+
+
+def test_retention_keeps_exactly_k(url: str) -> None:
+    state = make_state()
+    with Checkpointer(url, keep=3, every=1, background=False) as ckpt:
+        for step in range(7):
+            assert ckpt.step_end(step, state) is False
+    store = open_store(url)
+    assert mf.manifest_steps(store) == [6, 5, 4]
+    data_steps = {int(o.key[5:17]) for o in store.list("step-")}
+    assert data_steps == {4, 5, 6}
+
+
+def test_periodic_schedule(url: str) -> None:
+    state = make_state()
+    with Checkpointer(url, keep=10, every=4) as ckpt:
+        for step in range(10):
+            ckpt.step_end(step, state)
+    assert mf.manifest_steps(open_store(url)) == [7, 3]
+
+
+def test_background_save_overlaps_training_and_next_save_waits(url: str) -> None:
+    hold = threading.Event()
+    store = CountingStore(open_store(url), hold=hold)
+    state = make_state()
+    ckpt = Checkpointer(url, every=1, store=store)
+    try:
+        assert ckpt.step_end(0, state) is False  # returns while the upload is held
+        assert store.uploading.wait(10)
+        assert ckpt._uploader.busy and mf.manifest_steps(store) == []
+
+        second = threading.Thread(target=ckpt.step_end, args=(1, state))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "the second save must wait for the first upload"
+        hold.set()
+        second.join(30)
+        assert not second.is_alive()
+        ckpt.wait()
+        assert mf.manifest_steps(store) == [1, 0]
+        assert ckpt._uploader.waits == 1
+    finally:
+        hold.set()
+        ckpt.close()
+
+
+def test_restart_on_same_node_uses_cache(url: str, tmp_path: Path) -> None:
+    rec = Recorder()
+    state = make_state()
+    with Checkpointer(url, cache_dir=tmp_path / "node") as ckpt:
+        ckpt.save(4, state, block=True)
+    store = CountingStore(open_store(url))
+    with Checkpointer(url, cache_dir=tmp_path / "node", store=store, log=rec.log) as ckpt:
+        assert ckpt.resume(make_state(seed=2)) == 5
+    assert store.reads == 1  # the manifest only: the data came from the local cache
+    assert rec.events("checkpoint.loaded")[-1]["source"] == "cache"
+
+    # A damaged cache entry is never trusted: the store is read again.
+    (cached,) = (tmp_path / "node").glob("*/step-*/state.pt")
+    cached.write_bytes(b"garbage")
+    fresh = make_state(seed=2)
+    with Checkpointer(url, cache_dir=tmp_path / "node", log=rec.log) as ckpt:
+        assert ckpt.resume(fresh) == 5
+    assert rec.events("checkpoint.loaded")[-1]["source"] == "store"
+    assert_same(state, fresh)
+
+
+def test_preemption_flag_saves_synchronously_and_reports(url: str, tmp_path: Path) -> None:
+    control = tmp_path / "control"
+    state = make_state()
+    with Checkpointer(url, every=100, control_dir=control) as ckpt:
+        for step in range(3):
+            assert ckpt.step_end(step, state) is False
+        controlfiles.write_preempt(control, "i-local-1", deadline=1e10)
+        assert ckpt.step_end(3, state) is True
+        # synchronous: the manifest exists before step_end returned
+        assert mf.manifest_steps(open_store(url)) == [3]
+        assert controlfiles.read_saved(control) == {0: 3}
+        assert ckpt.step_end(4, state) is True  # sticky
+    with Checkpointer(url, use_cache=False) as ckpt:
+        assert ckpt.resume(make_state(seed=9)) == 4
+
+
+def test_check_interval(url: str, tmp_path: Path) -> None:
+    control = tmp_path / "control"
+    controlfiles.write_preempt(control, "n", deadline=0)
+    with Checkpointer(url, control_dir=control, check_every=2) as ckpt:
+        assert ckpt.should_checkpoint(3) is False
+        assert ckpt.should_checkpoint(4) is True
+
+
+class FailingStore(CountingStore):
+    def put_file(self, key: str, path: Path) -> None:
+        raise OSError("network down")
+
+
+def test_failed_save_is_logged_not_raised(url: str, tmp_path: Path) -> None:
+    rec = Recorder()
+    control = tmp_path / "control"
+    state = make_state()
+    with Checkpointer(url, every=1, store=FailingStore(open_store(url)), control_dir=control,
+                      log=rec.log) as ckpt:
+        assert ckpt.step_end(0, state) is False
+        ckpt.wait()
+        assert rec.events("checkpoint.save_failed")
+        controlfiles.write_preempt(control, "n", deadline=0)
+        assert ckpt.step_end(1, state) is True  # the node goes away regardless...
+    assert controlfiles.read_saved(control) == {}  # ...but never claims a save it did not make
+    assert rec.events("preempt.save_failed")

@@ -1,0 +1,121 @@
+"""Two real worker processes with gloo on loopback: resume is read once (rank 0) and shared, and a
+preemption flag raised on one rank's node makes both ranks save and stop at the same step."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORKER = r'''
+import datetime, json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from petctl.agent import controlfiles
+from petctl.elastic import Checkpointer, State
+from petctl.elastic.store import open_store
+
+sys.path.insert(0, os.environ["TEST_DIR"])
+from test_elastic_checkpointer import CountingStore  # noqa: E402
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(100 + rank)  # different on purpose: resume must make the ranks equal
+net = torch.nn.Linear(4, 2)
+# DDP would copy rank 0's parameters to rank 1 by itself, so the resume run leaves it out: there the
+# ranks can only agree through the broadcast checkpoint.
+model = torch.nn.parallel.DistributedDataParallel(net) if mode == "train" else net
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+state = State(model=model, optimizer=opt, extra={"step": -1})
+store = CountingStore(open_store(os.environ["PETCTL_CHECKPOINT_URL"]))
+ckpt = Checkpointer(every=int(os.environ.get("EVERY", "0")), store=store)
+start = ckpt.resume(state)
+exited_at = None
+if mode == "train":
+    for step in range(start, start + 50):
+        torch.manual_seed(step)
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state.extra["step"] = step
+        if rank == 1 and step == start + 5:  # this node's agent raises the flag (the other's does not)
+            controlfiles.write_preempt(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=0)
+        if ckpt.step_end(step, state):
+            exited_at = step
+            break
+ckpt.close()
+params = [p.detach().flatten().tolist() for p in net.parameters()]
+out.write_text(json.dumps({"start": start, "exited_at": exited_at, "reads": store.reads, "params": params,
+                           "extra": state.extra}))
+dist.destroy_process_group()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(tmp_path: Path, mode: str, url: str, tag: str) -> list[dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        control = tmp_path / f"control-{rank}"  # one node per rank: each has its own control dir
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
+               "PETCTL_CONTROL_DIR": str(control), "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}"),
+               "PYTHONPATH": str(REPO), "TEST_DIR": str(Path(__file__).parent), "EVERY": "4"}
+        out = tmp_path / f"{tag}-{rank}.json"
+        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    results = []
+    try:
+        for proc, out in procs:
+            output, _ = proc.communicate(timeout=180)
+            assert proc.returncode == 0, output
+            results.append(json.loads(out.read_text()))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+@pytest.mark.timeout(400)
+def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(tmp_path: Path) -> None:
+    url = (tmp_path / "ckpt").as_uri()
+    r0, r1 = run_pair(tmp_path, "train", url, "train")
+    assert r0["start"] == r1["start"] == 0
+    assert r0["exited_at"] == r1["exited_at"] == 5  # flag only in rank 1's control dir
+    from petctl.agent import controlfiles
+
+    assert controlfiles.read_saved(tmp_path / "control-0") == {0: 5}
+    assert controlfiles.read_saved(tmp_path / "control-1") == {0: 5}
+    assert r0["params"] == r1["params"]
+
+    for rank in range(2):  # the agent clears the control dir before the next round
+        controlfiles.clear(tmp_path / f"control-{rank}")
+    for rank in range(2):  # a new node: no local cache on either rank
+        for f in (tmp_path / f"cache-{rank}").rglob("*"):
+            if f.is_file():
+                f.unlink()
+    a, b = run_pair(tmp_path, "resume", url, "resume")
+    assert a["start"] == b["start"] == 6  # zero lost steps: the step at the notice + 1
+    assert a["params"] == b["params"] == r0["params"]
+    assert a["extra"] == b["extra"] == {"step": 5}
+    assert a["reads"] >= 2 and b["reads"] == 0  # only rank 0 touched the store
