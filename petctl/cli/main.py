@@ -1,0 +1,105 @@
+"""The `petctl` command group, error handling and the infrastructure commands (setup, teardown).
+
+Every `PetctlError` (and every usage error) becomes one line `error: ...` on stderr and a non-zero exit
+code: scripts can rely on the status, people never see a traceback for a mistake of theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from petctl.errors import PetctlError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the group, turn every error into one line."""
+    try:
+        rv = cli.main(args=argv, prog_name="petctl", standalone_mode=False)
+    except PetctlError as e:
+        fail(str(e), e.exit_code)
+    except click.UsageError as e:
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        fail(f"{e.format_message()}{hint}", e.exit_code)
+    except click.ClickException as e:
+        fail(e.format_message(), e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        fail("interrupted", 130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:
+        if os.environ.get("PETCTL_DEBUG"):
+            raise
+        fail(f"unexpected {type(e).__name__}: {e} (set PETCTL_DEBUG=1 for a traceback)", 1)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="petctl", message="petctl %(version)s")
+def cli() -> None:
+    """Elastic, fault-tolerant PyTorch training on EC2 spot capacity (or on this machine)."""
+
+
+def load_config():
+    from petctl.config import PetctlConfig
+
+    return PetctlConfig.load()
+
+
+def provider_for(config=None, name: str | None = None):
+    """The configured provider (the CLI never branches on which one it is)."""
+    from petctl.providers import get_provider
+
+    config = config or load_config()
+    if name is None:
+        config.require_setup()
+    return get_provider(config, name)
+
+
+@cli.command()
+@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default="local",
+              show_default=True, help="Where jobs get their capacity; remembered for later commands.")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="Provider-specific setup option (repeatable).")
+def setup(provider_name: str, options: tuple[str, ...]) -> None:
+    """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
+    from petctl.cli.parse import key_values
+
+    config = load_config()
+    provider = provider_for(config, provider_name)
+    result = provider.setup(**key_values(options, "--option"))
+    config.provider = provider_name
+    config.save()
+    endpoint = result.get("etcd_endpoint")
+    click.echo(f"petctl is set up ({provider_name})" + (f": etcd at {endpoint}" if endpoint else ""))
+
+
+@cli.command()
+@click.option("--force", is_flag=True, help="Kill running jobs instead of refusing.")
+def teardown(force: bool) -> None:
+    """Remove what `setup` created (refuses while jobs run unless --force)."""
+    config = load_config()
+    if not config.provider:
+        click.echo("nothing to tear down")
+        return
+    provider_for(config, config.provider).teardown(force=force)
+    click.echo(f"petctl torn down ({config.provider})")
+
+
+def _register() -> None:
+    from petctl.cli import jobs, steer
+
+    for command in (*jobs.COMMANDS, *steer.COMMANDS):
+        cli.add_command(command)
+
+
+_register()

@@ -1,0 +1,102 @@
+"""Commands that look at and poke a running job: status, hosts, logs, chaos."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from petctl.cli.main import provider_for
+from petctl.cli.render import age, output_option, print_json, status_summary, table
+
+
+def job_status(provider, name: str) -> dict[str, Any]:
+    """What `status -o json` prints: the provider's view of the job plus the agents' (etcd)."""
+    info = provider.job(name)
+    state = provider.node_states(name)
+    data = state.to_dict()
+    result = state.result or {}
+    final = info.state in ("succeeded", "failed", "killed")
+    data.update(
+        state=info.state if final else state.state,
+        reason=result.get("reason") or info.reason,
+        desired=info.desired, min_size=info.min_size, max_size=info.max_size,
+        ranks=state.ranks,
+        round_no=(state.round or {}).get("round"),
+        restarts=(state.round or {}).get("restarts"),
+    )
+    return data
+
+
+@click.command("status")
+@click.argument("name")
+@output_option
+def status(name: str, output: str) -> None:
+    """A job's state and its nodes: rank, world size, round, restarts, state, step."""
+    data = job_status(provider_for(), name)
+    if output == "json":
+        print_json(data)
+        return
+    click.echo(status_summary(data))
+    ranks = data["ranks"]
+    nodes = sorted(data["nodes"].values(),
+                   key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
+    table(None, ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"],
+          [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
+            n.get("state"), n.get("step"), n.get("last_checkpoint")] for n in nodes])
+
+
+@click.command("hosts")
+@click.argument("name")
+@click.option("--all", "show_all", is_flag=True, help="Include terminated instances.")
+@output_option
+def hosts(name: str, show_all: bool, output: str) -> None:
+    """The job's instances as the provider sees them, with their rank in the current round."""
+    provider = provider_for()
+    infos = provider.hosts(name)
+    try:
+        ranks = provider.node_states(name).ranks
+    except Exception:  # the instance list is still worth showing without ranks
+        ranks = {}
+    for h in infos:
+        h.rank = ranks.get(h.host_id)
+    if not show_all:
+        infos = [h for h in infos if h.state != "terminated"]
+    if output == "json":
+        print_json([h.to_dict() for h in infos])
+        return
+    table(None, ["host", "state", "rank", "age", "type", "market", "zone", "address"],
+          [[h.host_id, h.state, h.rank, age(h.launched_at), h.instance_type, h.market, h.az, h.private_ip]
+           for h in infos])
+
+
+@click.command("logs")
+@click.argument("name")
+@click.option("--node", help="One node's log (an instance id, or `reconciler`).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+def logs(name: str, node: str | None, follow: bool) -> None:
+    """Print the job's node logs (each line prefixed with its node unless --node is given)."""
+    for line in provider_for().logs(name, node=node, follow=follow):
+        click.echo(line)
+
+
+@click.command("chaos")
+@click.argument("name")
+@click.option("--node", help="Instance to take away (default: the highest-ranked one).")
+@click.option("--kill", "mode", flag_value="kill", help="SIGKILL the instance (the host vanished).")
+@click.option("--freeze", "mode", flag_value="freeze", help="SIGSTOP the instance (the host hangs).")
+@click.option("--unfreeze", "mode", flag_value="unfreeze", help="SIGCONT a frozen instance.")
+@click.option("--term", "mode", flag_value="term", help="SIGTERM the agent (a graceful leave).")
+@click.option("--notice", "mode", flag_value="notice",
+              help="A spot interruption notice; the instance is reclaimed after --grace.")
+@click.option("--grace", type=float, default=10.0, show_default=True,
+              help="Seconds between a --notice and the reclaim.")
+def chaos(name: str, node: str | None, mode: str | None, grace: float) -> None:
+    """Take one instance of a job away, to see it recover (tests, demos, benchmarks)."""
+    if mode is None:
+        raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice")
+    host = provider_for().terminate_host(name, node, mode=mode, grace=grace)
+    click.echo(f"{mode}: {host}")
+
+
+COMMANDS = (status, hosts, logs, chaos)

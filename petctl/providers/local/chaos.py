@@ -1,0 +1,79 @@
+"""Taking an instance away on purpose: what a lost, hung, drained or reclaimed machine looks like.
+
+    kill      SIGKILL the whole process group   (the host vanished; sockets close)
+    freeze    SIGSTOP the whole process group   (the host hangs; sockets stay open, heartbeats stop)
+    unfreeze  SIGCONT the whole process group   (the hung host comes back)
+    term      SIGTERM the agent                 (a clean scale-in: the agent leaves gracefully)
+    notice    a spot notice at now, reclaimed (SIGKILL) at now + grace by the reconciler
+
+The mode is written next to the instance first, so the reconciler can say why the instance went.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from petctl.errors import PetctlError, ValidationError
+from petctl.providers.base import HostInfo
+from petctl.providers.local.jobdir import JobDir
+from petctl.providers.local.procs import ProcRef
+
+MODES = ("kill", "freeze", "unfreeze", "term", "notice")
+
+
+def host_info(row: dict[str, Any]) -> HostInfo:
+    """instances.json row -> HostInfo, with the live state checked against the process itself."""
+    state = row.get("state", "terminated")
+    if state in ("running", "frozen", "terminating"):
+        ref = ProcRef(int(row["pid"]), row.get("start"))
+        if not ref.alive():
+            state = "terminated"
+        elif state != "terminating":
+            state = "frozen" if ref.frozen() else "running"
+    return HostInfo(host_id=row["id"], state=state, instance_type="local", market="local",
+                    private_ip="127.0.0.1", launched_at=row.get("launched_at"))
+
+
+def pick(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str) -> HostInfo:
+    """The named live instance, or by default the highest-ranked one (frozen ones for `unfreeze`)."""
+    hosts = [host_info(row) for row in job.read_instances()]
+    wanted = ("frozen",) if mode == "unfreeze" else ("running", "frozen") if mode == "kill" else ("running",)
+    if host_id is not None:
+        for h in hosts:
+            if h.host_id == host_id:
+                if h.state not in wanted:
+                    raise PetctlError(f"instance {host_id} of job {job.name!r} is {h.state}: "
+                                      f"cannot {mode} it")
+                return h
+        raise PetctlError(f"no instance {host_id!r} in job {job.name!r} (see `petctl hosts {job.name}`)")
+    candidates = [h for h in hosts if h.state in wanted]
+    if not candidates:
+        raise PetctlError(f"job {job.name!r} has no {'/'.join(wanted)} instance to {mode}")
+    # Highest rank first; instances not (yet) in the round count as the highest of all, newest first.
+    return max(candidates,
+               key=lambda h: (h.host_id not in ranks, ranks.get(h.host_id, 0), h.launched_at or 0))
+
+
+def take_away(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str, grace: float = 0.0) -> str:
+    if mode not in MODES:
+        raise ValidationError(f"unknown chaos mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "notice" and grace < 0:
+        raise ValidationError(f"--grace must be >= 0 (got {grace})")
+    host = pick(job, ranks, host_id, mode)
+    row = next(r for r in job.read_instances() if r["id"] == host.host_id)
+    ref = ProcRef(int(row["pid"]), row.get("start"))
+    if mode != "unfreeze":
+        job.chaos_marker(host.host_id).write_text(mode + "\n")
+    if mode == "kill":
+        ref.signal_group(signal.SIGKILL)
+    elif mode == "freeze":
+        ref.signal_group(signal.SIGSTOP)
+    elif mode == "unfreeze":
+        ref.signal_group(signal.SIGCONT)
+    elif mode == "term":
+        ref.signal(signal.SIGTERM)
+    else:
+        job.write_notice(host.host_id, "spot", time.time() + grace)
+    return host.host_id

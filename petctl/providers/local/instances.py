@@ -1,0 +1,83 @@
+"""A simulated instance: one agent process group with its own work dir and log.
+
+Each instance is the agent started in a new session, so its pid is also its process group id and every
+chaos signal (SIGKILL a vanished host, SIGSTOP a frozen one) reaches the agent and its workers at once,
+as losing a machine would.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from petctl.providers.local.jobdir import JobDir
+from petctl.providers.local.procs import ProcRef
+from petctl.spec import AgentConfig, JobSpec
+
+
+def agent_command(config_path: str) -> list[str]:
+    return [sys.executable, "-m", "petctl.agent.main", "--config", config_path]
+
+
+def new_instance_id() -> str:
+    """Unique per launch (like EC2's), so a replacement is never mistaken for the node it replaces."""
+    return "i-" + secrets.token_hex(4)
+
+
+@dataclass
+class Instance:
+    """One row of instances.json."""
+
+    id: str
+    pid: int
+    start: int | None
+    launched_at: float
+    state: str = "running"  # running | frozen | terminating | terminated
+    reason: str = ""  # why it is terminating/terminated
+    ended_at: float | None = None
+    returncode: int | None = None
+
+    @property
+    def ref(self) -> ProcRef:
+        return ProcRef(self.pid, self.start)
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("running", "frozen")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Instance:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: str = "",
+           command: list[str] | None = None) -> tuple[Instance, subprocess.Popen]:
+    """Start one agent for `spec`; the caller keeps the Popen to notice (and reap) its exit.
+
+    `command` replaces the agent (tests use a stub); "{config}" in it becomes the agent.json path.
+    """
+    iid = iid or new_instance_id()
+    root = job.instance(iid)
+    work = root / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    config = AgentConfig(job=spec, node_id=iid, host_addr="127.0.0.1", work_dir=str(work),
+                         imds_endpoint=imds_endpoint)
+    config_path = root / "agent.json"
+    config_path.write_text(config.to_json())
+    cmd = [part.replace("{config}", str(config_path)) for part in command] if command \
+        else agent_command(str(config_path))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PETCTL_INSTANCE_ID": iid}
+    with open(root / "agent.log", "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=str(root), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    ref = ProcRef.of(proc.pid)
+    return Instance(id=iid, pid=proc.pid, start=ref.start, launched_at=time.time()), proc
