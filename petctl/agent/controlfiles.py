@@ -5,6 +5,8 @@ workers), so the two sides cannot drift apart. The directory is local to the nod
 
     <control>/preempt          written by the agent: {"node_id": ..., "deadline": <unix ts>}
     <control>/saved.<LOCAL_RANK>  written by each worker after its preemption save: {"step": n}
+    <control>/elastic.<LOCAL_RANK>  written by each worker using petctl.elastic when it starts: {"pid": n};
+                               workers without it get SIGTERM at a notice instead (torchrun's way)
 
 Files are written to a temporary name and renamed, so a reader never sees half a JSON document.
 Stdlib only.
@@ -21,6 +23,7 @@ from typing import Any
 ENV_CONTROL_DIR = "PETCTL_CONTROL_DIR"
 PREEMPT_FILE = "preempt"
 SAVED_PREFIX = "saved."
+ELASTIC_PREFIX = "elastic."
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -56,6 +59,22 @@ def preempt_path(control_dir: Path | str) -> Path:
 
 def saved_path(control_dir: Path | str, local_rank: int) -> Path:
     return Path(control_dir) / f"{SAVED_PREFIX}{int(local_rank)}"
+
+
+def elastic_marker_path(control_dir: Path | str, local_rank: int) -> Path:
+    return Path(control_dir) / f"{ELASTIC_PREFIX}{int(local_rank)}"
+
+
+def mark_elastic(control_dir: Path | str, local_rank: int) -> Path:
+    """Worker side, at start: this worker checkpoints on the preempt flag, so don't SIGTERM it."""
+    path = elastic_marker_path(control_dir, local_rank)
+    _write_json(path, {"pid": os.getpid()})
+    return path
+
+
+def speaks_protocol(control_dir: Path | str, local_world_size: int) -> bool:
+    """Agent side: every local worker marked itself; else fall back to SIGTERM at the notice."""
+    return all(elastic_marker_path(control_dir, r).exists() for r in range(local_world_size))
 
 
 def write_preempt(control_dir: Path | str, node_id: str, deadline: float) -> Path:
@@ -100,10 +119,16 @@ def all_saved(control_dir: Path | str, local_world_size: int) -> bool:
     return all(rank in saved for rank in range(local_world_size))
 
 
-def clear(control_dir: Path | str) -> None:
-    """Agent side, before starting a round's workers: no stale flag from an earlier round."""
+def clear(control_dir: Path | str, markers: bool = False) -> None:
+    """Agent side, before starting a round's workers: no stale flag from an earlier round.
+
+    `markers=True` also removes the workers' `elastic.*` markers (only while no worker runs).
+    """
     directory = Path(control_dir)
     if not directory.is_dir():
         return
-    for path in [preempt_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]:
+    paths = [preempt_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]
+    if markers:
+        paths += list(directory.glob(f"{ELASTIC_PREFIX}*"))
+    for path in paths:
         path.unlink(missing_ok=True)

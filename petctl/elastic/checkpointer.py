@@ -70,6 +70,7 @@ class Checkpointer:
         if control_dir is not None:
             monitor_args["control_dir"] = Path(control_dir)
         self.preemption = PreemptionMonitor(**monitor_args)
+        self.preemption.announce()
         self._store = store
         self._s3 = s3
         self.cache = LocalCache(url, Path(cache_dir) if cache_dir else None) if use_cache else None

@@ -50,6 +50,15 @@ class PreemptionMonitor:
         value = (data or {}).get("deadline")
         return float(value) if isinstance(value, (int, float)) else None
 
+    def announce(self) -> Path | None:
+        """Mark this worker as speaking the protocol, so the agent flags it instead of SIGTERMing it."""
+        if self.control_dir is None:
+            return None
+        try:
+            return controlfiles.mark_elastic(self.control_dir, self.comm.local_rank)
+        except OSError:  # an unwritable control dir only costs the graceful path, never the training
+            return None
+
     def report_saved(self, step: int) -> Path | None:
         """Tell the agent this worker's preemption save of `step` is done (it exits next)."""
         if self.control_dir is None:
