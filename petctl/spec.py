@@ -56,6 +56,7 @@ class JobSpec:
     code_url: str = ""  # where the agent fetches the script from (s3://... or file://...)
     etcd_endpoint: str = ""  # http://host:port
     env: dict[str, str] = field(default_factory=dict)
+    warm_workers: bool = True  # keep workers with torch imported ready for the next restart
     timeouts: Timeouts = field(default_factory=Timeouts)
     # AWS-only knobs; ignored by the local provider.
     instance_types: list[str] = field(default_factory=list)

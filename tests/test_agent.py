@@ -166,3 +166,18 @@ def test_etcd_writes_per_node_per_round_are_bounded(cluster_factory):
         writes = node["etcd_requests"]["writes"]
         # join + open-next-round CAS + freeze CAS + cleanup, per round: a constant, whatever N.
         assert writes <= 6 * rounds, f"{node_id}: {writes} writes in {rounds} rounds"
+
+
+def test_restart_hands_the_round_to_warm_workers(cluster_factory):
+    """After a restart the workers come from the warm pool (started, torch imported, during the previous
+    round) rather than from a cold `python script.py`; how much faster that is lives in bench/."""
+    cluster = cluster_factory(min_size=1, max_size=2, size=2, env={"STEP_TIME": "0.05"})
+    a, b = cluster.start(), cluster.start()
+    st = wait_for(frozen_world(cluster, 2), 30, what="world of 2")
+    keeper = a if st.ranks[a.node_id] == 0 else b
+    leaver = b if keeper is a else a
+    wait_for(lambda: len(cluster.steps(keeper.node_id)) > 5, 30, what="steady training")
+    leaver.proc.send_signal(signal.SIGTERM)
+    started = wait_for(lambda: [e for e in keeper.events("workers.started") if e["round"] == 2], 20)
+    assert started[0]["warm"] == 1
+    wait_for(lambda: trained_at(cluster, keeper.node_id, 1, started[0]["ts"]), 20, what="warm worker trains")

@@ -34,7 +34,7 @@ from petctl.agent.rendezvous import (
     RoundInfo,
     Snapshot,
 )
-from petctl.agent.workers import WorkerGroup, WorkerSpec
+from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, pdeathsig
 from petctl.etcd_server import etcd_client
 from petctl.eventlog import EventLog
 from petctl.keys import JobKeys
@@ -85,6 +85,9 @@ class Agent:
         self.worker_spec = WorkerSpec(cmd=[sys.executable, "-u", self.spec.entrypoint, *self.spec.args],
                                       cwd=str(code_dir), nproc=self.spec.nproc_per_node,
                                       base_env=dict(self.spec.env))
+        self.pool = WarmPool(self.worker_spec, pdeathsig()) if self.spec.warm_workers else None
+        if self.pool is not None:
+            self.pool.fill()  # imports torch while the first rendezvous runs
         self.heartbeat.start()
         self.watcher.start()
         self.preemption.start()
@@ -93,6 +96,8 @@ class Agent:
         finally:
             self.preemption.stop()
             self.watcher.stop()
+            if self.pool is not None:
+                self.pool.close()
 
     def _loop(self) -> int:
         prev_rank: int | None = None
@@ -133,19 +138,20 @@ class Agent:
     def _run_round(self, info: RoundInfo) -> str | JobEnded:
         self.round = info
         clear_markers(self.control_dir)
-        workers = WorkerGroup(self.worker_spec, self.out, on_event=self._on_worker_event)
+        workers = WorkerGroup(self.worker_spec, self.out, on_event=self._on_worker_event, pool=self.pool)
         workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
                       master_port=info.master_port, restart_count=info.round - 1,
                       max_restarts=self.spec.max_restarts, run_id=self.spec.name,
                       extra_env=self._extra_env(info))
         self.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
-                         nproc=self.spec.nproc_per_node)
+                         nproc=self.spec.nproc_per_node, warm=workers.warm_started)
         self._set_state("running")
         failed_at: float | None = None
         failure = ""
         finished = False
         preempt_flagged = False
-        last_snapshot = last_publish = time.monotonic()
+        last_snapshot = last_publish = last_snapshot_start = time.monotonic()
+        self.progress["round_step_seen"] = False
         fail_grace = self.t.heartbeat_ttl + self.t.heartbeat_interval
         snap = self.rdzv.snapshot()
         while True:
@@ -198,6 +204,9 @@ class Agent:
             if now - last_publish > PUBLISH_EVERY:
                 last_publish = now
                 self._publish()
+            if (self.pool is not None and not self.pool.ready
+                    and (self.progress.get("round_step_seen") or now - last_snapshot_start > 10.0)):
+                self.pool.fill()  # after the first step: off the restart's critical path
 
     def _announce_preemption(self) -> bool:
         return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.notice.deadline)
@@ -267,6 +276,7 @@ class Agent:
         event = record.get("event")
         if event == "train.step" and int(record.get("rank", 0) or 0) % self.spec.nproc_per_node == 0:
             self.progress["step"] = record.get("step")
+            self.progress["round_step_seen"] = True
         elif event == "checkpoint.saved":
             self.progress["last_checkpoint"] = {"step": record.get("step"), "url": record.get("url")}
 
@@ -282,7 +292,7 @@ class Agent:
                  "restarts": info.restarts if info else None, "updated": time.time(),
                  "etcd_requests": {"reads": self.stats.reads, "writes": self.stats.writes,
                                    "watches": self.stats.watches},
-                 **self.progress}
+                 "step": self.progress.get("step"), "last_checkpoint": self.progress.get("last_checkpoint")}
         try:
             self.client.write(self.keys.node_status(self.node_id), json.dumps(value), ttl=STATUS_TTL)
         except etcd.EtcdException:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from petctl.eventlog import parse_line
 PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig() -> Callable[[], None] | None:
+def pdeathsig() -> Callable[[], None] | None:
     """A preexec function that makes the child die with its parent (Linux only; else None)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -42,10 +43,54 @@ def _pdeathsig() -> Callable[[], None] | None:
 class WorkerSpec:
     """What to run, identical on every node; the per-rank env is computed by `WorkerGroup.start`."""
 
-    cmd: list[str]
+    cmd: list[str]  # [python, -u, script, *args]
     cwd: str
     nproc: int
     base_env: dict[str, str] = field(default_factory=dict)
+    preload: tuple[str, ...] = ("torch", "torch.distributed")  # imported ahead by warm workers
+
+
+class WarmPool:
+    """Workers started ahead of time with torch imported, waiting for their rank on stdin.
+
+    Only scripts run as `python script.py` can be handed to a warm worker; anything else starts cold.
+    A warm worker that died while waiting is discarded, never handed out.
+    """
+
+    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None) -> None:
+        self.spec = spec
+        self.preexec = preexec
+        self.ready: list[subprocess.Popen] = []
+
+    @property
+    def usable(self) -> bool:
+        cmd = self.spec.cmd
+        return len(cmd) >= 3 and cmd[1] == "-u" and cmd[2].endswith(".py")
+
+    def fill(self) -> None:
+        if not self.usable:
+            return
+        self.ready = [p for p in self.ready if p.poll() is None]
+        env = {**os.environ, **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        while len(self.ready) < self.spec.nproc:
+            self.ready.append(subprocess.Popen(
+                [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload)],
+                cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, preexec_fn=self.preexec))
+
+    def take(self) -> subprocess.Popen | None:
+        while self.ready:
+            proc = self.ready.pop(0)
+            if proc.poll() is None:
+                return proc
+        return None
+
+    def close(self) -> None:
+        for proc in self.ready:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.ready = []
 
 
 @dataclass
@@ -68,14 +113,17 @@ class GroupResult:
 class WorkerGroup:
     """`nproc` worker processes for one rendezvous round."""
 
-    def __init__(self, spec: WorkerSpec, out: IO[str], on_event: Callable[[dict], None] | None = None):
+    def __init__(self, spec: WorkerSpec, out: IO[str], on_event: Callable[[dict], None] | None = None,
+                 pool: WarmPool | None = None):
         self.spec = spec
+        self.pool = pool
+        self.warm_started = 0
         self.out = out
         self.on_event = on_event
         self.procs: dict[int, subprocess.Popen] = {}
         self._readers: list[threading.Thread] = []
         self._out_lock = threading.Lock()
-        self._preexec = _pdeathsig()
+        self._preexec = pdeathsig()
         self.started_at = 0.0
 
     def start(self, *, node_rank: int, num_nodes: int, master_addr: str, master_port: int,
@@ -106,10 +154,23 @@ class WorkerGroup:
                 "TORCHELASTIC_USE_AGENT_STORE": "False",
                 "PYTHONUNBUFFERED": "1",
             }
-            proc = subprocess.Popen(
-                self.spec.cmd, cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self._preexec,
-            )
+            proc = self.pool.take() if self.pool is not None else None
+            if proc is not None:
+                order = {"env": env, "cwd": self.spec.cwd, "argv": self.spec.cmd[2:]}
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.write((json.dumps(order) + "\n").encode())
+                    proc.stdin.close()
+                    self.warm_started += 1
+                except (BrokenPipeError, OSError):
+                    proc.kill()
+                    proc.wait()
+                    proc = None
+            if proc is None:
+                proc = subprocess.Popen(
+                    self.spec.cmd, cwd=self.spec.cwd, env=env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self._preexec,
+                )
             self.procs[local_rank] = proc
             reader = threading.Thread(target=self._pump, args=(proc,), name=f"worker-out-{local_rank}",
                                       daemon=True)
