@@ -1,0 +1,76 @@
+"""`setup` starts one embedded etcd (idempotently) and remembers the provider; `teardown` removes it all
+and refuses while a job runs unless --force, which kills the job first."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import Petctl
+from tests.test_cli_basics import assert_one_line_error
+
+
+def config(cli: Petctl) -> dict:
+    return json.loads((cli.home / "config.json").read_text())
+
+
+def etcd_answers(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/v2/keys/", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_setup_is_idempotent_and_teardown_removes_everything(petctl: Petctl):
+    out = petctl.run("setup").stdout
+    cfg = config(petctl)
+    assert cfg["provider"] == "local"
+    local = cfg["settings"]["local"]
+    assert local["ready"] is True
+    assert local["etcd_endpoint"].startswith("http://127.0.0.1:")
+    assert local["etcd_endpoint"] in out
+    assert etcd_answers(local["etcd_endpoint"])
+    assert (petctl.home / "local" / "etcd" / "member-data").is_dir()
+    assert petctl.processes() == [local["etcd_pid"]]
+
+    petctl.run("setup")  # again: same etcd, nothing new started
+    assert config(petctl)["settings"]["local"] == local
+    assert petctl.processes() == [local["etcd_pid"]]
+    assert petctl.json("jobs") == []
+
+    assert "torn down" in petctl.run("teardown").stdout
+    assert petctl.processes() == []
+    assert not etcd_answers(local["etcd_endpoint"])
+    assert not (petctl.home / "local").exists()
+    assert "local" not in config(petctl)["settings"]
+    assert_one_line_error(petctl.run("jobs", check=False), "petctl setup")
+
+
+def test_setup_replaces_a_dead_etcd(petctl: Petctl):
+    import os
+    import signal
+
+    petctl.run("setup")
+    first = config(petctl)["settings"]["local"]
+    os.kill(first["etcd_pid"], signal.SIGKILL)
+    petctl.run("setup")
+    second = config(petctl)["settings"]["local"]
+    assert second["etcd_pid"] != first["etcd_pid"]
+    assert etcd_answers(second["etcd_endpoint"])
+
+
+def test_teardown_refuses_while_a_job_runs_unless_forced(local: Petctl, tmp_path: Path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    local.run("run_job", "--name", "busy", "--min", "2", "--max", "2", "--wait", str(script))
+    running = local.processes()
+    assert len(running) == 1 + 1 + 2 * 2  # etcd, reconciler, 2 x (agent + worker)
+
+    assert_one_line_error(local.run("teardown", check=False), "jobs still running: busy", "--force")
+    assert sorted(local.processes()) == sorted(running)
+
+    local.run("teardown", "--force")
+    assert local.processes() == []
+    assert not (local.home / "local").exists()

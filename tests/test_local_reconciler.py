@@ -1,0 +1,161 @@
+"""The reconciler as an Auto Scaling group, driven through the CLI with a stub agent (a process that
+only sleeps and leaves on SIGTERM), so capacity behaviour is checked fast and apart from the agent's."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Petctl
+from tests.test_cli_basics import assert_one_line_error
+
+STUB_AGENT = '''
+import json, signal, sys, time
+cfg = json.load(open(sys.argv[1]))
+def say(event, **kw):
+    print(json.dumps({"ts": time.time(), "event": event, "node": cfg["node_id"], **kw}), flush=True)
+def leave(*_):
+    say("stub.sigterm")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, leave)
+say("stub.started", imds=cfg["imds_endpoint"], work_dir=cfg["work_dir"])
+if cfg["job"]["env"].get("STUB_EXIT"):
+    sys.exit(int(cfg["job"]["env"]["STUB_EXIT"]))
+while True:
+    time.sleep(0.05)
+'''
+
+
+@pytest.fixture
+def stub(local: Petctl, tmp_path: Path) -> Petctl:
+    agent = tmp_path / "stub_agent.py"
+    agent.write_text(STUB_AGENT)
+    local.env["PETCTL_LOCAL_AGENT_COMMAND"] = json.dumps([sys.executable, str(agent), "{config}"])
+    (tmp_path / "train.py").write_text("print('never run by the stub')\n")
+    return local
+
+
+def start(cli: Petctl, name: str, *args: str) -> None:
+    cli.run("run_job", "--name", name, "--min", "1", "--max", "3", *args, str(cli.cwd / "train.py"))
+
+
+def hosts(cli: Petctl, name: str) -> list[dict[str, Any]]:
+    return cli.json("hosts", name, "--all")
+
+
+def wait_hosts(cli: Petctl, name: str, predicate, timeout: float = 20) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = hosts(cli, name)
+        if predicate(rows):
+            return rows
+        assert time.monotonic() < deadline, f"timed out; hosts: {json.dumps(rows, indent=1)}"
+        time.sleep(0.1)
+
+
+def running(rows: list[dict[str, Any]]) -> list[str]:
+    return [r["host_id"] for r in rows if r["state"] == "running"]
+
+
+def reconciler_events(cli: Petctl, name: str, event: str) -> list[dict[str, Any]]:
+    lines = (cli.job_dir(name) / "reconciler.log").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def instance_rows(cli: Petctl, name: str) -> dict[str, dict[str, Any]]:
+    return {r["id"]: r for r in json.loads((cli.job_dir(name) / "instances.json").read_text())}
+
+
+def test_replaces_lost_instances_and_follows_desired(stub: Petctl):
+    start(stub, "asg", "--size", "2", "--replace-delay", "1.5")
+    first = running(wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2))
+    for iid in first:  # each instance has its own work dir, config and log
+        config = json.loads((stub.job_dir("asg") / "instances" / iid / "agent.json").read_text())
+        assert config["node_id"] == iid and config["work_dir"].endswith(f"{iid}/work")
+        assert config["job"]["code_url"].startswith("file://")
+
+    # kill: the instance goes, and a new one (new id) replaces it no sooner than the delay.
+    killed = stub.run("chaos", "asg", "--kill").stdout.split()[-1]
+    assert killed in first
+    rows = wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2 and killed not in running(rows))
+    replacement = (set(running(rows)) - set(first)).pop()
+    info = instance_rows(stub, "asg")
+    assert info[killed]["state"] == "terminated"
+    assert info[killed]["reason"] == "chaos-kill: killed by SIGKILL"
+    assert info[replacement]["launched_at"] - info[killed]["ended_at"] >= 1.5
+
+    # freeze / unfreeze are visible as instance states; a frozen instance still counts as capacity.
+    frozen = stub.run("chaos", "asg", "--freeze").stdout.split()[-1]
+    wait_hosts(stub, "asg", lambda rows: {r["host_id"]: r["state"] for r in rows}[frozen] == "frozen")
+    stub.run("chaos", "asg", "--unfreeze", "--node", frozen)
+    wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2 and frozen in running(rows))
+
+    # scale out launches at once; scale in SIGTERMs the newest (the agent leaves gracefully).
+    stub.run("scale", "asg", "--size", "3")
+    three = running(wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 3))
+    newest = max(three, key=lambda iid: instance_rows(stub, "asg")[iid]["launched_at"])
+    stub.run("scale", "asg", "--size", "2")
+    rows = wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2)
+    assert newest not in running(rows)
+    assert instance_rows(stub, "asg")[newest]["reason"] == "scale-in"
+    assert "stub.sigterm" in (stub.job_dir("asg") / "instances" / newest / "agent.log").read_text()
+    time.sleep(2.0)  # longer than the replace delay: a scale-in is not replaced
+    assert len(running(hosts(stub, "asg"))) == 2
+    assert [e["desired"] for e in reconciler_events(stub, "asg", "scale.changed")] == [3, 2]
+
+    # term: a graceful leave that the ASG replaces.
+    termed = stub.run("chaos", "asg", "--term").stdout.split()[-1]
+    wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2 and termed not in running(rows))
+    assert instance_rows(stub, "asg")[termed]["reason"] == "chaos-term: exited with code 0"
+
+    # kill_job: the result is recorded and every process of the job is gone when it returns.
+    stub.run("kill_job", "asg")
+    assert stub.status("asg")["state"] == "killed"
+    assert len(stub.processes()) == 1  # etcd only
+    assert all(r["state"] == "terminated" for r in instance_rows(stub, "asg").values())
+    assert_one_line_error(stub.run("scale", "asg", "--size", "1", check=False), "is killed")
+
+
+def test_notice_is_enforced_at_its_time(stub: Petctl):
+    start(stub, "spot", "--size", "1", "--replace-delay", "0.5")
+    (victim,) = running(wait_hosts(stub, "spot", lambda rows: len(running(rows)) == 1))
+    t0 = time.time()
+    stub.run("chaos", "spot", "--notice", "--grace", "2")
+    notice = json.loads((stub.job_dir("spot") / "notices" / f"{victim}.json").read_text())
+    assert notice["kind"] == "spot" and notice["time"] == pytest.approx(t0 + 2, abs=1.0)
+    assert victim in running(hosts(stub, "spot"))  # still there during the grace period
+    wait_hosts(stub, "spot", lambda rows: victim not in running(rows) and len(running(rows)) == 1)
+    row = instance_rows(stub, "spot")[victim]
+    assert row["reason"] == "spot-reclaimed" and row["returncode"] == -9
+    assert row["ended_at"] >= notice["time"]
+
+
+def test_job_result_stops_the_reconciler(stub: Petctl):
+    from petctl.etcd_server import etcd_client
+    from petctl.jobstate import write_result
+
+    start(stub, "done", "--size", "2")
+    wait_hosts(stub, "done", lambda rows: len(running(rows)) == 2)
+    endpoint = json.loads((stub.home / "config.json").read_text())["settings"]["local"]["etcd_endpoint"]
+    write_result(etcd_client(endpoint), "done", "succeeded", "all workers exited 0")
+    deadline = time.monotonic() + 20
+    while len(stub.processes()) > 1:
+        assert time.monotonic() < deadline, "the reconciler did not stop the job"
+        time.sleep(0.1)
+    assert [j["state"] for j in stub.json("jobs")] == ["succeeded"]
+    assert json.loads((stub.job_dir("done") / "job.json").read_text())["state"] == "succeeded"
+    assert reconciler_events(stub, "done", "reconciler.exit")[0]["state"] == "succeeded"
+
+
+def test_crash_looping_instances_fail_the_job(stub: Petctl):
+    start(stub, "crashy", "--size", "1", "--replace-delay", "0.1", "--env", "STUB_EXIT=3")
+    assert stub.wait_finished("crashy", timeout=30)["state"] == "failed"
+    state = stub.status("crashy")
+    assert state["state"] == "failed"
+    assert "exited within" in state["reason"] and "exited with code 3" in state["reason"]
+    assert len(stub.processes()) == 1
