@@ -34,6 +34,7 @@ class Timeouts:
     join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL grace when stopping workers
     preempt_deadline: float = 90.0  # how long a noticed node waits for its workers' checkpoint
+    imds_interval: float = 2.0  # metadata polling period (AWS advises every few seconds)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeouts:

@@ -53,13 +53,15 @@ class AgentCluster:
     agents: dict[str, AgentProc] = field(default_factory=dict)
     _count: int = 0
 
-    def start(self, node_id: str | None = None) -> AgentProc:
+    def start(self, node_id: str | None = None, imds: Callable[[str], str] | None = None) -> AgentProc:
+        """Start one agent; `imds(node_id)` gives its metadata endpoint (preemption notices)."""
         self._count += 1
         node_id = node_id or f"n{self._count}"
         work = self.root / node_id
         work.mkdir(parents=True, exist_ok=True)
         cfg = work / "agent.json"
-        cfg.write_text(AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work)).to_json())
+        cfg.write_text(AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work),
+                                   imds_endpoint=imds(node_id) if imds else "").to_json())
         log = work / "agent.log"
         proc = subprocess.Popen([sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
@@ -86,10 +88,11 @@ class AgentCluster:
 
 
 def make_spec(name: str, endpoint: str, *, min_size: int, max_size: int, size: int | None = None,
-              env: dict[str, str] | None = None, max_restarts: int = 3, **timeouts: float) -> JobSpec:
+              env: dict[str, str] | None = None, max_restarts: int = 3, script: str = "steps.py",
+              checkpoint_url: str = "", **timeouts: float) -> JobSpec:
     spec = JobSpec(name=name, min_size=min_size, max_size=max_size, size=size or min_size,
-                   entrypoint="steps.py", code_url=f"file://{WORKLOADS / 'steps.py'}", etcd_endpoint=endpoint,
-                   env=env or {}, max_restarts=max_restarts)
+                   entrypoint=script, code_url=f"file://{WORKLOADS / script}", etcd_endpoint=endpoint,
+                   env=env or {}, max_restarts=max_restarts, checkpoint_url=checkpoint_url)
     spec.timeouts.heartbeat_interval = 0.5
     spec.timeouts.heartbeat_ttl = 2.0
     spec.timeouts.stop_grace = 2.0

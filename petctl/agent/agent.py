@@ -24,7 +24,7 @@ import etcd
 from petctl.agent import controlfiles
 from petctl.agent.code import fetch_code
 from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.preemption import PreemptionHandler, clear_markers, speaks_protocol
+from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rendezvous import (
     EtcdRendezvous,
     JobEnded,
@@ -137,7 +137,7 @@ class Agent:
     # --- one round ---------------------------------------------------------------------------------
     def _run_round(self, info: RoundInfo) -> str | JobEnded:
         self.round = info
-        clear_markers(self.control_dir)
+        controlfiles.clear(self.control_dir, markers=True)
         workers = WorkerGroup(self.worker_spec, self.out, on_event=self._on_worker_event, pool=self.pool)
         workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
                       master_port=info.master_port, restart_count=info.round - 1,
@@ -176,7 +176,7 @@ class Agent:
                     preempt_flagged = True
                     controlfiles.write_preempt(self.control_dir, preempt["node_id"], preempt["deadline"])
                     self.events.emit("preemption.flagged", round=info.round, noticed=preempt["node_id"])
-                    if preempt["node_id"] == self.node_id and not speaks_protocol(
+                    if preempt["node_id"] == self.node_id and not controlfiles.speaks_protocol(
                             self.control_dir, self.spec.nproc_per_node):
                         workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
             if self.preemption.announced and self.preemption.save_finished(workers, self.control_dir):

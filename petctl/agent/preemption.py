@@ -20,20 +20,6 @@ from petctl.eventlog import EventLog
 from petctl.spec import AgentConfig
 
 SAFETY_MARGIN = 15.0  # leave at least this long before the instance is reclaimed
-ELASTIC_MARKER = "elastic."  # <control>/elastic.<LOCAL_RANK>: this worker handles the preempt flag
-
-
-def speaks_protocol(control_dir: Path, nproc: int) -> bool:
-    """True when every local worker uses petctl.elastic (it marks itself on start); else the agent
-    falls back to SIGTERM at the notice, as torchrun would."""
-    return all((control_dir / f"{ELASTIC_MARKER}{lr}").exists() for lr in range(nproc))
-
-
-def clear_markers(control_dir: Path) -> None:
-    controlfiles.clear(control_dir)
-    if control_dir.is_dir():
-        for path in control_dir.glob(f"{ELASTIC_MARKER}*"):
-            path.unlink(missing_ok=True)
 
 
 class PreemptionHandler:
@@ -51,7 +37,8 @@ class PreemptionHandler:
             return
         from petctl.agent.imds import IMDSWatcher
 
-        self._watcher = IMDSWatcher(self.config.imds_endpoint)
+        self._watcher = IMDSWatcher(self.config.imds_endpoint,
+                                    interval=self.config.job.timeouts.imds_interval)
         self._watcher.start(self._on_notice)
 
     def stop(self) -> None:
