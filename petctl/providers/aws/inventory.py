@@ -1,0 +1,144 @@
+"""What a job's capacity looks like from the AWS APIs: AZs, AMIs, the Auto Scaling group and its
+instances, and the job state rebuilt from the agents' S3 status mirror when etcd is out of reach.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlparse
+
+from petctl.errors import JobNotFound, ProviderError
+from petctl.jobstate import JobState
+from petctl.providers.aws.session import aws_errors, error_code
+from petctl.providers.base import HostInfo, JobInfo
+
+EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",
+              "stopping": "terminating", "stopped": "terminated", "terminated": "terminated"}
+STACK_STATES = {"CREATE_IN_PROGRESS": "running", "CREATE_COMPLETE": "running", "UPDATE_COMPLETE": "running",
+                "UPDATE_IN_PROGRESS": "running", "DELETE_IN_PROGRESS": "killed"}
+
+
+def usable_azs(session) -> list[str]:
+    """Standard AZs that are available (not Local/Wavelength zones, not impaired)."""
+    with aws_errors("list availability zones"):
+        zones = session.client("ec2").describe_availability_zones(
+            Filters=[{"Name": "state", "Values": ["available"]}])["AvailabilityZones"]
+    return [z["ZoneName"] for z in zones if z.get("ZoneType", "availability-zone") == "availability-zone"]
+
+
+def ssm_parameter(ssm, name: str) -> str:
+    """AWS's public parameter for the current AMI (resolved now, so the template names a fixed image)."""
+    from botocore.exceptions import ClientError
+
+    with aws_errors(f"read SSM parameter {name}"):
+        try:
+            return ssm.get_parameter(Name=name)["Parameter"]["Value"]
+        except ClientError as exc:
+            if error_code(exc) == "ParameterNotFound":
+                raise ProviderError(f"AMI parameter {name} does not exist in this region: pass "
+                                    "--option worker_ami=ami-... / etcd_ami=ami-...") from None
+            raise
+
+
+def group(autoscaling, asg_name: str, job: str) -> dict[str, Any]:
+    with aws_errors(f"describe the Auto Scaling group of job {job}"):
+        groups = autoscaling.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[asg_name])["AutoScalingGroups"]
+    if not groups:
+        raise JobNotFound(f"no job {job!r} (see `petctl jobs`)")
+    return groups[0]
+
+
+def wait_in_service(autoscaling, asg_name: str, size: int, timeout: float, poll: float,
+                    progress: Callable[[str], None]) -> int:
+    """Wait until `size` instances are InService; returns how many are. A spot shortage is reported, not
+    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while True:
+        g = group(autoscaling, asg_name, asg_name)
+        in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
+        if in_service != last:
+            progress(f"instances in service: {in_service}/{size}")
+            last = in_service
+        if in_service >= size:
+            return in_service
+        if time.monotonic() > deadline:
+            progress(f"only {in_service}/{size} instances in service after {timeout:.0f}s (spot capacity "
+                     "may be short); the Auto Scaling group keeps trying")
+            return in_service
+        time.sleep(poll)
+
+
+def hosts(ec2, stack: str, job: str) -> list[HostInfo]:
+    """The job's instances, terminated ones included while EC2 still lists them (about an hour)."""
+    filters = [{"Name": "tag:petctl:stack", "Values": [stack]}, {"Name": "tag:petctl:job", "Values": [job]}]
+    out = []
+    with aws_errors(f"list the instances of job {job}"):
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+            for reservation in page["Reservations"]:
+                for i in reservation["Instances"]:
+                    launched = i.get("LaunchTime")
+                    out.append(HostInfo(
+                        host_id=i["InstanceId"], state=EC2_STATES.get(i["State"]["Name"], i["State"]["Name"]),
+                        instance_type=i.get("InstanceType", ""),
+                        az=i.get("Placement", {}).get("AvailabilityZone", ""),
+                        market="spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+                        private_ip=i.get("PrivateIpAddress", ""),
+                        launched_at=launched.timestamp() if launched else None))
+    return sorted(out, key=lambda h: (h.state == "terminated", h.launched_at or 0, h.host_id))
+
+
+def job_info(autoscaling, stack: dict[str, Any], provider: str) -> JobInfo:
+    tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+    name = tags.get("petctl:job", stack["StackName"])
+    status = stack["StackStatus"]
+    state = STACK_STATES.get(status, "failed" if "FAILED" in status or "ROLLBACK" in status else "unknown")
+    min_size = max_size = desired = 0
+    if state == "running":
+        try:
+            g = group(autoscaling, stack["StackName"], name)
+            min_size, max_size, desired = g["MinSize"], g["MaxSize"], g["DesiredCapacity"]
+        except JobNotFound:  # the group is created a few seconds into the stack
+            pass
+    created = stack.get("CreationTime")
+    return JobInfo(name=name, state=state, min_size=min_size, max_size=max_size, desired=desired,
+                   created_at=created.timestamp() if created else 0.0, provider=provider,
+                   reason=stack.get("StackStatusReason", "") if state == "failed" else "",
+                   extra={"stack": stack["StackName"], "stack_status": status})
+
+
+def result_from_nodes(nodes: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
+    """A finished job as its agents last reported it: all nodes succeeded -> succeeded."""
+    if nodes and all(n.get("state") == "succeeded" for n in nodes.values()):
+        return "succeeded", "all nodes reported success"
+    return None
+
+
+def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]]) -> JobState:
+    """Rebuild the round from the nodes' own reports: the latest round whose ranked members agree."""
+    state = JobState(job=job, nodes=nodes)
+    ranked = {k: n for k, n in nodes.items() if n.get("rank") is not None and n.get("round") is not None}
+    if ranked:
+        latest = max(int(n["round"]) for n in ranked.values())
+        members = {k: int(n["rank"]) for k, n in ranked.items() if int(n["round"]) == latest}
+        state.round = {"round": latest, "phase": "frozen", "ranks": members, "world_size": len(members),
+                       "source": "s3 status mirror"}
+    result = result_from_nodes(nodes)
+    if result:
+        state.result = {"state": result[0], "reason": result[1]}
+    return state
+
+
+def reachable(endpoint: str, timeout: float) -> bool:
+    u = urlparse(endpoint)
+    if not u.hostname:
+        return False
+    try:
+        with socket.create_connection((u.hostname, u.port or 2379), timeout=timeout):
+            return True
+    except OSError:
+        return False

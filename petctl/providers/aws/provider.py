@@ -1,0 +1,315 @@
+"""The AWS provider: a base CloudFormation stack per installation, a job stack (launch template + spot
+Auto Scaling group) per job, the job's code and status in S3. Same `Provider` interface as local.
+
+Settings live in `config.section("aws")`: region, profile, endpoint_url, stack_name, outputs (the base
+stack's), image, worker_ami, root_volume_gb and `ready`. Nothing here imports boto3 at module level.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from petctl.config import PetctlConfig
+from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
+from petctl.providers.aws import inventory
+from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
+from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
+from petctl.providers.aws.session import AwsSession, aws_errors
+from petctl.providers.aws.stacks import StackOps, stderr_progress
+from petctl.providers.aws.storage import JobStore, job_prefix
+from petctl.providers.aws.templates import render_base, render_job
+from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data, worker_user_data
+from petctl.providers.base import HostInfo, JobInfo, Provider
+from petctl.spec import AgentConfig, JobSpec
+
+STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
+WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
+ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+LIFECYCLE_HOOK = "petctl-drain"
+SETUP_OPTIONS = {
+    "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
+    "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
+    "root_volume_gb": "100",
+}
+
+
+class AwsProvider(Provider):
+    name = "aws"
+
+    def __init__(self, config: PetctlConfig) -> None:
+        super().__init__(config)
+        self.poll_interval = 5.0  # seconds between CloudFormation / Auto Scaling polls (tests lower it)
+        self.wait_timeout = 1200.0  # how long run_job waits for instances to be in service
+        self.progress = stderr_progress
+
+    # --- plumbing ----------------------------------------------------------------------------------
+    def _session(self, settings: dict[str, Any] | None = None) -> AwsSession:
+        s = settings if settings is not None else self.settings
+        return AwsSession.create(region=s.get("region", ""), profile=s.get("profile", ""),
+                                 endpoint_url=s.get("endpoint_url", ""))
+
+    def _stacks(self, session: AwsSession) -> StackOps:
+        return StackOps(session.client("cloudformation"), poll=self.poll_interval, progress=self.progress)
+
+    def _ready(self) -> dict[str, Any]:
+        if not self.settings.get("ready"):
+            raise NotSetUp("petctl is not set up on AWS: run "
+                           "`petctl setup --provider aws --option region=REGION`")
+        return self.settings
+
+    @property
+    def _base(self) -> str:
+        return self.settings.get("stack_name", "petctl")
+
+    def _job_stack(self, job: str) -> str:
+        return f"{self._base}-job-{job}"
+
+    def _store(self, session: AwsSession, job: str) -> JobStore:
+        return JobStore(session.client("s3"), self._ready()["outputs"]["BucketName"], job)
+
+    # --- shared infrastructure ---------------------------------------------------------------------
+    def setup(self, **options: Any) -> dict[str, Any]:
+        """Create or update the base stack. Options (strings, as `--option KEY=VALUE` gives them):
+        region, profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
+        etcd_instance_type, root_volume_gb."""
+        opts = {k.replace("-", "_"): v for k, v in options.items() if v not in (None, "")}
+        opts.pop("provider", None)
+        unknown = sorted(set(opts) - set(SETUP_OPTIONS))
+        if unknown:
+            raise ValidationError(f"unknown aws setup option(s) {', '.join(unknown)}: choose from "
+                                  f"{', '.join(SETUP_OPTIONS)}")
+        merged = {**SETUP_OPTIONS, **{k: v for k, v in self.settings.items() if k in SETUP_OPTIONS}, **opts}
+        merged = {k: str(v) for k, v in merged.items()}
+        if not STACK_NAME_RE.match(merged["stack_name"]):
+            raise ValidationError(f"invalid stack_name {merged['stack_name']!r}: 1-24 lowercase letters, "
+                                  "digits and '-', starting with a letter")
+        max_azs, root_gb = _int_option("max_azs", merged["max_azs"], 2), _int_option(
+            "root_volume_gb", merged["root_volume_gb"], 30)
+        session = self._session(merged)
+        merged["region"] = session.region
+        with aws_errors("check the AWS credentials"):
+            session.client("sts").get_caller_identity()
+        stack = merged["stack_name"]
+        plan = plan_network(inventory.usable_azs(session), merged["vpc_cidr"], max_azs)
+        ssm = session.client("ssm")
+        etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
+        worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
+        body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
+                           etcd_instance_type=merged["etcd_instance_type"],
+                           etcd_user_data=etcd_user_data(stack, plan.etcd_ip),
+                           repository_name=f"{stack}-worker", noncurrent_days=7, log_retention_days=14)
+        self._stacks(session).create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"},
+                                               "petctl base stack")
+        outputs = self._stacks(session).outputs(stack)
+        from petctl import __version__
+
+        settings = self.settings
+        settings.update({k: v for k, v in merged.items() if k in ("region", "profile", "endpoint_url",
+                                                                   "stack_name", "vpc_cidr", "max_azs")})
+        settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
+                        image=merged["image"] or f"{outputs['RepositoryUri']}:{__version__}",
+                        etcd_endpoint=outputs["EtcdEndpoint"], ready=True)
+        self.config.provider = self.name
+        self.config.save()
+        return dict(settings)
+
+    def teardown(self, force: bool = False) -> None:
+        """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints)."""
+        self._ready()
+        session = self._session()
+        stacks = self._stacks(session)
+        jobs = stacks.list_stacks("petctl:stack", self._base)
+        jobs = [s for s in jobs if _tags(s).get("petctl:kind") == "job"]
+        if jobs and not force:
+            names = ", ".join(sorted(_tags(s).get("petctl:job", s["StackName"]) for s in jobs))
+            raise JobExists(f"{len(jobs)} job(s) still exist ({names}): kill them first or pass --force")
+        for job_stack in jobs:  # start every deletion first, then wait: they run in parallel
+            with aws_errors(f"delete stack {job_stack['StackName']}"):
+                session.client("cloudformation").delete_stack(StackName=job_stack["StackName"])
+        for job_stack in jobs:
+            stacks.delete(job_stack["StackName"], f"job {_tags(job_stack).get('petctl:job')}")
+        bucket = self.settings.get("outputs", {}).get("BucketName", "")
+        stacks.delete(self._base, "petctl base stack")
+        if bucket:
+            self.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
+        self.settings.update(ready=False, outputs={})
+        self.config.save()
+
+    # --- jobs --------------------------------------------------------------------------------------
+    def create_job(self, spec: JobSpec, script: Path) -> JobInfo:
+        settings = self._ready()
+        spec.validate()
+        spec.instance_types = validate_instance_types([t for item in spec.instance_types
+                                                       for t in item.split(",")])
+        if not 0 <= spec.on_demand_base <= spec.max_size:
+            raise ValidationError(f"--on-demand-base {spec.on_demand_base} is outside "
+                                  f"[0, --max {spec.max_size}]")
+        script = Path(script)
+        if not script.exists():
+            raise ValidationError(f"script {script} does not exist")
+        if script.is_dir() and not spec.entrypoint:
+            raise ValidationError(f"{script} is a directory: pass --entrypoint (the file to run inside it)")
+        session = self._session()
+        stacks = self._stacks(session)
+        stack = self._job_stack(spec.name)
+        if stacks.describe(stack):
+            raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick "
+                            "another name")
+        store = self._store(session, spec.name)
+        spec.code_url, default_entry = store.upload_code(script)
+        spec.entrypoint = spec.entrypoint or default_entry
+        spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
+        spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
+        agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
+                            asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
+                            status_url=store.url("status") + "/")
+        store.put_json("job.json", spec.to_dict())
+        store.put_json("agent.json", _json(agent.to_json()))
+        body = self.render_job_template(spec, agent, store.url("agent.json"))
+        try:
+            tags = {"petctl:stack": self._base, "petctl:kind": "job", "petctl:job": spec.name}
+            stacks.create(stack, body, tags, f"job {spec.name}")
+        except ProviderError:
+            if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
+                stacks.delete(stack, f"failed job {spec.name}")  # free the name for a corrected retry
+            raise
+        inventory.wait_in_service(session.client("autoscaling"), stack, spec.size, self.wait_timeout,
+                                  self.poll_interval, self.progress)
+        return self.job(spec.name)
+
+    def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str) -> str:
+        """The job stack's template (public so tests can read exactly what would be deployed)."""
+        settings = self._ready()
+        out = settings["outputs"]
+        types = spec.instance_types
+        spot = not spec.on_demand
+        mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
+        user_data = worker_user_data(agent, image=settings["image"], log_group=out["LogGroupName"],
+                                     config_url=config_url, gpus=is_gpu(types[0]))
+        base = {"stack_name": self._base, "bucket": out["BucketName"],
+                "subnet_ids": out["SubnetIds"].split(","),
+                "worker_security_group": out["WorkerSecurityGroupId"],
+                "worker_policy_arn": out["WorkerPolicyArn"]}
+        return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
+                          instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
+                          on_demand_base=spec.on_demand_base, user_data=user_data,
+                          job_prefix=job_prefix(spec.name),
+                          lifecycle_hook=LIFECYCLE_HOOK, root_volume_gb=settings.get("root_volume_gb", 100),
+                          hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))
+
+    def kill_job(self, name: str) -> None:
+        """Delete the job's stack (its Auto Scaling group and role); its S3 prefix stays (checkpoints)."""
+        self._ready()
+        session = self._session()
+        stacks = self._stacks(session)
+        if not stacks.describe(self._job_stack(name)):
+            raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
+        stacks.delete(self._job_stack(name), f"job {name}")
+
+    def scale(self, name: str, size: int) -> None:
+        self._ready()
+        session = self._session()
+        group = inventory.group(session.client("autoscaling"), self._job_stack(name), name)
+        if not group["MinSize"] <= size <= group["MaxSize"]:
+            raise ValidationError(f"size {size} is outside the job's [min {group['MinSize']}, "
+                                  f"max {group['MaxSize']}]")
+        with aws_errors(f"scale job {name}"):
+            session.client("autoscaling").set_desired_capacity(AutoScalingGroupName=self._job_stack(name),
+                                                               DesiredCapacity=size, HonorCooldown=False)
+
+    def hosts(self, name: str) -> list[HostInfo]:
+        self._ready()
+        session = self._session()
+        self.job(name)  # JobNotFound for an unknown job
+        return inventory.hosts(session.client("ec2"), self._base, name)
+
+    def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
+        """Terminate one instance through EC2 (as a reclaim would); the group launches a replacement."""
+        if mode != "kill":
+            raise ProviderError(f"terminate mode {mode!r} is not supported on aws: only 'kill' "
+                                "(EC2 terminate-instances)")
+        live = [h for h in self.hosts(name) if h.state in ("pending", "running")]
+        if host_id is None:
+            if not live:
+                raise ProviderError(f"job {name!r} has no running instance to terminate")
+            host_id = sorted(live, key=lambda h: (h.launched_at or 0, h.host_id))[-1].host_id
+        elif host_id not in {h.host_id for h in self.hosts(name)}:
+            raise ProviderError(f"no instance {host_id!r} in job {name!r} (see `petctl hosts {name}`)")
+        session = self._session()
+        with aws_errors(f"terminate instance {host_id}"):
+            session.client("ec2").terminate_instances(InstanceIds=[host_id])
+        return host_id
+
+    def jobs(self) -> list[JobInfo]:
+        self._ready()
+        session = self._session()
+        stacks = [s for s in self._stacks(session).list_stacks("petctl:stack", self._base)
+                  if _tags(s).get("petctl:kind") == "job"]
+        return [inventory.job_info(session.client("autoscaling"), s, self.name) for s in stacks]
+
+    def job(self, name: str) -> JobInfo:
+        self._ready()
+        session = self._session()
+        stack = self._stacks(session).describe(self._job_stack(name))
+        if not stack or stack["StackStatus"] == "DELETE_COMPLETE":
+            raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
+        info = inventory.job_info(session.client("autoscaling"), stack, self.name)
+        if info.state == "running":
+            result = inventory.result_from_nodes(self._store(session, name).node_states())
+            if result:
+                info.state, info.reason = result
+        return info
+
+    def etcd_endpoint(self) -> str:
+        return self._ready()["outputs"]["EtcdEndpoint"]
+
+    def node_states(self, name: str):
+        """etcd when the CLI can reach it (a VPN, or inside the VPC); otherwise the agents' S3 mirror."""
+        endpoint = self.etcd_endpoint()
+        if inventory.reachable(endpoint, timeout=1.0):
+            return super().node_states(name)
+        self.job(name)
+        return inventory.job_state_from_nodes(name, self._store(self._session(), name).node_states())
+
+    def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
+        self._ready()
+        store = self._store(self._session(), name)
+        self.job(name)
+        nodes = [node] if node else store.log_nodes()
+        if node and node not in store.log_nodes():
+            raise ProviderError(f"no log for node {node!r} in job {name!r} yet (see `petctl hosts {name}`)")
+        offsets: dict[str, int] = {}
+        while True:
+            for n in nodes:
+                lines = list(store.log_lines(n))
+                for line in lines[offsets.get(n, 0):]:
+                    yield line if node else f"[{n}] {line}"
+                offsets[n] = len(lines)
+            if not follow or self.job(name).state != "running":
+                return
+            time.sleep(max(self.poll_interval, 2.0))
+            nodes = [node] if node else store.log_nodes()
+
+
+def _tags(stack: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+
+
+def _json(text: str) -> Any:
+    import json
+
+    return json.loads(text)
+
+
+def _int_option(name: str, value: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValidationError(f"aws setup option {name} expects an integer (got {value!r})") from None
+    if number < minimum:
+        raise ValidationError(f"aws setup option {name} must be >= {minimum} (got {number})")
+    return number

@@ -1,0 +1,130 @@
+"""boto3 sessions and clients the way the AWS CLI would build them, plus AWS errors in user terms.
+
+Region and profile follow the CLI's conventions (flags first, then AWS_PROFILE / AWS_REGION /
+AWS_DEFAULT_REGION and ~/.aws/config); an endpoint URL (an emulator such as moto) is just configuration.
+Clients use adaptive retries so throttling backs off instead of failing a long stack wait. boto3 is
+imported here lazily so `import petctl` never pays for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from petctl.errors import NotSetUp, PetctlError, ProviderError, ValidationError
+
+THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+              "SlowDown", "RequestThrottled", "PriorRequestNotComplete"}
+BAD_CREDENTIALS = {"InvalidClientTokenId", "UnrecognizedClientException", "AuthFailure", "ExpiredToken",
+                   "ExpiredTokenException", "SignatureDoesNotMatch", "InvalidAccessKeyId"}
+NO_REGION = "no AWS region: pass --option region=REGION, set AWS_REGION, or set one in the profile"
+NO_CREDENTIALS_HINT = ("set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, run `aws configure` "
+                       "or `aws sso login`, or pass --option profile=NAME")
+
+
+@dataclass
+class AwsSession:
+    """A region-bound boto3 session with clients built on demand (and cached per service)."""
+
+    region: str
+    profile: str = ""
+    endpoint_url: str = ""
+    max_attempts: int = 10
+    _session: Any = None
+    _clients: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, region: str = "", profile: str = "", endpoint_url: str = "") -> AwsSession:
+        import boto3
+        from botocore.exceptions import ProfileNotFound
+
+        try:
+            session = boto3.Session(profile_name=profile or None, region_name=region or None)
+        except ProfileNotFound:
+            raise NotSetUp(f"AWS profile {profile!r} not found in ~/.aws/config or "
+                           "~/.aws/credentials") from None
+        region = region or session.region_name or ""
+        if not region:
+            raise ValidationError(NO_REGION)
+        check_region(session, region)
+        if session.get_credentials() is None:
+            raise NotSetUp(f"no AWS credentials found: {NO_CREDENTIALS_HINT}")
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+        return cls(region=region, profile=profile, endpoint_url=endpoint_url, _session=session)
+
+    def client(self, service: str):
+        if service not in self._clients:
+            from botocore.config import Config
+
+            config = Config(region_name=self.region, user_agent_extra="petctl",
+                            retries={"mode": "adaptive", "max_attempts": self.max_attempts})
+            self._clients[service] = self._session.client(service, config=config,
+                                                          endpoint_url=self.endpoint_url or None)
+        return self._clients[service]
+
+
+def known_regions(session) -> set[str]:
+    regions: set[str] = set()
+    for partition in session.get_available_partitions():
+        regions.update(session.get_available_regions("ec2", partition_name=partition))
+    return regions
+
+
+def check_region(session, region: str) -> None:
+    """Fail fast on a typo: botocore would otherwise try to resolve a host that does not exist."""
+    regions = known_regions(session)
+    if regions and region not in regions:
+        close = sorted(r for r in regions if r.split("-")[0] == region.split("-")[0])[:6]
+        hint = f" (did you mean one of: {', '.join(close)}?)" if close else ""
+        raise ValidationError(f"unknown AWS region {region!r}{hint}")
+
+
+def error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def error_message(exc: BaseException) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Message", "")) or str(exc)
+
+
+@contextlib.contextmanager
+def aws_errors(action: str) -> Iterator[None]:
+    """Turn botocore failures into one-line `PetctlError`s naming what petctl was doing."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        NoRegionError,
+        PartialCredentialsError,
+    )
+
+    try:
+        yield
+    except PetctlError:
+        raise
+    except (NoCredentialsError, PartialCredentialsError):
+        raise NotSetUp(f"no AWS credentials found while trying to {action}: {NO_CREDENTIALS_HINT}") from None
+    except NoRegionError:
+        raise ValidationError(NO_REGION) from None
+    except EndpointConnectionError as exc:
+        raise ProviderError(f"cannot reach AWS to {action}: {exc}") from None
+    except ClientError as exc:
+        code = error_code(exc)
+        message = error_message(exc)
+        if code in THROTTLING:
+            raise ProviderError(f"AWS is throttling requests ({code}) while trying to {action}, even after "
+                                "adaptive retries: wait a minute and run the command again") from None
+        if code in BAD_CREDENTIALS:
+            raise NotSetUp(f"AWS rejected the credentials ({code}) while trying to {action}: "
+                           f"{NO_CREDENTIALS_HINT}") from None
+        if code in {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation"}:
+            raise ProviderError(f"AWS denied permission to {action}: {message}") from None
+        raise ProviderError(f"failed to {action}: {code}: {message}") from None
+    except BotoCoreError as exc:
+        raise ProviderError(f"failed to {action}: {exc}") from None

@@ -1,0 +1,175 @@
+"""Create, update, wait for and delete CloudFormation stacks, reporting progress as CloudFormation works
+and failing with the stack's own reason (the first resource that failed), not a generic waiter error.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petctl.errors import JobExists, ProviderError
+from petctl.providers.aws.session import aws_errors, error_message
+
+Progress = Callable[[str], None]
+
+IN_PROGRESS = "_IN_PROGRESS"
+DONE_OK = {"CREATE_COMPLETE", "UPDATE_COMPLETE", "DELETE_COMPLETE", "IMPORT_COMPLETE"}
+CAPABILITIES = ["CAPABILITY_IAM"]
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class StackOps:
+    """Stack operations on one CloudFormation client. `poll` is seconds between status checks."""
+
+    cfn: Any
+    poll: float = 5.0
+    timeout: float = 3600.0
+    progress: Progress = stderr_progress
+    _seen_events: set[str] = field(default_factory=set)
+
+    def describe(self, name: str) -> dict[str, Any] | None:
+        """The stack, or None when it does not exist (deleted stacks are invisible by name)."""
+        from botocore.exceptions import ClientError
+
+        with aws_errors(f"describe stack {name}"):
+            try:
+                return self.cfn.describe_stacks(StackName=name)["Stacks"][0]
+            except ClientError as exc:
+                if "does not exist" in error_message(exc):
+                    return None
+                raise
+
+    def outputs(self, name: str) -> dict[str, str]:
+        stack = self.describe(name) or {}
+        return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
+
+    def list_stacks(self, tag_key: str, tag_value: str) -> list[dict[str, Any]]:
+        """Live stacks carrying the tag (CloudFormation has no server-side tag filter)."""
+        stacks = []
+        with aws_errors("list stacks"):
+            for page in self.cfn.get_paginator("describe_stacks").paginate():
+                for stack in page["Stacks"]:
+                    tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+                    if tags.get(tag_key) == tag_value and stack["StackStatus"] != "DELETE_COMPLETE":
+                        stacks.append(stack)
+        return stacks
+
+    def create(self, name: str, body: str, tags: dict[str, str], what: str) -> dict[str, Any]:
+        """Create a stack that must not exist yet, and wait for it."""
+        existing = self.describe(name)
+        if existing:
+            raise JobExists(self._exists_message(name, existing["StackStatus"], what))
+        with aws_errors(f"create stack {name}"):
+            self.cfn.create_stack(StackName=name, TemplateBody=body, Capabilities=CAPABILITIES,
+                                  Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
+                                  OnFailure="ROLLBACK")
+        self.progress(f"creating {what} (stack {name})")
+        return self.wait(name, "CREATE_COMPLETE")
+
+    def create_or_update(self, name: str, body: str, tags: dict[str, str], what: str) -> dict[str, Any]:
+        """setup is idempotent: create the stack, or update it in place when it is already healthy."""
+        from botocore.exceptions import ClientError
+
+        existing = self.describe(name)
+        if existing is None:
+            return self.create(name, body, tags, what)
+        status = existing["StackStatus"]
+        if status.endswith(IN_PROGRESS) or status in {"ROLLBACK_COMPLETE", "DELETE_FAILED"}:
+            raise JobExists(self._exists_message(name, status, what))
+        with aws_errors(f"update stack {name}"):
+            try:
+                self.cfn.update_stack(StackName=name, TemplateBody=body, Capabilities=CAPABILITIES,
+                                      Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
+            except ClientError as exc:
+                if "No updates are to be performed" in error_message(exc):
+                    self.progress(f"{what} is up to date (stack {name})")
+                    return existing
+                raise
+        self.progress(f"updating {what} (stack {name})")
+        return self.wait(name, "UPDATE_COMPLETE")
+
+    def delete(self, name: str, what: str) -> None:
+        stack = self.describe(name)
+        if stack is None:
+            return
+        with aws_errors(f"delete stack {name}"):
+            self.cfn.delete_stack(StackName=name)
+        self.progress(f"deleting {what} (stack {name})")
+        self.wait(name, "DELETE_COMPLETE")
+
+    def wait(self, name: str, target: str) -> dict[str, Any]:
+        """Poll until the stack settles; print each new resource event; raise with the failure reason."""
+        stack_id = (self.describe(name) or {}).get("StackId", name)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._report_events(stack_id)
+            stack = self._describe_id(stack_id)
+            status = stack["StackStatus"] if stack else "DELETE_COMPLETE"
+            if not status.endswith(IN_PROGRESS):
+                if status == target or (target == "DELETE_COMPLETE" and stack is None):
+                    return stack or {}
+                raise ProviderError(f"stack {name} ended {status}: {self.failure_reason(stack_id, stack)}")
+            if time.monotonic() > deadline:
+                raise ProviderError(f"stack {name} still {status} after {self.timeout:.0f}s; see the "
+                                    "CloudFormation console for details")
+            time.sleep(self.poll)
+
+    def failure_reason(self, stack_id: str, stack: dict[str, Any] | None) -> str:
+        """The first resource failure of the latest operation: the cause, not the rollback's echo."""
+        reasons = []
+        for event in self._events(stack_id):
+            if event.get("ResourceStatus", "").endswith("_FAILED") and event.get("ResourceStatusReason"):
+                if event.get("ResourceType") != "AWS::CloudFormation::Stack":
+                    reasons.append(f"{event['LogicalResourceId']}: {event['ResourceStatusReason']}")
+        if reasons:
+            return reasons[-1]  # events are newest first; the last failure listed happened first
+        return (stack or {}).get("StackStatusReason") or "no reason given by CloudFormation"
+
+    def _describe_id(self, stack_id: str) -> dict[str, Any] | None:
+        from botocore.exceptions import ClientError
+
+        with aws_errors(f"describe stack {stack_id}"):
+            try:
+                stack = self.cfn.describe_stacks(StackName=stack_id)["Stacks"][0]
+            except ClientError as exc:
+                if "does not exist" in error_message(exc):
+                    return None
+                raise
+        return None if stack["StackStatus"] == "DELETE_COMPLETE" else stack
+
+    def _events(self, stack_id: str) -> list[dict[str, Any]]:
+        from botocore.exceptions import ClientError
+
+        with aws_errors(f"read events of stack {stack_id}"):
+            try:
+                return list(self.cfn.describe_stack_events(StackName=stack_id).get("StackEvents", []))
+            except ClientError as exc:
+                if "does not exist" in error_message(exc):
+                    return []
+                raise
+
+    def _report_events(self, stack_id: str) -> None:
+        for event in reversed(self._events(stack_id)):
+            if event["EventId"] in self._seen_events:
+                continue
+            self._seen_events.add(event["EventId"])
+            reason = f" - {event['ResourceStatusReason']}" if event.get("ResourceStatusReason") else ""
+            self.progress(f"  {event.get('ResourceStatus', ''):<20} {event.get('ResourceType', ''):<40} "
+                          f"{event.get('LogicalResourceId', '')}{reason}")
+
+    @staticmethod
+    def _exists_message(name: str, status: str, what: str) -> str:
+        if status.startswith("DELETE"):
+            return f"stack {name} ({what}) is being deleted ({status}); wait for it to finish and retry"
+        if status.endswith(IN_PROGRESS):
+            return f"stack {name} ({what}) is busy ({status}); wait for it to finish and retry"
+        if status == "ROLLBACK_COMPLETE":
+            return f"stack {name} ({what}) failed to create earlier (ROLLBACK_COMPLETE); delete it and retry"
+        return f"stack {name} ({what}) already exists ({status})"

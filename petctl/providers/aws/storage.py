@@ -1,0 +1,129 @@
+"""The job's S3 prefix: code upload, job records, and the agents' status and log mirror.
+
+Layout under `s3://<bucket>/jobs/<job>/`:
+    code/<file> or code/code.tar.gz   what the agent runs (uploaded by run_job)
+    job.json                          the JobSpec as submitted (for `jobs`/`status` without etcd)
+    agent.json                        the agent config the user data embeds (identity placeholders in)
+    checkpoints/                      petctl.elastic checkpoints
+    status/<node_id>.json             each agent's published node state (same schema as etcd's)
+    logs/<node_id>.log                each agent's node log
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from petctl.errors import ValidationError
+from petctl.providers.aws.session import aws_errors, error_code
+
+ARCHIVE_NAME = "code.tar.gz"
+
+
+def job_prefix(job: str) -> str:
+    return f"jobs/{job}"
+
+
+@dataclass
+class JobStore:
+    s3: Any
+    bucket: str
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return job_prefix(self.job)
+
+    def url(self, *parts: str) -> str:
+        return "/".join([f"s3://{self.bucket}", self.prefix, *parts])
+
+    def upload_code(self, script: Path) -> tuple[str, str]:
+        """Upload a file as itself or a directory as one tar.gz; returns (code_url, default entrypoint)."""
+        script = Path(script)
+        if script.is_file():
+            key = f"{self.prefix}/code/{script.name}"
+            with aws_errors(f"upload {script} to s3://{self.bucket}/{key}"):
+                self.s3.upload_file(str(script), self.bucket, key)
+            return f"s3://{self.bucket}/{key}", script.name
+        if script.is_dir():
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+                for path in sorted(script.rglob("*")):
+                    if "__pycache__" in path.parts or path.name.startswith(".") or not path.is_file():
+                        continue
+                    tar.add(path, arcname=str(path.relative_to(script)))
+            key = f"{self.prefix}/code/{ARCHIVE_NAME}"
+            with aws_errors(f"upload {script}/ to s3://{self.bucket}/{key}"):
+                self.s3.put_object(Bucket=self.bucket, Key=key, Body=buffer.getvalue())
+            return f"s3://{self.bucket}/{key}", ""
+        raise ValidationError(f"script {script} does not exist")
+
+    def put_json(self, name: str, value: Any) -> None:
+        with aws_errors(f"write s3://{self.bucket}/{self.prefix}/{name}"):
+            body = json.dumps(value, sort_keys=True).encode()
+            self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}", Body=body,
+                               ContentType="application/json")
+
+    def get_json(self, name: str) -> Any:
+        text = self.get_text(name)
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+
+    def get_text(self, name: str) -> str | None:
+        from botocore.exceptions import ClientError
+
+        with aws_errors(f"read s3://{self.bucket}/{self.prefix}/{name}"):
+            try:
+                body = self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}")["Body"]
+                return body.read().decode("utf-8", "replace")
+            except ClientError as exc:
+                if error_code(exc) in {"NoSuchKey", "404", "NotFound"}:
+                    return None
+                raise
+
+    def list_names(self, sub: str) -> list[str]:
+        """Object names (relative to `<prefix>/<sub>/`) directly under a sub-prefix."""
+        names = []
+        base = f"{self.prefix}/{sub}/"
+        with aws_errors(f"list s3://{self.bucket}/{base}"):
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
+        return sorted(n for n in names if n and "/" not in n)
+
+    def node_states(self) -> dict[str, dict[str, Any]]:
+        """node_id -> published node state, from `status/<node_id>.json`."""
+        states = {}
+        for name in self.list_names("status"):
+            if not name.endswith(".json") or name.startswith("_"):
+                continue
+            value = self.get_json(f"status/{name}")
+            if isinstance(value, dict):
+                states[name[: -len(".json")]] = value
+        return states
+
+    def log_nodes(self) -> list[str]:
+        return [n[: -len(".log")] for n in self.list_names("logs") if n.endswith(".log")]
+
+    def log_lines(self, node: str) -> Iterator[str]:
+        text = self.get_text(f"logs/{node}.log") or ""
+        yield from text.splitlines()
+
+    def delete_all(self) -> None:
+        """Remove every object (all versions) under the job's prefix."""
+        with aws_errors(f"delete s3://{self.bucket}/{self.prefix}/"):
+            paginator = self.s3.get_paginator("list_object_versions")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+                objects = [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                           for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
+                for start in range(0, len(objects), 1000):
+                    batch = {"Objects": objects[start:start + 1000]}
+                    self.s3.delete_objects(Bucket=self.bucket, Delete=batch)

@@ -1,0 +1,65 @@
+"""Render the CloudFormation templates (`cfn/`) and boot scripts (`worker_image/`) with jinja2.
+
+Templates are rendered completely in Python (AZs, CIDRs, ARNs of known names, user data), so what is sent
+to CloudFormation is exactly what the tests, cfn-lint and checkov read.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from petctl.errors import ProviderError
+
+CFN_DIR = "cfn"
+BOOT_DIR = "worker_image"
+
+
+def resource_dir(name: str) -> Path:
+    """`cfn/` or `worker_image/`: next to the package in a checkout, or under `<prefix>/share/petctl`."""
+    candidates = [Path(__file__).resolve().parents[3] / name, Path(sys.prefix) / "share" / "petctl" / name]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    looked = ", ".join(map(str, candidates))
+    raise ProviderError(f"petctl's {name}/ templates are missing (looked in {looked})")
+
+
+def _json_string(value: Any) -> str:
+    """JSON is valid YAML flow syntax, so any value (multi-line user data included) embeds safely."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+@lru_cache(maxsize=4)
+def _environment(directory: str):
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(directory),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+    )
+    env.filters["tojson"] = _json_string
+    env.filters["shellquote"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def render(directory: str, template: str, **context: Any) -> str:
+    return _environment(str(resource_dir(directory))).get_template(template).render(**context)
+
+
+def render_base(**context: Any) -> str:
+    return render(CFN_DIR, "base.yaml.j2", **context)
+
+
+def render_job(**context: Any) -> str:
+    return render(CFN_DIR, "job.yaml.j2", **context)
+
+
+def render_boot(template: str, **context: Any) -> str:
+    return render(BOOT_DIR, template, **context)

@@ -1,0 +1,50 @@
+"""EC2 user data for petctl's instances: small, secret-free boot scripts rendered from `worker_image/`.
+
+A worker's user data embeds the job's agent config; what only the instance knows (its id and private
+address) is read from IMDSv2 at boot and passed to the agent as `--node-id`/`--host-addr`. The same config
+is stored at the job's S3 prefix (`agent.json`), so the user data is never the only copy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from petctl.spec import AgentConfig
+
+CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
+# Keep the user data far below EC2's 16 KiB limit so a long argument list cannot break a launch.
+MAX_USER_DATA = 12 * 1024
+
+ETCD_VERSION = "3.5.17"
+WORKER_IMDS = "http://169.254.169.254"
+
+
+def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url: str,
+                     gpus: bool = True) -> str:
+    from petctl.errors import ValidationError
+    from petctl.providers.aws.templates import render_boot
+
+    text = render_boot("worker_boot.sh.j2", agent_config=config.to_json(), image=image, log_group=log_group,
+                       config_url=config_url, gpus=gpus)
+    if len(text.encode()) > MAX_USER_DATA:
+        raise ValidationError(f"the job's boot script is {len(text.encode())} bytes (limit {MAX_USER_DATA}): "
+                              "shorten the job's arguments or environment")
+    return text
+
+
+def etcd_user_data(stack_name: str, etcd_ip: str, etcd_version: str = ETCD_VERSION,
+                   etcd_sha256: str = "") -> str:
+    from petctl.providers.aws.templates import render_boot
+
+    return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
+                       etcd_sha256=etcd_sha256)
+
+
+def agent_config_from_user_data(text: str) -> AgentConfig:
+    """The agent config a worker's boot script writes (identity left blank; for tests and emulators)."""
+    match = re.search(rf"<<'{CONFIG_MARKER}'\n(.*?)\n{CONFIG_MARKER}\n", text, re.S)
+    if not match:
+        raise ValueError("no petctl agent config in this user data")
+    json.loads(match.group(1))  # must be one JSON document
+    return AgentConfig.from_json(match.group(1))

@@ -1,0 +1,48 @@
+"""Test-only patches of moto's CloudFormation emulation. Nothing in petctl imports this module.
+
+moto's CloudFormation deletes only resources whose model implements deletion; a route table, an internet
+gateway (and its VPC attachment), a gateway VPC endpoint and a network interface are left behind, so the
+VPC that holds them cannot be deleted and `delete_stack` of the base stack fails with DependencyViolation.
+Real CloudFormation deletes all of them in dependency order. The patch does what CloudFormation would,
+right before moto deletes the VPC: it removes those leftovers *of that VPC only*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def _clear_vpc_leftovers(backend, vpc_id: str) -> None:
+    for table in list(backend.route_tables.values()):
+        if table.vpc_id != vpc_id or table.main_association_id:
+            continue
+        for association_id in list(table._associations):
+            backend.disassociate_route_table(association_id)
+        backend.delete_route_table(table.id)
+    for igw in list(backend.internet_gateways.values()):
+        if igw.vpc and igw.vpc.id == vpc_id:
+            backend.detach_internet_gateway(igw.id, vpc_id)
+            backend.delete_internet_gateway(igw.id)
+    endpoints = [e.id for e in backend.vpc_end_points.values() if e.vpc_id == vpc_id]
+    backend.delete_vpc_endpoints(endpoints)
+    for eni in list(backend.enis.values()):
+        if eni.subnet.vpc_id == vpc_id and eni.instance is None:
+            backend.delete_network_interface(eni.id)
+
+
+def patch_moto_stack_deletion() -> None:
+    """Idempotent; call once in the process that runs moto's server."""
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.vpcs import VPC
+
+    if getattr(VPC, "_petctl_patched", False):
+        return
+    original = VPC.delete_from_cloudformation_json.__func__
+
+    def delete_from_cloudformation_json(cls, resource_name, cloudformation_json, account_id, region_name):
+        with contextlib.suppress(Exception):
+            _clear_vpc_leftovers(ec2_backends[account_id][region_name], resource_name)
+        return original(cls, resource_name, cloudformation_json, account_id, region_name)
+
+    VPC.delete_from_cloudformation_json = classmethod(delete_from_cloudformation_json)
+    VPC._petctl_patched = True
