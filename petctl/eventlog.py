@@ -34,6 +34,17 @@ class EventLog:
         """Add fields to every later event (for example the node's rank once it is known)."""
         self.context.update({k: v for k, v in context.items() if v is not None})
 
+    def forward(self, record: dict[str, Any]) -> None:
+        """Pass an event that is already on the log (a worker's line) to the sinks only."""
+        self._to_sinks({**self.context, **record})
+
+    def _to_sinks(self, record: dict[str, Any]) -> None:
+        for sink in list(self._sinks):
+            try:
+                sink(record)
+            except Exception:  # a failing sink (etcd down) must never break the caller
+                pass
+
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"ts": round(time.time(), 6), "event": event, "component": self.component, **self.context,
                   **fields}
@@ -44,11 +55,7 @@ class EventLog:
                 self.stream.flush()
             except (ValueError, OSError):  # stream closed during shutdown: events are best effort
                 pass
-        for sink in list(self._sinks):
-            try:
-                sink(record)
-            except Exception:  # a failing sink (etcd down) must never break the caller
-                pass
+        self._to_sinks(record)
         return record
 
 

@@ -51,6 +51,7 @@ class AgentCluster:
     root: Path
     spec: JobSpec
     agents: dict[str, AgentProc] = field(default_factory=dict)
+    status_url: str = ""
     _count: int = 0
 
     def start(self, node_id: str | None = None, imds: Callable[[str], str] | None = None) -> AgentProc:
@@ -61,7 +62,8 @@ class AgentCluster:
         work.mkdir(parents=True, exist_ok=True)
         cfg = work / "agent.json"
         cfg.write_text(AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work),
-                                   imds_endpoint=imds(node_id) if imds else "").to_json())
+                                   imds_endpoint=imds(node_id) if imds else "",
+                                   status_url=self.status_url).to_json())
         log = work / "agent.log"
         proc = subprocess.Popen([sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,

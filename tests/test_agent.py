@@ -9,6 +9,7 @@ the workers actually ran.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import time
 
@@ -181,3 +182,30 @@ def test_restart_hands_the_round_to_warm_workers(cluster_factory):
     started = wait_for(lambda: [e for e in keeper.events("workers.started") if e["round"] == 2], 20)
     assert started[0]["warm"] == 1
     wait_for(lambda: trained_at(cluster, keeper.node_id, 1, started[0]["ts"]), 20, what="warm worker trains")
+
+
+def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
+    """The job's timeline is kept twice: in etcd (`events/`) for a running job and in the job's prefix
+    (here file://) so it outlives etcd; status and the node log are mirrored too."""
+    from petctl.etcd_server import etcd_client
+    from petctl.keys import JobKeys
+
+    mirror = tmp_path / "mirror"
+    cluster = cluster_factory(min_size=1, max_size=1, env={"STEPS": "6", "STEP_TIME": "0.05"})
+    cluster.status_url = f"file://{mirror}"
+    node = cluster.start()
+    assert node.proc.wait(timeout=60) == 0
+    events_key = JobKeys(cluster.spec.name).events
+    listing = etcd_client(cluster.endpoint).read(events_key, recursive=True, sorted=True)
+    records = [json.loads(leaf.value) for leaf in listing.leaves if leaf.value]
+    names = [r["event"] for r in records]
+    for expected in ("agent.started", "rendezvous.complete", "workers.started", "round.summary",
+                     "job.result"):
+        assert expected in names, names
+    summary = next(r for r in records if r["event"] == "round.summary")
+    assert (summary["first_step"], summary["last_step"], summary["world_size"]) == (0, 5, 1)
+    mirrored = [json.loads(line)["event"] for line in
+                (mirror / "events" / f"{node.node_id}.jsonl").read_text().splitlines()]
+    assert mirrored == names
+    assert json.loads((mirror / "status" / f"{node.node_id}.json").read_text())["state"] == "succeeded"
+    assert '"event": "train.step"' in (mirror / "logs" / f"{node.node_id}.log").read_text()

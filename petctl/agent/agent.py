@@ -23,7 +23,9 @@ import etcd
 
 from petctl.agent import controlfiles
 from petctl.agent.code import fetch_code
+from petctl.agent.eventsink import EtcdEventSink
 from petctl.agent.heartbeat import Heartbeat
+from petctl.agent.mirror import Mirror
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rendezvous import (
     EtcdRendezvous,
@@ -45,7 +47,7 @@ PUBLISH_EVERY = 5.0
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, out: IO[str] | None = None) -> None:
+    def __init__(self, config: AgentConfig, out: IO[str] | None = None, log_path: Path | None = None) -> None:
         self.config = config
         self.spec = config.job
         self.t = config.job.timeouts
@@ -67,14 +69,23 @@ class Agent:
                                    self.spec.min_size, self.spec.max_size, self.spec.max_restarts, self.t,
                                    self.events, self.watcher, self.stats, initial_size=self.spec.size)
         self.preemption = PreemptionHandler(config, self.events)
+        self.event_sink = EtcdEventSink(etcd_client(self.spec.etcd_endpoint), self.keys.events)
+        self.events.add_sink(self.event_sink)
+        self.mirror = Mirror(config.status_url, self.node_id, log_path) if config.status_url else None
+        if self.mirror is not None:
+            self.events.add_sink(self.mirror.add_event)
         self.progress: dict[str, Any] = {"step": None, "last_checkpoint": None}
         self.round: RoundInfo | None = None
+        self.round_steps: dict[str, Any] = {}  # first/last step of the current round (goodput)
         self.state = "starting"
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.leave.set())
         signal.signal(signal.SIGINT, lambda *_: self.leave.set())
+        self.event_sink.start()
+        if self.mirror is not None:
+            self.mirror.start()
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(),
                          min=self.spec.min_size, max=self.spec.max_size, nproc=self.spec.nproc_per_node)
         code_dir = self.work_dir / "code"
@@ -96,6 +107,9 @@ class Agent:
         finally:
             self.preemption.stop()
             self.watcher.stop()
+            self.event_sink.stop()
+            if self.mirror is not None:
+                self.mirror.stop()
             if self.pool is not None:
                 self.pool.close()
 
@@ -137,6 +151,7 @@ class Agent:
     # --- one round ---------------------------------------------------------------------------------
     def _run_round(self, info: RoundInfo) -> str | JobEnded:
         self.round = info
+        self.round_steps = {}
         controlfiles.clear(self.control_dir, markers=True)
         workers = WorkerGroup(self.worker_spec, self.out, on_event=self._on_worker_event, pool=self.pool)
         workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
@@ -244,6 +259,12 @@ class Agent:
         codes = workers.stop(self.t.stop_grace)
         self.events.emit("workers.stopped", round=info.round, why=why, codes=codes,
                          seconds=round(time.monotonic() - t0, 3))
+        span = self.round_steps
+        # One line per round with its step span: enough for goodput (kept vs lost steps) later.
+        self.events.emit("round.summary", round=info.round, rank=info.rank, world_size=info.world_size,
+                         started=round(workers.started_at, 3), ended=round(time.time(), 3), why=why,
+                         first_step=span.get("first"), last_step=span.get("last"),
+                         first_step_ts=span.get("first_ts"), last_step_ts=span.get("last_ts"))
 
     def _extra_env(self, info: RoundInfo) -> dict[str, str]:
         return {"PETCTL_JOB": self.spec.name, "PETCTL_NODE_ID": self.node_id,
@@ -273,12 +294,22 @@ class Agent:
 
     # --- status ------------------------------------------------------------------------------------
     def _on_worker_event(self, record: dict[str, Any]) -> None:
+        """Follow the workers' progress lines (local rank 0 speaks for the node); no torch needed."""
         event = record.get("event")
-        if event == "train.step" and int(record.get("rank", 0) or 0) % self.spec.nproc_per_node == 0:
-            self.progress["step"] = record.get("step")
+        if int(record.get("local_rank", record.get("rank", 0)) or 0) % self.spec.nproc_per_node != 0:
+            return
+        if event == "train.step":
+            step, ts = record.get("step"), record.get("ts")
+            self.progress["step"] = step
             self.progress["round_step_seen"] = True
-        elif event == "checkpoint.saved":
-            self.progress["last_checkpoint"] = {"step": record.get("step"), "url": record.get("url")}
+            span = self.round_steps
+            if "first" not in span:
+                span.update(first=step, first_ts=ts)
+            span.update(last=step, last_ts=ts)
+        elif event in ("checkpoint.saved", "checkpoint.loaded", "train.resumed"):
+            if event == "checkpoint.saved":
+                self.progress["last_checkpoint"] = {"step": record.get("step"), "url": record.get("url")}
+            self.events.forward(record)
 
     def _set_state(self, state: str) -> None:
         self.state = state
@@ -293,6 +324,8 @@ class Agent:
                  "etcd_requests": {"reads": self.stats.reads, "writes": self.stats.writes,
                                    "watches": self.stats.watches},
                  "step": self.progress.get("step"), "last_checkpoint": self.progress.get("last_checkpoint")}
+        if self.mirror is not None:
+            self.mirror.set_status(value)
         try:
             self.client.write(self.keys.node_status(self.node_id), json.dumps(value), ttl=STATUS_TTL)
         except etcd.EtcdException:

@@ -48,7 +48,30 @@ def main(argv: list[str] | None = None) -> int:
         config.host_addr = args.host_addr
     from petctl.agent.agent import Agent
 
-    return Agent(config).run()
+    if not config.status_url:
+        return Agent(config).run()
+    # The log is shipped to the job's prefix (see mirror.py): keep a copy of what we print.
+    work = Path(config.work_dir or os.getcwd())
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "node.log"
+    with open(log_path, "a", buffering=1, encoding="utf-8") as log:
+        return Agent(config, out=Tee(sys.stdout, log), log_path=log_path).run()
+
+
+class Tee:
+    """A text stream that writes to several (stdout and the shipped log file)."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
 
 
 if __name__ == "__main__":
