@@ -327,3 +327,23 @@ def test_failed_save_is_logged_not_raised(url: str, tmp_path: Path) -> None:
         assert ckpt.step_end(1, state) is True  # the node goes away regardless...
     assert controlfiles.read_saved(control) == {}  # ...but never claims a save it did not make
     assert rec.events("preempt.save_failed")
+
+
+class Opaque:
+    """A user object in `extra` that torch's safe unpickler refuses."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_extras_beyond_weights_only_need_opt_in(url: str) -> None:
+    state = make_state()
+    state.extra["sampler"] = Opaque(7)
+    with Checkpointer(url) as ckpt:
+        ckpt.save(2, state, block=True)
+    with Checkpointer(url, use_cache=False) as ckpt, pytest.raises(ValueError, match="weights_only=False"):
+        ckpt.resume(make_state())  # a clear error, not a silent fall back to an older checkpoint
+    fresh = make_state()
+    with Checkpointer(url, use_cache=False, weights_only=False) as ckpt:
+        assert ckpt.resume(fresh) == 3
+    assert fresh.extra["sampler"].value == 7

@@ -94,8 +94,14 @@ class Checkpointer:
         """
         t0 = time.monotonic()
         found: tuple[int, Path, dict[str, Any], str] | None = None
+        failure: str | None = None
         if self.comm.is_writer or not self.comm.distributed:
-            found = self._load_newest()
+            try:
+                found = self._load_newest()
+            except Exception as e:
+                if not self.comm.distributed:
+                    raise
+                failure = f"{type(e).__name__}: {e}"  # tell the other ranks instead of leaving them hanging
         if not self.comm.distributed:
             if found is None:
                 return 0
@@ -103,10 +109,14 @@ class Checkpointer:
             state.load_state_dict(snapshot)
             self._submitted_step = step
             return step + 1
-        shared = self.comm.broadcast_object(None if found is None else (found[0], found[1].read_bytes()))
+        message: Any = ("error", failure) if failure is not None else (
+            None if found is None else ("ok", found[0], found[1].read_bytes()))
+        shared = self.comm.broadcast_object(message)
         if shared is None:
             return 0
-        step, data = shared
+        if shared[0] == "error":
+            raise RuntimeError(f"resume failed on rank 0: {shared[1]}")
+        _kind, step, data = shared
         if self.comm.is_writer:
             assert found is not None
             snapshot = found[2]
@@ -133,7 +143,12 @@ class Checkpointer:
             path, source = found
             try:
                 loaded_step, snapshot = load_payload(path / _state_name(manifest), self.weights_only)
-            except Exception as e:  # verified bytes that torch cannot read: same as corrupt
+            except Exception as e:  # verified bytes that torch cannot read: same as corrupt...
+                if self.weights_only and "weights_only" in str(e):  # ...unless it is our unpickler's choice
+                    raise ValueError(
+                        f"checkpoint {step} holds objects torch.load(weights_only=True) refuses (see the "
+                        "error below); keep `extra` to tensors/numbers/strings/containers, or pass "
+                        f"Checkpointer(weights_only=False) if you trust {self.url}: {e}") from e
                 self.log.emit("checkpoint.skipped_corrupt", step=step, reason=f"load: {e!r}", url=self.url)
                 continue
             self.log.emit("checkpoint.loaded", step=loaded_step, source=source, bytes=manifest.total_bytes,

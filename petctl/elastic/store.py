@@ -110,7 +110,7 @@ class FileStore(CheckpointStore):
         out = []
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
-                if name.startswith("."):  # in-flight temporary files are not objects
+                if name.startswith(".") and name.endswith(".part"):  # in-flight writes are not objects
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
@@ -136,11 +136,12 @@ class FileStore(CheckpointStore):
 
 @dataclass
 class S3Options:
-    """Transfer knobs. Defaults follow boto3's; tests shrink the threshold to exercise multipart."""
+    """Transfer knobs. 16 MiB parts uploaded 10 at a time keep S3 busy and allow objects up to 160 GB
+    (10,000 parts); tests shrink the threshold to exercise multipart on small objects."""
 
-    multipart_threshold: int = 64 << 20
-    multipart_chunksize: int = 64 << 20
-    max_concurrency: int = 8
+    multipart_threshold: int = 32 << 20
+    multipart_chunksize: int = 16 << 20
+    max_concurrency: int = 10
     region: str | None = None
     endpoint_url: str | None = None  # default: $AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL
 

@@ -1,0 +1,120 @@
+"""Sharded (FSDP2) checkpoints through torch.distributed.checkpoint on the same store and manifests:
+two gloo processes save their own shards, a preemption flag on one rank stops both at the same step,
+the resumed run continues at that step + 1 with the same weights, and a half-written save is ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from petctl.elastic import manifest as mf
+from petctl.elastic.store import open_store
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORKER = r'''
+import datetime, json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from petctl.agent import controlfiles
+from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(1 if mode == "train" else 2)  # the resumed run starts from other weights on purpose
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+app = {"app": ShardedState(model, opt, extra={"step": -1})}
+ckpt = ShardedCheckpointer(every=2)
+start = ckpt.resume(app)
+exited_at = None
+if mode == "train":
+    for step in range(start, start + 50):
+        torch.manual_seed(step)
+        loss = model(torch.randn(8, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        app["app"].extra["step"] = step
+        if rank == 1 and step == 4:
+            controlfiles.write_preempt(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=1e12)
+        if ckpt.step_end(step, app):
+            exited_at = step
+            break
+ckpt.close()
+full = [p.full_tensor().flatten().tolist() for p in model.parameters()]
+out.write_text(json.dumps({"start": start, "exited_at": exited_at, "params": full,
+                           "extra": app["app"].extra}))
+dist.destroy_process_group()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
+               "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"),
+               "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}-{mode}"), "PYTHONPATH": str(REPO)}
+        out = tmp_path / f"{mode}-{rank}.json"
+        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    results = []
+    try:
+        for proc, out in procs:
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, output
+            results.append(json.loads(out.read_text()))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
+    from petctl.agent import controlfiles
+
+    url = (tmp_path / "ckpt").as_uri()
+    r0, r1 = run_pair(tmp_path, "train", url)
+    assert r0["exited_at"] == r1["exited_at"] == 4
+    assert controlfiles.read_saved(tmp_path / "control-0") == {0: 4}
+    assert controlfiles.read_saved(tmp_path / "control-1") == {0: 4}
+    store = open_store(url)
+    assert mf.manifest_steps(store) == [4, 3, 1]
+    names = {e.name for e in mf.read_manifest(store, 4).objects}
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp"}  # every rank's shards
+
+    # A later save cut off on one rank: shards and entries of rank 0 only, no manifest.
+    for key in [o.key for o in store.list(mf.data_prefix(4))]:
+        if "__0_" in key or "_entries/0" in key:
+            store.put_bytes(key.replace(mf.data_prefix(4), mf.data_prefix(9)), store.get_bytes(key))
+    for rank in range(2):
+        controlfiles.clear(tmp_path / f"control-{rank}", markers=True)
+    a, b = run_pair(tmp_path, "resume", url)
+    assert a["start"] == b["start"] == 5
+    assert a["params"] == b["params"] == r0["params"]
+    assert a["extra"] == b["extra"] == {"step": 4}
