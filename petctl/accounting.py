@@ -1,0 +1,162 @@
+"""Goodput and lost work, computed from a job's event timeline (what the agents wrote).
+
+Why from events: they are the one record that exists for both providers, survives the job (mirrored to
+the job's prefix) and needs no extra instrumentation in the user's script beyond the step lines that
+petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous generation):
+
+- resume(r+1) is the first step round r+1 ran (it resumed from the checkpoint before it);
+- steps lost in r = last step run in r - resume(r+1) + 1 (>= 0): work done and thrown away;
+- kept node-seconds in r = kept steps x mean step time in r x world size;
+- re-forming = from the last step of r to the first step of r+1: the stall users see;
+- goodput = kept node-seconds / instance node-seconds (from agent start to its exit, or last word).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoundStats:
+    round: int
+    world_size: int
+    started: float
+    ended: float | None
+    first_step: int | None
+    last_step: int | None
+    first_step_ts: float | None
+    last_step_ts: float | None
+    cause: str = ""
+    steps_lost: int = 0
+    kept_steps: int = 0
+    kept_node_seconds: float = 0.0
+
+
+@dataclass
+class Accounting:
+    rounds: list[RoundStats] = field(default_factory=list)
+    instance_seconds: float = 0.0  # sum over nodes of time they were up
+    kept_node_seconds: float = 0.0
+    steps_kept: int = 0
+    steps_lost: int = 0
+    restarts: int = 0
+    failure_restarts: int = 0
+    preemption_notices: int = 0
+    reform_seconds: float = 0.0
+    nodes: int = 0
+
+    @property
+    def goodput(self) -> float | None:
+        return self.kept_node_seconds / self.instance_seconds if self.instance_seconds > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["goodput"] = self.goodput
+        return d
+
+
+def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
+    """Accounting for one job from all its nodes' events (any order; duplicates harmless)."""
+    records = sorted(_dedupe(events), key=lambda e: float(e.get("ts", 0.0)))
+    acc = Accounting()
+    acc.rounds = _rounds(records)
+    _attribute_losses(acc.rounds)
+    for r in acc.rounds:
+        acc.steps_lost += r.steps_lost
+        acc.steps_kept += r.kept_steps
+        acc.kept_node_seconds += r.kept_node_seconds
+    for prev, nxt in zip(acc.rounds, acc.rounds[1:], strict=False):
+        if prev.last_step_ts is not None and nxt.first_step_ts is not None:
+            acc.reform_seconds += max(0.0, nxt.first_step_ts - prev.last_step_ts)
+    restarts = [e for e in records if e.get("event") == "rendezvous.restart"]
+    acc.restarts = len({e.get("round") for e in restarts})
+    acc.failure_restarts = len({e.get("round") for e in restarts if e.get("failure")})
+    acc.preemption_notices = len({e.get("node") for e in records if e.get("event") == "preemption.notice"})
+    acc.instance_seconds, acc.nodes = _instance_seconds(records, now)
+    return acc
+
+
+def _dedupe(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[tuple] = set()
+    out = []
+    for e in events:
+        key = (e.get("ts"), e.get("event"), e.get("node"))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
+    """One RoundStats per round, from the summary of its lowest rank (every node ran the same steps)."""
+    best: dict[int, dict[str, Any]] = {}
+    for e in records:
+        if e.get("event") != "round.summary":
+            continue
+        n = int(e["round"])
+        if n not in best or int(e.get("rank", 0)) < int(best[n].get("rank", 0)):
+            best[n] = e
+    causes = {int(e["round"]): str(e.get("cause", ""))
+              for e in records if e.get("event") == "rendezvous.restart"}
+    rounds = []
+    for n in sorted(best):
+        e = best[n]
+        rounds.append(RoundStats(
+            round=n, world_size=int(e.get("world_size") or 0), started=float(e.get("started") or e["ts"]),
+            ended=_f(e.get("ended")), first_step=_i(e.get("first_step")), last_step=_i(e.get("last_step")),
+            first_step_ts=_f(e.get("first_step_ts")), last_step_ts=_f(e.get("last_step_ts")),
+            cause=causes.get(n, "job start" if n == 1 else "")))
+    return rounds
+
+
+def _attribute_losses(rounds: list[RoundStats]) -> None:
+    for i, r in enumerate(rounds):
+        if r.first_step is None or r.last_step is None:
+            continue
+        nxt = next((x for x in rounds[i + 1:] if x.first_step is not None), None)
+        if nxt is not None:
+            kept_last = min(r.last_step, nxt.first_step - 1)  # type: ignore[operator]
+        else:
+            kept_last = r.last_step  # the newest round: its steps count until proven lost
+        r.kept_steps = max(0, kept_last - r.first_step + 1)
+        r.steps_lost = max(0, r.last_step - kept_last)
+        span = r.last_step - r.first_step
+        if span > 0 and r.first_step_ts is not None and r.last_step_ts is not None:
+            step_time = (r.last_step_ts - r.first_step_ts) / span
+        else:
+            step_time = 0.0
+        r.kept_node_seconds = r.kept_steps * step_time * r.world_size
+
+
+def _instance_seconds(records: list[dict[str, Any]], now: float | None) -> tuple[float, int]:
+    """Node uptime: agent start -> its exit/leave, or its last event if it vanished (killed, frozen)."""
+    spans: dict[tuple[str, float], list[float]] = {}
+    current: dict[str, tuple[str, float]] = {}
+    for e in records:
+        node = e.get("node")
+        if not node:
+            continue
+        ts = float(e["ts"])
+        if e.get("event") == "agent.started":
+            current[node] = (node, ts)
+            spans[current[node]] = [ts, ts]
+        elif node in current:
+            spans[current[node]][1] = ts
+            if e.get("event") in ("agent.exit", "agent.left"):
+                del current[node]
+    total = 0.0
+    for key, (start, end) in spans.items():
+        if now is not None and key[0] in current and current[key[0]] == key:
+            end = max(end, now)  # still running
+        total += end - start
+    return total, len({k[0] for k in spans})
+
+
+def _f(v: Any) -> float | None:
+    return float(v) if v is not None else None
+
+
+def _i(v: Any) -> int | None:
+    return int(v) if v is not None else None

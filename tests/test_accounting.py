@@ -1,0 +1,56 @@
+"""Goodput, lost steps and re-forming time from a hand-built timeline with known answers."""
+
+from petctl.accounting import account
+
+
+def ev(ts, event, node, **fields):
+    return {"ts": ts, "event": event, "node": node, **fields}
+
+
+def summary(ts, node, rnd, rank, world, first, last, first_ts, last_ts):
+    return ev(ts, "round.summary", node, round=rnd, rank=rank, world_size=world, started=first_ts - 1,
+              ended=ts, first_step=first, last_step=last, first_step_ts=first_ts, last_step_ts=last_ts)
+
+
+def timeline():
+    # Two nodes train steps 0..10 (1 s each) in round 1; b is lost; the checkpoint was at step 7, so
+    # round 2 (a alone) resumes at 8 and trains 8..20; then a exits after success.
+    return [
+        ev(0, "agent.started", "a"), ev(0, "agent.started", "b"),
+        summary(12, "a", 1, 0, 2, 0, 10, 1.0, 11.0),
+        summary(12, "b", 1, 1, 2, 0, 10, 1.0, 11.0),
+        ev(11.5, "membership.lost", "a"),
+        ev(11.6, "rendezvous.restart", "a", round=2, cause="node lost: b", failure=False),
+        summary(30, "a", 2, 0, 1, 8, 20, 14.0, 26.0),
+        ev(31, "agent.exit", "a", state="succeeded"),
+    ]
+
+
+def test_lost_steps_kept_steps_and_reform_time():
+    acc = account(timeline())
+    r1, r2 = acc.rounds
+    assert (r1.kept_steps, r1.steps_lost) == (8, 3)  # steps 0..7 kept, 8..10 redone
+    assert (r2.kept_steps, r2.steps_lost) == (13, 0)
+    assert acc.steps_lost == 3 and acc.steps_kept == 21
+    assert acc.reform_seconds == 14.0 - 11.0
+    assert acc.restarts == 1 and acc.failure_restarts == 0
+    assert r2.cause == "node lost: b"
+
+
+def test_goodput_is_kept_node_seconds_over_instance_seconds():
+    acc = account(timeline())
+    # kept: 8 steps x 1 s x 2 nodes + 13 steps x 1 s x 1 node = 29 node-seconds
+    assert acc.kept_node_seconds == 29.0
+    # a: 0 -> 31 (exit); b: 0 -> 12 (its last word, a summary) = 43 node-seconds
+    assert acc.instance_seconds == 43.0 and acc.nodes == 2
+    assert abs(acc.goodput - 29.0 / 43.0) < 1e-9
+
+
+def test_duplicates_from_two_sources_count_once_and_order_does_not_matter():
+    events = timeline()
+    assert account(list(reversed(events)) + events).to_dict() == account(events).to_dict()
+
+
+def test_running_job_counts_uptime_until_now():
+    events = [ev(0, "agent.started", "a"), summary(10, "a", 1, 0, 1, 0, 9, 1.0, 10.0)]
+    assert account(events, now=100.0).instance_seconds == 100.0
