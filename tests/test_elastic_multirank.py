@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_elastic_store import moto_endpoint, s3_url  # noqa: F401 (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = r'''
@@ -96,9 +98,17 @@ def run_pair(tmp_path: Path, mode: str, url: str, tag: str) -> list[dict]:
     return results
 
 
+@pytest.fixture(params=["file", "s3"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return (tmp_path / "ckpt").as_uri()
+    return request.getfixturevalue("s3_url")  # moto on loopback; AWS_* env reaches the workers
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(tmp_path: Path) -> None:
-    url = (tmp_path / "ckpt").as_uri()
+def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(tmp_path: Path,
+                                                                                url: str) -> None:
     r0, r1 = run_pair(tmp_path, "train", url, "train")
     assert r0["start"] == r1["start"] == 0
     assert r0["exited_at"] == r1["exited_at"] == 5  # flag only in rank 1's control dir

@@ -94,6 +94,7 @@ def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
     from petctl.agent import controlfiles
