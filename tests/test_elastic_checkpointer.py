@@ -347,3 +347,19 @@ def test_extras_beyond_weights_only_need_opt_in(url: str) -> None:
     with Checkpointer(url, use_cache=False, weights_only=False) as ckpt:
         assert ckpt.resume(fresh) == 3
     assert fresh.extra["sampler"].value == 7
+
+
+def test_cache_sweeps_staging_of_dead_processes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from petctl.elastic.cache import LocalCache
+
+    cache = LocalCache("file:///x", tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = cache.dir / f"staging-000000000005-{dead}"
+    stale.mkdir(parents=True)
+    mine = cache.staging(6)
+    assert cache.sweep() == [stale]
+    assert mine.is_dir() and not stale.exists()

@@ -57,6 +57,16 @@ class LocalCache:
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
+    def sweep(self) -> list[Path]:
+        """Remove staging dirs of processes that died mid-save (a killed worker leaves a whole state)."""
+        removed = []
+        for path in self.dir.glob("staging-*"):
+            pid = path.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
     def lookup(self, manifest: Manifest) -> Path | None:
         """The cached directory holding exactly this manifest's objects, verified, or None."""
         path = self.committed(manifest.step)
@@ -67,3 +77,13 @@ class LocalCache:
                 shutil.rmtree(path, ignore_errors=True)  # stale or damaged: never trust it again
                 return None
         return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

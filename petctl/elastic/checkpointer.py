@@ -74,6 +74,8 @@ class Checkpointer:
         self._store = store
         self._s3 = s3
         self.cache = LocalCache(url, Path(cache_dir) if cache_dir else None) if use_cache else None
+        if self.cache is not None and self.comm.is_writer:
+            self.cache.sweep()
         self._uploader = BackgroundUploader(on_error=self._on_save_error)
         self._submitted_step: int | None = None
         self.last_saved: mf.Manifest | None = None  # newest manifest this process wrote
