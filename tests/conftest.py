@@ -105,7 +105,7 @@ class Petctl:
             if info["state"] != "running":
                 return info
             assert time.monotonic() < deadline, f"job {job} still running after {timeout}s: {info}"
-            time.sleep(0.3)
+            time.sleep(1.0)  # each poll is a CLI process: keep the CPU for the workers
 
     def wait_status(self, job: str, predicate: Callable[[dict[str, Any]], bool], timeout: float,
                     what: str) -> dict[str, Any]:
@@ -116,7 +116,7 @@ class Petctl:
             last = self.status(job)
             if predicate(last):
                 return last
-            time.sleep(0.2)
+            time.sleep(0.3)
         tail = self.run("logs", job, check=False).stdout.splitlines()[-40:]
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; last status:\n"
                              f"{json.dumps(last, indent=1)}\nlog tail:\n" + "\n".join(tail))

@@ -1,0 +1,150 @@
+"""End to end, as a user runs it: the CLI, the local provider, real agents, real etcd and real torch
+(gloo) workers training examples/train_ddp.py. Outcomes are read back from `petctl status -o json`,
+`petctl hosts -o json` and the workers' own step/checkpoint events in the node logs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import EXAMPLES, Petctl
+
+pytestmark = pytest.mark.slow
+
+# Fast failure detection for tests (the defaults favour a LAN with real machines).
+FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "heartbeat_interval=0.5", "--timeout", "last_call=0.5",
+        "--timeout", "stop_grace=2"]
+TRAIN = str(EXAMPLES / "train_ddp.py")
+
+
+def world(status: dict[str, Any]) -> list[int]:
+    return sorted(status["ranks"].values())
+
+
+def formed(size: int):
+    """Status predicate: the current round has ranks 0..size-1 and every member is training in it."""
+    def check(status: dict[str, Any]) -> bool:
+        if world(status) != list(range(size)):
+            return False
+        members = [status["nodes"].get(n, {}) for n in status["ranks"]]
+        return all(m.get("state") == "running" and m.get("world_size") == size for m in members)
+    return check
+
+
+def node_of_rank(status: dict[str, Any], rank: int) -> str:
+    return next(node for node, r in status["ranks"].items() if r == rank)
+
+
+def wait_for_step(cli: Petctl, job: str, since: float, world_size: int, timeout: float) -> dict[str, Any]:
+    """The first `train.step` logged after `since` by a world of `world_size`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in cli.events(job, "train.step"):
+            if e["ts"] > since and e["world_size"] == world_size:
+                return e
+        time.sleep(0.2)
+    raise AssertionError(f"no step at world size {world_size} within {timeout}s")
+
+
+def assert_steps_never_go_back_past_a_checkpoint(cli: Petctl, job: str) -> int:
+    """Replay rank 0's steps and the checkpoints in time order; return how many resumes were seen."""
+    events = [e for e in cli.events(job) if e["event"] in ("train.step", "train.resumed", "checkpoint.saved")
+              and e.get("rank", 0) == 0]
+    last_ckpt, prev_step, resumes = 0, 0, 0
+    for e in events:
+        if e["event"] == "checkpoint.saved":
+            last_ckpt = max(last_ckpt, e["step"])
+        elif e["event"] == "train.resumed":
+            resumes += 1
+            assert e["step"] >= last_ckpt, f"resumed from {e['step']}, older than checkpoint {last_ckpt}"
+            prev_step = e["step"]
+        else:
+            if e["step"] <= prev_step:  # a restart: training went back, but never past the newest checkpoint
+                assert e["step"] > last_ckpt, (e, last_ckpt)
+            prev_step = e["step"]
+    assert prev_step > 0
+    return resumes
+
+
+@pytest.mark.timeout(420)
+def test_elastic_job_survives_kill_freeze_and_scales(local: Petctl):
+    local.run("run_job", "--name", "el", "--min", "1", "--max", "3", "--size", "2", "--max-restarts", "20",
+              "--replace-delay", "5", *FAST, "--wait", "--wait-timeout", "120", TRAIN, "--",
+              "--steps", "1000000", "--ckpt-every", "5", "--step-time", "0.05")
+
+    # 1. Two nodes form one world: ranks {0, 1}, world size 2, and they train.
+    status = local.wait_status("el", formed(2), 60, "a 2-node world")
+    first = set(status["ranks"])
+    assert {h["host_id"] for h in local.json("hosts", "el")} == first
+    wait_for_step(local, "el", 0, 2, 60)
+
+    # 2. Kill rank 1: the survivor re-forms alone (min 1), then the reconciler's replacement rejoins.
+    victim = node_of_rank(status, 1)
+    local.run("chaos", "el", "--node", victim, "--kill")
+    status = local.wait_status("el", formed(1), 30, "the survivor alone at world size 1")
+    assert victim not in status["ranks"]
+    status = local.wait_status("el", formed(2), 60, "the replacement back at world size 2")
+    wait_for_step(local, "el", time.time(), 2, 60)
+    replacement = (set(status["ranks"]) - first).pop()
+    assert victim not in status["ranks"]
+    hosts = {h["host_id"]: h for h in local.json("hosts", "el", "--all")}
+    assert hosts[victim]["state"] == "terminated" and hosts[replacement]["state"] == "running"
+
+    # 3. Freeze rank 1 (a hung host, sockets open): it is dropped and training resumes within 15 s.
+    frozen = node_of_rank(status, 1)
+    t0 = time.time()
+    local.run("chaos", "el", "--node", frozen, "--freeze")
+    step = wait_for_step(local, "el", t0, 1, 15)
+    assert step["ts"] - t0 < 15
+    status = local.wait_status("el", formed(1), 10, "world size 1 without the frozen node")
+    assert frozen not in status["ranks"]
+    assert {h["host_id"]: h["state"] for h in local.json("hosts", "el")}[frozen] == "frozen"
+    # ... and when it thaws it rejoins as a new member.
+    local.run("chaos", "el", "--node", frozen, "--unfreeze")
+    status = local.wait_status("el", formed(2), 60, "the thawed node back at world size 2")
+    assert frozen in status["ranks"]
+    wait_for_step(local, "el", time.time(), 2, 60)
+
+    # 4. Scale 2 -> 3.
+    local.run("scale", "el", "--size", "3")
+    status = local.wait_status("el", formed(3), 60, "world size 3 after scale")
+    assert status["desired"] == 3 and len(local.json("hosts", "el")) == 3
+    wait_for_step(local, "el", time.time(), 3, 60)
+
+    # 5. Across all of it the step counter never went back past the newest checkpoint.
+    assert assert_steps_never_go_back_past_a_checkpoint(local, "el") >= 3
+
+    local.run("kill_job", "el")
+    assert local.status("el")["state"] == "killed"
+    assert len(local.processes()) == 1  # etcd only: no agent, worker or reconciler left
+
+
+@pytest.mark.timeout(240)
+def test_job_succeeds_when_its_workers_finish(local: Petctl):
+    local.run("run_job", "--name", "ok", "--min", "2", "--max", "2", *FAST, TRAIN, "--", "--steps", "20",
+              "--ckpt-every", "5")
+    info = local.wait_finished("ok", timeout=150)
+    assert info["state"] == "succeeded", info
+    assert local.status("ok")["state"] == "succeeded"
+    done = local.events("ok", "train.done")
+    assert [e["step"] for e in done] == [20] and done[0]["world_size"] == 2
+    assert max(e["step"] for e in local.events("ok", "checkpoint.saved")) == 20
+    assert (local.job_dir("ok") / "checkpoints" / "checkpoint.pt").exists()
+    assert len(local.processes()) == 1  # the reconciler exited and took every instance with it
+
+
+@pytest.mark.timeout(240)
+def test_max_restarts_exhaustion_fails_the_job(local: Petctl, tmp_path: Path):
+    crash = tmp_path / "crash.py"
+    crash.write_text("import sys\nprint('crashing on purpose', flush=True)\nsys.exit(7)\n")
+    local.run("run_job", "--name", "crashy", "--min", "1", "--max", "2", "--size", "2", "--max-restarts",
+              "2", *FAST, str(crash))
+    info = local.wait_finished("crashy", timeout=150)
+    assert info["state"] == "failed", info
+    status = local.status("crashy")
+    assert status["state"] == "failed"
+    assert "max_restarts=2 exhausted" in status["reason"]
+    assert len(local.processes()) == 1
