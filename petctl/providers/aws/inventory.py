@@ -4,7 +4,6 @@ instances, and the job state rebuilt from the agents' S3 status mirror when etcd
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -133,12 +132,15 @@ def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]]) -> JobState
     return state
 
 
-def reachable(endpoint: str, timeout: float) -> bool:
-    u = urlparse(endpoint)
-    if not u.hostname:
+def etcd_answers(endpoint: str, timeout: float) -> bool:
+    """True when etcd itself answers at `endpoint` (a TCP connect is not enough: proxies accept those)."""
+    import json
+    import urllib.request
+
+    if not urlparse(endpoint).hostname:
         return False
     try:
-        with socket.create_connection((u.hostname, u.port or 2379), timeout=timeout):
-            return True
-    except OSError:
+        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/version", timeout=timeout) as response:
+            return "etcdserver" in json.loads(response.read().decode() or "{}")
+    except (OSError, ValueError):
         return False

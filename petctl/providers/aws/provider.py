@@ -45,12 +45,16 @@ class AwsProvider(Provider):
         self.poll_interval = 5.0  # seconds between CloudFormation / Auto Scaling polls (tests lower it)
         self.wait_timeout = 1200.0  # how long run_job waits for instances to be in service
         self.progress = stderr_progress
+        self._cached: tuple[tuple[str, str, str], AwsSession] | None = None
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _session(self, settings: dict[str, Any] | None = None) -> AwsSession:
+        """One session (and its clients) per provider object and region/profile/endpoint."""
         s = settings if settings is not None else self.settings
-        return AwsSession.create(region=s.get("region", ""), profile=s.get("profile", ""),
-                                 endpoint_url=s.get("endpoint_url", ""))
+        key = (s.get("region", ""), s.get("profile", ""), s.get("endpoint_url", ""))
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, AwsSession.create(region=key[0], profile=key[1], endpoint_url=key[2]))
+        return self._cached[1]
 
     def _stacks(self, session: AwsSession) -> StackOps:
         return StackOps(session.client("cloudformation"), poll=self.poll_interval, progress=self.progress)
@@ -166,7 +170,7 @@ class AwsProvider(Provider):
         spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
         agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                             asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
-                            status_url=store.url("status") + "/")
+                            status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
         store.put_json("job.json", spec.to_dict())
         store.put_json("agent.json", _json(agent.to_json()))
         body = self.render_job_template(spec, agent, store.url("agent.json"))
@@ -270,7 +274,7 @@ class AwsProvider(Provider):
     def node_states(self, name: str):
         """etcd when the CLI can reach it (a VPN, or inside the VPC); otherwise the agents' S3 mirror."""
         endpoint = self.etcd_endpoint()
-        if inventory.reachable(endpoint, timeout=1.0):
+        if inventory.etcd_answers(endpoint, timeout=1.0):
             return super().node_states(name)
         self.job(name)
         return inventory.job_state_from_nodes(name, self._store(self._session(), name).node_states())

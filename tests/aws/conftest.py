@@ -1,0 +1,99 @@
+"""Fixtures for the AWS provider's tests: moto as a real HTTP server on loopback, dummy credentials, and a
+provider whose config lives in the test's own PETCTL_HOME.
+
+Nothing here can reach real AWS: the credentials are dummies, every client is built with the moto
+endpoint URL, and the AWS config/credential files are pointed at empty files inside the test directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from petctl.config import PetctlConfig
+from petctl.etcd_server import free_port
+from tests.aws.moto_patches import patch_moto_stack_deletion
+
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """One moto server for the session (state is reset per test); stopped at the end."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    patch_moto_stack_deletion()  # the server runs in this process, so the test-only patch applies to it
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request drowns the test output
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """Dummy credentials and no AWS config files: a test can never pick up a real profile."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                 "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    empty = tmp_path / "aws-empty"
+    empty.write_text("")
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
+           "AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
+           "AWS_EC2_METADATA_DISABLED": "true", "PETCTL_HOME": str(tmp_path / "home")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+@pytest.fixture
+def moto(moto_url: str, aws_env: dict[str, str]) -> str:
+    """The moto endpoint. It is not reset between tests (a reset makes the next test pay several seconds
+    of emulator start-up again); instead every test works under its own base stack name."""
+    return moto_url
+
+
+@pytest.fixture
+def provider(moto: str, tmp_path: Path):
+    """An AwsProvider with fast polling; `provider.lines` collects its progress output."""
+    from petctl.providers import get_provider
+
+    config = PetctlConfig.load(tmp_path / "home")
+    p = get_provider(config, "aws")
+    p.poll_interval = 0.05
+    p.wait_timeout = 30.0
+    p.lines = []
+    p.progress = p.lines.append
+    return p
+
+
+@pytest.fixture
+def stack_name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def ready(provider, moto: str, stack_name: str):
+    """A provider after `setup` against moto, under a base stack of its own."""
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
+    return provider
+
+
+def boto(moto: str, service: str):
+    import boto3
+
+    return boto3.client(service, region_name=REGION, endpoint_url=moto)
+
+
+def write_script(directory: Path, name: str = "train.py", text: str = "print('hello')\n") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(text)
+    return path

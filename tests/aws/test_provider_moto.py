@@ -1,0 +1,275 @@
+"""The AWS provider's behaviour against moto (a real HTTP server on loopback): stacks, Auto Scaling
+groups, instances and S3. Properties moto does not apply (spot, mixed instances, lifecycle hooks, bucket
+policy) are asserted on the rendered templates in test_templates.py instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from petctl.config import PetctlConfig
+from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
+from petctl.spec import JobSpec
+from tests.aws.conftest import REGION, boto, write_script
+
+
+def spec(name: str = "demo", min_size: int = 1, max_size: int = 4, size: int = 2, **kw) -> JobSpec:
+    return JobSpec(name=name, min_size=min_size, max_size=max_size, size=size, entrypoint="", **kw)
+
+
+def group(moto: str, name: str) -> dict:
+    groups = boto(moto, "autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[name])
+    return groups["AutoScalingGroups"][0] if groups["AutoScalingGroups"] else {}
+
+
+def keys(moto: str, bucket: str, prefix: str) -> list[str]:
+    listing = boto(moto, "s3").list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for o in listing.get("Contents", []))
+
+
+def stack_names(moto: str, base: str) -> set[str]:
+    """Live stacks of one base stack (other tests' stacks share the emulator)."""
+    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    return {s["StackName"] for s in stacks if s["StackStatus"] != "DELETE_COMPLETE"
+            and (s["StackName"] == base or s["StackName"].startswith(base + "-"))}
+
+
+# --- setup / teardown ------------------------------------------------------------------------------
+def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, stack_name):
+    settings = PetctlConfig.load(tmp_path / "home").section("aws")  # what was saved, read back from disk
+    assert settings["ready"] is True and settings["region"] == REGION
+    outputs = settings["outputs"]
+    assert {"VpcId", "SubnetIds", "WorkerSecurityGroupId", "BucketName", "EtcdEndpoint", "LogGroupName",
+            "RepositoryUri", "WorkerPolicyArn"} <= set(outputs)
+    stack = boto(moto, "cloudformation").describe_stacks(StackName=stack_name)["Stacks"][0]
+    assert stack["StackStatus"] == "CREATE_COMPLETE"
+    subnets = boto(moto, "ec2").describe_subnets(SubnetIds=outputs["SubnetIds"].split(","))["Subnets"]
+    assert len({s["AvailabilityZone"] for s in subnets}) >= 2
+    assert {s["VpcId"] for s in subnets} == {outputs["VpcId"]}
+    boto(moto, "s3").head_bucket(Bucket=outputs["BucketName"])
+    assert outputs["EtcdEndpoint"] == "http://10.42.0.10:2379"
+    subnet0 = outputs["SubnetIds"].split(",")[0]
+    eni = boto(moto, "ec2").describe_network_interfaces(
+        Filters=[{"Name": "subnet-id", "Values": [subnet0]}])["NetworkInterfaces"]
+    # the etcd address lives on an interface of its own (moto drops the ENI's resource tags: no tag filter)
+    fixed = [e["PrivateIpAddress"] for e in eni if e["Description"] == "petctl etcd fixed address"]
+    assert fixed == ["10.42.0.10"]
+    assert group(moto, f"{stack_name}-etcd")["DesiredCapacity"] == 1
+    assert settings["image"].endswith(f"/{stack_name}-worker:0.1.0")
+    assert PetctlConfig.load(tmp_path / "home").provider == "aws"
+    assert any("creating petctl base stack" in line for line in ready.lines)
+
+
+def test_setup_again_updates_in_place(ready, moto, stack_name):
+    ready.setup()  # region, endpoint and stack name remembered from the first call
+    assert stack_names(moto, stack_name) == {stack_name}
+    assert ready.settings["ready"] is True
+
+
+def test_setup_rejects_unknown_options(provider, moto):
+    with pytest.raises(ValidationError, match="unknown aws setup option"):
+        provider.setup(region=REGION, endpoint_url=moto, colour="blue")
+
+
+def test_teardown_refuses_while_jobs_exist_then_force_removes_everything(ready, moto, tmp_path, stack_name):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    with pytest.raises(JobExists, match="still exist.*demo"):
+        ready.teardown()
+    assert stack_names(moto, stack_name) == {stack_name, f"{stack_name}-job-demo"}
+    ready.teardown(force=True)
+    assert stack_names(moto, stack_name) == set()
+    assert ready.settings["ready"] is False
+    with pytest.raises(NotSetUp):
+        ready.jobs()
+
+
+def test_teardown_without_jobs(ready, moto, stack_name):
+    bucket = ready.settings["outputs"]["BucketName"]
+    ready.teardown()
+    assert stack_names(moto, stack_name) == set()
+    boto(moto, "s3").head_bucket(Bucket=bucket)  # kept on purpose: it holds checkpoints
+    assert any(f"kept bucket s3://{bucket}" in line for line in ready.lines)
+
+
+# --- jobs ------------------------------------------------------------------------------------------
+def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_path, stack_name):
+    info = ready.create_job(spec(size=3, instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+    assert (info.name, info.state, info.min_size, info.max_size, info.desired) == ("demo", "running", 1, 4, 3)
+    g = group(moto, f"{stack_name}-job-demo")
+    assert (g["MinSize"], g["MaxSize"], g["DesiredCapacity"]) == (1, 4, 3)
+    tags = {t["Key"]: t["Value"] for t in g["Tags"]}
+    assert tags["petctl:job"] == "demo" and tags["petctl:stack"] == stack_name
+    assert len([i for i in g["Instances"] if i["LifecycleState"] == "InService"]) == 3
+    assert set(g["VPCZoneIdentifier"].split(",")) == set(ready.settings["outputs"]["SubnetIds"].split(","))
+    assert "instances in service: 3/3" in ready.lines
+    hosts = ready.hosts("demo")
+    assert len(hosts) == 3 and {h.state for h in hosts} == {"running"}
+    assert {h.instance_type for h in hosts} == {"g5.xlarge"}
+
+
+def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name):
+    ready.create_job(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src"))
+    bucket = ready.settings["outputs"]["BucketName"]
+    assert keys(moto, bucket, "jobs/demo/") == ["jobs/demo/agent.json", "jobs/demo/code/train.py",
+                                                "jobs/demo/job.json"]
+    agent = json.loads(boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/agent.json")["Body"].read())
+    job = agent["job"]
+    assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"
+    assert job["checkpoint_url"] == f"s3://{bucket}/jobs/demo/checkpoints"
+    assert job["etcd_endpoint"] == "http://10.42.0.10:2379" and job["args"] == ["--lr", "0.1"]
+    assert agent["status_url"] == f"s3://{bucket}/jobs/demo/"
+    assert (agent["asg_name"], agent["lifecycle_hook"], agent["region"]) == (f"{stack_name}-job-demo",
+                                                                             "petctl-drain", REGION)
+    assert agent["imds_endpoint"] == "http://169.254.169.254"
+
+
+def test_instances_carry_the_boot_script_with_the_job_config(ready, moto, tmp_path, stack_name):
+    from petctl.providers.aws.userdata import agent_config_from_user_data
+
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    instance = ready.hosts("demo")[0].host_id
+    data = boto(moto, "ec2").describe_instance_attribute(InstanceId=instance, Attribute="userData")
+    text = base64.b64decode(data["UserData"]["Value"]).decode()
+    config = agent_config_from_user_data(text)
+    assert config.job.name == "demo" and config.asg_name == f"{stack_name}-job-demo"
+
+
+def test_run_job_uploads_a_directory_as_an_archive(ready, moto, tmp_path):
+    src = tmp_path / "proj"
+    write_script(src, "main.py")
+    write_script(src / "pkg", "util.py", "X = 1\n")
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "junk.pyc").write_bytes(b"x")
+    ready.create_job(_dir_spec(), src)
+    bucket = ready.settings["outputs"]["BucketName"]
+    body = boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/code/code.tar.gz")["Body"].read()
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        assert sorted(tar.getnames()) == ["main.py", "pkg/util.py"]
+
+
+def _dir_spec() -> JobSpec:
+    s = spec()
+    s.entrypoint = "main.py"
+    return s
+
+
+def test_validation_happens_before_any_aws_change(ready, moto, tmp_path, stack_name):
+    script = write_script(tmp_path / "src")
+    bucket = ready.settings["outputs"]["BucketName"]
+    cases = [
+        (spec(min_size=3, max_size=2, size=2), "--min"),
+        (spec(size=5), "--size 5 is outside"),
+        (spec(instance_types=["g5-xlarge"]), "invalid instance type"),
+        (spec(instance_types=["zz9.large"]), "unknown instance family"),
+        (spec(instance_types=["g5.xlarge", "c5.large"]), "mixes GPU and CPU"),
+        (spec(on_demand_base=9), "--on-demand-base 9"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValidationError, match=message):
+            ready.create_job(bad, script)
+    with pytest.raises(ValidationError, match="does not exist"):
+        ready.create_job(spec(), tmp_path / "missing.py")
+    with pytest.raises(ValidationError, match="--entrypoint"):
+        ready.create_job(spec(), tmp_path / "src")
+    assert keys(moto, bucket, "jobs/") == [] and stack_names(moto, stack_name) == {stack_name}
+
+
+def test_existing_job_is_refused_without_touching_it(ready, moto, tmp_path, stack_name):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    with pytest.raises(JobExists, match="already exists"):
+        ready.create_job(spec(size=1), write_script(tmp_path / "src"))
+    assert group(moto, f"{stack_name}-job-demo")["DesiredCapacity"] == 2
+
+
+def test_scale_changes_desired_capacity_within_bounds(ready, moto, tmp_path, stack_name):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.scale("demo", 4)
+    assert group(moto, f"{stack_name}-job-demo")["DesiredCapacity"] == 4
+    assert ready.job("demo").desired == 4
+    with pytest.raises(ValidationError, match="outside the job's"):
+        ready.scale("demo", 5)
+    with pytest.raises(JobNotFound):
+        ready.scale("nope", 1)
+    assert group(moto, f"{stack_name}-job-demo")["DesiredCapacity"] == 4
+
+
+def test_terminated_instance_is_seen_by_hosts(ready, moto, tmp_path):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    victim = ready.terminate_host("demo", None)
+    states = {h.host_id: h.state for h in ready.hosts("demo")}
+    assert states[victim] == "terminated"
+    with pytest.raises(ProviderError, match="not supported on aws"):
+        ready.terminate_host("demo", None, mode="freeze")
+    with pytest.raises(ProviderError, match="no instance"):
+        ready.terminate_host("demo", "i-00000000000000000")
+
+
+def test_kill_job_removes_that_job_and_nothing_else(ready, moto, tmp_path, stack_name):
+    script = write_script(tmp_path / "src")
+    ready.create_job(spec("one"), script)
+    ready.create_job(spec("two"), script)
+    assert sorted(j.name for j in ready.jobs()) == ["one", "two"]
+    ready.kill_job("one")
+    assert stack_names(moto, stack_name) == {stack_name, f"{stack_name}-job-two"}
+    assert group(moto, f"{stack_name}-job-one") == {}
+    assert group(moto, f"{stack_name}-job-two")["DesiredCapacity"] == 2
+    assert [j.name for j in ready.jobs()] == ["two"]
+    bucket = ready.settings["outputs"]["BucketName"]
+    assert "jobs/one/job.json" in keys(moto, bucket, "jobs/one/")  # its checkpoints/code stay
+    with pytest.raises(JobNotFound):
+        ready.kill_job("one")
+    with pytest.raises(JobNotFound):
+        ready.job("one")
+
+
+def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    bucket = ready.settings["outputs"]["BucketName"]
+    s3 = boto(moto, "s3")
+    for i, node in enumerate(["i-aaa", "i-bbb"]):
+        state = {"node_id": node, "state": "running", "round": 2, "rank": i, "world_size": 2, "step": 7}
+        s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json", Body=json.dumps(state).encode())
+        log = f"hello from {node}\nstep 7\n".encode()
+        s3.put_object(Bucket=bucket, Key=f"jobs/demo/logs/{node}.log", Body=log)
+    state = ready.node_states("demo")  # etcd (10.42.0.10) is unreachable from here: the mirror answers
+    assert state.ranks == {"i-aaa": 0, "i-bbb": 1} and state.state == "running"
+    assert list(ready.logs("demo", node="i-bbb")) == ["hello from i-bbb", "step 7"]
+    assert list(ready.logs("demo")) == ["[i-aaa] hello from i-aaa", "[i-aaa] step 7",
+                                        "[i-bbb] hello from i-bbb", "[i-bbb] step 7"]
+    with pytest.raises(ProviderError, match="no log for node"):
+        list(ready.logs("demo", node="i-zzz"))
+    for node in ("i-aaa", "i-bbb"):
+        s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json",
+                      Body=json.dumps({"node_id": node, "state": "succeeded"}).encode())
+    assert ready.job("demo").state == "succeeded"
+
+
+# --- errors the user can act on --------------------------------------------------------------------
+def test_missing_credentials(provider, moto, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(NotSetUp, match="no AWS credentials found"):
+        provider.setup(region=REGION, endpoint_url=moto)
+
+
+def test_unknown_region(provider, moto):
+    with pytest.raises(ValidationError, match="unknown AWS region 'us-esat-1'"):
+        provider.setup(region="us-esat-1", endpoint_url=moto)
+
+
+def test_unknown_profile(provider, moto):
+    with pytest.raises(NotSetUp, match="profile 'nobody' not found"):
+        provider.setup(region=REGION, profile="nobody", endpoint_url=moto)
+
+
+def test_commands_before_setup(provider):
+    with pytest.raises(NotSetUp, match="not set up"):
+        provider.create_job(spec(), Path("x.py"))
+    with pytest.raises(NotSetUp):
+        provider.jobs()
