@@ -1,0 +1,102 @@
+"""Render petctl's CloudFormation templates exactly as the provider would, without any AWS call, and
+parse them (short-form intrinsics included) for property tests, cfn-lint and checkov."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from petctl.config import PetctlConfig
+from petctl.providers.aws.network import plan_network
+from petctl.providers.aws.provider import LIFECYCLE_HOOK, AwsProvider
+from petctl.providers.aws.templates import render_base
+from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data
+from petctl.spec import AgentConfig, JobSpec
+
+STACK = "petctl"
+BUCKET = "petctl-bucket-abc123"
+OUTPUTS = {
+    "BucketName": BUCKET, "SubnetIds": "subnet-0123456789abcdef0,subnet-0123456789abcdef1",
+    "WorkerSecurityGroupId": "sg-0123456789abcdef0", "LogGroupName": "/petctl/petctl",
+    "WorkerPolicyArn": "arn:aws:iam::123456789012:policy/petctl-WorkerPolicy-ABC",
+    "EtcdEndpoint": "http://10.42.0.10:2379",
+}
+JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
+    "spot-single": (["g5.xlarge"], False, 0),
+    "spot-mixed": (["g5.xlarge", "g6.xlarge", "g5.2xlarge"], False, 1),
+    "ondemand": (["g5.xlarge"], True, 0),
+    "cpu": (["c5.xlarge"], False, 0),
+}
+
+
+def base_template() -> str:
+    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"])
+    return render_base(stack_name=STACK, plan=plan, etcd_ami="ami-0123456789abcdef0",
+                       etcd_instance_type="t3.small", etcd_user_data=etcd_user_data(STACK, plan.etcd_ip),
+                       repository_name=f"{STACK}-worker", noncurrent_days=7, log_retention_days=14)
+
+
+def provider(home: Path) -> AwsProvider:
+    settings = {"ready": True, "region": "us-east-1", "stack_name": STACK,
+                "worker_ami": "ami-0123456789abcdef0",
+                "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/petctl-worker:0.1.0",
+                "root_volume_gb": 100, "outputs": OUTPUTS}
+    return AwsProvider(PetctlConfig(home=home, provider="aws", settings={"aws": settings}))
+
+
+def job_spec(variant: str) -> JobSpec:
+    types, on_demand, base = JOB_VARIANTS[variant]
+    return JobSpec(name=variant, min_size=1, max_size=4, size=2, entrypoint="train.py",
+                   args=["--steps", "10"], instance_types=types, on_demand=on_demand, on_demand_base=base,
+                   code_url=f"s3://{BUCKET}/jobs/{variant}/code/train.py",
+                   checkpoint_url=f"s3://{BUCKET}/jobs/{variant}/checkpoints",
+                   etcd_endpoint=OUTPUTS["EtcdEndpoint"])
+
+
+def job_template(home: Path, variant: str) -> str:
+    spec = job_spec(variant)
+    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
+                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK, region="us-east-1",
+                        status_url=f"s3://{BUCKET}/jobs/{variant}/")
+    return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
+
+
+def write_all(directory: Path) -> dict[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {"base": directory / "base.yaml"}
+    paths["base"].write_text(base_template())
+    for variant in JOB_VARIANTS:
+        paths[variant] = directory / f"job-{variant}.yaml"
+        paths[variant].write_text(job_template(directory, variant))
+    return paths
+
+
+class _CfnLoader(yaml.SafeLoader):
+    """SafeLoader that turns `!Ref X` / `!GetAtt A.B` / `!Sub s` ... into their long forms."""
+
+
+def _construct_tag(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> dict[str, Any]:
+    if isinstance(node, yaml.ScalarNode):
+        value: Any = loader.construct_scalar(node)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_mapping(node, deep=True)
+    if suffix == "Ref":
+        return {"Ref": value}
+    if suffix == "GetAtt" and isinstance(value, str):
+        value = value.split(".", 1)
+    return {f"Fn::{suffix}": value}
+
+
+_CfnLoader.add_multi_constructor("!", _construct_tag)
+
+
+def parse(text: str) -> dict[str, Any]:
+    return yaml.load(text, Loader=_CfnLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def resources(template: dict[str, Any], kind: str) -> dict[str, dict[str, Any]]:
+    return {name: r for name, r in template["Resources"].items() if r["Type"] == kind}

@@ -1,0 +1,160 @@
+"""The worker's and the etcd host's boot scripts (EC2 user data) are rendered templates: test their text,
+their shell syntax, and the worker image's Dockerfile (read, not built: CI has no Docker engine)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from petctl.errors import ProviderError, ValidationError
+from petctl.providers.aws.instance_types import validate_instance_types
+from petctl.providers.aws.network import plan_network
+from petctl.providers.aws.userdata import (
+    ETCD_VERSION,
+    agent_config_from_user_data,
+    etcd_user_data,
+    worker_user_data,
+)
+from petctl.spec import AgentConfig, JobSpec
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
+SECRET_MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws_secret_access_key", "AKIA", "BEGIN RSA",
+                  "BEGIN OPENSSH", "password=", "AWS_SESSION_TOKEN")
+
+
+def agent_config(**job) -> AgentConfig:
+    spec = JobSpec(name="demo", min_size=1, max_size=3, size=2, entrypoint="train.py",
+                   args=["--msg", "it's $HOME `x`"], code_url="s3://b/jobs/demo/code/train.py",
+                   checkpoint_url="s3://b/jobs/demo/checkpoints", etcd_endpoint="http://10.42.0.10:2379",
+                   **job)
+    return AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work",
+                       imds_endpoint="http://169.254.169.254", asg_name="petctl-job-demo",
+                       lifecycle_hook="petctl-drain", region="us-west-2", status_url="s3://b/jobs/demo/")
+
+
+def worker(gpus: bool = True, **job) -> str:
+    return worker_user_data(agent_config(**job), image=IMAGE, log_group="/petctl/petctl",
+                            config_url="s3://b/jobs/demo/agent.json", gpus=gpus)
+
+
+def bash_syntax_ok(text: str, tmp_path: Path) -> None:
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("bash is not installed")
+    path = tmp_path / "boot.sh"
+    path.write_text(text)
+    result = subprocess.run([bash, "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# --- worker -------------------------------------------------------------------------------------------
+def test_worker_script_carries_the_job_config_and_no_secrets(tmp_path):
+    text = worker()
+    assert not [m for m in SECRET_MARKERS if m in text]
+    config = agent_config_from_user_data(text)
+    assert config == agent_config()  # round-trips exactly, quotes and `$` included (quoted heredoc)
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_worker_script_uses_imdsv2_for_identity():
+    text = worker()
+    assert re.search(r"curl -sf -X PUT \"\$IMDS/latest/api/token\" "
+                     r"-H \"X-aws-ec2-metadata-token-ttl-seconds: \d+\"", text)
+    assert '-H "X-aws-ec2-metadata-token: $TOKEN"' in text
+    for path in ("instance-id", "local-ipv4", "placement/region"):
+        assert f"md {path}" in text
+    assert "169.254.169.254/latest/meta-data" not in text.replace("$IMDS", "")  # never IMDSv1-style calls
+
+
+def test_worker_script_logs_in_to_ecr_with_the_current_cli_and_runs_the_agent_container():
+    text = worker()
+    assert 'aws ecr get-login-password --region "$REGISTRY_REGION" | docker login --username AWS ' \
+           '--password-stdin "$REGISTRY"' in text
+    assert "get-login " not in text.replace("get-login-password", "")  # the removed AWS CLI v1 command
+    run = text[text.index("docker run"):]
+    assert "--network host" in run and "--gpus all" in run
+    assert '--config /etc/petctl/agent.json --node-id "$INSTANCE_ID" --host-addr "$PRIVATE_IP"' in run
+    assert IMAGE in text
+
+
+def test_worker_script_installs_nothing_the_image_has():
+    text = worker()
+    assert "pip install" not in text and "apt-get" not in text
+    installs = [line for line in text.splitlines() if "dnf install" in line or "yum install" in line]
+    # only the AWS CLI, and only if the AMI lacks it
+    assert installs == ["  command -v aws >/dev/null || dnf install -y -q awscli-2"]
+
+
+def test_cpu_jobs_do_not_ask_docker_for_gpus():
+    assert "--gpus" not in worker(gpus=False)
+
+
+def test_worker_script_refuses_oversized_configs():
+    with pytest.raises(ValidationError, match="boot script is"):
+        worker(env={"BIG": "x" * 20000})
+
+
+# --- etcd host ----------------------------------------------------------------------------------------
+def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
+    text = etcd_user_data("petctl", "10.42.0.10")
+    assert re.fullmatch(r"3\.5\.\d+", ETCD_VERSION)
+    assert f"ETCD_VERSION={ETCD_VERSION}" in text
+    assert "ExecStart=/usr/local/bin/etcd --enable-v2" in text
+    assert "--advertise-client-urls http://${ETCD_IP}:2379" in text and "ETCD_IP=10.42.0.10" in text
+    assert "Restart=always" in text and "systemctl enable --now etcd.service" in text
+    assert "User=etcd" in text  # not root
+    assert "sha256sum -c" in text  # the download is verified
+    assert not [m for m in SECRET_MARKERS if m in text]
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
+    text = etcd_user_data("petctl", "10.42.0.10")
+    assert '-H "X-aws-ec2-metadata-token: $TOKEN"' in text
+    assert "Name=tag:petctl:stack,Values=petctl" in text
+    assert "aws ec2 attach-network-interface" in text and "--device-index 1" in text
+    assert "detach-network-interface" in text  # takes it back from a dead predecessor
+
+
+def test_etcd_script_can_pin_a_checksum():
+    text = etcd_user_data("petctl", "10.42.0.10", etcd_sha256="ab" * 32)
+    assert f"echo '{'ab' * 32}  '\"$TARBALL\" | sha256sum -c -" in text
+
+
+# --- worker image -------------------------------------------------------------------------------------
+def test_dockerfile_pins_a_cuda_pytorch_base_and_runs_unprivileged():
+    text = (REPO / "worker_image" / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base)
+    assert re.search(r"^USER\s+(?!root)\w+", text, re.M)
+    assert "pip install --no-deps /src/petctl" in text  # the base image's CUDA torch stays
+    assert "petctl-agent" in text
+
+
+# --- inputs checked before any AWS call ---------------------------------------------------------------
+def test_network_plan():
+    plan = plan_network(["us-east-1c", "us-east-1a", "us-east-1b", "us-east-1d"])
+    assert plan.azs == ["us-east-1a", "us-east-1b", "us-east-1c"]
+    assert [s.cidr for s in plan.subnets] == ["10.42.0.0/20", "10.42.16.0/20", "10.42.32.0/20"]
+    assert plan.etcd_ip == "10.42.0.10"
+    with pytest.raises(ProviderError, match="at least 2"):
+        plan_network(["us-east-1a"])
+    with pytest.raises(ValidationError, match="too small"):
+        plan_network(["a", "b"], vpc_cidr="10.0.0.0/24")
+    with pytest.raises(ValidationError, match="invalid VPC CIDR"):
+        plan_network(["a", "b"], vpc_cidr="10.0.0.300/16")
+
+
+def test_instance_types():
+    assert validate_instance_types([]) == ["g5.xlarge"]
+    types = ["g5.xlarge", "p4d.24xlarge", "g5.xlarge"]
+    assert validate_instance_types(types) == ["g5.xlarge", "p4d.24xlarge"]
+    for bad, message in [("g5", "invalid"), ("G5.xlarge", "invalid"), ("g5.huge", "invalid"),
+                         ("x9z.large", "unknown instance family"), ("m6g.large", "unknown instance family")]:
+        with pytest.raises(ValidationError, match=message):
+            validate_instance_types([bad])

@@ -1,0 +1,249 @@
+"""Properties of the rendered CloudFormation templates that moto stores but does not apply (spot market
+options, mixed-instances distribution, lifecycle hooks, IMDSv2, security group rules, bucket policy, IAM
+scope), plus cfn-lint (errors fail the test) and checkov (when installed) on exactly that output.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.aws import rendered
+from tests.aws.rendered import BUCKET, OUTPUTS, parse, resources
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return rendered.write_all(tmp_path_factory.mktemp("cfn"))
+
+
+@pytest.fixture(scope="module")
+def base(templates) -> dict:
+    return parse(templates["base"].read_text())
+
+
+def job(templates, variant: str) -> dict:
+    return parse(templates[variant].read_text())
+
+
+def one(template: dict, kind: str) -> dict:
+    found = list(resources(template, kind).values())
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]["Properties"]
+
+
+def walk(value):
+    """Every dict and list inside a template, for 'nowhere in the template' checks."""
+    yield value
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from walk(v)
+
+
+def all_templates(templates) -> list[dict]:
+    return [parse(p.read_text()) for p in templates.values()]
+
+
+# --- job stack ----------------------------------------------------------------------------------------
+def test_single_type_spot_uses_launch_template_market_options(templates):
+    t = job(templates, "spot-single")
+    data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert data["InstanceMarketOptions"] == {"MarketType": "spot", "SpotOptions": {
+        "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+    assert data["InstanceType"] == "g5.xlarge"
+    group = one(t, "AWS::AutoScaling::AutoScalingGroup")
+    assert "MixedInstancesPolicy" not in group and group["LaunchTemplate"]["LaunchTemplateId"] == {
+        "Ref": "LaunchTemplate"}
+    assert group["CapacityRebalance"] is True
+
+
+def test_several_types_use_a_capacity_optimized_mixed_instances_policy(templates):
+    t = job(templates, "spot-mixed")
+    data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert "InstanceMarketOptions" not in data  # AWS rejects market options inside a mixed-instances policy
+    policy = one(t, "AWS::AutoScaling::AutoScalingGroup")["MixedInstancesPolicy"]
+    dist = policy["InstancesDistribution"]
+    assert dist["SpotAllocationStrategy"] == "capacity-optimized"
+    assert dist["OnDemandBaseCapacity"] == 1 and dist["OnDemandPercentageAboveBaseCapacity"] == 0
+    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g6.xlarge",
+                                                                                  "g5.2xlarge"]
+
+
+def test_on_demand_has_no_spot_settings(templates):
+    t = job(templates, "ondemand")
+    assert "InstanceMarketOptions" not in one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    group = one(t, "AWS::AutoScaling::AutoScalingGroup")
+    assert "MixedInstancesPolicy" not in group and group["CapacityRebalance"] is False
+
+
+@pytest.mark.parametrize("variant", list(rendered.JOB_VARIANTS))
+def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
+    t = job(templates, variant)
+    group = one(t, "AWS::AutoScaling::AutoScalingGroup")
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "4", "2")
+    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")  # spread over every AZ's subnet
+    assert group["AutoScalingGroupName"] == f"petctl-job-{variant}"
+    (hook,) = group["LifecycleHookSpecificationList"]
+    assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+    assert hook["LifecycleHookName"] == "petctl-drain" and hook["DefaultResult"] == "CONTINUE"
+    assert hook["HeartbeatTimeout"] >= 90  # at least the agent's preemption deadline
+    tags = {tag["Key"]: tag for tag in group["Tags"]}
+    assert tags["petctl:job"]["Value"] == variant and tags["petctl:job"]["PropagateAtLaunch"] is True
+
+
+@pytest.mark.parametrize("variant", list(rendered.JOB_VARIANTS))
+def test_launch_template_requires_imdsv2_and_uses_the_job_profile(templates, variant):
+    data = one(job(templates, variant), "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert data["MetadataOptions"]["HttpTokens"] == "required"
+    assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 2  # the agent runs in a container
+    assert data["IamInstanceProfile"] == {"Arn": {"Fn::GetAtt": ["WorkerInstanceProfile", "Arn"]}}
+    assert data["SecurityGroupIds"] == [OUTPUTS["WorkerSecurityGroupId"]]
+    assert all(m["Ebs"]["Encrypted"] is True for m in data["BlockDeviceMappings"])
+    script = data["UserData"]["Fn::Base64"]
+    assert script.startswith("#!/bin/bash") and f'"name": "{variant}"' in script
+
+
+def test_job_role_is_scoped_to_its_prefix_and_its_group(templates):
+    t = job(templates, "spot-single")
+    role = one(t, "AWS::IAM::Role")
+    statements = {s["Sid"]: s for s in role["Policies"][0]["PolicyDocument"]["Statement"]}
+    assert statements["ReadWriteJobPrefix"]["Resource"] == {
+        "Fn::Sub": f"arn:${{AWS::Partition}}:s3:::{BUCKET}/jobs/spot-single/*"}
+    assert statements["ListJobPrefix"]["Condition"] == {
+        "StringLike": {"s3:prefix": ["jobs/spot-single", "jobs/spot-single/*"]}}
+    assert statements["OwnLifecycleActions"]["Resource"]["Fn::Sub"].endswith(
+        ":autoScalingGroup:*:autoScalingGroupName/petctl-job-spot-single")
+    assert set(statements["OwnLifecycleActions"]["Action"]) == {
+        "autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"}
+    assert not any("*" in a for s in statements.values() for a in _list(s["Action"]))
+    assert {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"} in role[
+        "ManagedPolicyArns"]
+
+
+def _list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+# --- base stack ---------------------------------------------------------------------------------------
+def test_subnets_span_azs_with_cidrs_computed_in_python(base):
+    subnets = [r["Properties"] for r in resources(base, "AWS::EC2::Subnet").values()]
+    assert len({s["AvailabilityZone"] for s in subnets}) == 3
+    vpc = ipaddress.ip_network(one(base, "AWS::EC2::VPC")["CidrBlock"])
+    nets = [ipaddress.ip_network(s["CidrBlock"]) for s in subnets]
+    assert all(n.subnet_of(vpc) for n in nets)
+    assert not any(a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1:])
+
+
+def test_no_launch_configurations_getazs_or_cidr_anywhere(templates):
+    for t in all_templates(templates):
+        assert not resources(t, "AWS::AutoScaling::LaunchConfiguration")
+        keys = {k for node in walk(t) if isinstance(node, dict) for k in node}
+        assert not keys & {"Fn::GetAZs", "Fn::Cidr"}
+
+
+def test_no_ingress_from_the_world(templates):
+    for t in all_templates(templates):
+        rules = [r["Properties"] for r in resources(t, "AWS::EC2::SecurityGroupIngress").values()]
+        for group in resources(t, "AWS::EC2::SecurityGroup").values():
+            rules += group["Properties"].get("SecurityGroupIngress", [])
+        for rule in rules:
+            assert rule.get("CidrIp") not in ("0.0.0.0/0",) and rule.get("CidrIpv6") not in ("::/0",)
+            assert "SourceSecurityGroupId" in rule  # only ever from another petctl group
+        assert "22" not in json.dumps([r.get("FromPort") for r in rules])  # no SSH: SSM Session Manager
+
+
+def test_workers_reach_each_other_and_etcd_only_on_2379(base):
+    rules = {name: r["Properties"] for name, r in resources(base, "AWS::EC2::SecurityGroupIngress").items()}
+    worker = rules["WorkerIngressFromWorkers"]
+    assert worker["IpProtocol"] == "-1" and worker["SourceSecurityGroupId"] == worker["GroupId"]
+    etcd = rules["EtcdIngressFromWorkers"]
+    assert (etcd["IpProtocol"], etcd["FromPort"], etcd["ToPort"]) == ("tcp", 2379, 2379)
+    assert etcd["GroupId"] == {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
+    assert etcd["SourceSecurityGroupId"] == {"Fn::GetAtt": ["WorkerSecurityGroup", "GroupId"]}
+    assert set(rules) == {"WorkerIngressFromWorkers", "EtcdIngressFromWorkers"}
+
+
+def test_bucket_is_private_encrypted_versioned_and_tls_only(base):
+    bucket = one(base, "AWS::S3::Bucket")
+    assert all(bucket["PublicAccessBlockConfiguration"].values()) and len(
+        bucket["PublicAccessBlockConfiguration"]) == 4
+    rule = bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]
+    assert rule["ServerSideEncryptionByDefault"]["SSEAlgorithm"] in ("AES256", "aws:kms")
+    assert bucket["VersioningConfiguration"] == {"Status": "Enabled"}
+    (statement,) = one(base, "AWS::S3::BucketPolicy")["PolicyDocument"]["Statement"]
+    assert statement["Effect"] == "Deny" and statement["Action"] == "s3:*" and statement["Principal"] == "*"
+    assert statement["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert base["Resources"]["Bucket"]["DeletionPolicy"] == "Retain"  # teardown never deletes checkpoints
+
+
+def test_etcd_host_is_one_on_demand_instance_behind_a_fixed_address(base):
+    eni = one(base, "AWS::EC2::NetworkInterface")
+    assert eni["PrivateIpAddress"] == "10.42.0.10" and eni["SubnetId"] == {"Ref": "Subnet0"}
+    assert base["Outputs"]["EtcdEndpoint"]["Value"] == "http://10.42.0.10:2379"
+    group = base["Resources"]["EtcdGroup"]["Properties"]
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "1", "1")
+    assert group["VPCZoneIdentifier"] == [{"Ref": "Subnet0"}]  # the interface's AZ
+    data = base["Resources"]["EtcdLaunchTemplate"]["Properties"]["LaunchTemplateData"]
+    assert "InstanceMarketOptions" not in data and data["MetadataOptions"]["HttpTokens"] == "required"
+    assert "--enable-v2" in data["UserData"]["Fn::Base64"]
+
+
+def test_etcd_role_can_only_move_interfaces_of_its_stack(base):
+    role = base["Resources"]["EtcdRole"]["Properties"]
+    statements = {s["Sid"]: s for s in role["Policies"][0]["PolicyDocument"]["Statement"]}
+    attach = statements["AttachOwnInterface"]
+    assert attach["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:stack": "petctl"}}
+    assert set(statements["Describe"]["Action"]) == {"ec2:DescribeNetworkInterfaces", "ec2:DescribeInstances"}
+
+
+def test_worker_policy_pulls_only_its_repository_and_writes_only_its_log_group(base):
+    statements = {s["Sid"]: s for s in one(base, "AWS::IAM::ManagedPolicy")["PolicyDocument"]["Statement"]}
+    assert statements["EcrPull"]["Resource"] == {"Fn::GetAtt": ["Repository", "Arn"]}
+    assert "${LogGroup}" in statements["AgentLogs"]["Resource"]["Fn::Sub"]
+    assert [s for s in statements.values() if s["Resource"] == "*"] == [statements["EcrLogin"]]
+
+
+def test_checkov_skips_each_carry_a_reason(templates):
+    for t in all_templates(templates):
+        for resource in t["Resources"].values():
+            for skip in resource.get("Metadata", {}).get("checkov", {}).get("skip", []):
+                assert skip["id"].startswith("CKV") and len(skip["comment"]) > 30
+
+
+# --- linters on the rendered output -------------------------------------------------------------------
+def test_cfn_lint_reports_no_errors_or_warnings(templates):
+    api = pytest.importorskip("cfnlint.api", reason="cfn-lint is not installed (pip install cfn-lint)")
+    for name, path in templates.items():
+        matches = api.lint(path.read_text(), config=api.ManualArgs(regions=["us-east-1"]))
+        problems = [f"{m.rule.id} {m.message} (line {m.linenumber})" for m in matches
+                    if m.rule.id[0] in "EW"]
+        assert problems == [], f"cfn-lint on {name}: {problems}"
+
+
+def test_checkov_passes(templates):
+    checkov = shutil.which("checkov")
+    if checkov is None:
+        pytest.skip("checkov is not installed (it pins old boto3/packaging: install it in its own venv and "
+                    "put it on PATH)")
+    directory = templates["base"].parent
+    out = subprocess.run([checkov, "-d", str(directory), "--framework", "cloudformation", "-o", "json",
+                          "--quiet", "--skip-download"], capture_output=True, text=True, timeout=300)
+    reports = json.loads(out.stdout)
+    for report in reports if isinstance(reports, list) else [reports]:
+        failed = [(c["check_id"], c["resource"]) for c in report.get("results", {}).get("failed_checks", [])]
+        assert failed == []
+
+
+def test_user_data_is_base64_encodable_and_small(templates):
+    for variant in rendered.JOB_VARIANTS:
+        script = one(job(templates, variant), "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]
+        assert len(base64.b64encode(script["Fn::Base64"].encode())) < 16 * 1024  # EC2's user data limit
