@@ -1,0 +1,178 @@
+"""Boot the instances moto creates as if EC2 had started them: a test-only stand-in for the machines.
+
+moto launches instances for an Auto Scaling group but runs nothing on them. This emulator plays the part of
+EC2 and the VPC for petctl's end-to-end test:
+
+* the etcd host: the base stack's one-instance group gets a real etcd 3.5 (`petctl.etcd_server`), and the
+  fixed address its boot script advertises (`ETCD_IP`, from the user data) is mapped to that server;
+* each worker: the job config is read from the instance's own user data (the heredoc the boot script
+  writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
+  --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
+  so code download, checkpoints and the status mirror all go to the emulated S3;
+* an instance EC2 reports terminated (or that left its group) loses its agent at once (SIGKILL of the
+  process group, like a vanished machine).
+
+The only translation is the network: addresses inside the VPC (etcd's, the instances') become loopback.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from petctl.etcd_server import EtcdServer
+from petctl.providers.aws.userdata import agent_config_from_user_data
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Booted:
+    instance_id: str
+    proc: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class InstanceEmulator:
+    moto_url: str
+    region: str
+    root: Path
+    env: dict[str, str] = field(default_factory=dict)
+    booted: dict[str, Booted] = field(default_factory=dict)
+    etcd: EtcdServer | None = None
+    address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _client(self, service: str):
+        import boto3
+
+        return boto3.client(service, region_name=self.region, endpoint_url=self.moto_url)
+
+    def user_data(self, instance_id: str) -> str:
+        value = self._client("ec2").describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+        return base64.b64decode(value["UserData"]["Value"]).decode()
+
+    def group_instances(self, asg_name: str) -> list[str]:
+        groups = self._client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[asg_name])
+        if not groups["AutoScalingGroups"]:
+            return []
+        return [
+            i["InstanceId"]
+            for i in groups["AutoScalingGroups"][0]["Instances"]
+            if i["LifecycleState"] == "InService"
+        ]
+
+    def running(self, instance_ids: list[str]) -> set[str]:
+        if not instance_ids:
+            return set()
+        reservations = self._client("ec2").describe_instances(InstanceIds=instance_ids)["Reservations"]
+        return {
+            i["InstanceId"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"
+        }
+
+    # --- the etcd host -------------------------------------------------------------------------------
+    def boot_etcd_host(self, etcd_group: str) -> str:
+        (instance_id,) = self.group_instances(etcd_group)
+        script = self.user_data(instance_id)
+        assert "--enable-v2" in script, "the etcd host's boot script must enable the v2 API"
+        ip = re.search(r"^ETCD_IP=(\S+)$", script, re.M).group(1).strip("'")
+        self.etcd = EtcdServer.start(
+            self.root / "etcd-host" / "data", log_path=self.root / "etcd-host" / "log"
+        )
+        self.address_map[f"http://{ip}:2379"] = self.etcd.endpoint
+        return instance_id
+
+    # --- workers -------------------------------------------------------------------------------------
+    def boot_worker(self, instance_id: str) -> Booted:
+        config = agent_config_from_user_data(self.user_data(instance_id))
+        config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
+        work = self.root / instance_id
+        work.mkdir(parents=True, exist_ok=True)
+        config.work_dir = str(work / "work")
+        config.imds_endpoint = ""  # no metadata service here; the preemption path has its own tests
+        path = work / "agent.json"
+        path.write_text(config.to_json())
+        log = work / "console.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "petctl.agent.main",
+            "--config",
+            str(path),
+            "--node-id",
+            instance_id,
+            "--host-addr",
+            "127.0.0.1",
+        ]
+        env = {
+            **os.environ,
+            **self.env,
+            "AWS_ENDPOINT_URL": self.moto_url,
+            "AWS_DEFAULT_REGION": self.region,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
+            )
+        self.booted[instance_id] = Booted(instance_id, proc, log)
+        return self.booted[instance_id]
+
+    def sync(self, asg_name: str) -> None:
+        """Boot new in-service instances; kill the agents of instances that are gone."""
+        members = self.group_instances(asg_name)
+        alive = self.running(members)
+        for instance_id in members:
+            if instance_id in alive and instance_id not in self.booted:
+                self.boot_worker(instance_id)
+        gone = [i for i in self.booted if i not in alive and self.booted[i].proc.poll() is None]
+        for instance_id in gone:
+            self.kill(instance_id)
+
+    def kill(self, instance_id: str) -> None:
+        proc = self.booted[instance_id].proc
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+    def follow(self, asg_name: str, interval: float = 0.5) -> None:
+        """Keep syncing in the background, as EC2 keeps launching what the group asks for."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.sync(asg_name)
+                except Exception as exc:  # keep emulating; the test reports what went wrong
+                    self.errors.append(repr(exc))
+
+        self._thread = threading.Thread(target=loop, name="instance-emulator", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for instance_id, booted in self.booted.items():
+            if booted.proc.poll() is None:
+                self.kill(instance_id)
+        if self.etcd is not None:
+            self.etcd.stop()
+
+    def console(self) -> str:
+        return "\n".join(
+            f"--- {i}\n{b.log.read_text(errors='replace')[-4000:]}"
+            for i, b in self.booted.items()
+            if b.log.exists()
+        )
