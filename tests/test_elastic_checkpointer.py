@@ -363,3 +363,22 @@ def test_cache_sweeps_staging_of_dead_processes(tmp_path: Path) -> None:
     mine = cache.staging(6)
     assert cache.sweep() == [stale]
     assert mine.is_dir() and not stale.exists()
+
+
+def test_time_based_periodic_save(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from petctl.elastic import checkpointer as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    state = make_state()
+    with Checkpointer(url, keep=10, every=0, every_seconds=60, background=False) as ckpt:
+        now[0] += 59
+        assert ckpt.step_end(0, state) is False
+        assert mf.manifest_steps(open_store(url)) == []  # not due yet
+        now[0] += 1
+        ckpt.step_end(1, state)
+        now[0] += 59
+        ckpt.step_end(2, state)  # the clock restarted at the save of step 1
+    assert mf.manifest_steps(open_store(url)) == [1]

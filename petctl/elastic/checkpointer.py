@@ -41,6 +41,8 @@ class Checkpointer:
     url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
     keep: newest complete checkpoints to keep in the store (older ones are deleted after each save).
     every: periodic save after every `every` completed steps (when `(step + 1) % every == 0`); 0: never.
+    every_seconds: also save when this long has passed since the last save (or the start); 0: never.
+        Only rank 0 decides (it alone writes), so ranks need not agree on the time.
     check_every: steps between preemption checks (each is one tiny all-reduce); 0 disables them.
     background: False makes every periodic save synchronous (preemption saves always are).
     cache_dir: node-local cache root (default `$PETCTL_CACHE_DIR` or <tmp>/petctl-cache); use_cache=False
@@ -49,7 +51,8 @@ class Checkpointer:
     store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
     """
 
-    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, check_every: int = 1,
+    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
+                 check_every: int = 1,
                  background: bool = True, cache_dir: Path | str | None = None, use_cache: bool = True,
                  weights_only: bool = True, s3: S3Options | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
@@ -62,6 +65,8 @@ class Checkpointer:
         self.url = url
         self.keep = keep
         self.every = every
+        self.every_seconds = every_seconds
+        self._last_save_at = time.monotonic()
         self.background = background
         self.weights_only = weights_only
         self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
@@ -199,9 +204,15 @@ class Checkpointer:
             self._preemption_save(step, state)
             self.preempted_at = step
             return True
-        if self.every > 0 and (step + 1) % self.every == 0:
+        if self._periodic_due(step):
             self.save(step, state, block=not self.background)
         return False
+
+    def _periodic_due(self, step: int) -> bool:
+        if self.every > 0 and (step + 1) % self.every == 0:
+            return True
+        return (self.every_seconds > 0 and self.comm.is_writer
+                and time.monotonic() - self._last_save_at >= self.every_seconds)
 
     def save(self, step: int, state: State, block: bool = False) -> mf.Manifest | None:
         """Save `state` as checkpoint `step` (rank 0 only; other ranks return None at once).
@@ -220,6 +231,7 @@ class Checkpointer:
                 return done  # else that attempt failed: save again below
         snapshot = state.snapshot()
         self._submitted_step = step
+        self._last_save_at = time.monotonic()
         self._uploader.submit(lambda: self._write(step, snapshot))
         return self._uploader.wait() if block else None
 
