@@ -241,10 +241,10 @@ class Checkpointer:
         cache = self.cache or LocalCache(self.url)
         staging = cache.staging(step)
         try:
-            files = save_snapshot(snapshot, step, staging)
+            files, entries = save_snapshot(snapshot, step, staging)
             meta = {"world_size": self.comm.world_size, "torch": torch.__version__,
                     "node_id": os.environ.get("PETCTL_NODE_ID", "")}
-            manifest = mf.write_checkpoint(self.store, step, files, meta)
+            manifest = mf.write_checkpoint(self.store, step, files, meta, entries=entries)
         except BaseException:
             cache.discard(staging)
             raise

@@ -9,12 +9,15 @@ training loop keeps mutating the live tensors.
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from petctl.elastic.manifest import ObjectEntry
 
 STATE_FILE = "state.pt"
 
@@ -97,11 +100,32 @@ class State:
         self.extra.update(data.get("extra", {}))
 
 
-def save_snapshot(snapshot: dict[str, Any], step: int, directory: Path) -> dict[str, Path]:
-    """Serialise a snapshot into `directory`; returns {object name: path} for the manifest."""
+class _HashingWriter:
+    """File wrapper that hashes what torch.save writes, so the manifest needs no second read pass."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_snapshot(snapshot: dict[str, Any], step: int,
+                  directory: Path) -> tuple[dict[str, Path], list[ObjectEntry]]:
+    """Serialise a snapshot into `directory`: ({object name: path}, their manifest entries)."""
     path = directory / STATE_FILE
-    torch.save({"step": step, "state": snapshot}, path)
-    return {STATE_FILE: path}
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save({"step": step, "state": snapshot}, writer)
+    return {STATE_FILE: path}, [ObjectEntry(STATE_FILE, writer.size, writer.sha.hexdigest())]
 
 
 def load_payload(source: Path | bytes, weights_only: bool = True) -> tuple[int, dict[str, Any]]:
