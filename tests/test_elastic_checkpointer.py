@@ -382,3 +382,21 @@ def test_time_based_periodic_save(url: str, monkeypatch: pytest.MonkeyPatch) -> 
         now[0] += 59
         ckpt.step_end(2, state)  # the clock restarted at the save of step 1
     assert mf.manifest_steps(open_store(url)) == [1]
+
+
+class NoDeleteStore(CountingStore):
+    def delete(self, keys: list[str]) -> None:
+        raise OSError("AccessDenied")
+
+
+def test_failed_prune_does_not_fail_a_complete_save(url: str, tmp_path: Path) -> None:
+    rec = Recorder()
+    control = tmp_path / "control"
+    state = make_state()
+    with Checkpointer(url, keep=1, store=NoDeleteStore(open_store(url)), control_dir=control,
+                      log=rec.log) as ckpt:
+        assert ckpt.save(0, state, block=True) is not None
+        controlfiles.write_preempt(control, "n", deadline=0)
+        assert ckpt.step_end(1, state) is True
+    assert controlfiles.read_saved(control) == {0: 1}  # the preemption save counts as done
+    assert rec.events("checkpoint.prune_failed") and not rec.events("checkpoint.save_failed")

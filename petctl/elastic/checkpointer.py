@@ -248,11 +248,21 @@ class Checkpointer:
         except BaseException:
             cache.discard(staging)
             raise
-        if self.cache is not None:
-            self.cache.commit(staging, step)
-        else:
+        # The checkpoint is complete and visible now; what follows is housekeeping whose failure must
+        # not turn a good save (say, the preemption save) into a reported failure.
+        try:
+            if self.cache is not None:
+                self.cache.commit(staging, step)
+            else:
+                cache.discard(staging)
+        except OSError as e:
             cache.discard(staging)
-        deleted = mf.prune(self.store, self.keep)
+            self.log.emit("checkpoint.cache_failed", step=step, error=repr(e))
+        try:
+            deleted = mf.prune(self.store, self.keep)
+        except Exception as e:
+            deleted = []
+            self.log.emit("checkpoint.prune_failed", step=step, error=repr(e), url=self.url)
         self.last_saved = manifest
         self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes,
                       seconds=round(time.monotonic() - t0, 3), url=self.url, pruned=deleted)
@@ -266,7 +276,11 @@ class Checkpointer:
         self.log.emit("preempt.detected", step=step, deadline=self.preemption.deadline())
         ok = True
         if self.comm.is_writer:
-            ok = self.save(step, state, block=True) is not None
+            try:
+                ok = self.save(step, state, block=True) is not None
+            except Exception as e:  # never leave the other ranks waiting in the broadcast below
+                self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
+                ok = False
         ok = bool(self.comm.broadcast_object(ok))  # also the barrier: nobody reports before rank 0 saved
         if ok:
             self.preemption.report_saved(step)
