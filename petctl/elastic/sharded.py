@@ -229,9 +229,13 @@ class ShardedCheckpointer:
                              json.dumps([[e.name, e.size, e.sha256] for e in entries]).encode())
         if self.comm.is_writer:
             manifest = self._write_manifest(step)
+            try:  # the checkpoint is complete: housekeeping failures must not fail the save
+                pruned = mf.prune(self.store, self.keep)
+            except Exception as e:
+                pruned = []
+                self.log.emit("checkpoint.prune_failed", step=step, error=repr(e), url=self.url)
             self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes, url=self.url,
-                          seconds=round(time.monotonic() - t0, 3), format=DCP_FORMAT,
-                          pruned=mf.prune(self.store, self.keep))
+                          seconds=round(time.monotonic() - t0, 3), format=DCP_FORMAT, pruned=pruned)
         for path in files.values():  # only our own files: other local ranks may still be uploading
             path.unlink(missing_ok=True)
         return True
