@@ -7,6 +7,7 @@ endpoint URL, and the AWS config/credential files are pointed at empty files ins
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -83,7 +84,17 @@ def stack_name() -> str:
 def ready(provider, moto: str, stack_name: str):
     """A provider after `setup` against moto, under a base stack of its own."""
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
+    push_worker_image(moto, provider.settings["image"])
     return provider
+
+
+def push_worker_image(moto: str, image: str) -> None:
+    """What `docker push` of worker_image/ does, as far as ECR's API can tell."""
+    repository, tag = image.split("/", 1)[1].rsplit(":", 1)
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 1,
+                           "digest": "sha256:" + "0" * 64}, "layers": []}
+    boto(moto, "ecr").put_image(repositoryName=repository, imageManifest=json.dumps(manifest), imageTag=tag)
 
 
 def boto(moto: str, service: str):

@@ -5,6 +5,9 @@ gateway (and its VPC attachment), a gateway VPC endpoint and a network interface
 VPC that holds them cannot be deleted and `delete_stack` of the base stack fails with DependencyViolation.
 Real CloudFormation deletes all of them in dependency order. The patch does what CloudFormation would,
 right before moto deletes the VPC: it removes those leftovers *of that VPC only*.
+
+moto also ignores `EmptyOnDelete: true` on an `AWS::ECR::Repository` (CloudFormation deletes the images
+with the repository); the second patch honours that property for repositories that set it.
 """
 
 from __future__ import annotations
@@ -46,3 +49,24 @@ def patch_moto_stack_deletion() -> None:
 
     VPC.delete_from_cloudformation_json = classmethod(delete_from_cloudformation_json)
     VPC._petctl_patched = True
+    _patch_ecr_empty_on_delete()
+
+
+def _patch_ecr_empty_on_delete() -> None:
+    from moto.ecr.models import Repository, ecr_backends
+
+    create = Repository.create_from_cloudformation_json.__func__
+
+    def create_from_cloudformation_json(cls, resource_name, cloudformation_json, account_id, region_name,
+                                        **kwargs):
+        repo = create(cls, resource_name, cloudformation_json, account_id, region_name, **kwargs)
+        properties = cloudformation_json.get("Properties", {})
+        repo._petctl_empty_on_delete = str(properties.get("EmptyOnDelete", "false")).lower() == "true"
+        return repo
+
+    def delete(self, account_id: str, region_name: str) -> None:
+        force = getattr(self, "_petctl_empty_on_delete", False)
+        ecr_backends[account_id][region_name].delete_repository(self.name, force=force)
+
+    Repository.create_from_cloudformation_json = classmethod(create_from_cloudformation_json)
+    Repository.delete = delete

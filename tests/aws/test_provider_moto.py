@@ -180,6 +180,15 @@ def test_validation_happens_before_any_aws_change(ready, moto, tmp_path, stack_n
     assert keys(moto, bucket, "jobs/") == [] and stack_names(moto, stack_name) == {stack_name}
 
 
+def test_run_job_refuses_when_the_worker_image_was_never_pushed(ready, moto, tmp_path, stack_name):
+    ready.settings["image"] = ready.settings["image"].rsplit(":", 1)[0] + ":not-pushed"
+    with pytest.raises(ValidationError, match="worker image .*:not-pushed is not in ECR"):
+        ready.create_job(spec(), write_script(tmp_path / "src"))
+    assert stack_names(moto, stack_name) == {stack_name}
+    ready.settings["image"] = "ghcr.io/example/petctl-worker:1"  # another registry: the user's business
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+
+
 def test_existing_job_is_refused_without_touching_it(ready, moto, tmp_path, stack_name):
     ready.create_job(spec(), write_script(tmp_path / "src"))
     with pytest.raises(JobExists, match="already exists"):

@@ -160,6 +160,7 @@ class AwsProvider(Provider):
         session = self._session()
         stacks = self._stacks(session)
         stack = self._job_stack(spec.name)
+        inventory.check_image(session.client("ecr"), settings["image"], session.region)
         if stacks.describe(stack):
             raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick "
                             "another name")
