@@ -1,0 +1,95 @@
+"""The CLI drives the AWS provider exactly as it drives the local one (no provider branches): every
+command once, against moto, through click, with the options the CLI passes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from petctl.config import PetctlConfig
+from petctl.errors import PetctlError
+from tests.aws.conftest import REGION, boto, push_worker_image, write_script
+
+
+@pytest.fixture
+def petctl(moto, aws_env):
+    from petctl.cli.main import cli
+
+    runner = CliRunner()
+
+    def run(*args: str, ok: bool = True):
+        result = runner.invoke(cli, list(args), catch_exceptions=True)
+        if ok:
+            assert result.exit_code == 0, (args, result.output, result.exception)
+        return result
+
+    return run
+
+
+def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_name):
+    out = petctl(
+        "setup",
+        "--provider",
+        "aws",
+        "--option",
+        f"region={REGION}",
+        "--option",
+        f"endpoint_url={moto}",
+        "--option",
+        f"stack_name={stack_name}",
+    ).output
+    assert "petctl is set up (aws)" in out and "http://10.42.0.10:2379" in out
+    settings = PetctlConfig.load().section("aws")
+    push_worker_image(moto, settings["image"])
+
+    script = write_script(tmp_path / "src")
+    petctl(
+        "run_job",
+        "--name",
+        "cli",
+        "--min",
+        "1",
+        "--max",
+        "3",
+        "--size",
+        "2",
+        "--instance-type",
+        "g5.xlarge",
+        "--instance-type",
+        "g6.xlarge",
+        "--on-demand-base",
+        "1",
+        str(script),
+        "--",
+        "--lr",
+        "0.1",
+    )
+    jobs = json.loads(petctl("jobs", "-o", "json").output)
+    assert [(j["name"], j["desired"], j["provider"]) for j in jobs] == [("cli", 2, "aws")]
+    agent = boto(moto, "s3").get_object(Bucket=settings["outputs"]["BucketName"], Key="jobs/cli/agent.json")
+    job = json.loads(agent["Body"].read())["job"]
+    assert job["instance_types"] == ["g5.xlarge", "g6.xlarge"] and job["on_demand_base"] == 1
+    assert job["args"] == ["--lr", "0.1"] and job["entrypoint"] == "train.py"
+
+    hosts = json.loads(petctl("hosts", "cli", "-o", "json").output)
+    assert len(hosts) == 2 and {h["state"] for h in hosts} == {"running"}
+    petctl("scale", "cli", "--size", "3")
+    assert json.loads(petctl("jobs", "-o", "json").output)[0]["desired"] == 3
+    killed = petctl("chaos", "cli", "--kill").output.split()[-1]
+    assert killed.startswith("i-")
+    frozen = petctl("chaos", "cli", "--freeze", ok=False)
+    assert frozen.exit_code != 0 and "not supported on aws" in str(frozen.exception)
+    petctl("status", "cli")
+    petctl("kill_job", "cli")
+    assert json.loads(petctl("jobs", "-o", "json").output) == []
+    petctl("teardown")
+    assert PetctlConfig.load().section("aws")["ready"] is False
+
+
+def test_cli_reports_unknown_setup_options(petctl, moto):
+    result = petctl(
+        "setup", "--provider", "aws", "--option", f"region={REGION}", "--option", "zone=x", ok=False
+    )
+    assert isinstance(result.exception, PetctlError) and "unknown aws setup option" in str(result.exception)
