@@ -4,6 +4,7 @@ only sleeps and leaves on SIGTERM), so capacity behaviour is checked fast and ap
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,21 +136,33 @@ def test_notice_is_enforced_at_its_time(stub: Petctl):
     assert row["ended_at"] >= notice["time"]
 
 
-def test_job_result_stops_the_reconciler(stub: Petctl):
+def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
     from petctl.etcd_server import etcd_client
     from petctl.jobstate import write_result
 
     start(stub, "done", "--size", "2")
-    wait_hosts(stub, "done", lambda rows: len(running(rows)) == 2)
-    endpoint = json.loads((stub.home / "config.json").read_text())["settings"]["local"]["etcd_endpoint"]
-    write_result(etcd_client(endpoint), "done", "succeeded", "all workers exited 0")
-    deadline = time.monotonic() + 20
-    while len(stub.processes()) > 1:
-        assert time.monotonic() < deadline, "the reconciler did not stop the job"
-        time.sleep(0.1)
+    ids = running(wait_hosts(stub, "done", lambda rows: len(running(rows)) == 2))
+    follower = subprocess.Popen([sys.executable, "-m", "petctl", "logs", "done", "-f"], env=stub.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        endpoint = json.loads((stub.home / "config.json").read_text())["settings"]["local"]["etcd_endpoint"]
+        write_result(etcd_client(endpoint), "done", "succeeded", "all workers exited 0")
+        out, err = follower.communicate(timeout=30)  # `logs -f` ends by itself once the job is over
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, err
+    assert len(stub.processes()) == 1  # the reconciler stopped every instance, then itself
     assert [j["state"] for j in stub.json("jobs")] == ["succeeded"]
     assert json.loads((stub.job_dir("done") / "job.json").read_text())["state"] == "succeeded"
     assert reconciler_events(stub, "done", "reconciler.exit")[0]["state"] == "succeeded"
+    for iid in ids:  # each node's lines, prefixed with its id, through to its SIGTERM at the end
+        mine = [line for line in out.splitlines() if line.startswith(f"[{iid}] ")]
+        assert "stub.started" in mine[0] and "stub.sigterm" in mine[-1], mine
+    node_log = stub.run("logs", "done", "--node", ids[0]).stdout
+    assert node_log.startswith("{") and "stub.started" in node_log
+    assert "instance.launched" in stub.run("logs", "done", "--node", "reconciler").stdout
 
 
 def test_crash_looping_instances_fail_the_job(stub: Petctl):

@@ -41,9 +41,18 @@ def status(name: str, output: str) -> None:
     ranks = data["ranks"]
     nodes = sorted(data["nodes"].values(),
                    key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
+    if not nodes:
+        click.echo("no live nodes" if data["state"] not in ("succeeded", "failed", "killed")
+                   else "the job is over; its node logs: `petctl logs " + name + "`")
+        return
     table(None, ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"],
           [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
-            n.get("state"), n.get("step"), n.get("last_checkpoint")] for n in nodes])
+            n.get("state"), n.get("step"), checkpoint_step(n.get("last_checkpoint"))] for n in nodes])
+
+
+def checkpoint_step(value: Any) -> Any:
+    """The agent publishes {"step", "url"}; the table shows the step."""
+    return value.get("step") if isinstance(value, dict) else value
 
 
 @click.command("hosts")

@@ -36,14 +36,6 @@ def proc_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
-def reap(pid: int) -> None:
-    """Collect the exit status if `pid` is our child, so it does not linger as a zombie."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 @dataclass(frozen=True)
 class ProcRef:
     pid: int
@@ -54,7 +46,8 @@ class ProcRef:
         return cls(pid=pid, start=start_ticks(pid))
 
     def alive(self) -> bool:
-        reap(self.pid)
+        """Running or stopped, and still ours. A zombie counts as gone; it is never reaped here, because
+        the reconciler's Popen must collect its children's exit status itself."""
         fields = _stat_fields(self.pid)
         if not fields or fields[0] in ("Z", "X"):
             return False
