@@ -69,6 +69,8 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
 def test_setup_again_updates_in_place(ready, moto, stack_name):
     ready.setup()  # region, endpoint and stack name remembered from the first call
     assert stack_names(moto, stack_name) == {stack_name}
+    # what the user chose is remembered; derived values (today's AMIs, the image) are re-derived each time
+    assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name"}
     assert ready.settings["ready"] is True
 
 
@@ -257,6 +259,10 @@ def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json",
                       Body=json.dumps({"node_id": node, "state": "succeeded"}).encode())
     assert ready.job("demo").state == "succeeded"
+    ready.kill_job("demo")
+    assert list(ready.logs("demo", node="i-aaa")) == ["hello from i-aaa", "step 7"]  # logs outlive the job
+    with pytest.raises(JobNotFound):
+        list(ready.logs("never-ran"))
 
 
 # --- errors the user can act on --------------------------------------------------------------------

@@ -136,3 +136,20 @@ def test_aws_errors_become_one_line_messages(code, error, message):
         with aws_errors("create stack x"):
             raise ClientError({"Error": {"Code": code, "Message": "nope"}}, "CreateStack")
     assert "\n" not in str(raised.value)
+
+
+def test_setup_replaces_a_stack_that_failed_to_create():
+    class Recreating(StubCfn):
+        def delete_stack(self, StackName):  # noqa: N803
+            self.calls.append("delete_stack")
+            self.exists = False
+
+        def create_stack(self, **kwargs):
+            self.calls.append("create_stack")
+            self.exists, self.statuses = True, ["CREATE_COMPLETE"]
+
+    stub = Recreating(["ROLLBACK_COMPLETE"])
+    lines: list[str] = []
+    StackOps(stub, poll=0, progress=lines.append).create_or_update("petctl", "{}", {}, "petctl base stack")
+    assert stub.calls.count("delete_stack") == 1 and stub.calls.count("create_stack") == 1
+    assert any("removing the failed earlier attempt" in line for line in lines)

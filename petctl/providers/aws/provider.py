@@ -30,7 +30,7 @@ STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 LIFECYCLE_HOOK = "petctl-drain"
-SETUP_OPTIONS = {
+SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
     "root_volume_gb": "100",
@@ -80,21 +80,22 @@ class AwsProvider(Provider):
         """Create or update the base stack. Options (strings, as `--option KEY=VALUE` gives them):
         region, profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
         etcd_instance_type, root_volume_gb."""
-        opts = {k.replace("-", "_"): v for k, v in options.items() if v not in (None, "")}
+        opts = {k.replace("-", "_"): str(v) for k, v in options.items() if v not in (None, "")}
         opts.pop("provider", None)
         unknown = sorted(set(opts) - set(SETUP_OPTIONS))
         if unknown:
             raise ValidationError(f"unknown aws setup option(s) {', '.join(unknown)}: choose from "
                                   f"{', '.join(SETUP_OPTIONS)}")
-        merged = {**SETUP_OPTIONS, **{k: v for k, v in self.settings.items() if k in SETUP_OPTIONS}, **opts}
-        merged = {k: str(v) for k, v in merged.items()}
+        # What the user chose is remembered (settings["options"]); what was derived (AMIs, image) is not,
+        # so a later `setup` picks up AWS's current AMIs unless the user pinned them.
+        chosen = {**self.settings.get("options", {}), **opts}
+        merged = {**SETUP_OPTIONS, **chosen}
         if not STACK_NAME_RE.match(merged["stack_name"]):
             raise ValidationError(f"invalid stack_name {merged['stack_name']!r}: 1-24 lowercase letters, "
                                   "digits and '-', starting with a letter")
-        max_azs, root_gb = _int_option("max_azs", merged["max_azs"], 2), _int_option(
-            "root_volume_gb", merged["root_volume_gb"], 30)
+        max_azs = _int_option("max_azs", merged["max_azs"], 2)
+        root_gb = _int_option("root_volume_gb", merged["root_volume_gb"], 30)
         session = self._session(merged)
-        merged["region"] = session.region
         with aws_errors("check the AWS credentials"):
             session.client("sts").get_caller_identity()
         stack = merged["stack_name"]
@@ -106,14 +107,18 @@ class AwsProvider(Provider):
                            etcd_instance_type=merged["etcd_instance_type"],
                            etcd_user_data=etcd_user_data(stack, plan.etcd_ip),
                            repository_name=f"{stack}-worker", noncurrent_days=7, log_retention_days=14)
-        self._stacks(session).create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"},
-                                               "petctl base stack")
-        outputs = self._stacks(session).outputs(stack)
+        stacks = self._stacks(session)
+        settings = self.settings
+        # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
+        settings.update(options=chosen, region=session.region, profile=merged["profile"],
+                        endpoint_url=merged["endpoint_url"], stack_name=stack)
+        self.config.provider = self.name
+        self.config.save()
+        tags = {"petctl:stack": stack, "petctl:kind": "base"}
+        stacks.create_or_update(stack, body, tags, "petctl base stack")
+        outputs = stacks.outputs(stack)
         from petctl import __version__
 
-        settings = self.settings
-        settings.update({k: v for k, v in merged.items() if k in ("region", "profile", "endpoint_url",
-                                                                   "stack_name", "vpc_cidr", "max_azs")})
         settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
                         image=merged["image"] or f"{outputs['RepositoryUri']}:{__version__}",
                         etcd_endpoint=outputs["EtcdEndpoint"], ready=True)
@@ -122,8 +127,11 @@ class AwsProvider(Provider):
         return dict(settings)
 
     def teardown(self, force: bool = False) -> None:
-        """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints)."""
-        self._ready()
+        """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
+
+        Works after a failed setup too: all it needs is where the base stack was to be created."""
+        if not self.settings.get("region"):
+            raise NotSetUp("nothing to tear down on AWS: `petctl setup --provider aws` was never run")
         session = self._session()
         stacks = self._stacks(session)
         jobs = stacks.list_stacks("petctl:stack", self._base)
@@ -281,12 +289,15 @@ class AwsProvider(Provider):
         return inventory.job_state_from_nodes(name, self._store(self._session(), name).node_states())
 
     def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
+        """Node logs from the job's S3 prefix; they outlive the job's stack (kill_job keeps them)."""
         self._ready()
         store = self._store(self._session(), name)
-        self.job(name)
-        nodes = [node] if node else store.log_nodes()
-        if node and node not in store.log_nodes():
+        available = store.log_nodes()
+        if not available:
+            self.job(name)  # JobNotFound for a job that never existed
+        if node and node not in available:
             raise ProviderError(f"no log for node {node!r} in job {name!r} yet (see `petctl hosts {name}`)")
+        nodes = [node] if node else available
         offsets: dict[str, int] = {}
         while True:
             for n in nodes:

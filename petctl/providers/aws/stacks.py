@@ -78,10 +78,15 @@ class StackOps:
         from botocore.exceptions import ClientError
 
         existing = self.describe(name)
+        if existing is not None and existing["StackStatus"] == "ROLLBACK_COMPLETE":
+            # A first creation that failed leaves an empty stack that can only be deleted: do it, then retry.
+            self.progress(f"removing the failed earlier attempt at {what} (stack {name})")
+            self.delete(name, what)
+            existing = None
         if existing is None:
             return self.create(name, body, tags, what)
         status = existing["StackStatus"]
-        if status.endswith(IN_PROGRESS) or status in {"ROLLBACK_COMPLETE", "DELETE_FAILED"}:
+        if status.endswith(IN_PROGRESS) or status == "DELETE_FAILED":
             raise JobExists(self._exists_message(name, status, what))
         with aws_errors(f"update stack {name}"):
             try:
@@ -171,5 +176,9 @@ class StackOps:
         if status.endswith(IN_PROGRESS):
             return f"stack {name} ({what}) is busy ({status}); wait for it to finish and retry"
         if status == "ROLLBACK_COMPLETE":
-            return f"stack {name} ({what}) failed to create earlier (ROLLBACK_COMPLETE); delete it and retry"
+            return (f"stack {name} ({what}) failed to create earlier (ROLLBACK_COMPLETE); delete it "
+                    "(petctl kill_job / teardown) and retry")
+        if status == "DELETE_FAILED":
+            return (f"stack {name} ({what}) failed to delete (DELETE_FAILED); see its events in the "
+                    "CloudFormation console, fix the cause and run petctl teardown again")
         return f"stack {name} ({what}) already exists ({status})"
