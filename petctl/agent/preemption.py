@@ -30,6 +30,7 @@ class PreemptionHandler:
         self.announced = False
         self.save_deadline = 0.0
         self._watcher: Any = None
+        self._heartbeat: Any = None
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -38,7 +39,7 @@ class PreemptionHandler:
         from petctl.agent.imds import IMDSWatcher
 
         self._watcher = IMDSWatcher(self.config.imds_endpoint,
-                                    interval=self.config.job.timeouts.imds_interval)
+                                    interval=self.config.job.timeouts.imds_interval, log=self.events)
         self._watcher.start(self._on_notice)
 
     def stop(self) -> None:
@@ -57,10 +58,20 @@ class PreemptionHandler:
                          deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
 
     def announce(self, cas: Callable[[], bool]) -> None:
-        """Put the preemption into the current round (retried by the caller's loop until it sticks)."""
+        """Put the preemption into the current round (retried by the caller's loop until it sticks).
+
+        On AWS the ASG holds the instance in its termination hook meanwhile; we heartbeat the hook so a
+        slow save is not cut off at the hook's timeout.
+        """
         if cas():
             self.announced = True
             self.events.emit("preemption.announced", deadline=self.notice.deadline)
+            if self.config.asg_name and self.config.lifecycle_hook and self._heartbeat is None:
+                from petctl.agent.lifecycle import LifecycleHeartbeat
+
+                self._heartbeat = LifecycleHeartbeat(self.config.asg_name, self.config.lifecycle_hook,
+                                                     self.config.node_id, self.config.region, log=self.events)
+                self._heartbeat.start()
 
     def save_finished(self, workers: WorkerGroup, control_dir: Path) -> bool:
         """Our workers saved (or exited), or time is up: either way it is time to go."""
@@ -74,12 +85,14 @@ class PreemptionHandler:
         return False
 
     def complete_lifecycle(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if not (self.config.asg_name and self.config.lifecycle_hook):
             return
         from petctl.agent.lifecycle import complete_lifecycle_action
 
         complete_lifecycle_action(self.config.asg_name, self.config.lifecycle_hook, self.config.node_id,
-                                  self.config.region)
+                                  self.config.region, log=self.events)
 
     def wait_for_termination(self, stop: threading.Event) -> None:
         """A preempted instance has nothing left to do; idle until it is taken (or told to stop)."""
