@@ -132,8 +132,11 @@ def test_dockerfile_pins_a_cuda_pytorch_base_and_runs_unprivileged():
     (base,) = re.findall(r"^FROM\s+(\S+)", text, re.M)
     assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base)
     assert re.search(r"^USER\s+(?!root)\w+", text, re.M)
-    assert "pip install --no-deps /src/petctl" in text  # the base image's CUDA torch stays
+    assert "RUN pip install /src/petctl" in text and "torch.version.cuda" in text  # CUDA torch stays
+    assert not re.search(r"pip install[^\n]*\btorch\b", text)  # never a (CPU) torch from PyPI
     assert "petctl-agent" in text
+    ignore = (REPO / "worker_image" / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[ignore.index("*")] == "*" and "!petctl/" in ignore  # the build context is petctl only
 
 
 # --- inputs checked before any AWS call ---------------------------------------------------------------
