@@ -161,7 +161,7 @@ def _dir_spec() -> JobSpec:
     return s
 
 
-def test_validation_happens_before_any_aws_change(ready, moto, tmp_path, stack_name):
+def test_validation_happens_before_any_aws_call(ready, moto, tmp_path, stack_name, monkeypatch):
     script = write_script(tmp_path / "src")
     bucket = ready.settings["outputs"]["BucketName"]
     cases = [
@@ -171,14 +171,18 @@ def test_validation_happens_before_any_aws_change(ready, moto, tmp_path, stack_n
         (spec(instance_types=["zz9.large"]), "unknown instance family"),
         (spec(instance_types=["g5.xlarge", "c5.large"]), "mixes GPU and CPU"),
         (spec(on_demand_base=9), "--on-demand-base 9"),
+        (spec(), "does not exist", tmp_path / "missing.py"),
+        (spec(), "--entrypoint", tmp_path / "src"),
     ]
-    for bad, message in cases:
-        with pytest.raises(ValidationError, match=message):
-            ready.create_job(bad, script)
-    with pytest.raises(ValidationError, match="does not exist"):
-        ready.create_job(spec(), tmp_path / "missing.py")
-    with pytest.raises(ValidationError, match="--entrypoint"):
-        ready.create_job(spec(), tmp_path / "src")
+
+    def no_aws(*args, **kwargs):
+        raise AssertionError("an AWS session was opened before the input was validated")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ready, "_session", no_aws)
+        for bad, message, *path in cases:
+            with pytest.raises(ValidationError, match=message):
+                ready.create_job(bad, path[0] if path else script)
     assert keys(moto, bucket, "jobs/") == [] and stack_names(moto, stack_name) == {stack_name}
 
 
