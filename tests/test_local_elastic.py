@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -147,4 +148,29 @@ def test_max_restarts_exhaustion_fails_the_job(local: Petctl, tmp_path: Path):
     status = local.status("crashy")
     assert status["state"] == "failed"
     assert "max_restarts=2 exhausted" in status["reason"]
+    assert len(local.processes()) == 1
+
+
+@pytest.mark.timeout(240)
+def test_spot_notice_leaves_gracefully_before_the_reclaim(local: Petctl):
+    local.run("run_job", "--name", "spot", "--min", "1", "--max", "2", "--size", "2", "--replace-delay", "2",
+              *FAST, "--wait", "--wait-timeout", "120", TRAIN, "--", "--steps", "1000000",
+              "--ckpt-every", "5", "--step-time", "0.05")
+    status = local.wait_status("spot", formed(2), 60, "a 2-node world")
+    wait_for_step(local, "spot", 0, 2, 60)
+
+    victim = node_of_rank(status, 1)
+    local.run("chaos", "spot", "--node", victim, "--notice", "--grace", "10")
+    reclaim_at = json.loads((local.job_dir("spot") / "notices" / f"{victim}.json").read_text())["time"]
+    # The agent saw the notice on its metadata endpoint and left: the others re-form before the reclaim.
+    status = local.wait_status("spot", formed(1), 10, "the noticed node gone before its reclaim")
+    assert time.time() < reclaim_at
+    assert victim not in status["ranks"] and "preemption" in status["round"]["cause"]
+    # At the notice's time the reconciler reclaims it (SIGKILL) and launches a replacement.
+    status = local.wait_status("spot", formed(2), 60, "the replacement at world size 2")
+    assert victim not in status["ranks"]
+    row = {r["id"]: r for r in json.loads((local.job_dir("spot") / "instances.json").read_text())}[victim]
+    assert row["reason"] == "spot-reclaimed" and row["ended_at"] >= reclaim_at
+
+    local.run("kill_job", "spot")
     assert len(local.processes()) == 1
