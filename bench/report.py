@@ -1,0 +1,227 @@
+"""The run's results as rows (one table for the terminal, the JSON and the README), and the chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GOALS = {
+    "P1": "<= 3 s median, 0 steps lost",
+    "P2": "<= 10 s",
+    "P3": "<= 5 s",
+    "P4": "<= 1 % (petctl)",
+    "P5": "<= 2 s at N=64, requests/node flat in N",
+    "P6": "<= 0.3 s",
+}
+TORCHRUNS = ("torchrun-c10d", "torchrun-etcd-v2")
+
+
+def _fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}{unit}" if abs(v) < 100 else f"{v:.0f}{unit}"
+    return f"{v}{unit}"
+
+
+def _ratio(p: float | None, t: float | None, t_capped: float | None = None) -> str:
+    if p is None:
+        return "-"
+    if t is None and t_capped:
+        return f"< {p / t_capped:.2f}"
+    if not t:
+        return "-"
+    return f"{p / t:.2f}"
+
+
+def _row(sid: str, metric: str, system: str, s: dict[str, Any] | None, unit: str = "",
+         ratios: dict[str, str] | None = None, note: str = "") -> dict[str, Any]:
+    s = s or {}
+    return {"scenario": sid, "metric": metric, "system": system, "min": s.get("min"),
+            "median": s.get("median"), "max": s.get("max"), "n": s.get("n"), "unit": unit,
+            "goal": GOALS.get(sid, "") if system == "petctl" else "", "ratios": ratios or {}, "note": note}
+
+
+def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for sid in ("P1", "P2", "P3"):
+        res = results.get(sid)
+        if not res:
+            continue
+        summ = res.get("summary", {})
+        p = summ.get("petctl", {})
+        pmed = (p.get("seconds") or {}).get("median")
+        metric = {"P1": "notice -> step again", "P2": "freeze -> step again",
+                  "P3": "4th node launched -> step at world 4"}[sid]
+        for system, s in summ.items():
+            note = ""
+            if s.get("capped_runs"):
+                note = f"{s['capped_runs']} run(s) > {s['cap']:.0f} s cap (still hung)"
+            if s.get("errors"):
+                note += f" errors: {'; '.join(s['errors'])}"
+            ratios = {}
+            if system == "petctl":
+                for t in TORCHRUNS:
+                    ts = summ.get(t)
+                    if ts:
+                        tmed = (ts.get("seconds") or {}).get("median")
+                        all_capped = ts.get("capped_runs") and ts["seconds"].get("n", 0) == 0
+                        ratios[t] = _ratio(pmed, tmed, ts.get("cap") if all_capped else None)
+            sec = dict(s.get("seconds") or {})
+            if s.get("capped_runs") and not sec.get("n"):
+                sec = {"min": f"> {s['cap']:.0f}", "median": f"> {s['cap']:.0f}", "max": f"> {s['cap']:.0f}",
+                       "n": 0}
+            rows.append(_row(sid, metric, system, sec, "s", ratios, note.strip()))
+            if "steps_lost" in s:
+                rows.append(_row(sid, "steps lost", system, s["steps_lost"], "steps"))
+    p4 = results.get("P4")
+    if p4:
+        cfg = p4.get("config", {})
+        for variant in ("elastic", "sync"):
+            s = p4["summary"].get(variant, {})
+            label = "petctl" if variant == "elastic" else "sync torch.save+upload"
+            rows.append(_row("P4", f"step-time overhead, {cfg.get('state_mb')} MB every {cfg.get('every')} "
+                             f"steps", label, s.get("overhead_pct"), "%",
+                             note="; ".join(s.get("errors", []))))
+        rows.append(_row("P4", "mean step time, no checkpoints", "baseline",
+                         p4["summary"].get("none", {}).get("mean_step_s"), "s"))
+    p5 = results.get("P5")
+    if p5:
+        for n in p5.get("sizes", []):
+            pkey = f"petctl/N={n}"
+            psum = p5["summary"].get(pkey, {})
+            for key, s in p5["summary"].items():
+                system, _, size = key.partition("/N=")
+                if int(size) != n:
+                    continue
+                ratios = {}
+                if system == "petctl":
+                    for t in TORCHRUNS:
+                        ts = p5["summary"].get(f"{t}/N={n}")
+                        if ts and not ts.get("skipped"):
+                            ratios[t] = _ratio(psum.get("rdzv_s", {}).get("median"),
+                                               ts.get("rdzv_s", {}).get("median"))
+                note = s.get("skipped") or "; ".join(s.get("errors", []))
+                rows.append(_row("P5", f"N={n} rendezvous (all agents up -> all ranked)", system,
+                                 s.get("rdzv_s"), "s", ratios, note or ""))
+                rows.append(_row("P5", f"N={n} launch -> every worker ran", system,
+                                 s.get("launch_to_workers_s"), "s"))
+                if s.get("agent_requests_per_node_per_round") is not None:
+                    v = s["agent_requests_per_node_per_round"]
+                    rows.append(_row("P5", f"N={n} etcd requests/node/round (agent count)", system,
+                                     {"median": v, "n": 1}, ""))
+                if s.get("server_requests_per_node") is not None:
+                    v = s["server_requests_per_node"]
+                    rows.append(_row("P5", f"N={n} etcd requests/node, launch -> workers (server count)",
+                                     system, {"median": v, "n": 1}, ""))
+    p6 = results.get("P6")
+    if p6:
+        for label, r in p6.get("commands", {}).items():
+            system = "petctl" if "petctl" in label else "reference"
+            rows.append(_row("P6", label, system, r.get("seconds"), "s", note=r.get("error", "")))
+    return rows
+
+
+def phase_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for sid in ("P1", "P2", "P3"):
+        res = results.get(sid)
+        if not res:
+            continue
+        for system, s in res.get("summary", {}).items():
+            sub = s.get("sub_phases_median") or {}
+            if sub:
+                slow = max(sub, key=lambda k: sub[k] or 0)
+                out.append({"scenario": sid, "system": system, "sub_phases": sub, "phases": s.get(
+                    "phases_median", {}), "slowest": slow})
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], phase: list[dict[str, Any]]) -> None:
+    headers = ["scen", "metric", "system", "min", "median", "max", "n", "goal", "÷ c10d", "÷ etcd-v2", "note"]
+    body = [[r["scenario"], r["metric"], r["system"], _fmt(r["min"]), _fmt(r["median"]), _fmt(r["max"]),
+             _fmt(r["n"]), r["goal"], r["ratios"].get("torchrun-c10d", ""),
+             r["ratios"].get("torchrun-etcd-v2", ""), r["note"]] for r in rows]
+    labels = ["detect", "workers_stopped", "rendezvous", "workers_started", "torch_imported", "process_group",
+              "model_ready", "checkpoint_loaded", "first_step"]
+    pbody = [[p["scenario"], p["system"], *[_fmt(p["sub_phases"].get(k)) for k in labels], p["slowest"]]
+             for p in phase]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(width=200)
+        t = Table(title="petctl vs torchrun (seconds unless noted; ratio = petctl median / torchrun median)")
+        for h in headers:
+            t.add_column(h)
+        for b in body:
+            t.add_row(*[str(x) for x in b])
+        console.print(t)
+        if not pbody:
+            return
+        pt = Table(title="recovery phases (median seconds spent reaching each milestone after the previous)")
+        for h in ["scen", "system", *labels, "slowest"]:
+            pt.add_column(h)
+        for b in pbody:
+            pt.add_row(*[str(x) for x in b])
+        console.print(pt)
+    except ImportError:
+        print(markdown_table(headers, body))
+        if pbody:
+            print(markdown_table(["scen", "system", *labels, "slowest"], pbody))
+
+
+def markdown_table(headers: list[str], body: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(x) for x in b) + " |" for b in body]
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict[str, Any]], phase: list[dict[str, Any]]) -> str:
+    headers = ["scenario", "metric", "system", "min", "median", "max", "goal", "petctl ÷ torchrun c10d",
+               "petctl ÷ torchrun etcd-v2", "note"]
+    body = [[r["scenario"], r["metric"], r["system"], _fmt(r["min"]), _fmt(r["median"]), _fmt(r["max"]),
+             r["goal"], r["ratios"].get("torchrun-c10d", ""), r["ratios"].get("torchrun-etcd-v2", ""),
+             r["note"]] for r in rows]
+    labels = ["detect", "workers_stopped", "rendezvous", "workers_started", "torch_imported", "process_group",
+              "model_ready", "checkpoint_loaded", "first_step"]
+    pbody = [[p["scenario"], p["system"], *[_fmt(p["sub_phases"].get(k)) for k in labels], p["slowest"]]
+             for p in phase]
+    text = markdown_table(headers, body)
+    if pbody:
+        text += "\n\n" + markdown_table(["scenario", "system", *labels, "slowest"], pbody)
+    return text
+
+
+def chart(timeline: dict[str, Any], path: Path) -> str:
+    """A PNG of the steps each node ran around the disruption; returns a note on what was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install matplotlib, or petctl[bench])"
+    if not timeline:
+        return "no P1/P2 run in this benchmark: no chart"
+    keys = sorted(timeline)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        tl = timeline[key]
+        for node, pts in sorted(tl["series"].items()):
+            if pts:
+                ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=4, label=node)
+        ax.axvline(0, color="red", lw=1)
+        for label, t in (tl.get("milestones") or {}).items():
+            ax.axvline(t, color="grey", lw=0.6, ls="--")
+            ax.text(t, ax.get_ylim()[1], label, rotation=90, fontsize=6, va="top", ha="right")
+        done = f"{tl['seconds']:.2f} s" if tl.get("seconds") is not None else f"> {tl.get('capped')} s (capped)"
+        ax.set_title(f"{key}: training again after {done}", fontsize=9)
+        ax.set_ylabel("step")
+        ax.legend(fontsize=6, loc="lower right")
+    axes[-1, 0].set_xlabel("seconds since the disruption (notice / SIGTERM / SIGSTOP)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"chart written to {path}"

@@ -1,0 +1,140 @@
+"""petctl's benchmark: recovery, scale-up, checkpoint and rendezvous figures side by side with torchrun.
+
+    python bench/run.py [--reps 3] [--quick] [--out bench/results/latest.json] [--scenarios P1,P2,...]
+
+Runs every scenario on this machine (loopback only; every server binds 127.0.0.1 and is stopped at the
+end), prints a table, writes JSON (with the machine it ran on) and a PNG timeline of a recovery next to
+the JSON. bench/README.md says what each scenario measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/run.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from bench import report  # noqa: E402
+from bench.scenarios.common import Context  # noqa: E402
+
+ALL = ["P1", "P2", "P3", "P4", "P5", "P6"]
+SYSTEMS = ["petctl", "torchrun-c10d", "torchrun-etcd-v2"]
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = round(int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"cpu_count": os.cpu_count(), "cpu_model": model, "mem_gib": mem_gib,
+            "load_avg_at_start": list(os.getloadavg()), "python": platform.python_version(),
+            "torch": torch_version, "platform": platform.platform(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per scenario (default 3)")
+    parser.add_argument("--quick", action="store_true", help="1 repetition, smallest sizes (smoke test)")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
+    parser.add_argument("--scenarios", default=",".join(ALL), help="comma-separated subset of " + ",".join(ALL))
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--hang-cap", type=float, default=None,
+                        help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
+    parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch dir (node logs)")
+    args = parser.parse_args(argv)
+
+    scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(scenarios) - set(ALL))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {ALL}")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    reps = 1 if args.quick else max(1, args.reps)
+    out_path = Path(args.out).resolve()
+    scratch = Path(tempfile.mkdtemp(prefix="petctl-bench-"))
+
+    from petctl.etcd_server import EtcdServer
+    from petctl.providers.local.metadata_server import LocalMetadataServer
+
+    etcd = imds = None
+    started = time.time()
+    results: dict[str, Any] = {}
+    try:
+        needs_servers = any(s in scenarios for s in ("P1", "P2", "P3", "P5"))
+        if needs_servers:
+            etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
+            imds = LocalMetadataServer(scratch / "notices").start()
+        ctx = Context(root=scratch, reps=reps, quick=args.quick, etcd=etcd, imds=imds, systems=systems,
+                      hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace)
+        ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
+        for sid in scenarios:
+            t0 = time.time()
+            if sid in ("P1", "P2", "P3"):
+                from bench.scenarios import recovery
+
+                results[sid] = recovery.run(ctx, sid)
+            elif sid == "P4":
+                from bench.scenarios import checkpoint
+
+                results[sid] = checkpoint.run(ctx)
+            elif sid == "P5":
+                from bench.scenarios import rendezvous
+
+                results[sid] = rendezvous.run(ctx)
+            elif sid == "P6":
+                from bench.scenarios import cli
+
+                results[sid] = cli.run(ctx)
+            results[sid]["wall_s"] = round(time.time() - t0, 1)
+    finally:
+        if imds is not None:
+            imds.stop()
+        if etcd is not None:
+            etcd.stop(remove_data=True)
+
+    rows = report.build_rows(results)
+    phase = report.phase_rows(results)
+    doc = {"machine": machine_info(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "reps": reps, "quick": args.quick, "scenarios": scenarios, "systems": systems,
+           "wall_s": round(time.time() - started, 1), "results": results, "table": rows, "phases": phase}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(doc, indent=1, default=str))
+    report.print_table(rows, phase)
+    note = report.chart(ctx.timeline, out_path.with_suffix(".png"))
+    (out_path.with_suffix(".md")).write_text(report.markdown(rows, phase) + "\n")
+    print(f"results written to {out_path} (+ .md); {note}")
+    if args.keep:
+        print(f"node logs kept in {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""P1 announced preemption, P2 silent host loss, P3 scale-up: petctl and torchrun on the same workload.
+
+Each repetition starts a fresh 3-node job (1 worker per node), lets it train past a checkpoint, disrupts
+it, and times the survivors (or the grown job) until they run a training step at the new world size.
+The removed node is petctl's highest rank and torchrun's last-started node (never the c10d store host).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from bench import phases
+from bench.petctl_runner import PetctlJob
+from bench.procs import Node, wait_for
+from bench.scenarios.common import Context
+from bench.torchrun_runner import TorchrunJob
+
+WARM_STEPS = 25  # steps every node runs before the disruption (checkpoints every 10: 9 and 19 exist)
+CKPT_EVERY = 10
+STEP_TIME = 0.05
+START_TIMEOUT = 120.0
+RECOVER_TIMEOUT = 90.0
+
+SCENARIOS = {
+    "P1": {"title": "announced preemption", "nodes": 3, "min": 2, "max": 3, "world_after": 2},
+    "P2": {"title": "silent host loss (SIGSTOP)", "nodes": 3, "min": 2, "max": 3, "world_after": 2},
+    "P3": {"title": "scale-up 3 -> 4", "nodes": 3, "min": 3, "max": 4, "world_after": 4},
+}
+
+
+def workload_env() -> dict[str, str]:
+    return {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
+            "BENCH_CKPT": "elastic"}
+
+
+def _trained(nodes: list[Node], world: int, steps: int) -> bool:
+    for node in nodes:
+        hits = [e for e in node.events("train.step") if int(e.get("world_size", 0)) == world]
+        if not hits or int(hits[-1]["step"]) < steps:
+            return False
+    return True
+
+
+def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]):
+    name = f"{sid.lower()}-{system.split('-')[-1]}-{rep}-{int(time.time()) % 100000}"
+    root = ctx.dir(sid, system, f"rep{rep}")
+    ckpt = f"file://{ctx.dir(sid, system, f'rep{rep}', 'checkpoints')}"
+    if system == "petctl":
+        job = PetctlJob.create(root, ctx.etcd.endpoint, name, min_size=sc["min"], max_size=sc["max"],
+                               size=sc["nodes"], env=workload_env(), checkpoint_url=ckpt, imds=ctx.imds,
+                               initial_wait=60.0)
+        nodes = [job.start() for _ in range(sc["nodes"])]
+    else:
+        backend = system.removeprefix("torchrun-")
+        job = TorchrunJob.create(root, backend, sc["min"], sc["max"], name, etcd_port=ctx.etcd.client_port,
+                                 env={**workload_env(), "PETCTL_CHECKPOINT_URL": ckpt})
+        nodes = []
+        for _ in range(sc["nodes"]):
+            nodes.append(job.start())
+            time.sleep(0.3)  # the first one binds the c10d store port
+    return job, nodes
+
+
+def _victim(job: Any, system: str, nodes: list[Node], world: int) -> Node:
+    if system == "petctl":
+        ranks = wait_for(lambda: job.frozen_ranks(world), 10) or {}
+        top = max(ranks, key=ranks.get) if ranks else nodes[-1].name
+        return job.nodes[top]
+    return nodes[-1]
+
+
+def run_once(ctx: Context, sid: str, system: str, rep: int) -> dict[str, Any]:
+    sc = SCENARIOS[sid]
+    job, nodes = _start_job(ctx, system, sid, rep, sc)
+    result: dict[str, Any] = {"system": system, "rep": rep}
+    try:
+        if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
+            result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
+            return result
+        world = sc["world_after"]
+        cap = ctx.hang_cap if (sid == "P2" and system != "petctl") else RECOVER_TIMEOUT
+        kill_at: float | None = None
+        victim: Node | None = None
+        if sid == "P3":
+            t_event = time.time()
+            newcomer = job.start()
+            watch = [*nodes, newcomer]
+            detect_nodes = watch
+        else:
+            victim = _victim(job, system, nodes, sc["nodes"])
+            watch = [n for n in nodes if n is not victim]
+            detect_nodes = nodes
+            if sid == "P1":
+                if system == "petctl":
+                    t_event = job.notice(victim.name, ctx.grace)
+                else:  # torchrun has no notice: it gets SIGTERM at the notice time
+                    t_event = time.time()
+                    victim.proc.send_signal(signal.SIGTERM)
+                kill_at = t_event + ctx.grace
+            else:
+                t_event = time.time()
+                victim.signal(signal.SIGSTOP)
+
+        def recovered() -> float | None:
+            nonlocal kill_at
+            if kill_at is not None and time.time() >= kill_at and victim is not None:
+                victim.kill()  # the instance is reclaimed at the announced time
+                kill_at = None
+            return phases.recovered_at(watch, world, t_event)
+
+        t_ok = wait_for(recovered, cap, 0.1)
+        time.sleep(0.5)  # let a few more lines land in the logs
+        if t_ok is None:
+            result["capped"] = cap
+            result["seconds"] = None
+        else:
+            result["seconds"] = round(t_ok - t_event, 4)
+        if sid in ("P1", "P2"):
+            result["steps_lost"] = phases.steps_lost(watch, world, t_event)
+        marks = phases.milestones(watch, world, t_event, detect_nodes=detect_nodes)
+        result["milestones"] = marks
+        result["phases"] = phases.phase_durations(marks)
+        result["sub_phases"] = phases.sub_phases(marks)
+        if sid in ("P1", "P2"):
+            _keep_timeline(ctx, sid, system, rep, nodes, t_event, result)
+        return result
+    finally:
+        job.stop()
+
+
+def _keep_timeline(ctx: Context, sid: str, system: str, rep: int, nodes: list[Node], t_event: float,
+                   result: dict[str, Any]) -> None:
+    """The steps of each node around the event, for the chart (first repetition only)."""
+    key = f"{sid}/{system}"
+    if rep != 0 or key in ctx.timeline:
+        return
+    series = {}
+    for node in nodes:
+        pts = [(round(float(e["ts"]) - t_event, 3), int(e["step"]), int(e.get("world_size", 0)))
+               for e in node.events("train.step") if float(e["ts"]) >= t_event - 3]
+        series[node.name] = pts
+    ctx.timeline[key] = {"t_event": t_event, "series": series, "milestones": result.get("milestones", {}),
+                         "seconds": result.get("seconds"), "capped": result.get("capped")}
+
+
+def run(ctx: Context, sid: str) -> dict[str, Any]:
+    sc = SCENARIOS[sid]
+    out: dict[str, Any] = {"title": sc["title"], "runs": {}}
+    for system in ctx.systems:
+        runs = []
+        for rep in range(ctx.reps):
+            ctx.log(f"{sid} {system} rep {rep + 1}/{ctx.reps}")
+            r = run_once(ctx, sid, system, rep)
+            ctx.log(f"{sid} {system} rep {rep + 1}: {r.get('seconds')} s "
+                    f"(lost {r.get('steps_lost')}, capped {r.get('capped')}, error {r.get('error')})")
+            runs.append(r)
+        out["runs"][system] = runs
+        out.setdefault("summary", {})[system] = summarize_runs(runs)
+    return out
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    secs = [r.get("seconds") for r in runs]
+    capped = [r["capped"] for r in runs if r.get("capped")]
+    out: dict[str, Any] = {"seconds": phases.summarize(secs), "capped_runs": len(capped),
+                           "cap": max(capped) if capped else None,
+                           "errors": [r["error"] for r in runs if r.get("error")]}
+    lost = [r.get("steps_lost") for r in runs if r.get("steps_lost") is not None]
+    if lost:
+        out["steps_lost"] = phases.summarize(lost)
+    names = {k for r in runs for k in r.get("phases", {})}
+    out["phases_median"] = {k: phases.summarize([r.get("phases", {}).get(k) for r in runs])["median"]
+                            for k in phases.PHASES if k in names}
+    sub = {k for r in runs for k in r.get("sub_phases", {})}
+    out["sub_phases_median"] = {
+        label: phases.summarize([r.get("sub_phases", {}).get(label) for r in runs])["median"]
+        for label, _n, _a in phases.MILESTONES if label in sub}
+    return out

@@ -1,0 +1,201 @@
+"""P5 rendezvous cost vs size: N nodes running a trivial worker (one line, exit 0) on loopback.
+
+Figures per run:
+- `rdzv_s`: from the moment every node's agent is up (petctl: `agent.started`; torchrun: its
+  "Rendezvous'ing worker group" log line) to the last node knowing its rank (`rendezvous.complete`).
+  The goal (<= 2 s at 64) is about this one.
+- `launch_to_workers_s`: from the first node's launch to the last trivial worker's line: what a user
+  waits for, including Python start-up of N processes on this machine (torchrun's agents import torch).
+- petctl: etcd requests per node per round, as the agents count them (`status/<node>.etcd_requests`,
+  heartbeat refreshes excluded); both etcd systems: requests the etcd server counted (v2 store metrics)
+  per node from launch until every worker ran (heartbeats and status included).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from bench import phases
+from bench.petctl_runner import BENCH, PetctlJob
+from bench.procs import Node, wait_for
+from bench.scenarios.common import Context
+from bench.torchrun_runner import TorchrunJob
+from petctl.etcd_server import etcd_client
+from petctl.keys import JobKeys
+
+TRIVIAL = BENCH / "trivial_worker.py"
+TORCHRUN_RSS_MB = 450  # a torchrun agent with torch imported (measured here: see README); memory guard
+
+
+def etcd_counts(endpoint: str) -> dict[str, int]:
+    """The v2 store's request counters (reads, writes, watches) from etcd's /metrics."""
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()
+    out = {"reads": 0, "writes": 0, "watches": 0}
+    for line in text.splitlines():
+        if line.startswith("etcd_debugging_store_reads_total"):
+            out["reads"] += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("etcd_debugging_store_writes_total"):
+            out["writes"] += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("etcd_debugging_store_watch_requests_total"):
+            out["watches"] += int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def _diff(a: dict[str, int], b: dict[str, int], n: int) -> dict[str, float]:
+    d = {k: b[k] - a[k] for k in a}
+    return {**{k: round(v / n, 2) for k, v in d.items()}, "total": round(sum(d.values()) / n, 2)}
+
+
+def mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _last(nodes: list[Node], event: str, agg=max) -> float | None:
+    times = []
+    for n in nodes:
+        hits = n.events(event)
+        if not hits:
+            return None
+        times.append(float(hits[0]["ts"]))
+    return agg(times)
+
+
+def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
+    name = f"p5-{n}-{rep}-{int(time.time()) % 100000}"
+    job = PetctlJob.create(ctx.dir("P5", "petctl", f"n{n}", f"rep{rep}"), ctx.etcd.endpoint, name,
+                           min_size=n, max_size=n, size=n, script=TRIVIAL, initial_wait=300.0,
+                           join_timeout=600.0)
+    if hasattr(job.spec, "warm_workers"):
+        job.spec.warm_workers = False  # a trivial worker needs no torch: don't preload it N times
+    before = etcd_counts(ctx.etcd.endpoint)
+    t0 = time.time()
+    nodes = [job.start() for _ in range(n)]
+    out: dict[str, Any] = {"system": "petctl", "n": n, "rep": rep}
+    try:
+        done = wait_for(lambda: _last(nodes, "worker.trivial"), 300, 0.2)
+        after = etcd_counts(ctx.etcd.endpoint)
+        if not done:
+            out["error"] = "not every worker ran within 300 s"
+            return out
+        up = _last(nodes, "agent.started")
+        complete = _last(nodes, "rendezvous.complete")
+        out["rdzv_s"] = round(complete - up, 4) if up and complete else None
+        out["launch_to_workers_s"] = round(done - t0, 4)
+        out["server_requests_per_node"] = _diff(before, after, n)
+        for node in nodes:  # the job ends by itself (every worker exits 0)
+            try:
+                node.proc.wait(timeout=60)
+            except Exception:
+                pass
+        out["agent_requests_per_node_per_round"] = _agent_requests(job, nodes)
+        return out
+    finally:
+        job.stop()
+
+
+def _agent_requests(job: PetctlJob, nodes: list[Node]) -> dict[str, Any]:
+    """Mean and max over nodes of the agents' own counters divided by the rounds each one joined."""
+    client = etcd_client(job.endpoint)
+    per: list[dict[str, float]] = []
+    try:
+        leaves = client.read(JobKeys(job.spec.name).status, recursive=True).leaves
+    except Exception:
+        return {}
+    rounds = {n.name: max(1, len(n.events("rendezvous.complete"))) for n in nodes}
+    for leaf in leaves:
+        if leaf.dir or not leaf.value:
+            continue
+        value = json.loads(leaf.value)
+        req = value.get("etcd_requests")
+        if not req:
+            continue
+        r = rounds.get(value.get("node_id"), 1)
+        per.append({k: req[k] / r for k in ("reads", "writes", "watches")})
+    if not per:
+        return {}
+    out: dict[str, Any] = {"nodes": len(per)}
+    for k in ("reads", "writes", "watches"):
+        vals = [p[k] for p in per]
+        out[k] = {"mean": round(sum(vals) / len(vals), 2), "max": round(max(vals), 2)}
+    totals = [sum(p.values()) for p in per]
+    out["total"] = {"mean": round(sum(totals) / len(totals), 2), "max": round(max(totals), 2)}
+    return out
+
+
+def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"system": f"torchrun-{backend}", "n": n, "rep": rep}
+    need = n * TORCHRUN_RSS_MB
+    if mem_available_mb() < need * 1.3:
+        out["skipped"] = f"needs ~{need} MB for {n} torchrun agents; {mem_available_mb():.0f} MB available"
+        return out
+    name = f"p5{backend[:4]}{n}r{rep}{int(time.time()) % 100000}"
+    job = TorchrunJob.create(ctx.dir("P5", f"torchrun-{backend}", f"n{n}", f"rep{rep}"), backend, n, n, name,
+                             etcd_port=ctx.etcd.client_port, script=TRIVIAL, max_restarts=0,
+                             rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600")
+    before = etcd_counts(ctx.etcd.endpoint)
+    t0 = time.time()
+    nodes = [job.start() for _ in range(n)]
+    try:
+        done = wait_for(lambda: _last(nodes, "worker.trivial"), 420, 0.2)
+        after = etcd_counts(ctx.etcd.endpoint)
+        if not done:
+            out["error"] = "not every worker ran within 420 s"
+            return out
+        up = _last(nodes, "torchrun.rendezvous_start")
+        complete = _last(nodes, "rendezvous.complete")
+        out["rdzv_s"] = round(complete - up, 4) if up and complete else None
+        out["launch_to_workers_s"] = round(done - t0, 4)
+        if backend == "etcd-v2":
+            out["server_requests_per_node"] = _diff(before, after, n)
+        return out
+    finally:
+        job.stop()
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sizes = [8] if ctx.quick else [8, 32, 64]
+    out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {}}
+    for system in ctx.systems:
+        for n in sizes:
+            runs = []
+            for rep in range(ctx.reps):
+                ctx.log(f"P5 {system} N={n} rep {rep + 1}/{ctx.reps}")
+                if system == "petctl":
+                    r = run_petctl(ctx, n, rep)
+                else:
+                    r = run_torchrun(ctx, system.removeprefix("torchrun-"), n, rep)
+                ctx.log(f"P5 {system} N={n}: rdzv {r.get('rdzv_s')} s, launch->workers "
+                        f"{r.get('launch_to_workers_s')} s {r.get('error') or r.get('skipped') or ''}")
+                runs.append(r)
+                if r.get("skipped"):
+                    break
+            key = f"{system}/N={n}"
+            out["runs"][key] = runs
+            out["summary"][key] = {
+                "rdzv_s": phases.summarize([r.get("rdzv_s") for r in runs]),
+                "launch_to_workers_s": phases.summarize([r.get("launch_to_workers_s") for r in runs]),
+                "server_requests_per_node": _median_of(runs, "server_requests_per_node", "total"),
+                "agent_requests_per_node_per_round": _median_of(runs, "agent_requests_per_node_per_round",
+                                                                "total", "mean"),
+                "skipped": next((r["skipped"] for r in runs if r.get("skipped")), None),
+                "errors": [r["error"] for r in runs if r.get("error")],
+            }
+    return out
+
+
+def _median_of(runs: list[dict[str, Any]], *path: str) -> float | None:
+    vals = []
+    for r in runs:
+        v: Any = r
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        if isinstance(v, (int, float)):
+            vals.append(float(v))
+    return phases.summarize(vals)["median"]
