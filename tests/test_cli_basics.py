@@ -54,3 +54,14 @@ def test_nothing_works_before_setup(petctl: Petctl, tmp_path):
 
 def test_teardown_without_setup_is_a_no_op(petctl: Petctl):
     assert "nothing to tear down" in petctl.run("teardown").stdout
+
+
+def test_console_script_entry_point_exits_cleanly(capsys):
+    import pytest
+
+    from petctl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("petctl ")

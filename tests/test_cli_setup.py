@@ -74,3 +74,16 @@ def test_teardown_refuses_while_a_job_runs_unless_forced(local: Petctl, tmp_path
     local.run("teardown", "--force")
     assert local.processes() == []
     assert not (local.home / "local").exists()
+
+
+def test_run_job_with_etcd_gone_says_so_and_starts_nothing(local: Petctl, tmp_path: Path):
+    import os
+    import signal
+
+    os.kill(config(local)["settings"]["local"]["etcd_pid"], signal.SIGKILL)
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    proc = local.run("run_job", "--name", "orphan", "--min", "1", "--max", "1", str(script), check=False)
+    assert_one_line_error(proc, "is not running", "petctl setup")
+    assert not local.job_dir("orphan").exists()
+    assert local.processes() == []
