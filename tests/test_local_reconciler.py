@@ -172,3 +172,23 @@ def test_crash_looping_instances_fail_the_job(stub: Petctl):
     assert state["state"] == "failed"
     assert "exited within" in state["reason"] and "exited with code 3" in state["reason"]
     assert len(stub.processes()) == 1
+
+
+def test_a_lost_reconciler_takes_its_instances_with_it(stub: Petctl):
+    import os
+    import signal
+
+    start(stub, "lost", "--size", "2")
+    ids = running(wait_hosts(stub, "lost", lambda rows: len(running(rows)) == 2))
+    reconciler = json.loads((stub.job_dir("lost") / "job.json").read_text())["reconciler"]["pid"]
+    os.kill(reconciler, signal.SIGKILL)  # no chance to clean up: the agents must notice by themselves
+    deadline = time.monotonic() + 15
+    while len(stub.processes()) > 1:
+        assert time.monotonic() < deadline, "agents outlived their reconciler"
+        time.sleep(0.1)
+    for iid in ids:  # they were told (SIGTERM) and left, rather than being killed
+        assert "stub.sigterm" in (stub.job_dir("lost") / "instances" / iid / "agent.log").read_text()
+    (job,) = stub.json("jobs")
+    assert job["state"] == "unknown" and "reconciler is not running" in job["reason"]
+    stub.run("kill_job", "lost")
+    assert stub.json("jobs")[0]["state"] == "killed"

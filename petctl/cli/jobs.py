@@ -102,7 +102,8 @@ def kill_job(name: str) -> None:
     provider = provider_for()
     before = provider.job(name).state
     provider.kill_job(name)
-    click.echo(f"job {name} killed" if before == "running" else f"job {name} was already {before}")
+    final = before in ("succeeded", "failed", "killed")
+    click.echo(f"job {name} was already {before}" if final else f"job {name} killed")
 
 
 @click.command("jobs")
