@@ -140,12 +140,20 @@ class InstanceEmulator:
             self.kill(instance_id)
 
     def kill(self, instance_id: str) -> None:
+        """The machine is gone: every process it ran dies at once (the agent's session, its workers too)."""
         proc = self.booted[instance_id].proc
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [proc.pid, *session_members(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=10)
+
+    def steps(self, instance_id: str) -> list[int]:
+        """Training steps this instance's workers reported so far (from its console)."""
+        log = self.booted[instance_id].log
+        text = log.read_text(errors="replace") if log.exists() else ""
+        return [int(m) for m in re.findall(r'"event": "train\.step", "step": (\d+)', text)]
 
     def follow(self, asg_name: str, interval: float = 0.5) -> None:
         """Keep syncing in the background, as EC2 keeps launching what the group asks for."""
@@ -176,3 +184,19 @@ class InstanceEmulator:
             for i, b in self.booted.items()
             if b.log.exists()
         )
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids in session `sid` (the agent starts workers in process groups of their own, same session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and int(entry) != sid:  # fields: state, ppid, pgrp, session, ...
+            pids.append(int(entry))
+    return pids

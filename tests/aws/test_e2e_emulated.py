@@ -92,3 +92,44 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(
     assert [j.name for j in ready.jobs()] == []
     ready.teardown()
     assert emulator.errors == []
+
+
+def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, moto, emulator, stack_name):
+    """EC2 takes an instance mid-training (as a spot reclaim without notice would): the group launches a
+    replacement, its agent boots from the same user data, and the job resumes from its S3 checkpoint."""
+    emulator.boot_etcd_host(ready.settings["outputs"]["EtcdGroupName"])
+    timeouts = Timeouts(
+        heartbeat_interval=0.5, heartbeat_ttl=3.0, last_call=1.0, join_timeout=120.0, stop_grace=3.0
+    )
+    spec = JobSpec(
+        name="spot",
+        min_size=2,
+        max_size=2,
+        size=2,
+        entrypoint="",
+        env={"STEPS": "16", "STEP_TIME": "0.4"},
+        timeouts=timeouts,
+        instance_types=["c5.xlarge"],
+    )
+    ready.create_job(spec, HERE / "workload_train.py")
+    emulator.follow(f"{stack_name}-job-spot")
+    first = wait_for(
+        lambda: len(emulator.booted) == 2 and set(emulator.booted), 60, "two instances", emulator
+    )
+    wait_for(lambda: all(max(emulator.steps(i), default=-1) >= 5 for i in first), 120, "step 5", emulator)
+
+    victim = ready.terminate_host("spot", sorted(first)[0])
+    replacement = wait_for(lambda: set(emulator.booted) - first, 30, "a replacement instance", emulator)
+    job = wait_for(
+        lambda: (j := ready.job("spot")).state != "running" and j, 240, "the job to finish", emulator
+    )
+    assert job.state == "succeeded", emulator.console()
+
+    nodes = ready.node_states("spot").nodes
+    (new,) = replacement
+    assert nodes[new]["state"] == "succeeded" and nodes[victim].get("state") != "succeeded"
+    lines = list(ready.logs("spot", node=new))
+    resumed = [line for line in lines if '"event": "train.resumed"' in line]
+    assert resumed, "the replacement did not resume from a checkpoint"
+    assert max(emulator.steps(new)) == 15 and min(emulator.steps(new)) >= 4  # no restart from scratch
+    ready.kill_job("spot")

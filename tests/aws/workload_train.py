@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from petctl.elastic import Checkpointer, State
 
 STEPS = int(os.environ.get("STEPS", "6"))
+STEP_TIME = float(os.environ.get("STEP_TIME", "0"))
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -22,6 +23,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 state = State(model=model, optimizer=optimizer, extra={"step": -1})
 ckpt = Checkpointer(keep=2, every=2, background=False)
 start = ckpt.resume(state)
+if start:
+    print(json.dumps({"ts": time.time(), "event": "train.resumed", "step": start, "rank": rank}), flush=True)
 for step in range(start, STEPS):
     x = torch.randn(16, 4)
     loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
@@ -42,6 +45,7 @@ for step in range(start, STEPS):
         ),
         flush=True,
     )
+    time.sleep(STEP_TIME)
     if ckpt.step_end(step, state):
         break
 ckpt.close()

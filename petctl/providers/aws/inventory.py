@@ -15,6 +15,7 @@ from petctl.jobstate import JobState
 from petctl.providers.aws.session import aws_errors, error_code
 from petctl.providers.base import HostInfo, JobInfo
 
+TERMINAL = {"succeeded", "failed", "killed"}
 EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",
               "stopping": "terminating", "stopped": "terminated", "terminated": "terminated"}
 STACK_STATES = {"CREATE_IN_PROGRESS": "running", "CREATE_COMPLETE": "running", "UPDATE_COMPLETE": "running",
@@ -137,9 +138,14 @@ def job_info(autoscaling, stack: dict[str, Any], provider: str) -> JobInfo:
 
 
 def result_from_nodes(nodes: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """A finished job as its agents last reported it: all nodes succeeded -> succeeded."""
-    if nodes and all(n.get("state") == "succeeded" for n in nodes.values()):
-        return "succeeded", "all nodes reported success"
+    """The job's end as its agents last reported it. An agent publishes a terminal state (the job's
+    result) only once the job has ended, so one such node is enough; nodes lost earlier keep their last,
+    non-terminal state in the mirror and must not hold the answer back."""
+    ended = {n.get("state") for n in nodes.values()} & TERMINAL
+    for state in ("failed", "killed", "succeeded"):
+        if state in ended:
+            reporters = sorted(k for k, n in nodes.items() if n.get("state") == state)
+            return state, f"reported by {', '.join(reporters)}"
     return None
 
 
