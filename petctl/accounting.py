@@ -7,7 +7,8 @@ petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous ge
 - resume(r+1) is the first step round r+1 ran (it resumed from the checkpoint before it);
 - steps lost in r = last step run in r - resume(r+1) + 1 (>= 0): work done and thrown away;
 - kept node-seconds in r = kept steps x mean step time in r x world size;
-- re-forming = from the last step of r to the first step of r+1: the stall users see;
+- re-forming = from the last step of a round that trained to the first step of the next one that did:
+  the stall users see (rounds that re-formed again before training fall inside it);
 - goodput = kept node-seconds / instance node-seconds (from agent start to its exit, or last word).
 """
 
@@ -67,9 +68,10 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
         acc.steps_lost += r.steps_lost
         acc.steps_kept += r.kept_steps
         acc.kept_node_seconds += r.kept_node_seconds
-    for prev, nxt in zip(acc.rounds, acc.rounds[1:], strict=False):
-        if prev.last_step_ts is not None and nxt.first_step_ts is not None:
-            acc.reform_seconds += max(0.0, nxt.first_step_ts - prev.last_step_ts)
+    trained = [r for r in acc.rounds if r.first_step_ts is not None and r.last_step_ts is not None]
+    for prev, nxt in zip(trained, trained[1:], strict=False):
+        # Rounds that never reached a step (re-formed again at once) fall inside this gap.
+        acc.reform_seconds += max(0.0, nxt.first_step_ts - prev.last_step_ts)  # type: ignore[operator]
     restarts = [e for e in records if e.get("event") == "rendezvous.restart"]
     acc.restarts = len({e.get("round") for e in restarts})
     acc.failure_restarts = len({e.get("round") for e in restarts if e.get("failure")})

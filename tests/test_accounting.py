@@ -54,3 +54,14 @@ def test_duplicates_from_two_sources_count_once_and_order_does_not_matter():
 def test_running_job_counts_uptime_until_now():
     events = [ev(0, "agent.started", "a"), summary(10, "a", 1, 0, 1, 0, 9, 1.0, 10.0)]
     assert account(events, now=100.0).instance_seconds == 100.0
+
+
+def test_rounds_that_never_trained_fall_inside_the_reform_gap():
+    events = timeline()
+    # Round 2 re-formed again before its first step; round 3 (a alone) trains.
+    events = [e for e in events if not (e["event"] == "round.summary" and e["round"] == 2)]
+    events += [ev(13, "round.summary", "a", round=2, rank=0, world_size=1, started=12.5, ended=13,
+                  first_step=None, last_step=None, first_step_ts=None, last_step_ts=None),
+               summary(30, "a", 3, 0, 1, 8, 20, 14.0, 26.0)]
+    acc = account(events)
+    assert acc.reform_seconds == 14.0 - 11.0 and acc.steps_lost == 3

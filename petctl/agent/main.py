@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -50,12 +51,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if not config.status_url:
         return Agent(config).run()
-    # The log is shipped to the job's prefix (see mirror.py): keep a copy of what we print.
+    # The log is shipped to the job's prefix (see mirror.py). If stdout already is a log file (the local
+    # provider), ship that; otherwise (a container's stdout) keep a copy of what we print.
+    stdout_file = _regular_file(sys.stdout)
+    if stdout_file is not None:
+        return Agent(config, log_path=stdout_file).run()
     work = Path(config.work_dir or os.getcwd())
     work.mkdir(parents=True, exist_ok=True)
     log_path = work / "node.log"
     with open(log_path, "a", buffering=1, encoding="utf-8") as log:
         return Agent(config, out=Tee(sys.stdout, log), log_path=log_path).run()
+
+
+def _regular_file(stream) -> Path | None:
+    try:
+        fd = stream.fileno()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
 
 
 class Tee:

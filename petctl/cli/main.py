@@ -96,9 +96,9 @@ def teardown(force: bool) -> None:
 
 
 def _register() -> None:
-    from petctl.cli import jobs, steer
+    from petctl.cli import insight, jobs, steer
 
-    for command in (*jobs.COMMANDS, *steer.COMMANDS):
+    for command in (*jobs.COMMANDS, *steer.COMMANDS, *insight.COMMANDS):
         cli.add_command(command)
 
 

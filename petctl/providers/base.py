@@ -112,6 +112,22 @@ class Provider(ABC):
 
         return read_job_state(etcd_client(self.etcd_endpoint()), name)
 
+    def mirror_url(self, name: str) -> str:
+        """The job's prefix the agents mirror status/events/logs to ("" if none)."""
+        return ""
+
+    def job_events(self, name: str) -> list[dict[str, Any]]:
+        """The job's timeline: etcd's copy while the job runs, merged with the agents' mirror in the
+        job's prefix (which outlives etcd, the stack and the instances). Sorted by time."""
+        from petctl.timeline import read_events
+
+        endpoint = ""
+        try:
+            endpoint = self.etcd_endpoint()
+        except Exception:  # no etcd reachable (AWS from outside the VPC): the mirror alone
+            pass
+        return read_events(name, endpoint, self.mirror_url(name))
+
     @abstractmethod
     def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
         """Lines of the job's node logs, each prefixed with its node id unless one node is asked for."""

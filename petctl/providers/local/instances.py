@@ -90,7 +90,7 @@ def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: st
     work = root / "work"
     work.mkdir(parents=True, exist_ok=True)
     config = AgentConfig(job=spec, node_id=iid, host_addr="127.0.0.1", work_dir=str(work),
-                         imds_endpoint=imds_endpoint)
+                         imds_endpoint=imds_endpoint, status_url=f"file://{job.mirror}")
     config_path = root / "agent.json"
     config_path.write_text(config.to_json())
     cmd = [part.replace("{config}", str(config_path)) for part in command] if command \

@@ -55,6 +55,11 @@ class JobDir:
         return self.path / "checkpoints"
 
     @property
+    def mirror(self) -> Path:
+        """Where agents mirror status/events/logs (the job's record once etcd forgets it)."""
+        return self.path / "mirror"
+
+    @property
     def desired_path(self) -> Path:
         return self.path / "desired"
 

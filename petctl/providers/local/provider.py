@@ -135,6 +135,9 @@ class LocalProvider(Provider):
         except Exception:  # not there, or etcd unreachable: the caller falls back
             return None
 
+    def mirror_url(self, name: str) -> str:
+        return f"file://{JobDir.of(self.config.home, name).mirror}"
+
     def job(self, name: str) -> JobInfo:
         job, meta = self._job_dir(name)
         spec = JobSpec.from_dict(meta["spec"])

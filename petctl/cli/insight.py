@@ -1,0 +1,86 @@
+"""Commands that explain a job after the fact: its event timeline, goodput and a charted report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from petctl.cli.main import provider_for
+from petctl.cli.render import output_option, print_json, table
+
+# Events worth a line in `petctl events` by default; --all shows every one (checkpoints included).
+HEADLINES = {
+    "agent.started", "agent.left", "agent.exit", "rendezvous.complete", "rendezvous.restart",
+    "membership.lost", "membership.waiting", "workers.failed", "workers.succeeded", "heartbeat.lost",
+    "preemption.notice", "preemption.announced", "preemption.save_timeout", "checkpoint.saved",
+    "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "scale.changed",
+}
+DETAIL_FIELDS = ("round", "rank", "world_size", "cause", "nodes", "step", "kind", "state", "reason", "code",
+                 "seconds", "why")
+
+
+def _detail(event: dict) -> str:
+    parts = []
+    for key in DETAIL_FIELDS:
+        value = event.get(key)
+        if value not in (None, "", []):
+            parts.append(f"{key}={','.join(map(str, value)) if isinstance(value, list) else value}")
+    return " ".join(parts)
+
+
+@click.command("events")
+@click.argument("name")
+@click.option("--all", "show_all", is_flag=True, help="Every event, not just the headline ones.")
+@output_option
+def events_cmd(name: str, show_all: bool, output: str) -> None:
+    """The job's timeline: rounds, restarts and why, preemptions, checkpoints, scale changes."""
+    provider = provider_for()
+    provider.job(name)  # unknown job -> one-line error
+    events = provider.job_events(name)
+    if not show_all:
+        events = [e for e in events if e.get("event") in HEADLINES]
+    if output == "json":
+        print_json(events)
+        return
+    t0 = events[0]["ts"] if events else time.time()
+    rows = [(f"+{e['ts'] - t0:8.2f}s", e.get("node", "-"), e["event"], _detail(e)) for e in events]
+    table(f"events of {name} (from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))})",
+          ["t", "node", "event", "detail"], rows)
+
+
+@click.command("report")
+@click.argument("name")
+@click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the timeline chart (default ./<job>-timeline.png).")
+@output_option
+def report_cmd(name: str, png: Path | None, output: str) -> None:
+    """Goodput, lost steps, restarts and a PNG chart of the job's timeline."""
+    from petctl.accounting import account
+
+    provider = provider_for()
+    info = provider.job(name)
+    events = provider.job_events(name)
+    acc = account(events, now=time.time() if info.state == "running" else None)
+    data = {"job": name, "state": info.state, "reason": info.reason, **acc.to_dict()}
+    data.pop("rounds")
+    from petctl.report import render_timeline
+
+    data["chart"] = str(render_timeline(name, events, acc, png or Path(f"{name}-timeline.png")))
+    if output == "json":
+        print_json({**data, "rounds": [r.__dict__ for r in acc.rounds]})
+        return
+    goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else "n/a"
+    table(f"report for {name}: {info.state}", ["measure", "value"], [
+        ("goodput (kept node-time / instance node-time)", goodput),
+        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}"),
+        ("restarts (worker failures)", f"{acc.restarts} ({acc.failure_restarts})"),
+        ("preemption notices", acc.preemption_notices),
+        ("time re-forming", f"{acc.reform_seconds:.1f}s"),
+        ("instance time", f"{acc.instance_seconds / 3600:.3f} node-hours over {acc.nodes} nodes"),
+        ("chart", data.get("chart", "-")),
+    ])
+
+
+COMMANDS = (events_cmd, report_cmd)

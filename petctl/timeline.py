@@ -1,0 +1,77 @@
+"""Read a job's event timeline from wherever it was kept: etcd `events/` and the job prefix mirror.
+
+Both copies are read and merged (the same event appears in both: deduplicated by time, node and name),
+because neither is complete alone: etcd's lives only as long as its TTL and the etcd server; the mirror
+lags by one flush interval and needs the agent to have reached its prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from petctl.keys import JobKeys
+
+
+def read_events(job: str, etcd_endpoint: str = "", mirror_url: str = "") -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    if etcd_endpoint:
+        events += _from_etcd(job, etcd_endpoint)
+    if mirror_url:
+        events += _from_mirror(mirror_url)
+    seen: set[tuple] = set()
+    unique = []
+    for e in events:
+        key = (e.get("ts"), e.get("node"), e.get("event"))
+        if key not in seen:
+            seen.add(key)
+            unique.append(e)
+    return sorted(unique, key=lambda e: float(e.get("ts", 0.0)))
+
+
+def _from_etcd(job: str, endpoint: str) -> list[dict[str, Any]]:
+    import etcd
+
+    from petctl.etcd_server import etcd_client
+
+    try:
+        listing = etcd_client(endpoint, read_timeout=3).read(JobKeys(job).events, recursive=True, sorted=True)
+    except (etcd.EtcdKeyNotFound, etcd.EtcdConnectionFailed, etcd.EtcdException):
+        return []
+    return [r for r in (_loads(leaf.value) for leaf in listing.leaves if leaf.value) if r]
+
+
+def _from_mirror(url: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for text in _mirror_files(url):
+        out += [r for r in (_loads(line) for line in text.splitlines()) if r]
+    return out
+
+
+def _mirror_files(url: str) -> list[str]:
+    u = urlparse(url)
+    if u.scheme in ("", "file"):
+        root = Path(unquote(u.path)) / "events"
+        return [p.read_text(errors="replace") for p in sorted(root.glob("*.jsonl"))] if root.is_dir() else []
+    if u.scheme == "s3":
+        import boto3
+
+        s3 = boto3.client("s3")
+        prefix = f"{u.path.lstrip('/').rstrip('/')}/events/".lstrip("/")
+        texts = []
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=u.netloc, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                if obj["Key"].endswith(".jsonl"):
+                    texts.append(s3.get_object(Bucket=u.netloc, Key=obj["Key"])["Body"].read().decode())
+        return texts
+    return []
+
+
+def _loads(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and "event" in value else None
