@@ -32,6 +32,8 @@ setup(
             "cfn-lint>=1.0",
             "matplotlib>=3.8",
         ],
+        # `petctl report` draws its timeline chart with matplotlib; nothing else needs it.
+        "report": ["matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],
     },
     entry_points={
