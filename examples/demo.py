@@ -127,6 +127,9 @@ def run(demo: Demo) -> list[str]:
     demo.wait("rank 1 left before the reclaim", world(1))
     status = demo.wait("its replacement joined", world(2, min_step=step_of(status) + 10))
 
+    if step_of(status) > STEPS - 50:
+        return [f"training reached step {step_of(status)} of {STEPS} before the scale-up: this machine is "
+                "unusually slow for the demo"]
     demo.petctl("scale", JOB, "--size", "3")
     demo.wait("scaled to 3 nodes", world(3))
 
@@ -169,8 +172,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true",
                         help="keep the demo's PETCTL_HOME and etcd (logs, checkpoints) afterwards")
+    parser.add_argument("--home", type=Path, help="PETCTL_HOME to use (default: a new temporary directory)")
     args = parser.parse_args()
-    demo = Demo(home=Path(tempfile.mkdtemp(prefix="petctl-demo-")))
+    home = args.home or Path(tempfile.mkdtemp(prefix="petctl-demo-"))
+    home.mkdir(parents=True, exist_ok=True)
+    demo = Demo(home=home)
     print(f"petctl demo; state in {demo.home}\n", flush=True)
     try:
         problems = run(demo)
