@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,14 @@ class Reconciler:
     def run(self) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, self._on_sigterm)
-        self.metadata = start_metadata_server(self.job.notices)
+        try:
+            self.metadata = start_metadata_server(self.job.notices)
+        except OSError as e:  # no spot notices then, but the job itself can still run
+            self.events.emit("reconciler.imds_unavailable", error=str(e))
         self.events.emit("reconciler.started", pid=os.getpid(), desired=self.desired,
                          imds=bool(self.metadata))
         result: dict[str, Any] | None = None
+        failure = ""
         try:
             while True:
                 result = self.result()
@@ -130,8 +135,11 @@ class Reconciler:
                     break
                 self.tick(time.time())
                 time.sleep(self.opts.poll)
+        except Exception as e:  # a bug or a broken disk: end the job loudly rather than orphan it
+            failure = f"the reconciler failed: {type(e).__name__}: {e}"
+            self.events.emit("reconciler.error", error=failure, traceback=traceback.format_exc())
         finally:
-            result = self.shutdown(result)
+            result = self.shutdown(result, failure)
         return result
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -254,16 +262,17 @@ class Reconciler:
             self._written = rows
 
     # --- the end ---------------------------------------------------------------------------------
-    def shutdown(self, result: dict[str, Any] | None) -> dict[str, Any]:
-        """Stop every instance (the job is over or we were told to go), record why, and return."""
+    def shutdown(self, result: dict[str, Any] | None, failure: str = "") -> dict[str, Any]:
+        """Stop every instance (the job is over, we were told to go, or we failed), record why."""
         from petctl.jobstate import write_result
 
         if result is None:
+            state, reason = ("failed", failure) if failure else ("killed", "the job was killed")
             try:
-                write_result(self.client, self.spec.name, "killed", "the job was killed")
+                write_result(self.client, self.spec.name, state, reason)
             except Exception:
                 pass
-            result = self.result() or {"state": "killed", "reason": "the reconciler was stopped"}
+            result = self.result() or {"state": state, "reason": reason}
         self.events.emit("reconciler.stopping", state=result.get("state"), reason=result.get("reason"))
         deadline = time.monotonic() + SELF_EXIT_GRACE_S
         while self.procs and time.monotonic() < deadline and not self.stop_requested:
