@@ -114,6 +114,9 @@ def jobs(output: str) -> None:
     if output == "json":
         print_json([i.to_dict() for i in infos])
         return
+    if not infos:
+        click.echo("no jobs (start one with `petctl run_job`)")
+        return
     table(None, ["job", "state", "desired", "min", "max", "age", "reason"],
           [[i.name, i.state, i.desired, i.min_size, i.max_size, age(i.created_at), i.reason] for i in infos])
 
