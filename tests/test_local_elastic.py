@@ -164,13 +164,18 @@ def test_spot_notice_leaves_gracefully_before_the_reclaim(local: Petctl):
     reclaim_at = json.loads((local.job_dir("spot") / "notices" / f"{victim}.json").read_text())["time"]
     # The agent saw the notice on its metadata endpoint and left: the others re-form before the reclaim.
     status = local.wait_status("spot", formed(1), 10, "the noticed node gone before its reclaim")
-    assert time.time() < reclaim_at
-    assert victim not in status["ranks"] and "preemption" in status["round"]["cause"]
-    # At the notice's time the reconciler reclaims it (SIGKILL) and launches a replacement.
-    status = local.wait_status("spot", formed(2), 60, "the replacement at world size 2")
-    assert victim not in status["ranks"]
+    assert time.time() < reclaim_at and victim not in status["ranks"]
+    (left,) = [e for e in local.events("spot", "agent.left") if e["node"] == victim]
+    assert left["cause"] == "preemption" and left["ts"] < reclaim_at
+    # At the notice's time the reconciler reclaims it (SIGKILL); a replacement takes its place.
+    deadline = time.monotonic() + 30
+    while {h["host_id"]: h["state"] for h in local.json("hosts", "spot", "--all")}[victim] != "terminated":
+        assert time.monotonic() < deadline, "the noticed instance was not reclaimed"
+        time.sleep(0.5)
     row = {r["id"]: r for r in json.loads((local.job_dir("spot") / "instances.json").read_text())}[victim]
     assert row["reason"] == "spot-reclaimed" and row["ended_at"] >= reclaim_at
+    local.wait_status("spot", lambda s: len(s["nodes"]) == 2 and victim not in s["nodes"], 30,
+                      "the replacement in the job")
 
     local.run("kill_job", "spot")
     assert len(local.processes()) == 1
