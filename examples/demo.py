@@ -132,6 +132,7 @@ def run(demo: Demo) -> list[str]:
                 "unusually slow for the demo"]
     demo.petctl("scale", JOB, "--size", "3")
     demo.wait("scaled to 3 nodes", world(3))
+    demo.petctl("status", JOB)  # what a person would look at: one row per node
 
     deadline = time.monotonic() + 240
     while json.loads(demo.petctl("jobs", "-o", "json", quiet=True))[0]["state"] == "running":
