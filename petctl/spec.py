@@ -58,6 +58,7 @@ class JobSpec:
     etcd_endpoint: str = ""  # http://host:port
     env: dict[str, str] = field(default_factory=dict)
     warm_workers: bool = True  # keep workers with torch imported ready for the next restart
+    keep: bool = False  # keep the capacity after the job ends (debugging); default: released by itself
     timeouts: Timeouts = field(default_factory=Timeouts)
     # AWS-only knobs; ignored by the local provider.
     instance_types: list[str] = field(default_factory=list)

@@ -68,6 +68,7 @@ class Agent:
         self.rdzv = EtcdRendezvous(self.client, self.spec.name, self.node_id, config.host_addr,
                                    self.spec.min_size, self.spec.max_size, self.spec.max_restarts, self.t,
                                    self.events, self.watcher, self.stats, initial_size=self.spec.size)
+        self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
         self.event_sink = EtcdEventSink(etcd_client(self.spec.etcd_endpoint), self.keys.events)
         self.events.add_sink(self.event_sink)
@@ -285,6 +286,17 @@ class Agent:
             self.preemption.complete_lifecycle()
             self.preemption.wait_for_termination(self.leave)
         return 0
+
+    def _on_result(self, state: str, reason: str, round_no: int | None) -> None:
+        """We wrote the job's final result: keep it beside the job's data, then release the capacity."""
+        if self.mirror is not None:
+            self.mirror.put_result({"job": self.spec.name, "state": state, "reason": reason,
+                                    "round": round_no, "ts": time.time(), "node": self.node_id})
+        if self.config.asg_name and not self.spec.keep:
+            from petctl.agent.release import release_capacity
+
+            release_capacity(self.config.asg_name, self.config.asg_name, self.config.lifecycle_hook,
+                             self.config.region, self.events)
 
     def _finish(self, ended: JobEnded) -> int:
         self.heartbeat.stop(delete=True)

@@ -3,6 +3,7 @@
 On AWS etcd lives inside the VPC (no port open to the world), and a job's record must outlive the job;
 so each agent mirrors to the job's prefix (s3://bucket/jobs/<job>/ or file://...):
 
+    result.json              the job's final result, written once by the agent that ended it
     status/<node_id>.json    the node state published in etcd
     events/<node_id>.jsonl   every event this agent emitted (the job's timeline, for `petctl events`)
     logs/<node_id>.log       the node log (agent events + worker output), its newest MAX_LOG_BYTES
@@ -81,6 +82,13 @@ class Mirror:
         with self._lock:
             self._status = dict(value)
         self._dirty.set()
+
+    def put_result(self, value: dict[str, Any]) -> None:
+        """The job's final result, next to its data (`result.json`): readable after the stack is gone."""
+        try:
+            self.writer.put("result.json", json.dumps(value).encode())
+        except Exception:
+            self.failures += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -156,6 +156,7 @@ class EtcdRendezvous:
         self.events = events
         self.watcher = watcher
         self.stats = stats
+        self.on_result: Callable[[str, str, int | None], None] | None = None
 
     # --- reading -----------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -239,10 +240,15 @@ class EtcdRendezvous:
         self.client.write(f"{self.keys.done(round_no)}/{self.node_id}", json.dumps({"ts": time.time()}),
                           ttl=JOIN_RECORD_TTL)
 
-    def end_job(self, state: str, reason: str, round_no: int | None) -> None:
+    def end_job(self, state: str, reason: str, round_no: int | None) -> bool:
+        """Record the final result; True for the one agent whose write it was (it releases capacity)."""
         self.stats.writes += 2
         if write_result(self.client, self.job, state, reason, round_no):
             self.events.emit("job.result", state=state, reason=reason, round=round_no)
+            if self.on_result is not None:
+                self.on_result(state, reason, round_no)
+            return True
+        return False
 
     # --- the rendezvous ----------------------------------------------------------------------------
     def next_rendezvous(self, prev_rank: int | None, should_abort: Callable[[], bool],
