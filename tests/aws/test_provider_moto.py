@@ -234,13 +234,15 @@ def test_kill_job_removes_that_job_and_nothing_else(ready, moto, tmp_path, stack
     assert stack_names(moto, stack_name) == {stack_name, f"{stack_name}-job-two"}
     assert group(moto, f"{stack_name}-job-one") == {}
     assert group(moto, f"{stack_name}-job-two")["DesiredCapacity"] == 2
-    assert [j.name for j in ready.jobs()] == ["two"]
+    # The killed job stays on record (from its S3 prefix), the other keeps running.
+    assert {j.name: j.state for j in ready.jobs()} == {"one": "killed", "two": "running"}
     bucket = ready.settings["outputs"]["BucketName"]
     assert "jobs/one/job.json" in keys(moto, bucket, "jobs/one/")  # its checkpoints/code stay
+    assert ready.job("one").state == "killed" and ready.job("one").extra["stack"] is None
     with pytest.raises(JobNotFound):
         ready.kill_job("one")
     with pytest.raises(JobNotFound):
-        ready.job("one")
+        ready.job("never-ran")
 
 
 def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
@@ -264,6 +266,7 @@ def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
                       Body=json.dumps({"node_id": node, "state": "succeeded"}).encode())
     assert ready.job("demo").state == "succeeded"
     ready.kill_job("demo")
+    assert ready.job("demo").state == "succeeded"  # its own result is what stays on record
     assert list(ready.logs("demo", node="i-aaa")) == ["hello from i-aaa", "step 7"]  # logs outlive the job
     with pytest.raises(JobNotFound):
         list(ready.logs("never-ran"))

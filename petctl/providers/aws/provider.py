@@ -20,7 +20,7 @@ from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
 from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
-from petctl.providers.aws.storage import JobStore, job_prefix
+from petctl.providers.aws.storage import JobStore, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
@@ -221,6 +221,13 @@ class AwsProvider(Provider):
         stacks = self._stacks(session)
         if not stacks.describe(self._job_stack(name)):
             raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
+        store = self._store(session, name)
+        if store.get_json("result.json") is None:  # an ended job keeps the result its agent wrote
+            info = self.job(name)
+            ended = info.state in ("succeeded", "failed")
+            store.put_json("result.json", {"job": name, "state": info.state if ended else "killed",
+                                           "reason": info.reason if ended else "petctl kill_job",
+                                           "ts": time.time()})
         stacks.delete(self._job_stack(name), f"job {name}")
 
     def scale(self, name: str, size: int) -> None:
@@ -258,18 +265,42 @@ class AwsProvider(Provider):
         return host_id
 
     def jobs(self) -> list[JobInfo]:
-        self._ready()
+        """Jobs with a stack, and finished ones whose stack is gone (from their S3 record)."""
+        settings = self._ready()
         session = self._session()
         stacks = [s for s in self._stacks(session).list_stacks("petctl:stack", self._base)
                   if _tags(s).get("petctl:kind") == "job"]
-        return [inventory.job_info(session.client("autoscaling"), s, self.name) for s in stacks]
+        infos = [inventory.job_info(session.client("autoscaling"), s, self.name) for s in stacks]
+        live = {i.name for i in infos}
+        for name in recorded_jobs(session.client("s3"), settings["outputs"]["BucketName"]):
+            if name not in live:
+                info = self._recorded_job(session, name)
+                if info is not None:
+                    infos.append(info)
+        return sorted(infos, key=lambda i: i.created_at)
+
+    def _recorded_job(self, session, name: str) -> JobInfo | None:
+        record = self._store(session, name).record()
+        if record is None:
+            return None
+        spec, result = record["spec"], record["result"] or {}
+        return JobInfo(name=name, state=result.get("state", "ended"), min_size=spec.get("min_size", 0),
+                       max_size=spec.get("max_size", 0), desired=0, created_at=record["created_at"],
+                       provider=self.name, reason=result.get("reason", "its stack is gone"),
+                       extra={"stack": None, "ended_at": result.get("ts")})
+
+    def mirror_url(self, name: str) -> str:
+        return self._store(self._session(), name).url() + "/"
 
     def job(self, name: str) -> JobInfo:
         self._ready()
         session = self._session()
         stack = self._stacks(session).describe(self._job_stack(name))
         if not stack or stack["StackStatus"] == "DELETE_COMPLETE":
-            raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
+            recorded = self._recorded_job(session, name)
+            if recorded is None:
+                raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
+            return recorded
         info = inventory.job_info(session.client("autoscaling"), stack, self.name)
         if info.state == "running":
             result = inventory.result_from_nodes(self._store(session, name).node_states())

@@ -3,6 +3,7 @@
 Layout under `s3://<bucket>/jobs/<job>/`:
     code/<file> or code/code.tar.gz   what the agent runs (uploaded by run_job)
     job.json                          the JobSpec as submitted (for `jobs`/`status` without etcd)
+    result.json                       the job's end: written by the agent that recorded it, or kill_job
     agent.json                        the agent config the user data embeds (identity placeholders in)
     checkpoints/                      petctl.elastic checkpoints
     status/<node_id>.json             each agent's published node state (same schema as etcd's)
@@ -99,6 +100,22 @@ class JobStore:
                 names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
         return sorted(n for n in names if n and "/" not in n)
 
+    def record(self) -> dict[str, Any] | None:
+        """What outlives the job's stack: its spec, its result (if it ended) and when it was submitted."""
+        spec = self.get_json("job.json")
+        if not isinstance(spec, dict):
+            return None
+        created = 0.0
+        with aws_errors(f"read s3://{self.bucket}/{self.prefix}/job.json"):
+            try:
+                head = self.s3.head_object(Bucket=self.bucket, Key=f"{self.prefix}/job.json")
+                created = head["LastModified"].timestamp()
+            except Exception as e:
+                if error_code(e) not in ("404", "NoSuchKey", "NotFound"):
+                    raise
+        result = self.get_json("result.json")
+        return {"spec": spec, "result": result if isinstance(result, dict) else None, "created_at": created}
+
     def node_states(self) -> dict[str, dict[str, Any]]:
         """node_id -> published node state, from `status/<node_id>.json`."""
         states = {}
@@ -127,3 +144,13 @@ class JobStore:
                 for start in range(0, len(objects), 1000):
                     batch = {"Objects": objects[start:start + 1000]}
                     self.s3.delete_objects(Bucket=self.bucket, Delete=batch)
+
+
+def recorded_jobs(s3: Any, bucket: str) -> list[str]:
+    """Names of every job with a record under `jobs/` (running or long gone)."""
+    names = []
+    with aws_errors(f"list s3://{bucket}/jobs/"):
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="jobs/", Delimiter="/")
+        for page in pages:
+            names += [p["Prefix"][len("jobs/"):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+    return sorted(n for n in names if n)
