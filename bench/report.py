@@ -1,4 +1,7 @@
-"""The run's results as rows (one table for the terminal, the JSON and the README), and the chart."""
+"""The run's results as rows (one table for the terminal, the JSON and the README), and the chart.
+
+`python -m bench.report results.json` prints the table and redraws the chart of a saved run.
+"""
 
 from __future__ import annotations
 
@@ -205,17 +208,25 @@ def chart(timeline: dict[str, Any], path: Path) -> str:
     if not timeline:
         return "no P1/P2 run in this benchmark: no chart"
     keys = sorted(timeline)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys)), squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.4 * len(keys)), squeeze=False, sharex=True)
+    right = max((tl.get("seconds") or tl.get("capped") or 0) for tl in timeline.values()) + 1.5
+    for ax, key in zip(axes[:, 0], keys, strict=True):
         tl = timeline[key]
+        ax.set_xlim(-3, right)
         for node, pts in sorted(tl["series"].items()):
             if pts:
                 ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=4, label=node)
         ax.axvline(0, color="red", lw=1)
+        if tl.get("seconds") is None and tl.get("capped"):
+            ax.axvspan(0, tl["capped"], color="red", alpha=0.06)
+            ax.text(tl["capped"] / 2, ax.get_ylim()[1] / 2, "no step: survivors hung in a collective",
+                    ha="center", fontsize=8, color="darkred")
         for label, t in (tl.get("milestones") or {}).items():
-            ax.axvline(t, color="grey", lw=0.6, ls="--")
-            ax.text(t, ax.get_ylim()[1], label, rotation=90, fontsize=6, va="top", ha="right")
-        done = f"{tl['seconds']:.2f} s" if tl.get("seconds") is not None else f"> {tl.get('capped')} s (capped)"
+            if label in ("detect", "rendezvous", "workers_started", "model_ready", "first_step"):
+                ax.axvline(t, color="grey", lw=0.6, ls="--")
+                ax.text(t, ax.get_ylim()[1], label, rotation=90, fontsize=6, va="top", ha="right")
+        done = (f"{tl['seconds']:.2f} s" if tl.get("seconds") is not None
+                else f"> {tl.get('capped')} s (capped)")
         ax.set_title(f"{key}: training again after {done}", fontsize=9)
         ax.set_ylabel("step")
         ax.legend(fontsize=6, loc="lower right")
@@ -225,3 +236,20 @@ def chart(timeline: dict[str, Any], path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"chart written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+    import sys
+
+    args = argv if argv is not None else sys.argv[1:]
+    path = Path(args[0] if args else "bench/results/latest.json")
+    doc = json.loads(path.read_text())
+    rows, phase = build_rows(doc["results"]), phase_rows(doc["results"])
+    print_table(rows, phase)
+    print(chart(doc.get("timeline") or {}, path.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

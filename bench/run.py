@@ -42,7 +42,8 @@ def machine_info() -> dict[str, Any]:
     mem_gib = None
     try:
         with open("/proc/meminfo") as f:
-            mem_gib = round(int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / 2**20, 1)
+            total_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+            mem_gib = round(total_kb / 2**20, 1)
     except (OSError, StopIteration):
         pass
     try:
@@ -57,12 +58,29 @@ def machine_info() -> dict[str, Any]:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def _doc(args: argparse.Namespace, reps: int, scenarios: list[str], systems: list[str], started: float,
+         results: dict[str, Any], ctx: Context) -> dict[str, Any]:
+    return {"machine": machine_info(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "reps": reps, "quick": args.quick, "scenarios": scenarios, "systems": systems,
+            "wall_s": round(time.time() - started, 1), "results": results,
+            "table": report.build_rows(results), "phases": report.phase_rows(results),
+            "timeline": ctx.timeline}
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3, help="repetitions per scenario (default 3)")
     parser.add_argument("--quick", action="store_true", help="1 repetition, smallest sizes (smoke test)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
-    parser.add_argument("--scenarios", default=",".join(ALL), help="comma-separated subset of " + ",".join(ALL))
+    parser.add_argument("--scenarios", default=",".join(ALL),
+                        help="comma-separated subset of " + ",".join(ALL))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
     parser.add_argument("--hang-cap", type=float, default=None,
                         help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
@@ -112,19 +130,16 @@ def main(argv: list[str] | None = None) -> int:
 
                 results[sid] = cli.run(ctx)
             results[sid]["wall_s"] = round(time.time() - t0, 1)
+            _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))  # partial
     finally:
         if imds is not None:
             imds.stop()
         if etcd is not None:
             etcd.stop(remove_data=True)
 
-    rows = report.build_rows(results)
-    phase = report.phase_rows(results)
-    doc = {"machine": machine_info(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-           "reps": reps, "quick": args.quick, "scenarios": scenarios, "systems": systems,
-           "wall_s": round(time.time() - started, 1), "results": results, "table": rows, "phases": phase}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(doc, indent=1, default=str))
+    doc = _doc(args, reps, scenarios, systems, started, results, ctx)
+    _write(out_path, doc)
+    rows, phase = doc["table"], doc["phases"]
     report.print_table(rows, phase)
     note = report.chart(ctx.timeline, out_path.with_suffix(".png"))
     (out_path.with_suffix(".md")).write_text(report.markdown(rows, phase) + "\n")

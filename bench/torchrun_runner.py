@@ -11,7 +11,9 @@ take it away: they remove the last-started node, as they remove the highest rank
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +79,19 @@ class TorchrunJob:
         node = start_node(name, self.command(host=self._count == 1), self.root / name / "torchrun.log",
                           env=node_env({**TORCHRUN_ENV, **self.env, "LOGLEVEL": "INFO"}), cwd=REPO)
         self.nodes[name] = node
+        if self.backend == "c10d" and self._count == 1:
+            self._wait_for_store(node)  # else a later node may bind the port first and the host fails
         return node
+
+    def _wait_for_store(self, node: Node, timeout: float = 120.0) -> None:
+        host, port = self.endpoint.rsplit(":", 1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and node.alive:
+            try:
+                with socket.create_connection((host, int(port)), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
 
     def stop(self) -> None:
         stop_nodes(list(self.nodes.values()))

@@ -27,7 +27,7 @@ from petctl.etcd_server import etcd_client
 from petctl.keys import JobKeys
 
 TRIVIAL = BENCH / "trivial_worker.py"
-TORCHRUN_RSS_MB = 450  # a torchrun agent with torch imported (measured here: see README); memory guard
+TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
 
 
 def etcd_counts(endpoint: str) -> dict[str, int]:
@@ -57,6 +57,20 @@ def mem_available_mb() -> float:
     return 0.0
 
 
+def _failed(nodes: list[Node]) -> str | None:
+    bad = [f"{n.name} exited {n.proc.returncode}" for n in nodes if n.proc.poll() not in (None, 0)]
+    return ", ".join(bad[:3]) if bad else None
+
+
+def _all_ran(nodes: list[Node]) -> Any:
+    """The time the last worker ran, or "failed: ..." as soon as a node process failed."""
+    done = _last(nodes, "worker.trivial")
+    if done:
+        return done
+    bad = _failed(nodes)
+    return f"failed: {bad}" if bad else None
+
+
 def _last(nodes: list[Node], event: str, agg=max) -> float | None:
     times = []
     for n in nodes:
@@ -79,10 +93,10 @@ def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
     nodes = [job.start() for _ in range(n)]
     out: dict[str, Any] = {"system": "petctl", "n": n, "rep": rep}
     try:
-        done = wait_for(lambda: _last(nodes, "worker.trivial"), 300, 0.2)
+        done = wait_for(lambda: _all_ran(nodes), 300, 0.2)
         after = etcd_counts(ctx.etcd.endpoint)
-        if not done:
-            out["error"] = "not every worker ran within 300 s"
+        if not isinstance(done, float):
+            out["error"] = done or "not every worker ran within 300 s"
             return out
         up = _last(nodes, "agent.started")
         complete = _last(nodes, "rendezvous.complete")
@@ -143,10 +157,10 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
     t0 = time.time()
     nodes = [job.start() for _ in range(n)]
     try:
-        done = wait_for(lambda: _last(nodes, "worker.trivial"), 420, 0.2)
+        done = wait_for(lambda: _all_ran(nodes), 420, 0.2)
         after = etcd_counts(ctx.etcd.endpoint)
-        if not done:
-            out["error"] = "not every worker ran within 420 s"
+        if not isinstance(done, float):
+            out["error"] = done or "not every worker ran within 420 s"
             return out
         up = _last(nodes, "torchrun.rendezvous_start")
         complete = _last(nodes, "rendezvous.complete")
