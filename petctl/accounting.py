@@ -132,28 +132,41 @@ def _attribute_losses(rounds: list[RoundStats]) -> None:
         r.kept_node_seconds = r.kept_steps * step_time * r.world_size
 
 
-def _instance_seconds(records: list[dict[str, Any]], now: float | None) -> tuple[float, int]:
-    """Node uptime: agent start -> its exit/leave, or its last event if it vanished (killed, frozen)."""
-    spans: dict[tuple[str, float], list[float]] = {}
-    current: dict[str, tuple[str, float]] = {}
-    for e in records:
+@dataclass
+class NodeSpan:
+    node: str
+    start: float
+    end: float
+    start_event: dict[str, Any]
+    running: bool  # no exit seen: still up (or vanished without a word)
+
+
+def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> list[NodeSpan]:
+    """Each agent lifetime: its `agent.started` to its exit/leave, or to its last event if it vanished
+    (killed, frozen); one still running counts to `now` when given. Instance time and cost use this."""
+    spans: list[NodeSpan] = []
+    current: dict[str, NodeSpan] = {}
+    for e in sorted(_dedupe(events), key=lambda e: float(e.get("ts", 0.0))):
         node = e.get("node")
         if not node:
             continue
         ts = float(e["ts"])
         if e.get("event") == "agent.started":
-            current[node] = (node, ts)
-            spans[current[node]] = [ts, ts]
+            current[node] = NodeSpan(node, ts, ts, e, True)
+            spans.append(current[node])
         elif node in current:
-            spans[current[node]][1] = ts
+            current[node].end = ts
             if e.get("event") in ("agent.exit", "agent.left"):
-                del current[node]
-    total = 0.0
-    for key, (start, end) in spans.items():
-        if now is not None and key[0] in current and current[key[0]] == key:
-            end = max(end, now)  # still running
-        total += end - start
-    return total, len({k[0] for k in spans})
+                current.pop(node).running = False
+    if now is not None:
+        for span in current.values():
+            span.end = max(span.end, now)
+    return spans
+
+
+def _instance_seconds(records: list[dict[str, Any]], now: float | None) -> tuple[float, int]:
+    spans = node_spans(records, now)
+    return sum(s.end - s.start for s in spans), len({s.node for s in spans})
 
 
 def _f(v: Any) -> float | None:

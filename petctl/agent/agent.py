@@ -87,8 +87,10 @@ class Agent:
         self.event_sink.start()
         if self.mirror is not None:
             self.mirror.start()
+        self.preemption.start()
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(),
-                         min=self.spec.min_size, max=self.spec.max_size, nproc=self.spec.nproc_per_node)
+                         min=self.spec.min_size, max=self.spec.max_size, nproc=self.spec.nproc_per_node,
+                         **self.preemption.identity())
         code_dir = self.work_dir / "code"
         if self.spec.code_url:
             fetch_code(self.spec.code_url, code_dir)
@@ -102,7 +104,6 @@ class Agent:
             self.pool.fill()  # imports torch while the first rendezvous runs
         self.heartbeat.start()
         self.watcher.start()
-        self.preemption.start()
         try:
             return self._loop()
         finally:

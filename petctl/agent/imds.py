@@ -153,11 +153,23 @@ class IMDSWatcher:
         return min(notices, key=lambda n: n.deadline) if notices else None
 
     def instance_id(self) -> str | None:
+        return self.metadata(INSTANCE_ID_PATH)
+
+    def metadata(self, path: str) -> str | None:
+        """One metadata value (e.g. `/latest/meta-data/instance-type`), or None if absent/unreachable."""
         try:
-            status, body = self._get(INSTANCE_ID_PATH)
+            status, body = self._get(path)
         except IMDSError:
             return None
         return body.strip() if status == 200 else None
+
+    def identity(self) -> dict[str, str]:
+        """What cost accounting needs to price this instance: type, market and availability zone."""
+        fields = {"instance_type": "/latest/meta-data/instance-type",
+                  "market": "/latest/meta-data/instance-life-cycle",
+                  "az": "/latest/meta-data/placement/availability-zone"}
+        found = {k: self.metadata(p) for k, p in fields.items()}
+        return {k: v for k, v in found.items() if v}
 
     # --- background ------------------------------------------------------------------------------
     def start(self, callback: Callable[[Notice], None]) -> None:

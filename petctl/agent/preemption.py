@@ -46,6 +46,10 @@ class PreemptionHandler:
         if self._watcher is not None:
             self._watcher.stop()
 
+    def identity(self) -> dict[str, str]:
+        """Instance type, market (spot/on-demand) and AZ from the metadata service, for pricing."""
+        return self._watcher.identity() if self._watcher is not None else {}
+
     def _on_notice(self, notice: Any) -> None:
         with self._lock:
             if self.notice is not None:

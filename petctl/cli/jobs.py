@@ -113,15 +113,26 @@ def kill_job(name: str) -> None:
 @output_option
 def jobs(output: str) -> None:
     """List jobs."""
-    infos = provider_for().jobs()
+    from petctl.jobsummary import cost_text
+
+    provider = provider_for()
+    infos = provider.jobs()
+    costs = {}
+    for i in infos:
+        try:
+            events = provider.job_events(i.name)
+            costs[i.name] = provider.cost(i.name, events, time.time() if i.state == "running" else None)
+        except Exception:  # a price lookup never hides the list of jobs
+            costs[i.name] = None
     if output == "json":
-        print_json([i.to_dict() for i in infos])
+        print_json([{**i.to_dict(), "cost": c.to_dict() if (c := costs[i.name]) else None} for i in infos])
         return
     if not infos:
         click.echo("no jobs (start one with `petctl run_job`)")
         return
-    table(None, ["job", "state", "desired", "min", "max", "age", "reason"],
-          [[i.name, i.state, i.desired, i.min_size, i.max_size, age(i.created_at), i.reason] for i in infos])
+    table(None, ["job", "state", "desired", "min", "max", "age", "cost", "reason"],
+          [[i.name, i.state, i.desired, i.min_size, i.max_size, age(i.created_at),
+            cost_text(c.to_dict()) if (c := costs[i.name]) else "-", i.reason] for i in infos])
 
 
 @click.command("scale")

@@ -33,11 +33,17 @@ def job_status(provider, name: str) -> dict[str, Any]:
 @output_option
 def status(name: str, output: str) -> None:
     """A job's state and its nodes: rank, world size, round, restarts, state, step."""
-    data = job_status(provider_for(), name)
+    from petctl.jobsummary import one_line, summarize
+
+    provider = provider_for()
+    data = job_status(provider, name)
+    data["accounting"] = summarize(provider, name, running=data["state"] not in ("succeeded", "failed",
+                                                                                "killed"))
     if output == "json":
         print_json(data)
         return
     click.echo(status_summary(data))
+    click.echo(one_line(data["accounting"]))
     ranks = data["ranks"]
     nodes = sorted(data["nodes"].values(),
                    key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))

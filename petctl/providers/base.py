@@ -112,6 +112,10 @@ class Provider(ABC):
 
         return read_job_state(etcd_client(self.etcd_endpoint()), name)
 
+    def cost(self, name: str, events: list[dict[str, Any]], now: float | None = None):
+        """A `petctl.cost.CostReport` for the job's instance hours, or None where nothing is billed."""
+        return None
+
     def mirror_url(self, name: str) -> str:
         """The job's prefix the agents mirror status/events/logs to ("" if none)."""
         return ""

@@ -289,6 +289,16 @@ class AwsProvider(Provider):
                        provider=self.name, reason=result.get("reason", "its stack is gone"),
                        extra={"stack": None, "ended_at": result.get("ts")})
 
+    def cost(self, name: str, events: list[dict[str, Any]], now: float | None = None):
+        """Spot and on-demand hours priced from AWS's published prices (cached a day, see pricing.py)."""
+        from petctl.cost import price_usage, usage
+        from petctl.providers.aws.pricing import PRICING_REGION, AwsPrices
+
+        session = self._session()
+        prices = AwsPrices(session.client("ec2"), session.client("pricing", region=PRICING_REGION),
+                           session.region, self.config.home / "cache" / "aws-prices.json")
+        return price_usage(usage(events, now), prices)
+
     def mirror_url(self, name: str) -> str:
         return self._store(self._session(), name).url() + "/"
 

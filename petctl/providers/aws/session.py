@@ -55,15 +55,17 @@ class AwsSession:
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
         return cls(region=region, profile=profile, endpoint_url=endpoint_url, _session=session)
 
-    def client(self, service: str):
-        if service not in self._clients:
+    def client(self, service: str, region: str = ""):
+        """A client with adaptive retries; `region` for the few global-ish APIs (pricing: us-east-1)."""
+        key = f"{service}@{region}" if region else service
+        if key not in self._clients:
             from botocore.config import Config
 
-            config = Config(region_name=self.region, user_agent_extra="petctl",
+            config = Config(region_name=region or self.region, user_agent_extra="petctl",
                             retries={"mode": "adaptive", "max_attempts": self.max_attempts})
-            self._clients[service] = self._session.client(service, config=config,
-                                                          endpoint_url=self.endpoint_url or None)
-        return self._clients[service]
+            self._clients[key] = self._session.client(service, config=config,
+                                                      endpoint_url=self.endpoint_url or None)
+        return self._clients[key]
 
 
 def known_regions(session) -> set[str]:

@@ -1,0 +1,47 @@
+"""One summary of a job's accounting for `status`, `jobs` and `report`: goodput, lost work and cost.
+
+Kept apart from the CLI so every command shows the same numbers computed the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from petctl.accounting import account
+
+
+def summarize(provider, name: str, running: bool) -> dict[str, Any]:
+    events = provider.job_events(name)
+    now = time.time() if running else None
+    acc = account(events, now=now)
+    try:
+        cost = provider.cost(name, events, now)
+    except Exception as e:  # prices are a nicety: never fail a status for them
+        cost, error = None, f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    return {"goodput": acc.goodput, "steps_kept": acc.steps_kept, "steps_lost": acc.steps_lost,
+            "restarts": acc.restarts, "failure_restarts": acc.failure_restarts,
+            "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
+            "instance_hours": acc.instance_seconds / 3600.0,
+            "cost": cost.to_dict() if cost is not None else None, "cost_error": error}
+
+
+def one_line(summary: dict[str, Any]) -> str:
+    goodput = summary["goodput"]
+    parts = [f"goodput {goodput:.0%}" if goodput is not None else "goodput n/a",
+             f"{summary['steps_lost']} steps lost", f"{summary['restarts']} restarts",
+             f"{summary['reform_seconds']:.1f}s re-forming",
+             f"{summary['instance_hours']:.2f} instance-hours"]
+    parts.append(cost_text(summary.get("cost")))
+    return ", ".join(parts)
+
+
+def cost_text(cost: dict[str, Any] | None) -> str:
+    if not cost or cost.get("total") is None:
+        return "cost n/a" if not cost else f"cost unknown ({cost.get('note')})"
+    text = f"cost ${cost['total']:.2f}"
+    if cost.get("on_demand_total") is not None and cost.get("saving_pct") is not None:
+        text += f" vs ${cost['on_demand_total']:.2f} on demand ({cost['saving_pct']:.0%} saved)"
+    return text + (" (estimate)" if cost.get("estimate") else "")
