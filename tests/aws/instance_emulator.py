@@ -9,8 +9,8 @@ EC2 and the VPC for petctl's end-to-end test:
   writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
   so code download, checkpoints and the status mirror all go to the emulated S3;
-* an instance EC2 reports terminated (or that left its group) loses its agent at once (SIGKILL of the
-  process group, like a vanished machine).
+* an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
+  SIGTERM (`docker stop`), then everything on the machine is killed after the grace period.
 
 The only translation is the network: addresses inside the VPC (etcd's, the instances') become loopback.
 """
@@ -50,6 +50,8 @@ class InstanceEmulator:
     etcd: EtcdServer | None = None
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
+    shutdown_grace: float = 10.0  # `docker stop`'s default between SIGTERM and SIGKILL
+    stopping: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -135,9 +137,22 @@ class InstanceEmulator:
         for instance_id in members:
             if instance_id in alive and instance_id not in self.booted:
                 self.boot_worker(instance_id)
-        gone = [i for i in self.booted if i not in alive and self.booted[i].proc.poll() is None]
-        for instance_id in gone:
-            self.kill(instance_id)
+        gone = [i for i in self.booted if i not in alive and i not in self.stopping
+                and self.booted[i].proc.poll() is None]
+        for instance_id in gone:  # shut down in the background, as EC2 does, while the loop goes on
+            self.stopping.add(instance_id)
+            threading.Thread(target=self.shutdown, args=(instance_id,), daemon=True).start()
+
+    def shutdown(self, instance_id: str) -> None:
+        """EC2 terminated the instance: the OS shuts down and `docker stop` sends the agent SIGTERM, then
+        SIGKILL after its grace period; whatever else ran on the machine dies with it."""
+        proc = self.booted[instance_id].proc
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=self.shutdown_grace)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        self.kill(instance_id)
 
     def kill(self, instance_id: str) -> None:
         """The machine is gone: every process it ran dies at once (the agent's session, its workers too)."""
@@ -168,10 +183,15 @@ class InstanceEmulator:
         self._thread = threading.Thread(target=loop, name="instance-emulator", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop_following(self) -> None:
+        """Stop the background sync (before deleting stacks: moto is not safe against concurrent use)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+            self._thread = None
+
+    def stop(self) -> None:
+        self.stop_following()
         for instance_id, booted in self.booted.items():
             if booted.proc.poll() is None:
                 self.kill(instance_id)
