@@ -83,7 +83,10 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
     assert frozen.exit_code != 0 and "not supported on aws" in str(frozen.exception)
     petctl("status", "cli")
     petctl("kill_job", "cli")
-    assert json.loads(petctl("jobs", "-o", "json").output) == []
+    # a killed job stays on record (its S3 prefix), its capacity is gone
+    assert [(j["name"], j["state"]) for j in json.loads(petctl("jobs", "-o", "json").output)] == [
+        ("cli", "killed")
+    ]
     petctl("teardown")
     assert PetctlConfig.load().section("aws")["ready"] is False
 

@@ -254,6 +254,11 @@ def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json", Body=json.dumps(state).encode())
         log = f"hello from {node}\nstep 7\n".encode()
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/logs/{node}.log", Body=log)
+    events = [{"ts": 2.0, "event": "round.frozen", "node": "i-aaa"}, {"ts": 1.0, "event": "agent.started"}]
+    s3.put_object(Bucket=bucket, Key="jobs/demo/events/i-aaa.jsonl",
+                  Body="".join(json.dumps(e) + "\n" for e in events).encode() + b"not json\n")
+    # read through the provider's own session (its endpoint here), sorted by time
+    assert [e["event"] for e in ready.job_events("demo")] == ["agent.started", "round.frozen"]
     state = ready.node_states("demo")  # etcd (10.42.0.10) is unreachable from here: the mirror answers
     assert state.ranks == {"i-aaa": 0, "i-bbb": 1} and state.state == "running"
     assert list(ready.logs("demo", node="i-bbb")) == ["hello from i-bbb", "step 7"]

@@ -302,6 +302,18 @@ class AwsProvider(Provider):
     def mirror_url(self, name: str) -> str:
         return self._store(self._session(), name).url() + "/"
 
+    def job_events(self, name: str) -> list[dict[str, Any]]:
+        """The agents' mirrored events, read with this provider's session (its region, profile and
+        endpoint, which a bare boto3 client would not know), plus etcd's copy if etcd answers here."""
+        from petctl.timeline import read_events
+
+        events = self._store(self._session(), name).events()
+        endpoint = self.etcd_endpoint()
+        if inventory.etcd_answers(endpoint, timeout=1.0):
+            events += read_events(name, endpoint, "")
+        unique = {(e.get("ts"), e.get("node"), e.get("event")): e for e in events}
+        return sorted(unique.values(), key=lambda e: float(e.get("ts", 0.0)))
+
     def job(self, name: str) -> JobInfo:
         self._ready()
         session = self._session()

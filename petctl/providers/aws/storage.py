@@ -127,6 +127,20 @@ class JobStore:
                 states[name[: -len(".json")]] = value
         return states
 
+    def events(self) -> list[dict[str, Any]]:
+        """Every event the agents mirrored (`events/<node_id>.jsonl`), unsorted."""
+        out = []
+        for name in self.list_names("events"):
+            if name.endswith(".jsonl"):
+                for line in (self.get_text(f"events/{name}") or "").splitlines():
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(record, dict) and "event" in record:
+                        out.append(record)
+        return out
+
     def log_nodes(self) -> list[str]:
         return [n[: -len(".log")] for n in self.list_names("logs") if n.endswith(".log")]
 
