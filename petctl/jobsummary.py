@@ -12,7 +12,10 @@ from petctl.accounting import account
 
 
 def summarize(provider, name: str, running: bool) -> dict[str, Any]:
-    events = provider.job_events(name)
+    try:
+        events = provider.job_events(name)
+    except Exception:  # the timeline is unreachable right now: report nothing rather than fail
+        events = []
     now = time.time() if running else None
     acc = account(events, now=now)
     try:

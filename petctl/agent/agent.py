@@ -277,11 +277,14 @@ class Agent:
     def _leave(self, info: RoundInfo | None, cause: str = "leave") -> int:
         """Graceful leave: heartbeat gone and the next round opened now, so nobody waits for a TTL."""
         self._set_state("leaving")
-        self.heartbeat.stop(delete=True)
+        # Open the next round first (it carries the real cause), then drop the heartbeat: its delete
+        # event wakes the new round's closer, which then stops waiting for us.
+        self.heartbeat.stop(delete=False)
         snap = self.rdzv.snapshot()
         rnd = snap.round or {}
         if rnd.get("phase") == "frozen" and self.node_id in (rnd.get("ranks") or {}):
             self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}")
+        self.heartbeat.stop(delete=True)
         self.events.emit("agent.left", cause=cause, round=info.round if info else None)
         if cause == "preemption":
             self.preemption.complete_lifecycle()
