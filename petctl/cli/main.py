@@ -68,15 +68,23 @@ def provider_for(config=None, name: str | None = None):
 @cli.command()
 @click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default="local",
               show_default=True, help="Where jobs get their capacity; remembered for later commands.")
+@click.option("--region", help="aws: region (default: the AWS CLI's, e.g. AWS_REGION or the profile's).")
+@click.option("--profile", help="aws: named profile from your AWS config.")
+@click.option("--endpoint-url", help="aws: an emulator's endpoint (e.g. http://127.0.0.1:5000).")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
-              help="Provider-specific setup option (repeatable).")
-def setup(provider_name: str, options: tuple[str, ...]) -> None:
+              help="Provider-specific setup option (repeatable), e.g. stack_name=petctl, max_azs=3.")
+def setup(provider_name: str, region: str | None, profile: str | None, endpoint_url: str | None,
+          options: tuple[str, ...]) -> None:
     """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
     from petctl.cli.parse import key_values
+    from petctl.errors import ValidationError
 
+    flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url)) if v}
+    if flags and provider_name != "aws":
+        raise ValidationError(f"--{next(iter(flags)).replace('_', '-')} is for `--provider aws`")
     config = load_config()
     provider = provider_for(config, provider_name)
-    result = provider.setup(**key_values(options, "--option"))
+    result = provider.setup(**{**key_values(options, "--option"), **flags})
     config.provider = provider_name
     config.save()
     endpoint = result.get("etcd_endpoint")
