@@ -27,7 +27,8 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     assert local.wait_finished("ins", timeout=120)["state"] == "succeeded"
 
     names = [e["event"] for e in local.json("events", "ins")]
-    for expected in ("agent.started", "rendezvous.complete", "workers.succeeded", "job.result", "agent.exit"):
+    for expected in ("instance.launched", "agent.started", "rendezvous.complete", "workers.succeeded",
+                     "job.result", "agent.exit"):
         assert expected in names, names
     assert "round.summary" not in names and "round.summary" in [e["event"] for e in
                                                                 local.json("events", "ins", "--all")]

@@ -15,10 +15,11 @@ HEADLINES = {
     "agent.started", "agent.left", "agent.exit", "rendezvous.complete", "rendezvous.restart",
     "membership.lost", "membership.waiting", "workers.failed", "workers.succeeded", "heartbeat.lost",
     "preemption.notice", "preemption.announced", "preemption.save_timeout", "checkpoint.saved",
-    "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "scale.changed",
+    "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "instance.reclaimed",
+    "scale.changed", "release.done", "release.partial",
 }
 DETAIL_FIELDS = ("round", "rank", "world_size", "cause", "nodes", "step", "kind", "state", "reason", "code",
-                 "seconds", "why")
+                 "seconds", "why", "desired")
 
 
 def _detail(event: dict) -> str:
@@ -45,7 +46,8 @@ def events_cmd(name: str, show_all: bool, output: str) -> None:
         print_json(events)
         return
     t0 = events[0]["ts"] if events else time.time()
-    rows = [(f"+{e['ts'] - t0:8.2f}s", e.get("node", "-"), e["event"], _detail(e)) for e in events]
+    rows = [(f"+{e['ts'] - t0:8.2f}s", e.get("node") or e.get("instance") or "-", e["event"], _detail(e))
+            for e in events]
     table(f"events of {name} (from {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))})",
           ["t", "node", "event", "detail"], rows)
 

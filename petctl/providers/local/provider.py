@@ -135,6 +135,17 @@ class LocalProvider(Provider):
         except Exception:  # not there, or etcd unreachable: the caller falls back
             return None
 
+    def job_events(self, name: str) -> list[dict[str, Any]]:
+        """The agents' timeline plus the reconciler's own (instances launched/terminated, scaling)."""
+        from petctl.eventlog import parse_lines
+
+        events = super().job_events(name)
+        log = JobDir.of(self.config.home, name).reconciler_log
+        if log.exists():
+            with open(log, errors="replace") as f:
+                events += list(parse_lines(f))
+        return sorted(events, key=lambda e: float(e.get("ts", 0.0)))
+
     def mirror_url(self, name: str) -> str:
         return f"file://{JobDir.of(self.config.home, name).mirror}"
 
