@@ -53,7 +53,7 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         torch_version = None
     return {"cpu_count": os.cpu_count(), "cpu_model": model, "mem_gib": mem_gib,
-            "load_avg_at_start": list(os.getloadavg()), "python": platform.python_version(),
+            "load_avg_at_write": list(os.getloadavg()), "python": platform.python_version(),
             "torch": torch_version, "platform": platform.platform(),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
