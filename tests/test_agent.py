@@ -181,6 +181,13 @@ def test_restart_hands_the_round_to_warm_workers(cluster_factory):
     leaver.proc.send_signal(signal.SIGTERM)
     started = wait_for(lambda: [e for e in keeper.events("workers.started") if e["round"] == 2], 20)
     assert started[0]["warm"] == 1
+    # Each node joined only once its first warm worker had finished importing (torch, torch._dynamo).
+    for node in (keeper, leaver):
+        (ready,) = node.events("workers.warm_ready")
+        assert ready["count"] == 1
+        assert ready["ts"] < node.events("rendezvous.joined")[0]["ts"]
+    first_round = [e for e in keeper.events("workers.started") if e["round"] == 1]
+    assert first_round[0]["warm_ready"] == 1
     wait_for(lambda: trained_at(cluster, keeper.node_id, 1, started[0]["ts"]), 20, what="warm worker trains")
 
 

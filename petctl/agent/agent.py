@@ -43,6 +43,7 @@ from petctl.keys import JobKeys
 from petctl.spec import AgentConfig
 
 STATUS_TTL = 120
+WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports before it joins anyway
 PUBLISH_EVERY = 5.0
 
 
@@ -99,9 +100,15 @@ class Agent:
         self.worker_spec = WorkerSpec(cmd=[sys.executable, "-u", self.spec.entrypoint, *self.spec.args],
                                       cwd=str(code_dir), nproc=self.spec.nproc_per_node,
                                       base_env=dict(self.spec.env))
+        self.worker_spec.preload += tuple(self.spec.warm_imports)
         self.pool = WarmPool(self.worker_spec, pdeathsig()) if self.spec.warm_workers else None
         if self.pool is not None:
-            self.pool.fill()  # imports torch while the first rendezvous runs
+            # Join only once our workers have torch imported: a new node would otherwise restart a
+            # running job and then make everyone wait for its imports (bounded: never wait forever).
+            t0 = time.monotonic()
+            self.pool.fill()
+            ready = self.pool.wait_ready(WARM_WAIT)
+            self.events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
         self.heartbeat.start()
         self.watcher.start()
         try:
@@ -161,7 +168,8 @@ class Agent:
                       max_restarts=self.spec.max_restarts, run_id=self.spec.name,
                       extra_env=self._extra_env(info))
         self.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
-                         nproc=self.spec.nproc_per_node, warm=workers.warm_started)
+                         nproc=self.spec.nproc_per_node, warm=workers.warm_started,
+                         warm_ready=workers.warm_ready)
         self._set_state("running")
         failed_at: float | None = None
         failure = ""

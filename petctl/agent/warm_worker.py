@@ -16,6 +16,8 @@ import os
 import runpy
 import sys
 
+READY_LINE = "petctl-warm-worker-ready"
+
 
 def main() -> None:
     preload = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
@@ -24,6 +26,9 @@ def main() -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # the script will import (and fail on) what it really needs
+    # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
+    sys.stdout.write(READY_LINE + "\n")
+    sys.stdout.flush()
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent discarded us unused

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+from petctl.agent.warm_worker import READY_LINE
 from petctl.eventlog import parse_line
 
 PR_SET_PDEATHSIG = 1
@@ -47,7 +48,9 @@ class WorkerSpec:
     cwd: str
     nproc: int
     base_env: dict[str, str] = field(default_factory=dict)
-    preload: tuple[str, ...] = ("torch", "torch.distributed")  # imported ahead by warm workers
+    # Imported ahead by warm workers. torch._dynamo is what a first optimizer step pulls in (measured:
+    # ~2 s on top of torch), so it belongs here too.
+    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.optim", "torch._dynamo")
 
 
 class WarmPool:
@@ -61,6 +64,7 @@ class WarmPool:
         self.spec = spec
         self.preexec = preexec
         self.ready: list[subprocess.Popen] = []
+        self._warm: dict[int, threading.Event] = {}  # pid -> set once its imports are done
 
     @property
     def usable(self) -> bool:
@@ -73,16 +77,37 @@ class WarmPool:
         self.ready = [p for p in self.ready if p.poll() is None]
         env = {**os.environ, **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
         while len(self.ready) < self.spec.nproc:
-            self.ready.append(subprocess.Popen(
+            proc = subprocess.Popen(
                 [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload)],
                 cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, preexec_fn=self.preexec))
+                stderr=subprocess.STDOUT, preexec_fn=self.preexec)
+            warm = self._warm[proc.pid] = threading.Event()
+            threading.Thread(target=self._await_ready, args=(proc, warm), daemon=True).start()
+            self.ready.append(proc)
 
-    def take(self) -> subprocess.Popen | None:
+    @staticmethod
+    def _await_ready(proc: subprocess.Popen, warm: threading.Event) -> None:
+        """The worker's first line says its imports are done; nothing else is read before the handoff."""
+        assert proc.stdout is not None
+        if proc.stdout.readline().decode(errors="replace").strip() == READY_LINE:
+            warm.set()
+
+    def wait_ready(self, timeout: float) -> int:
+        """Wait (bounded) until every pooled worker has finished importing; returns how many did."""
+        deadline = time.monotonic() + timeout
+        for proc in self.ready:
+            event = self._warm.get(proc.pid)
+            if event is not None:
+                event.wait(max(0.0, deadline - time.monotonic()))
+        return sum(1 for p in self.ready if self._warm.get(p.pid, threading.Event()).is_set())
+
+    def take(self) -> tuple[subprocess.Popen, bool] | None:
+        """A pooled worker and whether it had finished importing (if not, the round waits for it)."""
         while self.ready:
             proc = self.ready.pop(0)
+            warm = self._warm.pop(proc.pid, threading.Event()).is_set()
             if proc.poll() is None:
-                return proc
+                return proc, warm
         return None
 
     def close(self) -> None:
@@ -118,6 +143,7 @@ class WorkerGroup:
         self.spec = spec
         self.pool = pool
         self.warm_started = 0
+        self.warm_ready = 0  # of those, how many had finished their imports
         self.out = out
         self.on_event = on_event
         self.procs: dict[int, subprocess.Popen] = {}
@@ -154,7 +180,10 @@ class WorkerGroup:
                 "TORCHELASTIC_USE_AGENT_STORE": "False",
                 "PYTHONUNBUFFERED": "1",
             }
-            proc = self.pool.take() if self.pool is not None else None
+            taken = self.pool.take() if self.pool is not None else None
+            proc = taken[0] if taken else None
+            if taken and taken[1]:
+                self.warm_ready += 1
             if proc is not None:
                 order = {"env": env, "cwd": self.spec.cwd, "argv": self.spec.cmd[2:]}
                 try:
