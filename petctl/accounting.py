@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from petctl.eventlog import dedupe
+
 
 @dataclass
 class RoundStats:
@@ -60,7 +62,7 @@ class Accounting:
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
     """Accounting for one job from all its nodes' events (any order; duplicates harmless)."""
-    records = sorted(_dedupe(events), key=lambda e: float(e.get("ts", 0.0)))
+    records = sorted(dedupe(events), key=lambda e: float(e.get("ts", 0.0)))
     acc = Accounting()
     acc.rounds = _rounds(records)
     _attribute_losses(acc.rounds)
@@ -78,17 +80,6 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
     acc.preemption_notices = len({e.get("node") for e in records if e.get("event") == "preemption.notice"})
     acc.instance_seconds, acc.nodes = _instance_seconds(records, now)
     return acc
-
-
-def _dedupe(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    seen: set[tuple] = set()
-    out = []
-    for e in events:
-        key = (e.get("ts"), e.get("event"), e.get("node"))
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-    return out
 
 
 def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
@@ -146,7 +137,7 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
     (killed, frozen); one still running counts to `now` when given. Instance time and cost use this."""
     spans: list[NodeSpan] = []
     current: dict[str, NodeSpan] = {}
-    for e in sorted(_dedupe(events), key=lambda e: float(e.get("ts", 0.0))):
+    for e in sorted(dedupe(events), key=lambda e: float(e.get("ts", 0.0))):
         node = e.get("node")
         if not node:
             continue

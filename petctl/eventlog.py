@@ -76,3 +76,15 @@ def parse_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         record = parse_line(line)
         if record is not None:
             yield record
+
+
+def dedupe(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same event read from two copies (etcd and the mirror) counts once: same time, node, name."""
+    seen: set[tuple] = set()
+    out = []
+    for e in events:
+        key = (e.get("ts"), e.get("node"), e.get("event"))
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out

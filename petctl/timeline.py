@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from petctl.eventlog import dedupe
 from petctl.keys import JobKeys
 
 
@@ -21,14 +22,7 @@ def read_events(job: str, etcd_endpoint: str = "", mirror_url: str = "") -> list
         events += _from_etcd(job, etcd_endpoint)
     if mirror_url:
         events += _from_mirror(mirror_url)
-    seen: set[tuple] = set()
-    unique = []
-    for e in events:
-        key = (e.get("ts"), e.get("node"), e.get("event"))
-        if key not in seen:
-            seen.add(key)
-            unique.append(e)
-    return sorted(unique, key=lambda e: float(e.get("ts", 0.0)))
+    return sorted(dedupe(events), key=lambda e: float(e.get("ts", 0.0)))
 
 
 def _from_etcd(job: str, endpoint: str) -> list[dict[str, Any]]:

@@ -178,3 +178,13 @@ def write_script(directory: Path, name: str, source: str) -> Path:
     path = directory / name
     path.write_text(source)
     return path
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real etcd 3.5 on 127.0.0.1 for a module whose tests drive agents by hand (no provider)."""
+    from petctl.etcd_server import EtcdServer
+
+    server = EtcdServer.start(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop(remove_data=True)

@@ -13,19 +13,11 @@ import time
 
 import pytest
 
-from petctl.etcd_server import EtcdServer
 from petctl.providers.local.metadata_server import LocalMetadataServer
 from tests.agent_harness import AgentCluster, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory):
-    server = EtcdServer.start(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop(remove_data=True)
 
 
 @pytest.fixture
