@@ -18,6 +18,7 @@ from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
 
 WARM_STEPS = 25  # steps every node runs before the disruption (checkpoints every 10: 9 and 19 exist)
+WARM_SETTLE = 30.0  # petctl: longest wait for the agents' warm pools to be refilled before a disruption
 CKPT_EVERY = 10
 STEP_TIME = 0.05
 START_TIMEOUT = 120.0
@@ -79,6 +80,14 @@ def run_once(ctx: Context, sid: str, system: str, rep: int) -> dict[str, Any]:
         if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
             return result
+        if system == "petctl":
+            # Steady state: every agent has refilled its warm pool for the next restart (a real job runs
+            # for minutes between disruptions; 25 steps here are 2-3 s). Capped, and recorded.
+            t_settle = time.time()
+            settled = wait_for(lambda: all(len(n.events("workers.warm_ready")) >= 2 for n in nodes),
+                               WARM_SETTLE, 0.2)
+            result["settle_s"] = round(time.time() - t_settle, 2)
+            result["warm_settled"] = bool(settled)
         world = sc["world_after"]
         cap = ctx.hang_cap if (sid == "P2" and system != "petctl") else RECOVER_TIMEOUT
         kill_at: float | None = None

@@ -232,6 +232,16 @@ class Agent:
             if (self.pool is not None and not self.pool.ready
                     and (self.progress.get("round_step_seen") or now - last_snapshot_start > 10.0)):
                 self.pool.fill()  # after the first step: off the restart's critical path
+                threading.Thread(target=self._report_warm, args=(info.round,), daemon=True).start()
+
+    def _report_warm(self, round_no: int) -> None:
+        """One line when the refilled pool is ready: from then on a restart skips every import."""
+        t0 = time.monotonic()
+        pool = self.pool
+        if pool is not None:
+            ready = pool.wait_ready(WARM_WAIT)
+            self.events.emit("workers.warm_ready", count=ready, round=round_no,
+                             seconds=round(time.monotonic() - t0, 3))
 
     def _announce_preemption(self) -> bool:
         return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.notice.deadline)
