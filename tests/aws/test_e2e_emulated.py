@@ -112,9 +112,10 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
     assert job.state == "succeeded", emulator.console()
 
     (new,) = replacement
-    final = ("succeeded", "leaving")  # "leaving": the capacity release shut it down before its last upload
-    nodes = wait_for(lambda: (n := ready.node_states("spot").nodes).get(new, {}).get("state") in final
-                     and n, 60, "the replacement's final status in S3", emulator)
+    # The replacement's own mirror reached S3 (its last state depends on whether the capacity release
+    # shut its instance down before its last upload; the console below shows what it trained).
+    nodes = wait_for(lambda: (n := ready.node_states("spot").nodes).get(new) and n, 60,
+                     "the replacement's status in S3", emulator)
     # the victim may have gone before its first status upload (each agent's mirror has its own schedule)
     assert nodes.get(victim, {}).get("state") != "succeeded", nodes
     resumed = [line for line in ready.logs("spot", node=new) if '"event": "train.resumed"' in line]
