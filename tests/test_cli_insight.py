@@ -3,6 +3,8 @@ the record surviving the loss of etcd's copy (the agents' mirror in the job's pr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import Petctl, write_script
@@ -32,6 +34,10 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
         assert expected in names, names
     assert "round.summary" not in names and "round.summary" in [e["event"] for e in
                                                                 local.json("events", "ins", "--all")]
+
+    lines = [json.loads(line) for line in local.run("logs", "ins", "-o", "json").stdout.splitlines()]
+    steps = [r["event"]["step"] for r in lines if r.get("event", {}).get("event") == "train.step"]
+    assert steps == list(range(8)) and all(r["node"] for r in lines)
 
     png = tmp_path / "chart.png"
     report = local.json("report", "ins", "--png", str(png))

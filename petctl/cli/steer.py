@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
@@ -89,10 +90,26 @@ def hosts(name: str, show_all: bool, output: str) -> None:
 @click.argument("name")
 @click.option("--node", help="One node's log (an instance id, or `reconciler`).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
-def logs(name: str, node: str | None, follow: bool) -> None:
-    """Print the job's node logs (each line prefixed with its node unless --node is given)."""
+@output_option
+def logs(name: str, node: str | None, follow: bool, output: str) -> None:
+    """Print the job's node logs (each line prefixed with its node unless --node is given).
+
+    `-o json` prints one object per line, {"node", "text"}, and the event itself when the line is one.
+    """
+    from petctl.eventlog import parse_line
+
     for line in provider_for().logs(name, node=node, follow=follow):
-        click.echo(line)
+        if output != "json":
+            click.echo(line)
+            continue
+        source, text = node, line
+        if node is None and line.startswith("[") and "] " in line:
+            source, text = line[1:].split("] ", 1)
+        record = {"node": source, "text": text}
+        event = parse_line(text)
+        if event is not None:
+            record["event"] = event
+        click.echo(json.dumps(record, default=str))
 
 
 @click.command("chaos")
