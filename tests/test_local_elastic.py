@@ -172,7 +172,15 @@ def test_spot_notice_leaves_gracefully_before_the_reclaim(local: Petctl):
     while {h["host_id"]: h["state"] for h in local.json("hosts", "spot", "--all")}[victim] != "terminated":
         assert time.monotonic() < deadline, "the noticed instance was not reclaimed"
         time.sleep(0.5)
-    row = {r["id"]: r for r in json.loads((local.job_dir("spot") / "instances.json").read_text())}[victim]
+    # `hosts` sees the dead process at once; the reconciler records why on its next pass (0.5 s).
+    def recorded():
+        rows = {r["id"]: r for r in json.loads((local.job_dir("spot") / "instances.json").read_text())}
+        return rows[victim] if rows[victim].get("reason") else None
+
+    deadline = time.monotonic() + 15
+    while (row := recorded()) is None:
+        assert time.monotonic() < deadline, "the reconciler never recorded why the instance ended"
+        time.sleep(0.3)
     assert row["reason"] == "spot-reclaimed" and row["ended_at"] >= reclaim_at
     local.wait_status("spot", lambda s: len(s["nodes"]) == 2 and victim not in s["nodes"], 30,
                       "the replacement in the job")
