@@ -10,7 +10,8 @@ EC2 and the VPC for petctl's end-to-end test:
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
   so code download, checkpoints and the status mirror all go to the emulated S3;
 * an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
-  SIGTERM (`docker stop`), then everything on the machine is killed after the grace period.
+  SIGTERM (`docker stop`), then everything on the machine is killed after the container's stop timeout
+  (`--stop-timeout` in the user data).
 
 The only translation is the network: addresses inside the VPC (etcd's, the instances') become loopback.
 """
@@ -38,6 +39,7 @@ class Booted:
     instance_id: str
     proc: subprocess.Popen
     log: Path
+    stop_grace: float = 10.0  # the boot script's `docker run --stop-timeout`
 
 
 @dataclass
@@ -50,7 +52,6 @@ class InstanceEmulator:
     etcd: EtcdServer | None = None
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
-    shutdown_grace: float = 10.0  # `docker stop`'s default between SIGTERM and SIGKILL
     stopping: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -96,7 +97,9 @@ class InstanceEmulator:
 
     # --- workers -------------------------------------------------------------------------------------
     def boot_worker(self, instance_id: str) -> Booted:
-        config = agent_config_from_user_data(self.user_data(instance_id))
+        user_data = self.user_data(instance_id)
+        config = agent_config_from_user_data(user_data)
+        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data)
         config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
         work = self.root / instance_id
         work.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,8 @@ class InstanceEmulator:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
             )
-        self.booted[instance_id] = Booted(instance_id, proc, log)
+        grace = float(stop_timeout.group(1)) if stop_timeout else 10.0  # docker's default
+        self.booted[instance_id] = Booted(instance_id, proc, log, grace)
         return self.booted[instance_id]
 
     def sync(self, asg_name: str) -> None:
@@ -145,11 +149,11 @@ class InstanceEmulator:
 
     def shutdown(self, instance_id: str) -> None:
         """EC2 terminated the instance: the OS shuts down and `docker stop` sends the agent SIGTERM, then
-        SIGKILL after its grace period; whatever else ran on the machine dies with it."""
+        SIGKILL after the container's stop timeout (from the user data); whatever else ran dies with it."""
         proc = self.booted[instance_id].proc
         try:
             os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=self.shutdown_grace)
+            proc.wait(timeout=self.booted[instance_id].stop_grace)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         self.kill(instance_id)

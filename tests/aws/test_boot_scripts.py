@@ -79,6 +79,7 @@ def test_worker_script_logs_in_to_ecr_with_the_current_cli_and_runs_the_agent_co
     run = text[text.index("docker run"):]
     assert "--network host" in run and "--gpus all" in run
     assert '--config /etc/petctl/agent.json --node-id "$INSTANCE_ID" --host-addr "$PRIVATE_IP"' in run
+    assert "--stop-timeout 60" in run  # time to leave cleanly when EC2 shuts the instance down
     assert IMAGE in text
 
 

@@ -266,10 +266,13 @@ def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
                                         "[i-bbb] hello from i-bbb", "[i-bbb] step 7"]
     with pytest.raises(ProviderError, match="no log for node"):
         list(ready.logs("demo", node="i-zzz"))
-    for node in ("i-aaa", "i-bbb"):
+    for node in ("i-aaa", "i-bbb"):  # a node's "succeeded" is its own workers', not the job's end
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json",
                       Body=json.dumps({"node_id": node, "state": "succeeded"}).encode())
-    assert ready.job("demo").state == "succeeded"
+    assert ready.job("demo").state == "running"
+    result = {"job": "demo", "state": "succeeded", "reason": "all workers exited 0", "node": "i-aaa"}
+    s3.put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())
+    assert ready.job("demo").state == "succeeded" and ready.node_states("demo").state == "succeeded"
     ready.kill_job("demo")
     assert ready.job("demo").state == "succeeded"  # its own result is what stays on record
     assert list(ready.logs("demo", node="i-aaa")) == ["hello from i-aaa", "step 7"]  # logs outlive the job

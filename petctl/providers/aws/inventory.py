@@ -15,7 +15,6 @@ from petctl.jobstate import JobState
 from petctl.providers.aws.session import aws_errors, error_code
 from petctl.providers.base import HostInfo, JobInfo
 
-TERMINAL = {"succeeded", "failed", "killed"}
 EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",
               "stopping": "terminating", "stopped": "terminated", "terminated": "terminated"}
 STACK_STATES = {"CREATE_IN_PROGRESS": "running", "CREATE_COMPLETE": "running", "UPDATE_COMPLETE": "running",
@@ -137,30 +136,19 @@ def job_info(autoscaling, stack: dict[str, Any], provider: str) -> JobInfo:
                    extra={"stack": stack["StackName"], "stack_status": status})
 
 
-def result_from_nodes(nodes: dict[str, dict[str, Any]]) -> tuple[str, str] | None:
-    """The job's end as its agents last reported it. An agent publishes a terminal state (the job's
-    result) only once the job has ended, so one such node is enough; nodes lost earlier keep their last,
-    non-terminal state in the mirror and must not hold the answer back."""
-    ended = {n.get("state") for n in nodes.values()} & TERMINAL
-    for state in ("failed", "killed", "succeeded"):
-        if state in ended:
-            reporters = sorted(k for k, n in nodes.items() if n.get("state") == state)
-            return state, f"reported by {', '.join(reporters)}"
-    return None
+def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]],
+                         result: dict[str, Any] | None = None) -> JobState:
+    """Rebuild the round from the nodes' own reports: the latest round whose ranked members agree.
 
-
-def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]]) -> JobState:
-    """Rebuild the round from the nodes' own reports: the latest round whose ranked members agree."""
-    state = JobState(job=job, nodes=nodes)
+    A node's "succeeded" only means its own workers exited 0; the job's end is `result` (result.json,
+    written by the agent that recorded it)."""
+    state = JobState(job=job, nodes=nodes, result=result if isinstance(result, dict) else None)
     ranked = {k: n for k, n in nodes.items() if n.get("rank") is not None and n.get("round") is not None}
     if ranked:
         latest = max(int(n["round"]) for n in ranked.values())
         members = {k: int(n["rank"]) for k, n in ranked.items() if int(n["round"]) == latest}
         state.round = {"round": latest, "phase": "frozen", "ranks": members, "world_size": len(members),
                        "source": "s3 status mirror"}
-    result = result_from_nodes(nodes)
-    if result:
-        state.result = {"state": result[0], "reason": result[1]}
     return state
 
 

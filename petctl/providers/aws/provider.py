@@ -324,10 +324,10 @@ class AwsProvider(Provider):
                 raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
             return recorded
         info = inventory.job_info(session.client("autoscaling"), stack, self.name)
-        if info.state == "running":
-            result = inventory.result_from_nodes(self._store(session, name).node_states())
-            if result:
-                info.state, info.reason = result
+        if info.state == "running":  # ended, but its capacity not released yet (or kept with --keep)
+            result = self._store(session, name).get_json("result.json")
+            if isinstance(result, dict) and result.get("state"):
+                info.state, info.reason = str(result["state"]), str(result.get("reason", ""))
         return info
 
     def etcd_endpoint(self) -> str:
@@ -339,7 +339,8 @@ class AwsProvider(Provider):
         if inventory.etcd_answers(endpoint, timeout=1.0):
             return super().node_states(name)
         self.job(name)
-        return inventory.job_state_from_nodes(name, self._store(self._session(), name).node_states())
+        store = self._store(self._session(), name)
+        return inventory.job_state_from_nodes(name, store.node_states(), store.get_json("result.json"))
 
     def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
         """Node logs from the job's S3 prefix; they outlive the job's stack (kill_job keeps them)."""
