@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def known_agent_hang(emulator: InstanceEmulator) -> str:
-    """The agent issue seen on this 2-core machine (reported to the agent's owner): an agent whose workers
-    all printed `train.done` and exited never reports `workers.succeeded`, so the job never ends. Only that
-    exact state is tolerated (xfail); any other failure of these tests fails them."""
+    """The issue seen on this shared 2-core machine (reported): a node whose workers printed `train.done`
+    never reports `workers.succeeded` (a worker that does not finish exiting, or an agent that does not
+    notice), so the job never ends. Only that exact state is tolerated (xfail); any other failure fails."""
     stuck = []
     for instance_id, booted in emulator.booted.items():
         text = booted.log.read_text(errors="replace") if booted.log.exists() else ""
@@ -42,7 +42,7 @@ def wait_for(predicate, timeout: float, what: str, emulator: InstanceEmulator, i
         time.sleep(interval)
     stuck = known_agent_hang(emulator)
     if stuck and "finish" in what:
-        pytest.xfail(f"known agent hang: {stuck} never noticed its workers exited (see the AWS report)")
+        pytest.xfail(f"known hang after train.done on {stuck}: workers.succeeded never reported")
     raise AssertionError(
         f"timed out waiting for {what}\nemulator errors: {emulator.errors}\n{emulator.console()}"
     )
