@@ -34,6 +34,9 @@ class Timeouts:
     join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL grace when stopping workers
     preempt_deadline: float = 90.0  # how long a noticed node waits for its workers' checkpoint
+    # Once any rank of the job exited 0, the others get this long to exit too; stragglers (seen stuck in
+    # destroy_process_group after their peers left) are then stopped and the job still succeeds.
+    finish_grace: float = 60.0
     imds_interval: float = 1.0  # metadata polling period (a local HTTP GET; AWS advises every few seconds)
 
     @classmethod

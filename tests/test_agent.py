@@ -64,6 +64,19 @@ def test_two_nodes_form_ranks_and_succeed(cluster_factory):
         assert len(agent.events("rendezvous.complete")) == 1
 
 
+def test_a_rank_stuck_at_exit_does_not_hold_the_job_forever(cluster_factory):
+    """Once a rank exited 0, the others get finish_grace to exit; one stuck at exit (as seen in
+    destroy_process_group after its peer left) is stopped and the job still ends succeeded."""
+    cluster = cluster_factory(min_size=2, max_size=2, finish_grace=3.0,
+                              env={"STEPS": "5", "STEP_TIME": "0.05", "HANG_AT_EXIT_RANK": "1"})
+    a, b = cluster.start(), cluster.start()
+    assert a.proc.wait(timeout=90) == 0 and b.proc.wait(timeout=90) == 0
+    assert cluster.state().result["state"] == "succeeded"
+    lingered = [n for n in (a, b) if n.events("workers.lingered")]
+    assert len(lingered) == 1
+    assert lingered[0].events("workers.started")[0]["rank"] == 1
+
+
 def test_killed_node_reforms_smaller_then_grows_back(cluster_factory):
     cluster = cluster_factory(min_size=1, max_size=3, size=3)
     nodes = [cluster.start() for _ in range(3)]

@@ -172,6 +172,7 @@ class Agent:
                          warm_ready=workers.warm_ready)
         self._set_state("running")
         failed_at: float | None = None
+        finishing_since: float | None = None
         failure = ""
         finished = False
         preempt_flagged = False
@@ -207,6 +208,19 @@ class Agent:
             if self.preemption.announced and self.preemption.save_finished(workers, self.control_dir):
                 self._stop(workers, info, "preemption checkpoint done")
                 return "preempted"
+            if not finished and not (snap.round or {}).get("preempt"):
+                # All ranks of a data-parallel job end together: once one exited 0, a worker still
+                # running after finish_grace is stuck at exit (seen in destroy_process_group once its
+                # peers had gone). Stop it and count the node as done rather than hang the job forever.
+                if finishing_since is None and (workers.some_succeeded() or snap.done.get(info.round)):
+                    finishing_since = now
+                if finishing_since is not None and now - finishing_since > self.t.finish_grace \
+                        and workers.running:
+                    self.events.emit("workers.lingered", round=info.round, seconds=self.t.finish_grace)
+                    workers.stop(self.t.stop_grace)
+                    finished = True
+                    self.rdzv.mark_done(info.round)
+                    self._set_state("succeeded")
             result = None if finished else workers.poll()
             if result is not None and not (snap.round or {}).get("preempt"):
                 if result.succeeded:

@@ -238,6 +238,10 @@ class WorkerGroup:
             return GroupResult({lr: int(c) for lr, c in codes.items()})  # type: ignore[arg-type]
         return None
 
+    def some_succeeded(self) -> bool:
+        """At least one worker exited 0 (while others may still be running)."""
+        return any(p.poll() == 0 for p in self.procs.values())
+
     @property
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs.values())

@@ -1,7 +1,8 @@
 """A tiny torchrun-style job for agent tests: all-reduce every step, print one JSON line per step.
 
 Env knobs: STEPS (total steps, default endless), STEP_TIME (seconds per step), CRASH_AT (exit 1 at that
-step on RANK 0), so a test can produce success, failure and long-running jobs from one script.
+step on RANK 0), HANG_AT_EXIT_RANK (that rank never exits after its last step), so a test can produce
+success, failure, stuck and long-running jobs from one script.
 """
 
 import json
@@ -27,4 +28,6 @@ for step in range(steps):
                       "world_size": int(t.item()), "restart": os.environ["TORCHELASTIC_RESTART_COUNT"]}),
           flush=True)
     time.sleep(step_time)
+if rank == int(os.environ.get("HANG_AT_EXIT_RANK", "-1")):
+    time.sleep(3600)  # what a rank stuck in destroy_process_group after its peers left looks like
 dist.destroy_process_group()
