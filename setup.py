@@ -10,8 +10,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["petctl", "petctl.*"]),
-    include_package_data=True,
-    package_data={"petctl": ["templates/*"]},
+    # The CloudFormation and boot-script templates live at the top level (cfn/, worker_image/); a
+    # non-editable install puts them under <prefix>/share/petctl/, where the AWS provider also looks.
+    data_files=[
+        ("share/petctl/cfn", ["cfn/base.yaml.j2", "cfn/job.yaml.j2"]),
+        ("share/petctl/worker_image", ["worker_image/worker_boot.sh.j2", "worker_image/etcd_boot.sh.j2"]),
+    ],
     install_requires=[
         "boto3>=1.28",
         "click>=8.1",

@@ -331,6 +331,10 @@ class Agent:
         if self.config.asg_name and not self.spec.keep:
             from petctl.agent.release import release_capacity
 
+            # Releasing scales our own group to 0: say how the job ended before that can stop us.
+            self._set_state(state)
+            if self.mirror is not None:
+                self.mirror.flush()
             release_capacity(self.config.asg_name, self.config.asg_name, self.config.lifecycle_hook,
                              self.config.region, self.events)
 
