@@ -31,7 +31,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 JOB = "demo"
-STEPS = 250
+STEPS = 500  # long enough that the scale-up comes while it trains (replacements warm up first)
 
 
 @dataclass
