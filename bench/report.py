@@ -109,9 +109,13 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                                  s.get("rdzv_s"), "s", ratios, note or ""))
                 rows.append(_row("P5", f"N={n} launch -> every worker ran", system,
                                  s.get("launch_to_workers_s"), "s"))
+                if s.get("rdzv_requests_per_node") is not None:
+                    rows.append(_row("P5", f"N={n} etcd requests/node to form the round (agent count)",
+                                     system, {"median": s["rdzv_requests_per_node"], "n": 1}, "",
+                                     note=f"closer (max): {s.get('rdzv_requests_max_node')}"))
                 if s.get("agent_requests_per_node_per_round") is not None:
                     v = s["agent_requests_per_node_per_round"]
-                    rows.append(_row("P5", f"N={n} etcd requests/node/round (agent count)", system,
+                    rows.append(_row("P5", f"N={n} etcd requests/node/round, whole job (agent count)", system,
                                      {"median": v, "n": 1}, ""))
                 if s.get("server_requests_per_node") is not None:
                     v = s["server_requests_per_node"]

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
     parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (node logs)")
+    parser.add_argument("--sizes", default=None,
+                        help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
 
     scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
@@ -94,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenarios {unknown}; choose from {ALL}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     reps = 1 if args.quick else max(1, args.reps)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([8] if args.quick else [8, 32, 64])
+    except ValueError:
+        parser.error(f"--sizes takes comma-separated integers, not {args.sizes!r}")
+    if any(n < 1 for n in sizes):
+        parser.error("--sizes: every node count must be at least 1")
     out_path = Path(args.out).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="petctl-bench-"))
 
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
             imds = LocalMetadataServer(scratch / "notices").start()
         ctx = Context(root=scratch, reps=reps, quick=args.quick, etcd=etcd, imds=imds, systems=systems,
-                      hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace)
+                      hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace, sizes=sizes)
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
         for sid in scenarios:
             t0 = time.time()

@@ -19,6 +19,7 @@ class Context:
     systems: list[str] = field(default_factory=lambda: ["petctl", "torchrun-c10d", "torchrun-etcd-v2"])
     hang_cap: float = 30.0  # P2: how long torchrun is given before "> cap" is reported
     grace: float = 20.0  # P1: seconds between the notice and the SIGKILL
+    sizes: list[int] = field(default_factory=lambda: [8, 32, 64])  # P5 node counts
     timeline: dict[str, Any] = field(default_factory=dict)  # P1/P2 runs kept for the chart
 
     def log(self, msg: str) -> None:

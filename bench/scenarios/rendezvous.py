@@ -6,9 +6,12 @@ Figures per run:
   The goal (<= 2 s at 64) is about this one.
 - `launch_to_workers_s`: from the first node's launch to the last trivial worker's line: what a user
   waits for, including Python start-up of N processes on this machine (torchrun's agents import torch).
-- petctl: etcd requests per node per round, as the agents count them (`status/<node>.etcd_requests`,
-  heartbeat refreshes excluded); both etcd systems: requests the etcd server counted (v2 store metrics)
-  per node from launch until every worker ran (heartbeats and status included).
+- petctl, as the agents count them (heartbeat refreshes excluded): etcd requests per node to form the
+  round (agent start -> `rendezvous.complete`, which carries the counter; mean and max over nodes: the
+  closer counts the others' arrivals, so its max grows with N by design) and per node per round over
+  the agent's whole life (`status/<node>.etcd_requests`, job end included); both etcd systems:
+  requests the etcd server counted (v2 store metrics) per node from launch until every worker ran
+  (heartbeats and status included).
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
             except Exception:
                 pass
         out["agent_requests_per_node_per_round"] = _agent_requests(job, nodes)
+        out["rdzv_requests_per_node"] = _rdzv_requests(nodes)
         return out
     finally:
         job.stop()
@@ -143,6 +147,19 @@ def _agent_requests(job: PetctlJob, nodes: list[Node]) -> dict[str, Any]:
     return out
 
 
+def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
+    """Requests each agent made from its start until it knew its rank (the first round)."""
+    totals = []
+    for n in nodes:
+        hits = n.events("rendezvous.complete")
+        req = hits[0].get("requests") if hits else None
+        if isinstance(req, dict):
+            totals.append(sum(int(v) for v in req.values()))
+    if not totals:
+        return {}
+    return {"nodes": len(totals), "mean": round(sum(totals) / len(totals), 2), "max": max(totals)}
+
+
 def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]:
     out: dict[str, Any] = {"system": f"torchrun-{backend}", "n": n, "rep": rep}
     need = n * TORCHRUN_RSS_MB
@@ -174,7 +191,7 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    sizes = [8] if ctx.quick else [8, 32, 64]
+    sizes = ctx.sizes
     out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {}}
     for system in ctx.systems:
         for n in sizes:
@@ -198,6 +215,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 "server_requests_per_node": _median_of(runs, "server_requests_per_node", "total"),
                 "agent_requests_per_node_per_round": _median_of(runs, "agent_requests_per_node_per_round",
                                                                 "total", "mean"),
+                "rdzv_requests_per_node": _median_of(runs, "rdzv_requests_per_node", "mean"),
+                "rdzv_requests_max_node": _median_of(runs, "rdzv_requests_per_node", "max"),
                 "skipped": next((r["skipped"] for r in runs if r.get("skipped")), None),
                 "errors": [r["error"] for r in runs if r.get("error")],
             }

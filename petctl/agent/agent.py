@@ -373,8 +373,7 @@ class Agent:
                  "state": self.state, "round": self.round.round if self.round else None,
                  "rank": info.rank if info else None, "world_size": info.world_size if info else None,
                  "restarts": info.restarts if info else None, "updated": time.time(),
-                 "etcd_requests": {"reads": self.stats.reads, "writes": self.stats.writes,
-                                   "watches": self.stats.watches},
+                 "etcd_requests": self.stats.as_dict(),
                  "step": self.progress.get("step"), "last_checkpoint": self.progress.get("last_checkpoint")}
         if self.mirror is not None:
             self.mirror.set_status(value)

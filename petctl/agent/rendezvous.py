@@ -14,7 +14,8 @@ Protocol (docs/ARCHITECTURE.md has the key layout):
   members start round n+1 when it can be admitted (see agent.py).
 - phase `final`: the job is over (`result` holds why).
 etcd requests per node per round are bounded: one join write, at most one CAS to open a round, the
-closer's CAS to freeze it, plus reads on wake-ups, which happen on round changes and membership events.
+closer's CAS to freeze it, plus reads on wake-ups. Only the closer wakes for each arrival; the other
+joiners pause their membership watch (see LiveWatcher), so what a node pays does not grow with N.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class RequestStats:
     writes: int = 0
     watches: int = 0
 
+    def as_dict(self) -> dict[str, int]:
+        return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
+
 
 def pick_free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -90,10 +94,15 @@ def pick_free_port(host: str = "") -> int:
 
 
 class LiveWatcher:
-    """Long-polls `live/` in a thread and sets `changed` on every event there.
+    """Long-polls `live/` and sets `changed` on every event there.
 
     The agent never acts on the event itself: it re-reads a snapshot, so a missed or coalesced event
     (history compaction, reconnects) cannot leave it with a stale view.
+
+    Two threads: one on `live/round` (always on: round changes are what every node waits for) and one
+    on the rest of `live/`, which a node may `pause()` while it only waits for the round to freeze.
+    Why: at job start every instance's heartbeat appears in `live/nodes`; if all N agents woke for each
+    of them, per-node requests would grow with N. Paused, an event costs only the closer a wake-up.
     """
 
     def __init__(self, client: etcd.Client, prefix: str, stats: RequestStats, poll_timeout: float = 10.0):
@@ -103,28 +112,52 @@ class LiveWatcher:
         self.poll_timeout = poll_timeout
         self.changed = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="live-watch", daemon=True)
+        self._active = threading.Event()  # clear = the membership watch is paused
+        self._active.set()
+        self._threads = [
+            threading.Thread(target=self._run, args=(f"{prefix}/round", False, None), name="round-watch",
+                             daemon=True),
+            threading.Thread(target=self._run, args=(prefix, True, self._active), name="live-watch",
+                             daemon=True),
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._active.set()
 
-    def _run(self) -> None:
+    def pause(self) -> None:
+        """Stop waking on membership events (the round watch stays on). Idempotent."""
+        self._active.clear()
+
+    def resume(self) -> None:
+        """Watch membership again; the first thing it does is wake the agent for a fresh snapshot."""
+        if not self._active.is_set():
+            self._active.set()
+
+    def _run(self, key: str, recursive: bool, gate: threading.Event | None) -> None:
         index: int | None = None
         while not self._stop.is_set():
+            if gate is not None and not gate.is_set():
+                index = None  # events while paused are skipped: resuming starts from a fresh read
+                gate.wait(1.0)
+                continue
             try:
                 if index is None:
+                    # Only the current etcd index is needed: a non-recursive read of the dir is O(1).
                     self.stats.reads += 1
-                    index = self.client.read(self.prefix, recursive=True).etcd_index + 1
+                    index = self.client.read(self.prefix).etcd_index + 1
                     self.changed.set()
                     continue
                 self.stats.watches += 1
-                r = self.client.read(self.prefix, wait=True, recursive=True, waitIndex=index,
+                r = self.client.read(key, wait=True, recursive=recursive, waitIndex=index,
                                      timeout=self.poll_timeout)
                 index = max(index, r.modifiedIndex + 1)
-                self.changed.set()
+                if gate is None or gate.is_set():
+                    self.changed.set()
             except etcd.EtcdWatchTimedOut:
                 continue
             except etcd.EtcdEventIndexCleared:
@@ -253,8 +286,25 @@ class EtcdRendezvous:
     # --- the rendezvous ----------------------------------------------------------------------------
     def next_rendezvous(self, prev_rank: int | None, should_abort: Callable[[], bool],
                         on_state: Callable[[str], None] | None = None) -> RoundInfo:
-        """Block until a round that includes this node is frozen; return our place in it."""
+        """Block until a round that includes this node is frozen; return our place in it.
+
+        Only the closer watches arrivals; the others pause the membership watch once they have joined
+        and wake for round changes and once a second, re-reading the join records only when a node
+        ranked ahead of them is gone (only that can make one of them the closer). So what each node
+        pays per round does not grow with N.
+        """
+        try:
+            return self._next_rendezvous(prev_rank, should_abort, on_state)
+        finally:
+            self.watcher.resume()
+
+    def _next_rendezvous(self, prev_rank: int | None, should_abort: Callable[[], bool],
+                         on_state: Callable[[str], None] | None) -> RoundInfo:
         joined_round: int | None = None
+        members_round: int | None = None
+        ahead: set[str] = set()
+        order: list[str] = []
+        live: dict[str, tuple[dict[str, Any], int]] = {}
         below_min_since: float | None = None
         min_reached_at: float | None = None
         waiting_reported = False
@@ -285,36 +335,30 @@ class EtcdRendezvous:
             if rnd.get("phase") == "joining":
                 if joined_round != round_no:
                     self._join(round_no, prev_rank)
-                    joined_round, min_reached_at = round_no, None
+                    joined_round, min_reached_at, members_round = round_no, None, None
                     if on_state:
                         on_state("joining")
-                members = self._members(round_no)
-                live = {n: m for n, m in members.items() if n in alive}
-                if self.node_id not in live:  # our record vanished (should not happen): write it again
-                    joined_round = None
-                    continue
-                order = sorted(live, key=lambda n: _sort_key(live[n]))
-                admitted = order[: self.max_nodes]
-                closer = order[0] == self.node_id
-                if len(admitted) >= self.min_nodes:
-                    min_reached_at = min_reached_at or now
-                    waited = now - min_reached_at
-                    if round_no == 1 and len(live) < self.initial_size:
-                        # Job start: the other instances are still booting; wait for them (bounded)
-                        # rather than starting small and restarting as each one arrives.
-                        opened = float(rnd.get("ts", time.time()))
-                        ready = time.time() - opened >= self.t.initial_wait
-                    else:
-                        ready = (alive <= set(members) or len(live) >= self.max_nodes
-                                 or waited >= self.t.last_call)
-                    if ready and closer:
-                        if self._freeze(rnd, snap.round_index, admitted, live):
-                            continue
-                    elif closer:
-                        timeout = 0.05
-                elif closer:
-                    timeout = 0.05
-            elif rnd.get("phase") == "frozen":
+                if members_round != round_no or not ahead or not ahead <= alive:
+                    members = self._members(round_no)
+                    members_round = round_no
+                    live = {n: m for n, m in members.items() if n in alive}
+                    if self.node_id not in live:  # our record vanished (should not happen): write it again
+                        joined_round = None
+                        continue
+                    order = sorted(live, key=lambda n: _sort_key(live[n]))
+                    ahead = set(order[: order.index(self.node_id)])
+                if ahead:  # not the closer: only a round change or a departure ahead of us matters
+                    self.watcher.pause()
+                else:
+                    self.watcher.resume()
+                    timeout = self._close(snap, rnd, order, live, alive, now, min_reached_at)
+                    if timeout is None:
+                        continue  # frozen by us
+                    if len(order[: self.max_nodes]) >= self.min_nodes:
+                        min_reached_at = min_reached_at or now
+            else:
+                self.watcher.resume()
+            if rnd.get("phase") == "frozen":
                 ranks = {k: int(v) for k, v in (rnd.get("ranks") or {}).items()}
                 if self.node_id in ranks:
                     info = RoundInfo(round=round_no, rank=ranks[self.node_id], world_size=len(ranks),
@@ -323,7 +367,7 @@ class EtcdRendezvous:
                                      cause=str(rnd.get("cause", "")), started=float(rnd.get("ts", 0.0)))
                     self.events.emit("rendezvous.complete", round=round_no, rank=info.rank,
                                      world_size=info.world_size, seconds=round(time.monotonic() - t_start, 3),
-                                     cause=info.cause)
+                                     cause=info.cause, requests=self.stats.as_dict())
                     return info
                 # Not admitted. If every member is gone, nobody else will open the next round.
                 if not any(n in alive for n in ranks):
@@ -335,6 +379,32 @@ class EtcdRendezvous:
                     if on_state:
                         on_state("waiting")
             self.watcher.wait(timeout)
+
+    def _close(self, snap: Snapshot, rnd: dict[str, Any], order: list[str],
+               live: dict[str, tuple[dict[str, Any], int]], alive: set[str], now: float,
+               min_reached_at: float | None) -> float | None:
+        """The closer's turn: freeze the round if it is ready (None), else how long to wait.
+
+        It polls fast only while an alive node has not joined yet (its join write follows its
+        heartbeat within milliseconds, and join records are outside the watched prefix); otherwise it
+        sleeps until the next arrival or the end of `last_call` / `initial_wait`.
+        """
+        admitted = order[: self.max_nodes]
+        pending = bool(alive - set(live))
+        if len(admitted) < self.min_nodes:
+            return 0.05 if pending else 1.0
+        waited = now - (min_reached_at or now)
+        if int(rnd["round"]) == 1 and len(live) < self.initial_size:
+            # Job start: the other instances are still booting; wait for them (bounded) rather than
+            # starting small and restarting as each one arrives.
+            left = self.t.initial_wait - (time.time() - float(rnd.get("ts", time.time())))
+            if left > 0:
+                return 0.05 if pending else min(1.0, left)
+        elif pending and len(live) < self.max_nodes and waited < self.t.last_call:
+            return min(0.05, self.t.last_call - waited)
+        if self._freeze(rnd, snap.round_index, admitted, live):
+            return None
+        return 0.05
 
     def _join(self, round_no: int, prev_rank: int | None) -> None:
         record = {"node_id": self.node_id, "addr": self.host_addr, "port": pick_free_port(),
