@@ -7,6 +7,7 @@ training is held up by checkpointing), then hands its job to the thread and retu
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,8 @@ class BackgroundUploader:
     """Runs at most one job at a time off the training thread; errors go to `on_error`, never raised."""
 
     def __init__(self, on_error: Callable[[BaseException], None] | None = None) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-ckpt")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-ckpt",
+                                        initializer=_yield_cpu_to_training)
         self._pending: Future[Any] | None = None
         self._lock = threading.Lock()
         self._on_error = on_error
@@ -60,3 +62,19 @@ class BackgroundUploader:
         """Finish the upload in flight (a checkpoint half uploaded is worth nothing), then stop."""
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+BACKGROUND_NICE = 10
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this thread's CPU priority: when cores are short, the training step goes first.
+
+    On Linux a nice value belongs to a thread, so this leaves the training thread as it was. Elsewhere
+    (or if refused) the upload just runs at normal priority.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (AttributeError, OSError):
+        pass
