@@ -84,6 +84,32 @@ def _last(nodes: list[Node], event: str, agg=max) -> float | None:
     return agg(times)
 
 
+def _launch_and_time(ctx: Context, job: PetctlJob | TorchrunJob, n: int, out: dict[str, Any], *,
+                     timeout: float, up_event: str, server_requests: bool) -> list[Node] | None:
+    """Start `n` nodes of `job` and wait until every trivial worker ran, the same way for both systems.
+
+    Fills `out` with `rdzv_s` (from the last `up_event` to the last `rendezvous.complete`),
+    `launch_to_workers_s` and, with `server_requests`, the etcd server's requests per node; or with
+    `error`. Returns the nodes, or None when not every worker ran. The caller stops the job, even when
+    this raises.
+    """
+    before = etcd_counts(ctx.etcd.endpoint)
+    t0 = time.time()
+    nodes = [job.start() for _ in range(n)]
+    done = wait_for(lambda: _all_ran(nodes), timeout, 0.2)
+    after = etcd_counts(ctx.etcd.endpoint)
+    if not isinstance(done, float):
+        out["error"] = done or f"not every worker ran within {timeout:g} s"
+        return None
+    up = _last(nodes, up_event)
+    complete = _last(nodes, "rendezvous.complete")
+    out["rdzv_s"] = round(complete - up, 4) if up and complete else None
+    out["launch_to_workers_s"] = round(done - t0, 4)
+    if server_requests:
+        out["server_requests_per_node"] = _diff(before, after, n)
+    return nodes
+
+
 def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
     name = f"p5-{n}-{rep}-{int(time.time()) % 100000}"
     job = PetctlJob.create(ctx.dir("P5", "petctl", f"n{n}", f"rep{rep}"), ctx.etcd.endpoint, name,
@@ -91,21 +117,12 @@ def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
                            join_timeout=600.0)
     if hasattr(job.spec, "warm_workers"):
         job.spec.warm_workers = False  # a trivial worker needs no torch: don't preload it N times
-    before = etcd_counts(ctx.etcd.endpoint)
-    t0 = time.time()
-    nodes = [job.start() for _ in range(n)]
     out: dict[str, Any] = {"system": "petctl", "n": n, "rep": rep}
     try:
-        done = wait_for(lambda: _all_ran(nodes), 300, 0.2)
-        after = etcd_counts(ctx.etcd.endpoint)
-        if not isinstance(done, float):
-            out["error"] = done or "not every worker ran within 300 s"
+        nodes = _launch_and_time(ctx, job, n, out, timeout=300, up_event="agent.started",
+                                 server_requests=True)
+        if nodes is None:
             return out
-        up = _last(nodes, "agent.started")
-        complete = _last(nodes, "rendezvous.complete")
-        out["rdzv_s"] = round(complete - up, 4) if up and complete else None
-        out["launch_to_workers_s"] = round(done - t0, 4)
-        out["server_requests_per_node"] = _diff(before, after, n)
         for node in nodes:  # the job ends by itself (every worker exits 0)
             try:
                 node.proc.wait(timeout=60)
@@ -170,21 +187,9 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
     job = TorchrunJob.create(ctx.dir("P5", f"torchrun-{backend}", f"n{n}", f"rep{rep}"), backend, n, n, name,
                              etcd_port=ctx.etcd.client_port, script=TRIVIAL, max_restarts=0,
                              rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600")
-    before = etcd_counts(ctx.etcd.endpoint)
-    t0 = time.time()
-    nodes = [job.start() for _ in range(n)]
     try:
-        done = wait_for(lambda: _all_ran(nodes), 420, 0.2)
-        after = etcd_counts(ctx.etcd.endpoint)
-        if not isinstance(done, float):
-            out["error"] = done or "not every worker ran within 420 s"
-            return out
-        up = _last(nodes, "torchrun.rendezvous_start")
-        complete = _last(nodes, "rendezvous.complete")
-        out["rdzv_s"] = round(complete - up, 4) if up and complete else None
-        out["launch_to_workers_s"] = round(done - t0, 4)
-        if backend == "etcd-v2":
-            out["server_requests_per_node"] = _diff(before, after, n)
+        _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
+                         server_requests=backend == "etcd-v2")  # c10d keeps its store on a node, not etcd
         return out
     finally:
         job.stop()

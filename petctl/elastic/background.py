@@ -11,7 +11,10 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from petctl.elastic.dist import Comm
 
 
 class BackgroundUploader:
@@ -62,6 +65,36 @@ class BackgroundUploader:
         """Finish the upload in flight (a checkpoint half uploaded is worth nothing), then stop."""
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+_Owner = TypeVar("_Owner", bound="UploaderOwner")
+
+
+class UploaderOwner:
+    """`wait`, `close` and `with` for a checkpointer that owns a `BackgroundUploader` and a `Comm`.
+
+    Shared by `Checkpointer` and `ShardedCheckpointer`, so both end the same way: the upload in flight is
+    finished first (a checkpoint half uploaded is worth nothing), and only then are the background thread
+    and the gloo group (the one `Comm` created for checkpoint control traffic, if any) released.
+    """
+
+    _uploader: BackgroundUploader
+    comm: Comm
+
+    def wait(self) -> None:
+        """Block until the upload in flight (if any) is complete."""
+        self._uploader.wait()
+
+    def close(self) -> None:
+        """Finish the upload in flight and release the background thread and the gloo group."""
+        self._uploader.close()
+        self.comm.close()
+
+    def __enter__(self: _Owner) -> _Owner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 BACKGROUND_NICE = 10

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from petctl.elastic import manifest as mf
-from petctl.elastic.background import BackgroundUploader
+from petctl.elastic.background import BackgroundUploader, UploaderOwner
 from petctl.elastic.cache import LocalCache
 from petctl.elastic.dist import Comm
 from petctl.elastic.preemption import PreemptionMonitor
@@ -35,7 +35,7 @@ from petctl.eventlog import EventLog
 ENV_CHECKPOINT_URL = "PETCTL_CHECKPOINT_URL"
 
 
-class Checkpointer:
+class Checkpointer(UploaderOwner):
     """Saves and restores a `State` under one checkpoint URL (`s3://...` or `file://...`).
 
     url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
@@ -285,21 +285,6 @@ class Checkpointer:
         if ok:
             self.preemption.report_saved(step)
         self.log.emit("preempt.saved" if ok else "preempt.save_failed", step=step)
-
-    def wait(self) -> None:
-        """Block until the upload in flight (if any) is complete."""
-        self._uploader.wait()
-
-    def close(self) -> None:
-        """Finish the upload in flight and release the background thread and the gloo group."""
-        self._uploader.close()
-        self.comm.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _state_name(manifest: mf.Manifest) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from petctl.elastic import manifest as mf
-from petctl.elastic.background import BackgroundUploader
+from petctl.elastic.background import BackgroundUploader, UploaderOwner
 from petctl.elastic.cache import LocalCache
 from petctl.elastic.checkpointer import ENV_CHECKPOINT_URL
 from petctl.elastic.dist import Comm
@@ -67,7 +67,7 @@ class ShardedState:
         self.extra.update(state_dict.get("extra", {}))
 
 
-class ShardedCheckpointer:
+class ShardedCheckpointer(UploaderOwner):
     """Like `Checkpointer`, for state that every rank saves a part of. `app_state` is what `dcp.save`
     takes: a dict of tensors/DTensors or `Stateful` objects, e.g. `{"app": ShardedState(model, opt)}`.
 
@@ -269,16 +269,3 @@ class ShardedCheckpointer:
         for path in self.local_dir.glob("restore-*"):
             if path.name != f"restore-{keep_restore:012d}":
                 shutil.rmtree(path, ignore_errors=True)
-
-    def wait(self) -> None:
-        self._uploader.wait()
-
-    def close(self) -> None:
-        self._uploader.close()
-        self.comm.close()
-
-    def __enter__(self) -> ShardedCheckpointer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
