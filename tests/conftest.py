@@ -1,5 +1,5 @@
 """Shared fixtures: a private PETCTL_HOME per test, the CLI run as a user runs it, and cleanup that holds
-even when a test fails.
+even when a test fails; moto's S3 and the local IMDSv2 endpoint for the modules that need them.
 
 Every process the local provider starts (etcd, reconcilers, agents, workers) inherits PETCTL_HOME, so
 "the processes of this test" are exactly those whose environment names its home. Each test's fixture
@@ -15,14 +15,18 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from petctl.eventlog import parse_line
+
+if TYPE_CHECKING:
+    from petctl.providers.local.metadata_server import LocalMetadataServer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -188,3 +192,71 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     server = EtcdServer.start(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop(remove_data=True)
+
+
+@contextlib.contextmanager
+def serve_moto() -> Iterator[str]:
+    """moto as a real HTTP server on a free loopback port (boto3 and subprocesses talk to it like AWS);
+    yields its endpoint URL and stops it on the way out."""
+    from moto.server import ThreadedMotoServer
+
+    from petctl.etcd_server import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    """One moto server per module: tests keep apart by fresh bucket names, not by a fresh server."""
+    with serve_moto() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def moto_env(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The moto endpoint, with dummy credentials, a region and AWS_ENDPOINT_URL in the environment (so a
+    worker subprocess reaches moto too) and no AWS_PROFILE that could name a real account."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_endpoint
+
+
+@pytest.fixture
+def s3_url(moto_env: str) -> str:
+    """A checkpoint URL in a fresh bucket on moto."""
+    import boto3
+
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_env, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/jobs/demo/checkpoints"
+
+
+@pytest.fixture(params=["file", "s3"])
+def checkpoint_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The same test on both store backends: a directory (file://) and a bucket on moto's S3."""
+    if request.param == "file":
+        return (tmp_path / "ckpt").as_uri()
+    return request.getfixturevalue("s3_url")
+
+
+@pytest.fixture
+def metadata_server(tmp_path: Path) -> Iterator[LocalMetadataServer]:
+    """The local IMDSv2 endpoint on loopback, answering from notice files under tmp_path/notices."""
+    from petctl.providers.local.metadata_server import LocalMetadataServer
+
+    with LocalMetadataServer(tmp_path / "notices") as server:
+        yield server
+
+
+def write_notice(server: LocalMetadataServer, iid: str, kind: str, when: float) -> None:
+    """What the chaos command does: a spot or ASG notice for instance `iid`, the kill due at `when`."""
+    server.notices_dir.mkdir(parents=True, exist_ok=True)
+    (server.notices_dir / f"{iid}.json").write_text(json.dumps({"kind": kind, "time": when}))

@@ -4,10 +4,7 @@ and the preemption path. Every test runs against a directory (file://) and moto'
 from __future__ import annotations
 
 import io
-import socket
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,40 +17,12 @@ from petctl.elastic.store import CheckpointStore, ObjectInfo, open_store
 from petctl.eventlog import EventLog, parse_lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture(params=["file", "s3"])
-def url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+@pytest.fixture
+def url(checkpoint_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A checkpoint URL on each backend, with this test's own cache and no agent's control dir."""
     monkeypatch.setenv("PETCTL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("PETCTL_CONTROL_DIR", raising=False)
-    if request.param == "file":
-        return (tmp_path / "ckpt").as_uri()
-    endpoint = request.getfixturevalue("moto_endpoint")
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
-        monkeypatch.setenv(name, value)
-    import boto3
-
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/jobs/demo/checkpoints"
+    return checkpoint_url
 
 
 class Recorder:

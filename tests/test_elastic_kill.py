@@ -18,7 +18,6 @@ from petctl.elastic import Checkpointer, State
 from petctl.elastic import manifest as mf
 from petctl.elastic.store import S3Store
 from petctl.eventlog import parse_line
-from tests.test_elastic_store import moto_endpoint, s3_url  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +43,7 @@ for step in range(10_000):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [0.0, 0.37, 0.81])
-def test_sigkill_during_upload_leaves_newest_complete_checkpoint(s3_url: str, tmp_path: Path,  # noqa: F811
+def test_sigkill_during_upload_leaves_newest_complete_checkpoint(s3_url: str, tmp_path: Path,
                                                                  delay: float) -> None:
     script = tmp_path / "writer.py"
     script.write_text(WRITER)

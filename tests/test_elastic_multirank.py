@@ -3,35 +3,19 @@ preemption flag raised on one rank's node makes both ranks save and stop at the 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_elastic_store import moto_endpoint, s3_url  # noqa: F401 (fixtures)
+from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
-REPO = Path(__file__).resolve().parents[1]
-
-WORKER = r'''
-import datetime, json, os, sys
-from pathlib import Path
-import torch
-import torch.distributed as dist
-from petctl.agent import controlfiles
+WORKER = WORKER_PRELUDE + r'''
 from petctl.elastic import Checkpointer, State
 from petctl.elastic.store import open_store
 
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_elastic_checkpointer import CountingStore  # noqa: E402
 
-mode, out = sys.argv[1], Path(sys.argv[2])
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                        world_size=2, timeout=datetime.timedelta(seconds=60))
 torch.manual_seed(100 + rank)  # different on purpose: resume must make the ranks equal
 net = torch.nn.Linear(4, 2)
 # DDP would copy rank 0's parameters to rank 1 by itself, so the resume run leaves it out: there the
@@ -64,51 +48,17 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(tmp_path: Path, mode: str, url: str, tag: str) -> list[dict]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        control = tmp_path / f"control-{rank}"  # one node per rank: each has its own control dir
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
-               "PETCTL_CONTROL_DIR": str(control), "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}"),
-               "PYTHONPATH": str(REPO), "TEST_DIR": str(Path(__file__).parent), "EVERY": "4"}
-        out = tmp_path / f"{tag}-{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
-    results = []
-    try:
-        for proc, out in procs:
-            output, _ = proc.communicate(timeout=180)
-            assert proc.returncode == 0, output
-            results.append(json.loads(out.read_text()))
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
-
-
-@pytest.fixture(params=["file", "s3"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "file":
-        return (tmp_path / "ckpt").as_uri()
-    return request.getfixturevalue("s3_url")  # moto on loopback; AWS_* env reaches the workers
+    return run_worker_pair(tmp_path, WORKER, mode, url, tag=tag, timeout=180, rank_env=lambda rank: {
+        "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}"), "TEST_DIR": str(Path(__file__).parent),
+        "EVERY": "4"})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(tmp_path: Path,
-                                                                                url: str) -> None:
+def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(
+        tmp_path: Path, checkpoint_url: str) -> None:
+    url = checkpoint_url  # s3: moto on loopback; the AWS_* env its fixture sets reaches the workers
     r0, r1 = run_pair(tmp_path, "train", url, "train")
     assert r0["start"] == r1["start"] == 0
     assert r0["exited_at"] == r1["exited_at"] == 5  # flag only in rank 1's control dir

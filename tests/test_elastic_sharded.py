@@ -4,34 +4,19 @@ the resumed run continues at that step + 1 with the same weights, and a half-wri
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from petctl.elastic import manifest as mf
 from petctl.elastic.store import open_store
+from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
-REPO = Path(__file__).resolve().parents[1]
-
-WORKER = r'''
-import datetime, json, os, sys
-from pathlib import Path
-import torch
-import torch.distributed as dist
+WORKER = WORKER_PRELUDE + r'''
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from petctl.agent import controlfiles
 from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
 
-mode, out = sys.argv[1], Path(sys.argv[2])
-rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                        world_size=2, timeout=datetime.timedelta(seconds=60))
 torch.manual_seed(1 if mode == "train" else 2)  # the resumed run starts from other weights on purpose
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
 fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
@@ -61,37 +46,9 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
-               "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"),
-               "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}-{mode}"), "PYTHONPATH": str(REPO)}
-        out = tmp_path / f"{mode}-{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
-    results = []
-    try:
-        for proc, out in procs:
-            output, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, output
-            results.append(json.loads(out.read_text()))
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return run_worker_pair(tmp_path, WORKER, mode, url, tag=mode, timeout=240,
+                           rank_env=lambda rank: {"PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}-{mode}")})
 
 
 @pytest.mark.slow

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,43 +11,9 @@ from petctl.elastic import manifest as mf
 from petctl.elastic.store import CheckpointStore, FileStore, ObjectNotFound, S3Options, S3Store, open_store
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
 @pytest.fixture
-def s3_url(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_endpoint}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    import boto3
-
-    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/jobs/demo/checkpoints"
-
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
-    if request.param == "file":
-        return open_store((tmp_path / "ckpt").as_uri())
-    return open_store(request.getfixturevalue("s3_url"))
+def store(checkpoint_url: str) -> CheckpointStore:
+    return open_store(checkpoint_url)
 
 
 def test_open_store_picks_backend(tmp_path: Path, s3_url: str) -> None:

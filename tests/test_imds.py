@@ -4,32 +4,14 @@ token expiry and 401 recovery, and a metadata service that is down."""
 from __future__ import annotations
 
 import io
-import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from petctl.agent.imds import IMDSWatcher, Notice, parse_time
 from petctl.eventlog import EventLog, parse_lines
 from petctl.providers.local.metadata_server import LocalMetadataServer
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[LocalMetadataServer]:
-    srv = LocalMetadataServer(tmp_path / "notices")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def notify(server: LocalMetadataServer, iid: str, kind: str, when: float) -> None:
-    server.notices_dir.mkdir(parents=True, exist_ok=True)
-    (server.notices_dir / f"{iid}.json").write_text(json.dumps({"kind": kind, "time": when}))
+from tests.conftest import write_notice
 
 
 def events(stream: io.StringIO, name: str) -> list[dict]:
@@ -40,45 +22,45 @@ def test_parse_time() -> None:
     assert parse_time("1970-01-01T00:02:00Z") == 120.0
 
 
-def test_no_notice_is_none(server: LocalMetadataServer) -> None:
-    watcher = IMDSWatcher(server.endpoint_for("i-1"))
+def test_no_notice_is_none(metadata_server: LocalMetadataServer) -> None:
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"))
     assert watcher.poll() is None
     assert watcher.poll() is None
     assert watcher.token_fetches == 1  # the token is reused while valid
     assert watcher.instance_id() == "i-1"
 
 
-def test_spot_notice_deadline_is_the_announced_time(server: LocalMetadataServer) -> None:
-    watcher = IMDSWatcher(server.endpoint_for("i-1"))
+def test_spot_notice_deadline_is_the_announced_time(metadata_server: LocalMetadataServer) -> None:
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"))
     when = float(int(time.time()) + 90)  # EC2 announces whole seconds
-    notify(server, "i-1", "spot", when)
+    write_notice(metadata_server, "i-1", "spot", when)
     notice = watcher.poll()
     assert isinstance(notice, Notice)
     assert (notice.kind, notice.action, notice.deadline) == ("spot", "terminate", when)
     assert notice.raw["action"] == "terminate"
 
 
-def test_asg_terminated_is_a_notice(server: LocalMetadataServer) -> None:
-    watcher = IMDSWatcher(server.endpoint_for("i-1"), asg_grace=120.0, clock=lambda: 1000.0)
-    notify(server, "i-1", "asg", time.time() + 30)
+def test_asg_terminated_is_a_notice(metadata_server: LocalMetadataServer) -> None:
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"), asg_grace=120.0, clock=lambda: 1000.0)
+    write_notice(metadata_server, "i-1", "asg", time.time() + 30)
     notice = watcher.poll()
     assert notice is not None
     assert (notice.kind, notice.action, notice.deadline) == ("asg", "Terminated", 1120.0)
 
 
-def test_token_expiry_refetches(server: LocalMetadataServer) -> None:
-    watcher = IMDSWatcher(server.endpoint_for("i-1"), token_ttl=1)
+def test_token_expiry_refetches(metadata_server: LocalMetadataServer) -> None:
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"), token_ttl=1)
     assert watcher.poll() is None
     first = watcher._token
     time.sleep(1.1)
-    notify(server, "i-1", "spot", time.time() + 60)
+    write_notice(metadata_server, "i-1", "spot", time.time() + 60)
     assert watcher.poll() is not None
     assert watcher.token_fetches == 2 and watcher._token != first
 
 
-def test_401_refetches_token(server: LocalMetadataServer) -> None:
+def test_401_refetches_token(metadata_server: LocalMetadataServer) -> None:
     """A token the server no longer accepts (say, the service restarted) costs one retry, no error."""
-    watcher = IMDSWatcher(server.endpoint_for("i-1"))
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"))
     assert watcher.poll() is None
     watcher._token = "revoked"  # still 'valid' by our clock, refused by the server
     assert watcher.poll() is None
@@ -104,12 +86,12 @@ def test_recovers_when_service_comes_back(tmp_path: Path) -> None:
     watcher = IMDSWatcher(f"http://127.0.0.1:{port}/i-1", timeout=0.5, log=EventLog("agent", stream=stream))
     assert watcher.poll() is None
     with LocalMetadataServer(tmp_path, port=port) as again:
-        notify(again, "i-1", "spot", time.time() + 60)
+        write_notice(again, "i-1", "spot", time.time() + 60)
         assert watcher.poll() is not None
     assert len(events(stream, "imds.reachable")) == 1
 
 
-def test_background_watch_calls_back_once(server: LocalMetadataServer) -> None:
+def test_background_watch_calls_back_once(metadata_server: LocalMetadataServer) -> None:
     got: list[Notice] = []
     called = threading.Event()
 
@@ -117,12 +99,12 @@ def test_background_watch_calls_back_once(server: LocalMetadataServer) -> None:
         got.append(notice)
         called.set()
 
-    watcher = IMDSWatcher(server.endpoint_for("i-1"), interval=0.1)
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"), interval=0.1)
     watcher.start(callback)
     try:
         time.sleep(0.3)
         assert not got
-        notify(server, "i-1", "spot", time.time() + 60)
+        write_notice(metadata_server, "i-1", "spot", time.time() + 60)
         assert called.wait(5)
         time.sleep(0.3)
         assert len(got) == 1 and got[0].kind == "spot"
@@ -130,8 +112,8 @@ def test_background_watch_calls_back_once(server: LocalMetadataServer) -> None:
         watcher.stop()
 
 
-def test_stop_without_notice(server: LocalMetadataServer) -> None:
-    watcher = IMDSWatcher(server.endpoint_for("i-1"), interval=0.1)
+def test_stop_without_notice(metadata_server: LocalMetadataServer) -> None:
+    watcher = IMDSWatcher(metadata_server.endpoint_for("i-1"), interval=0.1)
     watcher.start(lambda n: None)
     time.sleep(0.2)
     watcher.stop()

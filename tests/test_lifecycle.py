@@ -4,12 +4,8 @@ while a slow checkpoint runs, and failures (moto answers HTTP 500) logged as one
 from __future__ import annotations
 
 import io
-import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from petctl.agent.lifecycle import LifecycleHeartbeat, complete_lifecycle_action, make_client
 from petctl.eventlog import EventLog, parse_lines
@@ -99,31 +95,10 @@ def test_heartbeat_failures_are_counted_not_raised() -> None:
     assert {e["event"] for e in events(stream)} == {"lifecycle.heartbeat_failed"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "testing")
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
-def test_real_boto3_error_from_moto_is_logged(moto_endpoint: str) -> None:
+def test_real_boto3_error_from_moto_is_logged(moto_env: str) -> None:
     """moto answers CompleteLifecycleAction with an error (HTTP 500): one line, no exception."""
     stream = io.StringIO()
-    client = make_client("us-east-1", endpoint_url=moto_endpoint)
+    client = make_client("us-east-1", endpoint_url=moto_env)
     ok = complete_lifecycle_action("asg", "hook", "i-1", "us-east-1", client=client,
                                    log=EventLog("agent", stream=stream))
     assert ok is False

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from petctl.config import PetctlConfig
-from petctl.etcd_server import free_port
 from tests.aws.moto_patches import patch_moto_stack_deletion
+from tests.conftest import serve_moto
 
 REGION = "us-east-1"
 
@@ -25,16 +25,11 @@ REGION = "us-east-1"
 @pytest.fixture(scope="session")
 def moto_url() -> Iterator[str]:
     """One moto server for the session (state is reset per test); stopped at the end."""
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
     patch_moto_stack_deletion()  # the server runs in this process, so the test-only patch applies to it
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request drowns the test output
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    with serve_moto() as url:
+        yield url
 
 
 @pytest.fixture

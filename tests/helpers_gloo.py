@@ -1,0 +1,64 @@
+"""Two real worker processes joined by gloo on loopback, for the multi-rank checkpoint tests.
+
+A worker script starts with `WORKER_PRELUDE` and `run_worker_pair` runs it as ranks 0 and 1: the two
+sides of one contract (argv is `mode out`, the rendezvous comes through RANK and MASTER_PORT), kept in one
+place so the tests cannot drift apart on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from petctl.etcd_server import free_port
+from tests.conftest import REPO
+
+# Leaves `mode`, `out` (where the worker writes its JSON result), `rank`, `controlfiles` and an initialised
+# 2-rank gloo group to the rest of the script.
+WORKER_PRELUDE = r'''
+import datetime, json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from petctl.agent import controlfiles
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+'''
+
+
+def run_worker_pair(tmp_path: Path, worker: str, mode: str, url: str, *, tag: str, timeout: float,
+                    rank_env: Callable[[int], dict[str, str]]) -> list[dict]:
+    """Run `worker` as ranks 0 and 1, each its own node (control dir tmp_path/control-<rank>), checkpointing
+    to `url`; `rank_env(rank)` adds to a rank's environment. Returns what the ranks wrote to
+    tmp_path/<tag>-<rank>.json, rank 0 first; a rank that fails fails the test with its output."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
+               "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"), "PYTHONPATH": str(REPO),
+               **rank_env(rank)}
+        out = tmp_path / f"{tag}-{rank}.json"
+        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+    results = []
+    try:
+        for proc, out in procs:
+            output, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, output
+            results.append(json.loads(out.read_text()))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
