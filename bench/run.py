@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenarios {unknown}; choose from {ALL}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     reps = 1 if args.quick else max(1, args.reps)
+    default_sizes = [8] if args.quick else [8, 32, 64]
     try:
-        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([8] if args.quick else [8, 32, 64])
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else default_sizes
     except ValueError:
         parser.error(f"--sizes takes comma-separated integers, not {args.sizes!r}")
     if any(n < 1 for n in sizes):
