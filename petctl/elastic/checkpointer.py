@@ -138,12 +138,8 @@ class Checkpointer(UploaderOwner):
     def _load_newest(self) -> tuple[int, Path, dict[str, Any], str] | None:
         """Newest manifest whose objects verify and load; corrupt ones are reported and skipped."""
         t0 = time.monotonic()
-        for step in mf.manifest_steps(self.store):
-            try:
-                manifest = mf.read_manifest(self.store, step)
-            except (ValueError, ObjectNotFound) as e:
-                self.log.emit("checkpoint.skipped_corrupt", step=step, reason=f"manifest: {e}", url=self.url)
-                continue
+        for manifest in mf.readable_manifests(self.store, self._report_corrupt):
+            step = manifest.step
             found = self._fetch(manifest)
             if found is None:
                 continue
@@ -162,6 +158,9 @@ class Checkpointer(UploaderOwner):
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
             return loaded_step, path / _state_name(manifest), snapshot, source
         return None
+
+    def _report_corrupt(self, step: int, reason: str) -> None:
+        self.log.emit("checkpoint.skipped_corrupt", step=step, reason=reason, url=self.url)
 
     def _fetch(self, manifest: mf.Manifest) -> tuple[Path, str] | None:
         """A local directory holding the manifest's verified objects: the cache, else a download."""

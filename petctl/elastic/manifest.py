@@ -18,11 +18,12 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.elastic.store import CheckpointStore
+from petctl.elastic.store import CheckpointStore, ObjectNotFound
 
 FORMAT = 1
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})\.json$")
@@ -132,6 +133,18 @@ def read_manifest(store: CheckpointStore, step: int) -> Manifest:
     if manifest.step != step:
         raise ValueError(f"manifest for step {step} names step {manifest.step}")
     return manifest
+
+
+def readable_manifests(store: CheckpointStore, on_corrupt: Callable[[int, str], None]) -> Iterator[Manifest]:
+    """Manifests newest first. One that is gone or does not parse goes to `on_corrupt(step, reason)` and
+    is skipped: a resume must fall back to an older checkpoint, never fail on a damaged newest one."""
+    for step in manifest_steps(store):
+        try:
+            manifest = read_manifest(store, step)
+        except (ValueError, ObjectNotFound) as e:
+            on_corrupt(step, f"manifest: {e}")
+            continue
+        yield manifest
 
 
 def prune(store: CheckpointStore, keep: int) -> list[int]:

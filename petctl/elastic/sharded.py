@@ -108,12 +108,9 @@ class ShardedCheckpointer(UploaderOwner):
     def _candidates(self) -> list[int]:
         """Rank 0: steps whose manifest parses and whose objects all exist with the right sizes."""
         out = []
-        for step in mf.manifest_steps(self.store):
-            try:
-                manifest = mf.read_manifest(self.store, step)
-            except (ValueError, ObjectNotFound) as e:
-                self.log.emit("checkpoint.skipped_corrupt", step=step, reason=f"manifest: {e}", url=self.url)
-                continue
+        for manifest in mf.readable_manifests(self.store, lambda step, reason: self.log.emit(
+                "checkpoint.skipped_corrupt", step=step, reason=reason, url=self.url)):
+            step = manifest.step
             sizes = {o.key: o.size for o in self.store.list(mf.data_prefix(step))}
             if manifest.meta.get("format") != DCP_FORMAT or any(
                     sizes.get(manifest.key_of(e)) != e.size for e in manifest.objects):
