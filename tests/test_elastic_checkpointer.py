@@ -13,6 +13,7 @@ import torch
 from petctl.agent import controlfiles
 from petctl.elastic import Checkpointer, State
 from petctl.elastic import manifest as mf
+from petctl.elastic.state import load_payload
 from petctl.elastic.store import CheckpointStore, ObjectInfo, open_store
 from petctl.eventlog import EventLog, parse_lines
 
@@ -139,6 +140,49 @@ def test_snapshot_is_taken_at_save_time(url: str) -> None:
         ckpt.resume(fresh)
     for k, v in fresh.model.state_dict().items():
         assert torch.equal(v, expected[k])
+
+
+def test_next_save_reuses_buffers_and_both_checkpoints_stay_right(url: str, tmp_path: Path) -> None:
+    state = make_state()
+    with Checkpointer(url, keep=5) as ckpt:
+        ckpt.save(0, state, block=True)
+        first = ckpt._staged
+        at_step0 = {k: v.clone() for k, v in state.model.state_dict().items()}
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.mul_(-2.0)
+        ckpt.save(1, state, block=True)
+        second = ckpt._staged
+        at_step1 = {k: v.clone() for k, v in state.model.state_dict().items()}
+    # The upload of step 0 was done: step 1 was copied into its buffers, not into fresh memory.
+    assert all(second["model"][k].data_ptr() == first["model"][k].data_ptr() for k in at_step0)
+    # ...and that did not touch what step 0 had written.
+    store = open_store(url)
+    for step, expected in ((0, at_step0), (1, at_step1)):
+        path = tmp_path / f"state-{step}.pt"
+        store.get_file(mf.data_prefix(step) + "state.pt", path)
+        _step, snap = load_payload(path)
+        assert _step == step
+        assert all(torch.equal(snap["model"][k], v) for k, v in expected.items())
+
+
+def test_a_save_during_an_upload_takes_fresh_buffers(url: str) -> None:
+    state = make_state()
+    release = threading.Event()
+    with Checkpointer(url) as ckpt:
+        ckpt.save(0, state, block=True)
+        first = ckpt._staged
+        ckpt._uploader.submit(lambda: release.wait(10))  # an upload still in flight
+        threading.Timer(0.3, release.set).start()
+        ckpt.save(1, state)
+        second = ckpt._staged
+    assert all(second["model"][k].data_ptr() != first["model"][k].data_ptr() for k in first["model"])
+
+
+def test_reuse_buffers_off_keeps_no_copy(url: str) -> None:
+    with Checkpointer(url, reuse_buffers=False) as ckpt:
+        ckpt.save(0, make_state(), block=True)
+        assert ckpt._staged is None
 
 
 def test_data_without_manifest_resumes_previous(url: str, tmp_path: Path) -> None:

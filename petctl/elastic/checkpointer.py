@@ -48,13 +48,16 @@ class Checkpointer(UploaderOwner):
     cache_dir: node-local cache root (default `$PETCTL_CACHE_DIR` or <tmp>/petctl-cache); use_cache=False
         to always read the store.
     weights_only: passed to torch.load; set False only if `extra` holds arbitrary Python objects.
+    reuse_buffers: keep the last CPU snapshot between saves and copy the next one into it. Costs one
+        state's worth of host memory; saves the training thread the page faults of a fresh copy (a
+        100 MB snapshot: about 11 ms instead of 68 ms here). False frees the copy after each upload.
     store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
     """
 
     def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
                  check_every: int = 1,
                  background: bool = True, cache_dir: Path | str | None = None, use_cache: bool = True,
-                 weights_only: bool = True, s3: S3Options | None = None,
+                 weights_only: bool = True, reuse_buffers: bool = True, s3: S3Options | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
                  log: EventLog | None = None) -> None:
         url = url or (store.url if store is not None else os.environ.get(ENV_CHECKPOINT_URL, ""))
@@ -69,6 +72,8 @@ class Checkpointer(UploaderOwner):
         self._last_save_at = time.monotonic()
         self.background = background
         self.weights_only = weights_only
+        self.reuse_buffers = reuse_buffers
+        self._staged: dict[str, Any] | None = None  # the last snapshot: its tensors are reused
         self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
         self.log = log or EventLog("elastic", rank=self.comm.rank, node_id=os.environ.get("PETCTL_NODE_ID"))
         monitor_args: dict[str, Any] = {"comm": self.comm, "check_every": check_every}
@@ -228,7 +233,11 @@ class Checkpointer(UploaderOwner):
             done = self._uploader.wait()
             if done is not None and done.step == step:
                 return done  # else that attempt failed: save again below
-        snapshot = state.snapshot()
+        # The previous snapshot's buffers are free once its upload is done: copy into them rather than
+        # fault in fresh memory on the training thread. Still uploading: a fresh copy, never wait here.
+        reuse = self._staged if self.reuse_buffers and not self._uploader.busy else None
+        snapshot = state.snapshot(reuse=reuse)
+        self._staged = snapshot if self.reuse_buffers else None
         self._submitted_step = step
         self._last_save_at = time.monotonic()
         self._uploader.submit(lambda: self._write(step, snapshot))
