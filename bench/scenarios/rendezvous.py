@@ -100,6 +100,7 @@ def _launch_and_time(ctx: Context, job: PetctlJob | TorchrunJob, n: int, out: di
     after = etcd_counts(ctx.etcd.endpoint)
     if not isinstance(done, float):
         out["error"] = done or f"not every worker ran within {timeout:g} s"
+        out["timed_out"] = done is None
         return None
     up = _last(nodes, up_event)
     complete = _last(nodes, "rendezvous.complete")
@@ -212,7 +213,7 @@ def run(ctx: Context) -> dict[str, Any]:
                 runs.append(r)
                 if r.get("skipped"):
                     break
-                if r.get("error") and "within" in r["error"] and rep + 1 < ctx.reps:
+                if r.get("timed_out") and rep + 1 < ctx.reps:
                     # A size that did not form once will not form in the next rep either: don't spend
                     # another timeout on it (the error stays in the table's note).
                     ctx.log(f"P5 {system} N={n}: remaining reps skipped after a timeout")
