@@ -50,7 +50,7 @@ class Checkpointer(UploaderOwner):
     weights_only: passed to torch.load; set False only if `extra` holds arbitrary Python objects.
     reuse_buffers: keep the last CPU snapshot between saves and copy the next one into it. Costs one
         state's worth of host memory; saves the training thread the page faults of a fresh copy (a
-        100 MB snapshot: about 11 ms instead of 68 ms here). False frees the copy after each upload.
+        copy measured here: about 11 ms per 100 MB instead of 68 ms). False frees the copy after each upload.
     store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
     """
 
