@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.agent_harness import AgentCluster, dump, make_spec, wait_for
+from tests.agent_harness import WORKLOADS, AgentCluster, dump, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -188,7 +188,8 @@ def test_restart_hands_the_round_to_warm_workers(cluster_factory):
     assert started[0]["warm"] == 1
     # Each node joined only once its first warm worker had finished importing (torch, torch._dynamo).
     for node in (keeper, leaver):
-        (ready,) = node.events("workers.warm_ready")
+        # The start-up report (a refill's report carries its round and may come later or not at all).
+        (ready,) = [e for e in node.events("workers.warm_ready") if e.get("round") is None]
         assert ready["count"] == 1
         assert ready["ts"] < node.events("rendezvous.joined")[0]["ts"]
     first_round = [e for e in keeper.events("workers.started") if e["round"] == 1]
@@ -221,3 +222,24 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     assert mirrored == names
     assert json.loads((mirror / "status" / f"{node.node_id}.json").read_text())["state"] == "succeeded"
     assert '"event": "train.step"' in (mirror / "logs" / f"{node.node_id}.log").read_text()
+
+
+def test_entrypoint_without_py_suffix_is_warm_and_reports_readiness_once_per_fill(cluster_factory, tmp_path):
+    """`--entrypoint train`: the pool used to stay empty (only `*.py` counted), and the agent then started a
+    readiness reporter on every 0.1 s loop pass: ~10 `workers.warm_ready` events a second, into the node
+    log, etcd and the mirror. Now it is warm like any script, and each fill reports once."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train").write_text((WORKLOADS / "steps.py").read_text())
+    cluster = cluster_factory(min_size=1, max_size=1, env={"STEPS": "40", "STEP_TIME": "0.05"})
+    cluster.spec.entrypoint = "train"
+    cluster.spec.code_url = f"file://{code}"
+    node = cluster.start()
+    assert node.proc.wait(timeout=90) == 0
+    assert [s["step"] for s in node.events("train.step")] == list(range(40))
+    (started,) = node.events("workers.started")
+    assert (started["warm"], started["warm_ready"]) == (1, 1)
+    ready = node.events("workers.warm_ready")
+    # One at start, at most one for the refill after the first step: never one per loop pass.
+    assert 1 <= len(ready) <= 2, ready
+    assert ready[0]["count"] == 1

@@ -243,10 +243,12 @@ class Agent:
             if now - last_publish > PUBLISH_EVERY:
                 last_publish = now
                 self._publish()
-            if (self.pool is not None and not self.pool.ready
+            if (self.pool is not None and not self.pool.full
                     and (self.progress.get("round_step_seen") or now - last_snapshot_start > 10.0)):
-                self.pool.fill()  # after the first step: off the restart's critical path
-                threading.Thread(target=self._report_warm, args=(info.round,), daemon=True).start()
+                # After the first step: off the restart's critical path. One report per refill, never
+                # one per loop pass (a pool that cannot fill starts nothing and reports nothing).
+                if self.pool.fill():
+                    threading.Thread(target=self._report_warm, args=(info.round,), daemon=True).start()
 
     def _report_warm(self, round_no: int) -> None:
         """One line when the refilled pool is ready: from then on a restart skips every import."""

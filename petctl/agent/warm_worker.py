@@ -16,19 +16,32 @@ import os
 import runpy
 import sys
 
-READY_LINE = "petctl-warm-worker-ready"
+READY = b"petctl-warm-worker-ready\n"
+
+
+def signal_ready(fd: int) -> None:
+    """Say "imports done" on the agent's own pipe, then close it.
+
+    A channel of its own, not stdout: anything may print before this point (torch's NumPy warning, a
+    sitecustomize, a `--warm-import` module), and none of it can be taken for, or hide, the signal.
+    """
+    try:
+        os.write(fd, READY)
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
     preload = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
+    ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
     for name in preload:
         try:
             importlib.import_module(name)
         except ImportError:
             pass  # the script will import (and fail on) what it really needs
     # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
-    sys.stdout.write(READY_LINE + "\n")
-    sys.stdout.flush()
+    if ready_fd >= 0:
+        signal_ready(ready_fd)
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent discarded us unused
