@@ -40,6 +40,7 @@ class Demo:
     started: float = field(default_factory=time.monotonic)
     worlds: list[int] = field(default_factory=list)  # world sizes seen, in order, without repeats
     rounds: set[int] = field(default_factory=set)
+    first_step_s: float = 0.0  # launch -> first training step
 
     @property
     def env(self) -> dict[str, str]:
@@ -92,6 +93,14 @@ class Demo:
         return sorted(out, key=lambda r: r.get("ts", 0))
 
 
+def first_step_after(events: list[dict[str, Any]], launched: float) -> float:
+    """Seconds from `run_job` to the job's first training step (the earliest `train.step` of any rank)."""
+    steps = [e["ts"] for e in events if e["event"] == "train.step" and e.get("ts", 0) >= launched]
+    if not steps:
+        raise SystemExit("demo failed: the job trained, but its log has no train.step event")
+    return min(steps) - launched
+
+
 def step_of(status: dict[str, Any]) -> int:
     steps = [n.get("step") or 0 for n in status["nodes"].values()]
     return max(steps, default=0)
@@ -112,10 +121,14 @@ def rank_node(status: dict[str, Any], rank: int) -> str:
 def run(demo: Demo) -> list[str]:
     """The scenario; returns what went wrong (empty when the job behaved)."""
     demo.petctl("setup")
+    launched = time.time()
     demo.petctl("run_job", "--name", JOB, "--min", "1", "--max", "3", "--size", "2", "--wait",
                 str(HERE / "train_ddp.py"), "--", "--steps", str(STEPS), "--ckpt-every", "10",
                 "--step-time", "0.05")
     status = demo.wait("2 nodes training", world(2, min_step=10))
+    demo.first_step_s = first_step_after(demo.events(), launched)
+    demo.say(f"launch -> first training step: {demo.first_step_s:.1f}s "
+             "(instances start, workers import torch, rendezvous, first step)")
 
     demo.say("taking rank 1 away without warning (SIGKILL of its process group)")
     demo.petctl("chaos", JOB, "--node", rank_node(status, 1), "--kill")
@@ -152,6 +165,7 @@ def run(demo: Demo) -> list[str]:
     print(f"  resumed from      steps {', '.join(map(str, resumed)) or '-'} (checkpoints every 10 steps)")
     print(f"  finished          step {done[-1]['step'] if done else '-'} at world size "
           f"{done[-1]['world_size'] if done else '-'}")
+    print(f"  launch -> step 0  {demo.first_step_s:.1f}s")
     print(f"  took              {time.monotonic() - demo.started:.0f}s\n", flush=True)
 
     problems = []

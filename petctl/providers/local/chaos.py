@@ -37,23 +37,45 @@ def host_info(row: dict[str, Any]) -> HostInfo:
 
 
 def pick(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str) -> HostInfo:
-    """The named live instance, or by default the highest-ranked one (frozen ones for `unfreeze`)."""
+    """The instance `take_away` acts on (see `choose_target`), read from the job's directory."""
     hosts = [host_info(row) for row in job.read_instances()]
+    noticed = {h.host_id: n for h in hosts if (n := job.read_notice(h.host_id)) is not None}
+    return choose_target(job.name, hosts, ranks, noticed, host_id, mode)
+
+
+def choose_target(job: str, hosts: list[HostInfo], ranks: dict[str, int], noticed: dict[str, dict[str, Any]],
+                  host_id: str | None, mode: str) -> HostInfo:
+    """The named instance, or by default the highest-ranked live one in the current round.
+
+    An instance with a pending notice is already leaving: the default never picks it (a second notice
+    would take no capacity away and would move its reclaim time), and a notice to it by name is an error.
+    Instances outside the round (a replacement still warming up, a node that left) are the default only
+    when no round has formed at all. `unfreeze` picks among frozen instances.
+
+    Raises PetctlError when the named instance does not exist or cannot take `mode`, or when no instance
+    can.
+    """
     wanted = ("frozen",) if mode == "unfreeze" else ("running", "frozen") if mode == "kill" else ("running",)
     if host_id is not None:
         for h in hosts:
             if h.host_id == host_id:
                 if h.state not in wanted:
-                    raise PetctlError(f"instance {host_id} of job {job.name!r} is {h.state}: "
-                                      f"cannot {mode} it")
+                    raise PetctlError(f"instance {host_id} of job {job!r} is {h.state}: cannot {mode} it")
+                if mode == "notice" and host_id in noticed:
+                    when = noticed[host_id].get("time")
+                    at = time.strftime("%H:%M:%S", time.localtime(float(when))) if when else "soon"
+                    raise PetctlError(f"instance {host_id} of job {job!r} already has a notice "
+                                      f"(reclaimed at {at}): it is leaving")
                 return h
-        raise PetctlError(f"no instance {host_id!r} in job {job.name!r} (see `petctl hosts {job.name}`)")
-    candidates = [h for h in hosts if h.state in wanted]
-    if not candidates:
-        raise PetctlError(f"job {job.name!r} has no {'/'.join(wanted)} instance to {mode}")
-    # Highest rank first; instances not (yet) in the round count as the highest of all, newest first.
-    return max(candidates,
-               key=lambda h: (h.host_id not in ranks, ranks.get(h.host_id, 0), h.launched_at or 0))
+        raise PetctlError(f"no instance {host_id!r} in job {job!r} (see `petctl hosts {job}`)")
+    candidates = [h for h in hosts if h.state in wanted and (mode == "unfreeze" or h.host_id not in noticed)]
+    ranked = [h for h in candidates if h.host_id in ranks]
+    if ranked:
+        return max(ranked, key=lambda h: ranks[h.host_id])
+    if candidates and (not ranks or mode == "unfreeze"):  # no round yet, or a frozen host it dropped
+        return max(candidates, key=lambda h: h.launched_at or 0)
+    raise PetctlError(f"job {job!r} has no {'/'.join(wanted)} instance in its current round to {mode}"
+                      + (" (the others have a pending notice)" if noticed else ""))
 
 
 def take_away(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str, grace: float = 0.0) -> str:
