@@ -51,13 +51,41 @@ class Accounting:
     nodes: int = 0
 
     @property
+    def steps_reported(self) -> bool:
+        """Whether any round reported a training step: without one, kept and lost work are unknown."""
+        return any(r.first_step is not None for r in self.rounds)
+
+    @property
     def goodput(self) -> float | None:
-        return self.kept_node_seconds / self.instance_seconds if self.instance_seconds > 0 else None
+        """Kept node-time over instance node-time; None when it cannot be known (see `goodput_note`).
+
+        A script that prints no `train.step` lines (any plain torchrun script) would otherwise read as
+        0 %: a false figure, worse than none.
+        """
+        if not self.steps_reported or self.instance_seconds <= 0:
+            return None
+        return self.kept_node_seconds / self.instance_seconds
+
+    @property
+    def goodput_note(self) -> str:
+        """Why goodput is n/a, in a few words (empty when it is known)."""
+        if self.instance_seconds <= 0:
+            return "no node has started yet"
+        if not self.steps_reported:
+            return NO_STEPS
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["goodput"] = self.goodput
+        d["goodput_note"] = self.goodput_note
+        d["steps_reported"] = self.steps_reported
         return d
+
+
+# Shown wherever goodput or lost steps would be: where the step numbers come from, and how to get them.
+NO_STEPS = ("the script reports no training steps (print train.step lines, see README's progress "
+            "events)")
 
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:

@@ -24,7 +24,8 @@ def summarize(provider, name: str, running: bool) -> dict[str, Any]:
         cost, error = None, f"{type(e).__name__}: {e}"
     else:
         error = ""
-    return {"goodput": acc.goodput, "steps_kept": acc.steps_kept, "steps_lost": acc.steps_lost,
+    return {"goodput": acc.goodput, "goodput_note": acc.goodput_note, "steps_reported": acc.steps_reported,
+            "steps_kept": acc.steps_kept, "steps_lost": acc.steps_lost,
             "restarts": acc.restarts, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
             "instance_hours": acc.instance_seconds / 3600.0,
@@ -33,8 +34,11 @@ def summarize(provider, name: str, running: bool) -> dict[str, Any]:
 
 def one_line(summary: dict[str, Any]) -> str:
     goodput = summary["goodput"]
-    parts = [f"goodput {goodput:.0%}" if goodput is not None else "goodput n/a",
-             f"{summary['steps_lost']} steps lost", f"{summary['restarts']} restarts",
+    note = summary.get("goodput_note") or ""
+    parts = [f"goodput {goodput:.0%}" if goodput is not None else
+             f"goodput n/a ({note})" if note else "goodput n/a",
+             f"{summary['steps_lost']} steps lost" if summary.get("steps_reported", True) else
+             "steps lost n/a", f"{summary['restarts']} restarts",
              f"{summary['reform_seconds']:.1f}s re-forming",
              f"{summary['instance_hours']:.2f} instance-hours"]
     parts.append(cost_text(summary.get("cost")))

@@ -58,7 +58,8 @@ def render_timeline(job: str, events: list[dict[str, Any]], acc: Accounting, out
     ax_step.set_xlabel("seconds since the job started")
     ax_step.set_ylabel("training step")
     goodput = f"{acc.goodput:.0%}" if acc.goodput is not None else "n/a"
-    fig.suptitle(f"{job}: goodput {goodput}, {acc.steps_lost} steps lost, {acc.restarts} restarts, "
+    lost = f"{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
+    fig.suptitle(f"{job}: goodput {goodput}, {lost}, {acc.restarts} restarts, "
                  f"{acc.reform_seconds:.1f}s re-forming")
     handles, labels = ax_step.get_legend_handles_labels()
     if handles:

@@ -65,3 +65,24 @@ def test_rounds_that_never_trained_fall_inside_the_reform_gap():
                summary(30, "a", 3, 0, 1, 8, 20, 14.0, 26.0)]
     acc = account(events)
     assert acc.reform_seconds == 14.0 - 11.0 and acc.steps_lost == 3
+
+
+def test_a_script_that_reports_no_steps_has_no_goodput_rather_than_zero():
+    """A plain torchrun script prints no train.step lines: its rounds have no step span. It trained all
+    along, so "goodput 0%" would be false: goodput is n/a, and the summary line says why."""
+    from petctl.jobsummary import one_line
+
+    def stepless(node: str, rank: int) -> dict:
+        return ev(50, "round.summary", node, round=1, rank=rank, world_size=2, started=1.0, ended=50,
+                  first_step=None, last_step=None, first_step_ts=None, last_step_ts=None)
+
+    events = [ev(0, "agent.started", "a"), ev(0, "agent.started", "b"), stepless("a", 0), stepless("b", 1)]
+    acc = account(events, now=60.0)
+    assert acc.instance_seconds == 120.0 and not acc.steps_reported
+    assert acc.goodput is None
+    assert "no training steps" in acc.goodput_note
+    line = one_line({**acc.to_dict(), "instance_hours": acc.instance_seconds / 3600, "cost": None})
+    assert line.startswith("goodput n/a (the script reports no training steps")
+    assert "steps lost n/a" in line and "0 steps lost" not in line
+    # As soon as any round reports a step, goodput is a number again.
+    assert account(timeline()).goodput is not None and account(timeline()).goodput_note == ""

@@ -73,10 +73,10 @@ def report_cmd(name: str, png: Path | None, output: str) -> None:
     if output == "json":
         print_json({**data, "rounds": [r.__dict__ for r in acc.rounds]})
         return
-    goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else "n/a"
+    goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else f"n/a ({acc.goodput_note})"
     table(f"report for {name}: {info.state}", ["measure", "value"], [
         ("goodput (kept node-time / instance node-time)", goodput),
-        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}"),
+        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}" if acc.steps_reported else "n/a"),
         ("restarts (worker failures)", f"{acc.restarts} ({acc.failure_restarts})"),
         ("preemption notices", acc.preemption_notices),
         ("time re-forming", f"{acc.reform_seconds:.1f}s"),

@@ -52,9 +52,12 @@ def status(name: str, output: str) -> None:
         click.echo("no live nodes" if data["state"] not in ("succeeded", "failed", "killed")
                    else "the job is over; its node logs: `petctl logs " + name + "`")
         return
+    # A script that reports no steps: "n/a" (the one-line summary above says why), not a bare "-".
+    no_step = None if data["accounting"].get("steps_reported", True) else "n/a"
     table(None, ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"],
           [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
-            n.get("state"), n.get("step"), checkpoint_step(n.get("last_checkpoint"))] for n in nodes])
+            n.get("state"), n.get("step", no_step) if n.get("step") is not None else no_step,
+            checkpoint_step(n.get("last_checkpoint"))] for n in nodes])
 
 
 def checkpoint_step(value: Any) -> Any:
