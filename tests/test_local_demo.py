@@ -24,5 +24,9 @@ def test_demo_passes(tmp_path: Path):
     worlds = next(line for line in out.splitlines() if "world sizes seen" in line).split()[3:]
     assert worlds[0] == "2" and worlds[-1] == "3" and "1" in worlds  # shrank, grew back, scaled up
     assert "final state       succeeded" in out
+    # The launch -> first step time is printed (how fast is in bench/, not here): a positive number of
+    # seconds, measured from the run_job command to the first train.step event.
+    launch = next(line for line in out.splitlines() if "launch -> step 0" in line).split()[-1]
+    assert launch.endswith("s") and float(launch[:-1]) > 0
     assert processes_with_home(str(home)) == []  # the demo tore everything down
     assert not (home / "local").exists()
