@@ -108,7 +108,7 @@ def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_pa
     tags = {t["Key"]: t["Value"] for t in g["Tags"]}
     assert tags["petctl:job"] == "demo" and tags["petctl:stack"] == stack_name
     assert len([i for i in g["Instances"] if i["LifecycleState"] == "InService"]) == 3
-    assert set(g["VPCZoneIdentifier"].split(",")) == set(ready.settings["outputs"]["SubnetIds"].split(","))
+    assert g["VPCZoneIdentifier"] == ready.settings["outputs"]["SubnetIds"].split(",")[0]  # one AZ per job
     assert "instances in service: 3/3" in ready.lines
     hosts = ready.hosts("demo")
     assert len(hosts) == 3 and {h.state for h in hosts} == {"running"}
@@ -119,7 +119,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     ready.create_job(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src"))
     bucket = ready.settings["outputs"]["BucketName"]
     assert keys(moto, bucket, "jobs/demo/") == ["jobs/demo/agent.json", "jobs/demo/code/train.py",
-                                                "jobs/demo/job.json"]
+                                                "jobs/demo/job.json", "jobs/demo/placement.json"]
     agent = json.loads(boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/agent.json")["Body"].read())
     job = agent["job"]
     assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"

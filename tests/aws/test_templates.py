@@ -90,7 +90,7 @@ def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
     t = job(templates, variant)
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "4", "2")
-    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")  # spread over every AZ's subnet
+    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")[:1]  # one AZ per job (all-reduce)
     assert group["AutoScalingGroupName"] == f"petctl-job-{variant}"
     (hook,) = group["LifecycleHookSpecificationList"]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
@@ -247,3 +247,12 @@ def test_user_data_is_base64_encodable_and_small(templates):
     for variant in rendered.JOB_VARIANTS:
         script = one(job(templates, variant), "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]
         assert len(base64.b64encode(script["Fn::Base64"].encode())) < 16 * 1024  # EC2's user data limit
+
+
+def test_multi_az_job_group_spans_every_subnet(tmp_path):
+    spec = rendered.job_spec("spot-single")
+    spec.multi_az = True
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
+    group = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")
+    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")

@@ -15,21 +15,24 @@ from typing import Any
 
 from petctl.config import PetctlConfig
 from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
-from petctl.providers.aws import inventory
+from petctl.providers.aws import capacity, inventory
 from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
+from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
 from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
 from petctl.providers.aws.storage import JobStore, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
-from petctl.spec import AgentConfig, JobSpec
+from petctl.spec import AgentConfig, JobSpec, Timeouts
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 LIFECYCLE_HOOK = "petctl-drain"
+AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
+AWS_HEARTBEAT_TTL = 10.0
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
@@ -46,6 +49,13 @@ class AwsProvider(Provider):
         self.wait_timeout = 1200.0  # how long run_job waits for instances to be in service
         self.progress = stderr_progress
         self._cached: tuple[tuple[str, str, str], AwsSession] | None = None
+
+    def default_timeouts(self) -> Timeouts:
+        """Heartbeats for an etcd on a burstable t3 host reached over the VPC: a TTL of 3 s (a LAN value)
+        drops healthy nodes on one slow etcd write or a CPU-credit stall. 2 s refreshes and a 10 s TTL
+        tolerate four missed refreshes and still drop a frozen host in seconds, far below NCCL's
+        collective timeout."""
+        return Timeouts(heartbeat_interval=AWS_HEARTBEAT_INTERVAL, heartbeat_ttl=AWS_HEARTBEAT_TTL)
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _session(self, settings: dict[str, Any] | None = None) -> AwsSession:
@@ -177,12 +187,14 @@ class AwsProvider(Provider):
         spec.entrypoint = spec.entrypoint or default_entry
         spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
         spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
+        placement = self._plan_placement(session, spec)
         agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                             asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                             status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
         store.put_json("job.json", spec.to_dict())
         store.put_json("agent.json", _json(agent.to_json()))
-        body = self.render_job_template(spec, agent, store.url("agent.json"))
+        store.put_json("placement.json", _json(placement.to_json()))
+        body = self.render_job_template(spec, agent, store.url("agent.json"), placement.subnet_ids)
         try:
             tags = {"petctl:stack": self._base, "petctl:kind": "job", "petctl:job": spec.name}
             stacks.create(stack, body, tags, f"job {spec.name}")
@@ -190,12 +202,62 @@ class AwsProvider(Provider):
             if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
                 stacks.delete(stack, f"failed job {spec.name}")  # free the name for a corrected retry
             raise
+        capacity.suspend_processes(session.client("autoscaling"), stack)
         inventory.wait_in_service(session.client("autoscaling"), stack, spec.size, self.wait_timeout,
-                                  self.poll_interval, self.progress)
+                                  self.poll_interval, self.progress,
+                                  on_short=lambda in_service: self.fallback_az(spec.name, in_service))
         return self.job(spec.name)
 
-    def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str) -> str:
-        """The job stack's template (public so tests can read exactly what would be deployed)."""
+    def _plan_placement(self, session: AwsSession, spec: JobSpec) -> Placement:
+        """Rank the base stack's AZs by where the job's instance types are offered (no AWS change)."""
+        out = self.settings["outputs"]
+        azs, subnet_ids = out.get("AvailabilityZones", "").split(","), out["SubnetIds"].split(",")
+        if len(azs) != len(subnet_ids):
+            raise NotSetUp("the base stack's outputs do not name each subnet's AZ: rerun `petctl setup`")
+        subnets = dict(zip(azs, subnet_ids, strict=True))
+        offered = capacity.offerings(session.client("ec2"), spec.instance_types)
+        placement = plan_placement(offered, subnets, spec.instance_types, multi_az=spec.multi_az)
+        if spec.multi_az:
+            self.progress(f"WARNING: {MULTI_AZ_WARNING}")
+        else:
+            self.progress(f"job {spec.name} placed in {placement.az} (fallback order: "
+                          f"{', '.join(placement.azs[1:]) or 'none'})")
+        return placement
+
+    def fallback_az(self, name: str, in_service: int | None = None) -> str | None:
+        """Move the job's group to its next AZ if its newest launch failed for lack of capacity there.
+
+        Returns the new AZ, or None when it stays. The move is recorded in `placement.json` (so the next
+        fallback skips the AZs already tried) before the group is changed. The job stack's template keeps
+        naming the first subnet: the group drifts from it on purpose (job stacks are never updated)."""
+        session = self._session()
+        store = self._store(session, name)
+        record = store.get_json("placement.json")
+        if not isinstance(record, dict):
+            return None  # a job created before placement was recorded: leave it where it is
+        placement = Placement.from_dict(record)
+        autoscaling = session.client("autoscaling")
+        group_name = self._job_stack(name)
+        g = inventory.group(autoscaling, group_name, name)
+        if in_service is None:
+            in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
+        decision = decide_fallback(placement, capacity.activities(autoscaling, group_name), in_service,
+                                   int(g["DesiredCapacity"]))
+        if not decision.move:
+            return None
+        placement.current += 1
+        placement.moves.append(f"{time.time():.0f} {decision.reason} -> {decision.az}")
+        store.put_json("placement.json", _json(placement.to_json()))
+        capacity.move_group(autoscaling, group_name, placement.subnet_ids)
+        self.progress(f"no capacity in {decision.reason}; moved job {name} to {decision.az}")
+        return decision.az
+
+    def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str,
+                            subnet_ids: list[str] | None = None) -> str:
+        """The job stack's template (public so tests can read exactly what would be deployed).
+
+        `subnet_ids`: where the group launches (create_job passes its placement's); by default the
+        first subnet, or every subnet for a --multi-az job."""
         settings = self._ready()
         out = settings["outputs"]
         types = spec.instance_types
@@ -203,8 +265,10 @@ class AwsProvider(Provider):
         mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
         user_data = worker_user_data(agent, image=settings["image"], log_group=out["LogGroupName"],
                                      config_url=config_url, gpus=is_gpu(types[0]))
-        base = {"stack_name": self._base, "bucket": out["BucketName"],
-                "subnet_ids": out["SubnetIds"].split(","),
+        all_subnets = out["SubnetIds"].split(",")
+        if subnet_ids is None:
+            subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
+        base = {"stack_name": self._base, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
                 "worker_security_group": out["WorkerSecurityGroupId"],
                 "worker_policy_arn": out["WorkerPolicyArn"]}
         return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
