@@ -35,7 +35,7 @@ def base_template() -> str:
     plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"])
     return render_base(stack_name=STACK, plan=plan, etcd_ami="ami-0123456789abcdef0",
                        etcd_instance_type="t3.small", etcd_user_data=etcd_user_data(STACK, plan.etcd_ip),
-                       repository_name=f"{STACK}-worker", noncurrent_days=7, log_retention_days=14)
+                       repository_name=f"{STACK}-worker", noncurrent_days=1, log_retention_days=14)
 
 
 def provider(home: Path) -> AwsProvider:

@@ -31,6 +31,7 @@ STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 LIFECYCLE_HOOK = "petctl-drain"
+NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
 AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
 AWS_HEARTBEAT_TTL = 10.0
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
@@ -116,7 +117,8 @@ class AwsProvider(Provider):
         body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
                            etcd_instance_type=merged["etcd_instance_type"],
                            etcd_user_data=etcd_user_data(stack, plan.etcd_ip),
-                           repository_name=f"{stack}-worker", noncurrent_days=7, log_retention_days=14)
+                           repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
+                           log_retention_days=14)
         stacks = self._stacks(session)
         settings = self.settings
         # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
@@ -416,17 +418,24 @@ class AwsProvider(Provider):
         if node and node not in available:
             raise ProviderError(f"no log for node {node!r} in job {name!r} yet (see `petctl hosts {name}`)")
         nodes = [node] if node else available
-        offsets: dict[str, int] = {}
+        seen: dict[str, set] = {}  # node -> chunks already shown (each is fetched once, even with -f)
+        partial: dict[str, str] = {}  # node -> the unterminated tail of its last chunk
         while True:
+            chunks = store.chunks("logs")
             for n in nodes:
-                lines = list(store.log_lines(n))
-                for line in lines[offsets.get(n, 0):]:
+                new = [k for k in chunks.get(n, []) if k not in seen.setdefault(n, set())]
+                seen[n].update(new)
+                lines = (partial.pop(n, "") + store.chunk_text(new)).split("\n")
+                partial[n] = lines.pop()  # "" when the text ended with a newline
+                for line in (raw.rstrip("\r") for raw in lines):
                     yield line if node else f"[{n}] {line}"
-                offsets[n] = len(lines)
             if not follow or self.job(name).state != "running":
+                for n, rest in partial.items():
+                    if rest:
+                        yield rest if node else f"[{n}] {rest}"
                 return
             time.sleep(max(self.poll_interval, 2.0))
-            nodes = [node] if node else store.log_nodes()
+            nodes = [node] if node else list(store.chunks("logs"))
 
 
 def _tags(stack: dict[str, Any]) -> dict[str, str]:
