@@ -194,7 +194,27 @@ def test_etcd_host_is_one_on_demand_instance_behind_a_fixed_address(base):
     assert group["VPCZoneIdentifier"] == [{"Ref": "Subnet0"}]  # the interface's AZ
     data = base["Resources"]["EtcdLaunchTemplate"]["Properties"]["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in data and data["MetadataOptions"]["HttpTokens"] == "required"
-    assert "--enable-v2" in data["UserData"]["Fn::Base64"]
+    head, bucket, tail = data["UserData"]["Fn::Base64"]["Fn::Join"][1]
+    assert bucket == {"Ref": "Bucket"} and head.endswith('BUCKET="') and tail.startswith('"\n')
+    assert "--enable-v2" in tail and "@@" not in head + tail
+    assert data["InstanceInitiatedShutdownBehavior"] == "terminate"  # a failed host is replaced
+
+
+def test_instance_roles_may_mark_only_their_own_group_unhealthy(base, templates):
+    etcd = base["Resources"]["EtcdRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+    etcd = {s["Sid"]: s for s in etcd}
+    assert etcd["MarkOwnHostUnhealthy"]["Action"] == "autoscaling:SetInstanceHealth"
+    assert etcd["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
+        ":autoScalingGroup:*:autoScalingGroupName/petctl-etcd")
+    assert etcd["FetchEtcdBinary"] == {"Sid": "FetchEtcdBinary", "Effect": "Allow", "Action": "s3:GetObject",
+                                       "Resource": {"Fn::Sub": "${Bucket.Arn}/dist/etcd/*"}}
+    t = job(templates, "spot-single")
+    worker = {s["Sid"]: s for s in one(t, "AWS::IAM::Role")["Policies"][0]["PolicyDocument"]["Statement"]}
+    assert worker["MarkOwnInstanceUnhealthy"]["Action"] == "autoscaling:SetInstanceHealth"
+    assert worker["MarkOwnInstanceUnhealthy"]["Resource"]["Fn::Sub"].endswith(
+        ":autoScalingGroup:*:autoScalingGroupName/petctl-job-spot-single")
+    data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert data["InstanceInitiatedShutdownBehavior"] == "terminate"
 
 
 def test_etcd_role_can_only_move_interfaces_of_its_stack(base):

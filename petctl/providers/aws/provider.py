@@ -15,7 +15,7 @@ from typing import Any
 
 from petctl.config import PetctlConfig
 from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
-from petctl.providers.aws import capacity, inventory
+from petctl.providers.aws import capacity, etcdbin, inventory
 from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
 from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
@@ -23,7 +23,7 @@ from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
 from petctl.providers.aws.storage import JobStore, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
-from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data, worker_user_data
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
 from petctl.spec import AgentConfig, JobSpec, Timeouts
 
@@ -37,7 +37,7 @@ AWS_HEARTBEAT_TTL = 10.0
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
-    "root_volume_gb": "100",
+    "root_volume_gb": "100", "etcd_binary": "",
 }
 
 
@@ -110,25 +110,32 @@ class AwsProvider(Provider):
         with aws_errors("check the AWS credentials"):
             session.client("sts").get_caller_identity()
         stack = merged["stack_name"]
-        plan = plan_network(inventory.usable_azs(session), merged["vpc_cidr"], max_azs)
+        plan = self._network_plan(session, merged["vpc_cidr"], max_azs)
+        etcd = etcdbin.local_etcd(merged["etcd_binary"])
         ssm = session.client("ssm")
         etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
         worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
         body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
                            etcd_instance_type=merged["etcd_instance_type"],
-                           etcd_user_data=etcd_user_data(stack, plan.etcd_ip),
+                           etcd_user_data=etcd_user_data(stack, plan.etcd_ip, etcd.key, etcd.sha256,
+                                                         etcd.version),
+                           bucket_placeholder=BUCKET_PLACEHOLDER,
                            repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
                            log_retention_days=14)
         stacks = self._stacks(session)
         settings = self.settings
         # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
         settings.update(options=chosen, region=session.region, profile=merged["profile"],
-                        endpoint_url=merged["endpoint_url"], stack_name=stack)
+                        endpoint_url=merged["endpoint_url"], stack_name=stack,
+                        network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs})
         self.config.provider = self.name
         self.config.save()
         tags = {"petctl:stack": stack, "petctl:kind": "base"}
         stacks.create_or_update(stack, body, tags, "petctl base stack")
         outputs = stacks.outputs(stack)
+        # The etcd host's boot script waits for this object (on a first setup it boots before it exists).
+        if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd):
+            self.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
         from petctl import __version__
 
         settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
@@ -137,6 +144,18 @@ class AwsProvider(Provider):
         self.config.provider = self.name
         self.config.save()
         return dict(settings)
+
+    def _network_plan(self, session: AwsSession, vpc_cidr: str, max_azs: int):
+        """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
+        (which re-renders the template) never moves a subnet that jobs and the etcd interface live in."""
+        recorded = self.settings.get("network") or {}
+        if recorded.get("azs") and recorded.get("vpc_cidr") == str(vpc_cidr):
+            azs = list(recorded["azs"])
+            if len(azs) != max_azs:
+                self.progress(f"keeping the stack's {len(azs)} AZs ({', '.join(azs)}): max_azs applies to a "
+                              "new stack only (teardown first to change it)")
+            return plan_network(azs, vpc_cidr, len(azs))
+        return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs)
 
     def teardown(self, force: bool = False) -> None:
         """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
@@ -160,7 +179,7 @@ class AwsProvider(Provider):
         stacks.delete(self._base, "petctl base stack")
         if bucket:
             self.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
-        self.settings.update(ready=False, outputs={})
+        self.settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs
         self.config.save()
 
     # --- jobs --------------------------------------------------------------------------------------
