@@ -27,7 +27,7 @@ OUTPUTS = {
 }
 JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
     "spot-single": (["g5.xlarge"], False, 0),
-    "spot-mixed": (["g5.xlarge", "g6.xlarge", "g5.2xlarge"], False, 1),
+    "spot-mixed": (["g5.xlarge", "g5.2xlarge", "g5.4xlarge"], False, 1),  # same GPU: 1x A10G
     "ondemand": (["g5.xlarge"], True, 0),
     "cpu": (["c5.xlarge"], False, 0),
 }

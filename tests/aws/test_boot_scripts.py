@@ -174,6 +174,25 @@ def test_instance_types():
             validate_instance_types([bad])
 
 
+def test_mixed_types_need_the_same_gpu_count_and_model():
+    from petctl.providers.aws.instance_types import Gpus, check_uniform_gpus
+
+    assert check_uniform_gpus(["g5.xlarge", "g5.2xlarge", "g5.16xlarge"], 1) == Gpus(1, "A10G")
+    assert check_uniform_gpus(["p5e.48xlarge", "p5en.48xlarge"], 8) == Gpus(8, "H200")
+    assert check_uniform_gpus(["c5.xlarge", "m5.large"], 4) is None  # CPU jobs: no GPU to match
+    with pytest.raises(ValidationError) as count:
+        check_uniform_gpus(["g5.xlarge", "g5.12xlarge"], 1)
+    assert str(count.value) == ("--instance-type values must have the same GPU count and model: "
+                                "g5.xlarge (1x A10G), g5.12xlarge (4x A10G)")
+    assert "\n" not in str(count.value)  # one line
+    with pytest.raises(ValidationError, match=r"g5.xlarge \(1x A10G\), g6.xlarge \(1x L4\)"):
+        check_uniform_gpus(["g5.xlarge", "g6.xlarge"], 1)
+    with pytest.raises(ValidationError, match="--nproc-per-node 4 exceeds the 1x A10G of g5.xlarge"):
+        check_uniform_gpus(["g5.xlarge"], 4)
+    with pytest.raises(ValidationError, match="unknown size 'g5.3xlarge'"):
+        check_uniform_gpus(["g5.3xlarge"], 1)
+
+
 def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
     from petctl.providers.aws.etcdbin import local_etcd
     from tests.aws.conftest import fake_etcd_binary

@@ -136,3 +136,12 @@ def test_fallback_moves_the_group_to_the_next_az_on_insufficient_capacity(ready,
     monkeypatch.setattr(capacity, "activities", lambda autoscaling, group, limit=20: recovered)
     assert ready.fallback_az("demo", in_service=0) is None
     assert asg(moto, name)["VPCZoneIdentifier"] == moved
+
+
+def test_run_job_refuses_mixed_gpus_before_any_aws_change(ready, moto, tmp_path, stack_name):
+    from petctl.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="same GPU count and model"):
+        ready.create_job(job(instance_types=["g5.xlarge", "g6.xlarge"]), write_script(tmp_path / "src"))
+    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    assert not [s for s in stacks if s["StackName"] == f"{stack_name}-job-demo"]

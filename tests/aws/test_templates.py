@@ -66,16 +66,22 @@ def test_single_type_spot_uses_launch_template_market_options(templates):
     assert group["CapacityRebalance"] is True
 
 
-def test_several_types_use_a_capacity_optimized_mixed_instances_policy(templates):
+def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(templates, tmp_path):
     t = job(templates, "spot-mixed")
     data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in data  # AWS rejects market options inside a mixed-instances policy
     policy = one(t, "AWS::AutoScaling::AutoScalingGroup")["MixedInstancesPolicy"]
     dist = policy["InstancesDistribution"]
-    assert dist["SpotAllocationStrategy"] == "capacity-optimized"
+    assert dist["SpotAllocationStrategy"] == "price-capacity-optimized"  # AWS's recommendation for spot
     assert dist["OnDemandBaseCapacity"] == 1 and dist["OnDemandPercentageAboveBaseCapacity"] == 0
-    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g6.xlarge",
-                                                                                  "g5.2xlarge"]
+    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g5.2xlarge",
+                                                                                  "g5.4xlarge"]
+    spec = rendered.job_spec("spot-mixed")
+    spec.spot_strategy = "capacity-optimized"  # still selectable (run_job --spot-strategy)
+    agent = rendered.AgentConfig(job=spec, node_id="", asg_name="petctl-job-spot-mixed")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-mixed/agent.json")
+    policy = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")["MixedInstancesPolicy"]
+    assert policy["InstancesDistribution"]["SpotAllocationStrategy"] == "capacity-optimized"
 
 
 def test_on_demand_has_no_spot_settings(templates):

@@ -16,7 +16,7 @@ from typing import Any
 from petctl.config import PetctlConfig
 from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.providers.aws import capacity, etcdbin, inventory
-from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
+from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
 from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
 from petctl.providers.aws.session import AwsSession, aws_errors
@@ -31,6 +31,9 @@ STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 LIFECYCLE_HOOK = "petctl-drain"
+# AWS recommends price-capacity-optimized for spot: pools least likely to be interrupted, and of those the
+# cheapest. capacity-optimized (least interruption, price ignored) stays selectable.
+SPOT_STRATEGIES = ("price-capacity-optimized", "capacity-optimized")
 NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
 AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
 AWS_HEARTBEAT_TTL = 10.0
@@ -188,6 +191,10 @@ class AwsProvider(Provider):
         spec.validate()
         spec.instance_types = validate_instance_types([t for item in spec.instance_types
                                                        for t in item.split(",")])
+        check_uniform_gpus(spec.instance_types, spec.nproc_per_node)
+        if spec.spot_strategy not in SPOT_STRATEGIES:
+            raise ValidationError(f"unknown spot allocation strategy {spec.spot_strategy!r}: choose "
+                                  f"{' or '.join(SPOT_STRATEGIES)}")
         if not 0 <= spec.on_demand_base <= spec.max_size:
             raise ValidationError(f"--on-demand-base {spec.on_demand_base} is outside "
                                   f"[0, --max {spec.max_size}]")
@@ -295,6 +302,7 @@ class AwsProvider(Provider):
         return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                           instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                           on_demand_base=spec.on_demand_base, user_data=user_data,
+                          spot_strategy=spec.spot_strategy,
                           job_prefix=job_prefix(spec.name),
                           lifecycle_hook=LIFECYCLE_HOOK, root_volume_gb=settings.get("root_volume_gb", 100),
                           hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))
