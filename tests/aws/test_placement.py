@@ -59,6 +59,11 @@ def test_capacity_failure_reads_only_the_newest_decided_activity():
     assert capacity_failure([ok, NO_CAPACITY]) is None  # it recovered since
     assert capacity_failure([bad_ami]) is None  # another AZ would not fix a bad AMI
     assert capacity_failure([]) is None
+    # after a move: failures from before it, or from the AZ it left, are not about the new AZ
+    old = Activity("Failed", NO_CAPACITY.message, az="us-east-1a", start=100.0)
+    assert capacity_failure([old], az="us-east-1b", since=50.0) is None
+    assert capacity_failure([Activity("Failed", NO_CAPACITY.message, start=100.0)], since=200.0) is None
+    assert capacity_failure([old, NO_CAPACITY], az="us-east-1a", since=50.0) == old
 
 
 def test_fallback_moves_to_the_next_untried_az_and_stops_at_the_last():
@@ -131,6 +136,11 @@ def test_fallback_moves_the_group_to_the_next_az_on_insufficient_capacity(ready,
     body = boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/placement.json")["Body"].read()
     record = json.loads(body)
     assert record["current"] == 1 and record["azs"][1] == new_az and len(record["moves"]) == 1
+    # the next poll still sees that failure as the newest activity: it is about the AZ left, no move
+    stale = [Activity("Failed", NO_CAPACITY.message, az=record["azs"][0], start=record["moved_at"] - 5)]
+    monkeypatch.setattr(capacity, "activities", lambda autoscaling, group, limit=20: stale)
+    assert ready.fallback_az("demo", in_service=0) is None
+    assert asg(moto, name)["VPCZoneIdentifier"] == moved
     # once capacity came through, nothing moves
     recovered = [Activity("Successful", "")]
     monkeypatch.setattr(capacity, "activities", lambda autoscaling, group, limit=20: recovered)

@@ -5,6 +5,7 @@ the Auto Scaling processes that would fight a single-AZ training job.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from petctl.providers.aws.placement import Activity
@@ -36,7 +37,17 @@ def activities(autoscaling: Any, group: str, limit: int = 20) -> list[Activity]:
         raw = autoscaling.describe_scaling_activities(AutoScalingGroupName=group,
                                                       MaxRecords=limit).get("Activities", [])
     return [Activity(status_code=a.get("StatusCode", ""), message=a.get("StatusMessage", ""),
-                     description=a.get("Description", ""), details=a.get("Details", "")) for a in raw]
+                     description=a.get("Description", ""), az=_activity_az(a.get("Details", "")),
+                     start=a["StartTime"].timestamp() if a.get("StartTime") else 0.0) for a in raw]
+
+
+def _activity_az(details: str) -> str:
+    """The AZ in an activity's Details (JSON, e.g. {"Subnet ID": ..., "Availability Zone": ...})."""
+    try:
+        value = json.loads(details or "{}")
+    except ValueError:
+        return ""
+    return str(value.get("Availability Zone", "")) if isinstance(value, dict) else ""
 
 
 def suspend_processes(autoscaling: Any, group: str) -> None:

@@ -49,6 +49,7 @@ class Placement:
     current: int = 0
     multi_az: bool = False
     moves: list[str] = field(default_factory=list)  # one line per fallback, for `status`/debugging
+    moved_at: float = 0.0  # when the group last moved: older activities are about an AZ it left
 
     @property
     def az(self) -> str:
@@ -68,7 +69,8 @@ class Placement:
     @classmethod
     def from_dict(cls, data: dict) -> Placement:
         return cls(azs=list(data["azs"]), subnets=list(data["subnets"]), current=int(data.get("current", 0)),
-                   multi_az=bool(data.get("multi_az", False)), moves=list(data.get("moves", [])))
+                   multi_az=bool(data.get("multi_az", False)), moves=list(data.get("moves", [])),
+                   moved_at=float(data.get("moved_at", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class Activity:
     status_code: str  # Successful, Failed, Cancelled, InProgress, ...
     message: str  # StatusMessage (the EC2 error for a failed launch)
     description: str = ""
-    details: str = ""  # Details (JSON with "Subnet ID"/"Availability Zone" on real AWS)
+    az: str = ""  # the activity's AZ when AWS says (its Details JSON), else ""
+    start: float = 0.0  # StartTime, epoch seconds (0: unknown)
 
 
 def rank_azs(offerings: dict[str, set[str]], subnets: dict[str, str], instance_types: list[str],
@@ -111,11 +114,15 @@ def plan_placement(offerings: dict[str, set[str]], subnets: dict[str, str], inst
     return Placement(azs=[c.az for c in ranked], subnets=[c.subnet_id for c in ranked], multi_az=multi_az)
 
 
-def capacity_failure(activities: list[Activity]) -> Activity | None:
+def capacity_failure(activities: list[Activity], az: str = "", since: float = 0.0) -> Activity | None:
     """The newest activity (activities come newest first, as AWS lists them) if it is a launch that failed
     for lack of capacity; None when the newest activity succeeded or failed for another reason (a bad AMI
-    or a permission error is not fixed by another AZ)."""
+    or a permission error is not fixed by another AZ). Activities from before `since` or in another AZ
+    than `az` (when both are known) are about an AZ the group has left, and are skipped."""
     for activity in activities:
+        stale = bool(since and activity.start and activity.start < since)
+        if stale or (az and activity.az and activity.az != az):
+            continue
         if activity.status_code in ("InProgress", "PreInService", "WaitingForSpotInstanceId",
                                     "WaitingForInstanceId", "PendingSpotBidPlacement"):
             continue  # not decided yet
@@ -145,7 +152,7 @@ def decide_fallback(placement: Placement, activities: list[Activity], in_service
         return Fallback(False, "the group spans every AZ")
     if in_service >= desired:
         return Fallback(False, "the group has its desired capacity")
-    failure = capacity_failure(activities)
+    failure = capacity_failure(activities, placement.az, placement.moved_at)
     if failure is None:
         return Fallback(False, "no capacity failure in the newest scaling activity")
     if placement.current + 1 >= len(placement.azs):

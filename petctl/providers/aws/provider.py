@@ -274,7 +274,8 @@ class AwsProvider(Provider):
         if not decision.move:
             return None
         placement.current += 1
-        placement.moves.append(f"{time.time():.0f} {decision.reason} -> {decision.az}")
+        placement.moved_at = time.time()
+        placement.moves.append(f"{placement.moved_at:.0f} {decision.reason} -> {decision.az}")
         store.put_json("placement.json", _json(placement.to_json()))
         capacity.move_group(autoscaling, group_name, placement.subnet_ids)
         self.progress(f"no capacity in {decision.reason}; moved job {name} to {decision.az}")
