@@ -155,3 +155,19 @@ def test_run_job_refuses_mixed_gpus_before_any_aws_change(ready, moto, tmp_path,
         ready.create_job(job(instance_types=["g5.xlarge", "g6.xlarge"]), write_script(tmp_path / "src"))
     stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
     assert not [s for s in stacks if s["StackName"] == f"{stack_name}-job-demo"]
+
+
+def test_fallback_check_failures_are_reported_once_each_way_and_never_end_the_wait(ready, monkeypatch):
+    outcomes = [ProviderError("Throttling"), ProviderError("Throttling"), None, None]
+
+    def fallback_az(name, in_service=None):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(ready, "fallback_az", fallback_az)
+    poll = ready._fallback_poller("demo")
+    for _ in range(4):
+        poll(0)
+    reports = [line for line in ready.lines if "fallback check" in line]
+    assert len(reports) == 2 and "failed (Throttling)" in reports[0] and "after 2 failure(s)" in reports[1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,7 @@ class AwsProvider(Provider):
         capacity.suspend_processes(session.client("autoscaling"), stack)
         inventory.wait_in_service(session.client("autoscaling"), stack, spec.size, self.wait_timeout,
                                   self.poll_interval, self.progress,
-                                  on_short=lambda in_service: self.fallback_az(spec.name, in_service))
+                                  on_short=self._fallback_poller(spec.name))
         return self.job(spec.name)
 
     def _plan_placement(self, session: AwsSession, spec: JobSpec) -> Placement:
@@ -251,6 +251,28 @@ class AwsProvider(Provider):
             self.progress(f"job {spec.name} placed in {placement.az} (fallback order: "
                           f"{', '.join(placement.azs[1:]) or 'none'})")
         return placement
+
+    def _fallback_poller(self, name: str) -> Callable[[int], None]:
+        """fallback_az for each poll of run_job's wait. Its failures (throttling, a lost connection) must
+        not end run_job, whose job exists by now: they are counted, reported when they start and when
+        they end, and the check runs again at the next poll."""
+        failures = 0
+
+        def poll(in_service: int) -> None:
+            nonlocal failures
+            try:
+                self.fallback_az(name, in_service)
+            except ProviderError as exc:
+                failures += 1
+                if failures == 1:
+                    self.progress(f"the AZ fallback check of job {name} failed ({exc}); retrying at each "
+                                  "poll")
+                return
+            if failures:
+                self.progress(f"the AZ fallback check of job {name} works again after {failures} failure(s)")
+                failures = 0
+
+        return poll
 
     def fallback_az(self, name: str, in_service: int | None = None) -> str | None:
         """Move the job's group to its next AZ if its newest launch failed for lack of capacity there.
