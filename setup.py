@@ -14,7 +14,8 @@ setup(
     # non-editable install puts them under <prefix>/share/petctl/, where the AWS provider also looks.
     data_files=[
         ("share/petctl/cfn", ["cfn/base.yaml.j2", "cfn/job.yaml.j2"]),
-        ("share/petctl/worker_image", ["worker_image/worker_boot.sh.j2", "worker_image/etcd_boot.sh.j2"]),
+        ("share/petctl/worker_image", ["worker_image/worker_boot.sh.j2", "worker_image/etcd_boot.sh.j2",
+                                     "worker_image/boot_lib.sh.j2"]),
     ],
     install_requires=[
         "boto3>=1.28",

@@ -68,6 +68,8 @@ class JobSpec:
     instance_types: list[str] = field(default_factory=list)
     on_demand: bool = False
     on_demand_base: int = 0
+    spot_strategy: str = "price-capacity-optimized"  # mixed spot groups; or capacity-optimized
+    multi_az: bool = False  # spread over every AZ (cross-AZ all-reduce is billed per GB; see docs/aws.md)
 
     def validate(self) -> None:
         """Reject bad input before any side effect, with one message a user can act on."""

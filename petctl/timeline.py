@@ -39,27 +39,33 @@ def _from_etcd(job: str, endpoint: str) -> list[dict[str, Any]]:
 
 def _from_mirror(url: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for text in _mirror_files(url):
+    for text in _mirror_streams(url):
         out += [r for r in (_loads(line) for line in text.splitlines()) if r]
     return out
 
 
-def _mirror_files(url: str) -> list[str]:
+def _mirror_streams(url: str) -> list[str]:
+    """Each node's events, its chunks reassembled in write order (petctl/mirrorchunks.py)."""
+    from petctl.mirrorchunks import by_node
+
     u = urlparse(url)
     if u.scheme in ("", "file"):
-        root = Path(unquote(u.path)) / "events"
-        return [p.read_text(errors="replace") for p in sorted(root.glob("*.jsonl"))] if root.is_dir() else []
+        root = Path(unquote(u.path))
+        if not (root / "events").is_dir():
+            return []
+        names = [p.relative_to(root).as_posix() for p in (root / "events").rglob("*.jsonl")]
+        return [b"".join((root / k.name).read_bytes() for k in keys).decode("utf-8", "replace")
+                for keys in by_node(names, "events").values()]
     if u.scheme == "s3":
         import boto3
 
         s3 = boto3.client("s3")
-        prefix = f"{u.path.lstrip('/').rstrip('/')}/events/".lstrip("/")
-        texts = []
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=u.netloc, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                if obj["Key"].endswith(".jsonl"):
-                    texts.append(s3.get_object(Bucket=u.netloc, Key=obj["Key"])["Body"].read().decode())
-        return texts
+        base = f"{u.path.lstrip('/').rstrip('/')}/".lstrip("/")
+        names = []
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=u.netloc, Prefix=base + "events/"):
+            names += [obj["Key"][len(base):] for obj in page.get("Contents", [])]
+        return [b"".join(s3.get_object(Bucket=u.netloc, Key=base + k.name)["Body"].read() for k in keys)
+                .decode("utf-8", "replace") for keys in by_node(names, "events").values()]
     return []
 
 

@@ -217,11 +217,14 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
         assert expected in names, names
     summary = next(r for r in records if r["event"] == "round.summary")
     assert (summary["first_step"], summary["last_step"], summary["world_size"]) == (0, 5, 1)
-    mirrored = [json.loads(line)["event"] for line in
-                (mirror / "events" / f"{node.node_id}.jsonl").read_text().splitlines()]
+    def stream(kind: str) -> str:  # the node's append-only chunks, in write order (petctl/mirrorchunks.py)
+        chunks = sorted((mirror / kind / node.node_id).iterdir())
+        return "".join(p.read_text() for p in chunks if not p.name.startswith("."))
+
+    mirrored = [json.loads(line)["event"] for line in stream("events").splitlines()]
     assert mirrored == names
     assert json.loads((mirror / "status" / f"{node.node_id}.json").read_text())["state"] == "succeeded"
-    assert '"event": "train.step"' in (mirror / "logs" / f"{node.node_id}.log").read_text()
+    assert '"event": "train.step"' in stream("logs")
 
 
 def test_entrypoint_without_py_suffix_is_warm_and_reports_readiness_once_per_fill(cluster_factory, tmp_path):

@@ -15,7 +15,7 @@ from petctl.errors import PetctlError, ValidationError
 
 def build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
                entrypoint, script: Path, args, instance_types, on_demand, on_demand_base, keep=False,
-               warm_imports=()):
+               warm_imports=(), multi_az=False):
     """The job's spec from the command line, validated before anything is touched."""
     from petctl.cli.parse import key_values, timeouts
     from petctl.spec import JobSpec, Timeouts
@@ -25,7 +25,7 @@ def build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env
                    nproc_per_node=nproc_per_node, max_restarts=max_restarts,
                    env=key_values(env, "--env"), timeouts=timeouts(timeout_items, Timeouts()),
                    instance_types=list(instance_types), on_demand=on_demand, on_demand_base=on_demand_base,
-                   keep=keep, warm_imports=list(warm_imports))
+                   keep=keep, warm_imports=list(warm_imports), multi_az=multi_az)
     spec.validate()
     if not script.exists():
         raise ValidationError(f"script not found: {script}")
@@ -75,6 +75,11 @@ def wait_formed(provider, name: str, timeout: float) -> None:
 @click.option("--instance-type", "instance_types", multiple=True, help="Instance type (aws; repeatable).")
 @click.option("--on-demand", is_flag=True, help="Use on-demand instead of spot capacity (aws).")
 @click.option("--on-demand-base", type=int, default=0, help="On-demand instances before spot (aws).")
+@click.option("--spot-strategy", type=click.Choice(["price-capacity-optimized", "capacity-optimized"]),
+              default="price-capacity-optimized", show_default=True,
+              help="Spot allocation strategy of a mixed-instances group (aws).")
+@click.option("--multi-az", is_flag=True,
+              help="Spread the job over every AZ (aws). Costly: all-reduce across AZs is billed per GB.")
 @click.option("--warm-import", "warm_imports", multiple=True, metavar="MODULE",
               help="A heavy module warm workers import ahead, so restarts skip it (repeatable).")
 @click.option("--keep", is_flag=True,
@@ -84,12 +89,18 @@ def wait_formed(provider, name: str, timeout: float) -> None:
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run_job(name, min_size, max_size, size, nproc_per_node, max_restarts, env, entrypoint, timeout_items,
-            replace_delay, instance_types, on_demand, on_demand_base, warm_imports, keep, wait, wait_timeout,
-            script, args):
+            replace_delay, instance_types, on_demand, on_demand_base, spot_strategy, multi_az, warm_imports,
+            keep, wait, wait_timeout, script, args):
     """Start an elastic job running SCRIPT (a file, or a directory with --entrypoint) -- ARGS."""
+    from petctl.cli.parse import timeouts
+
     spec = build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
-                      entrypoint, script, args, instance_types, on_demand, on_demand_base, keep, warm_imports)
+                      entrypoint, script, args, instance_types, on_demand, on_demand_base, keep, warm_imports,
+                      multi_az=multi_az)
+    spec.spot_strategy = spot_strategy
     provider = provider_for()
+    # The provider's defaults (a networked etcd on AWS needs longer heartbeats than a LAN), then --timeout.
+    spec.timeouts = timeouts(timeout_items, provider.default_timeouts())
     extra = {}
     if replace_delay is not None:
         if "replace_delay" not in inspect.signature(provider.create_job).parameters:

@@ -62,6 +62,13 @@ class Provider(ABC):
     def settings(self) -> dict[str, Any]:
         return self.config.section(self.name)
 
+    def default_timeouts(self):
+        """The agent timeouts a job gets before `--timeout` overrides: LAN values by default; a provider
+        whose etcd is reached over a real network overrides them."""
+        from petctl.spec import Timeouts
+
+        return Timeouts()
+
     # --- shared infrastructure -------------------------------------------------------------------
     @abstractmethod
     def setup(self, **options: Any) -> dict[str, Any]:

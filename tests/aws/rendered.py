@@ -12,10 +12,12 @@ from petctl.config import PetctlConfig
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import LIFECYCLE_HOOK, AwsProvider
 from petctl.providers.aws.templates import render_base
-from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data
 from petctl.spec import AgentConfig, JobSpec
 
 STACK = "petctl"
+ETCD_SHA256 = "ab" * 32
+ETCD_KEY = f"dist/etcd/v3.5.1-{ETCD_SHA256[:16]}/etcd"
 BUCKET = "petctl-bucket-abc123"
 OUTPUTS = {
     "BucketName": BUCKET, "SubnetIds": "subnet-0123456789abcdef0,subnet-0123456789abcdef1",
@@ -25,7 +27,7 @@ OUTPUTS = {
 }
 JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
     "spot-single": (["g5.xlarge"], False, 0),
-    "spot-mixed": (["g5.xlarge", "g6.xlarge", "g5.2xlarge"], False, 1),
+    "spot-mixed": (["g5.xlarge", "g5.2xlarge", "g5.4xlarge"], False, 1),  # same GPU: 1x A10G
     "ondemand": (["g5.xlarge"], True, 0),
     "cpu": (["c5.xlarge"], False, 0),
 }
@@ -34,8 +36,9 @@ JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
 def base_template() -> str:
     plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"])
     return render_base(stack_name=STACK, plan=plan, etcd_ami="ami-0123456789abcdef0",
-                       etcd_instance_type="t3.small", etcd_user_data=etcd_user_data(STACK, plan.etcd_ip),
-                       repository_name=f"{STACK}-worker", noncurrent_days=7, log_retention_days=14)
+                       etcd_instance_type="t3.small", bucket_placeholder=BUCKET_PLACEHOLDER,
+                       etcd_user_data=etcd_user_data(STACK, plan.etcd_ip, ETCD_KEY, ETCD_SHA256, "v3.5.1"),
+                       repository_name=f"{STACK}-worker", noncurrent_days=1, log_retention_days=14)
 
 
 def provider(home: Path) -> AwsProvider:

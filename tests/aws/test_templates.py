@@ -66,16 +66,22 @@ def test_single_type_spot_uses_launch_template_market_options(templates):
     assert group["CapacityRebalance"] is True
 
 
-def test_several_types_use_a_capacity_optimized_mixed_instances_policy(templates):
+def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(templates, tmp_path):
     t = job(templates, "spot-mixed")
     data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in data  # AWS rejects market options inside a mixed-instances policy
     policy = one(t, "AWS::AutoScaling::AutoScalingGroup")["MixedInstancesPolicy"]
     dist = policy["InstancesDistribution"]
-    assert dist["SpotAllocationStrategy"] == "capacity-optimized"
+    assert dist["SpotAllocationStrategy"] == "price-capacity-optimized"  # AWS's recommendation for spot
     assert dist["OnDemandBaseCapacity"] == 1 and dist["OnDemandPercentageAboveBaseCapacity"] == 0
-    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g6.xlarge",
-                                                                                  "g5.2xlarge"]
+    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g5.2xlarge",
+                                                                                  "g5.4xlarge"]
+    spec = rendered.job_spec("spot-mixed")
+    spec.spot_strategy = "capacity-optimized"  # still selectable (run_job --spot-strategy)
+    agent = rendered.AgentConfig(job=spec, node_id="", asg_name="petctl-job-spot-mixed")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-mixed/agent.json")
+    policy = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")["MixedInstancesPolicy"]
+    assert policy["InstancesDistribution"]["SpotAllocationStrategy"] == "capacity-optimized"
 
 
 def test_on_demand_has_no_spot_settings(templates):
@@ -90,7 +96,7 @@ def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
     t = job(templates, variant)
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "4", "2")
-    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")  # spread over every AZ's subnet
+    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")[:1]  # one AZ per job (all-reduce)
     assert group["AutoScalingGroupName"] == f"petctl-job-{variant}"
     (hook,) = group["LifecycleHookSpecificationList"]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
@@ -194,7 +200,27 @@ def test_etcd_host_is_one_on_demand_instance_behind_a_fixed_address(base):
     assert group["VPCZoneIdentifier"] == [{"Ref": "Subnet0"}]  # the interface's AZ
     data = base["Resources"]["EtcdLaunchTemplate"]["Properties"]["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in data and data["MetadataOptions"]["HttpTokens"] == "required"
-    assert "--enable-v2" in data["UserData"]["Fn::Base64"]
+    head, bucket, tail = data["UserData"]["Fn::Base64"]["Fn::Join"][1]
+    assert bucket == {"Ref": "Bucket"} and head.endswith('BUCKET="') and tail.startswith('"\n')
+    assert "--enable-v2" in tail and "@@" not in head + tail
+    assert data["InstanceInitiatedShutdownBehavior"] == "terminate"  # a failed host is replaced
+
+
+def test_instance_roles_may_mark_only_their_own_group_unhealthy(base, templates):
+    etcd = base["Resources"]["EtcdRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
+    etcd = {s["Sid"]: s for s in etcd}
+    assert etcd["MarkOwnHostUnhealthy"]["Action"] == "autoscaling:SetInstanceHealth"
+    assert etcd["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
+        ":autoScalingGroup:*:autoScalingGroupName/petctl-etcd")
+    assert etcd["FetchEtcdBinary"] == {"Sid": "FetchEtcdBinary", "Effect": "Allow", "Action": "s3:GetObject",
+                                       "Resource": {"Fn::Sub": "${Bucket.Arn}/dist/etcd/*"}}
+    t = job(templates, "spot-single")
+    worker = {s["Sid"]: s for s in one(t, "AWS::IAM::Role")["Policies"][0]["PolicyDocument"]["Statement"]}
+    assert worker["MarkOwnInstanceUnhealthy"]["Action"] == "autoscaling:SetInstanceHealth"
+    assert worker["MarkOwnInstanceUnhealthy"]["Resource"]["Fn::Sub"].endswith(
+        ":autoScalingGroup:*:autoScalingGroupName/petctl-job-spot-single")
+    data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert data["InstanceInitiatedShutdownBehavior"] == "terminate"
 
 
 def test_etcd_role_can_only_move_interfaces_of_its_stack(base):
@@ -247,3 +273,12 @@ def test_user_data_is_base64_encodable_and_small(templates):
     for variant in rendered.JOB_VARIANTS:
         script = one(job(templates, variant), "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]
         assert len(base64.b64encode(script["Fn::Base64"].encode())) < 16 * 1024  # EC2's user data limit
+
+
+def test_multi_az_job_group_spans_every_subnet(tmp_path):
+    spec = rendered.job_spec("spot-single")
+    spec.multi_az = True
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
+    group = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")
+    assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")

@@ -8,6 +8,7 @@ image and its AMI; Graviton, Trainium/Inferentia and Gaudi need other images. A 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from petctl.errors import ValidationError
 
@@ -19,6 +20,35 @@ CPU_FAMILIES = frozenset({
     "c5", "c5a", "c5n", "c6a", "c6i", "c6in", "c7a", "c7i", "r5", "r5a", "r6a", "r6i", "r7a", "r7i",
 })
 KNOWN_FAMILIES = GPU_FAMILIES | CPU_FAMILIES
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """What one instance of a type offers a job: how many GPUs, of which model."""
+
+    count: int
+    model: str
+
+    def __str__(self) -> str:
+        return f"{self.count}x {self.model}"
+
+
+_ONE_TO_16 = ("xlarge", "2xlarge", "4xlarge", "8xlarge", "16xlarge")
+# family -> (model, {size: GPU count}); from AWS's accelerated-computing instance pages.
+GPU_TABLE: dict[str, tuple[str, dict[str, int]]] = {
+    "g4dn": ("T4", {**dict.fromkeys(_ONE_TO_16, 1), "12xlarge": 4, "metal": 8}),
+    "g5": ("A10G", {**dict.fromkeys(_ONE_TO_16, 1), "12xlarge": 4, "24xlarge": 4, "48xlarge": 8}),
+    "g6": ("L4", {**dict.fromkeys(_ONE_TO_16, 1), "12xlarge": 4, "24xlarge": 4, "48xlarge": 8}),
+    "g6e": ("L40S", {**dict.fromkeys(_ONE_TO_16, 1), "12xlarge": 4, "24xlarge": 4, "48xlarge": 8}),
+    "gr6": ("L4", {"4xlarge": 1, "8xlarge": 1}),
+    "p3": ("V100", {"2xlarge": 1, "8xlarge": 4, "16xlarge": 8}),
+    "p3dn": ("V100 32GB", {"24xlarge": 8}),
+    "p4d": ("A100 40GB", {"24xlarge": 8}),
+    "p4de": ("A100 80GB", {"24xlarge": 8}),
+    "p5": ("H100", {"4xlarge": 1, "48xlarge": 8}),
+    "p5e": ("H200", {"48xlarge": 8}),
+    "p5en": ("H200", {"48xlarge": 8}),
+}
 TYPE_RE = re.compile(r"^(?P<family>[a-z][a-z0-9-]*?)\.(?P<size>nano|micro|small|medium|large|xlarge|"
                      r"[1-9][0-9]*xlarge|metal(-[0-9]+xl)?)$")
 DEFAULT_INSTANCE_TYPE = "g5.xlarge"
@@ -42,6 +72,31 @@ def validate_instance_types(types: list[str]) -> list[str]:
         raise ValidationError(f"--instance-types mixes GPU and CPU types ({', '.join(seen)}): a job's "
                               "instances must all have GPUs or none")
     return seen
+
+
+def gpus(instance_type: str) -> Gpus:
+    """GPU count and model of a GPU type; ValidationError for a size petctl does not know."""
+    family, size = instance_type.split(".", 1)
+    model, sizes = GPU_TABLE[family]
+    if size not in sizes:
+        raise ValidationError(f"unknown size {instance_type!r}: {family} comes as "
+                              f"{', '.join(f'{family}.{s}' for s in sizes)}")
+    return Gpus(sizes[size], model)
+
+
+def check_uniform_gpus(types: list[str], nproc_per_node: int) -> Gpus | None:
+    """Every node of a job runs `nproc_per_node` workers with one GPU each, and DDP wants the same GPU
+    on every rank: mixed types must have the same GPU count and model. None for a CPU job."""
+    if not is_gpu(types[0]):
+        return None
+    per_type = {t: gpus(t) for t in types}
+    if len(set(per_type.values())) > 1:
+        listed = ", ".join(f"{t} ({g})" for t, g in per_type.items())
+        raise ValidationError(f"--instance-type values must have the same GPU count and model: {listed}")
+    first = per_type[types[0]]
+    if nproc_per_node > first.count:
+        raise ValidationError(f"--nproc-per-node {nproc_per_node} exceeds the {first} of {types[0]}")
+    return first
 
 
 def is_gpu(instance_type: str) -> bool:

@@ -78,9 +78,11 @@ def group(autoscaling, asg_name: str, job: str) -> dict[str, Any]:
 
 
 def wait_in_service(autoscaling, asg_name: str, size: int, timeout: float, poll: float,
-                    progress: Callable[[str], None]) -> int:
+                    progress: Callable[[str], None],
+                    on_short: Callable[[int], None] | None = None) -> int:
     """Wait until `size` instances are InService; returns how many are. A spot shortage is reported, not
-    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up."""
+    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up. `on_short(in_service)`
+    runs at each poll that finds the group short (the AZ fallback hooks in there)."""
     deadline = time.monotonic() + timeout
     last = -1
     while True:
@@ -91,6 +93,8 @@ def wait_in_service(autoscaling, asg_name: str, size: int, timeout: float, poll:
             last = in_service
         if in_service >= size:
             return in_service
+        if on_short is not None:
+            on_short(in_service)
         if time.monotonic() > deadline:
             progress(f"only {in_service}/{size} instances in service after {timeout:.0f}s (spot capacity "
                      "may be short); the Auto Scaling group keeps trying")

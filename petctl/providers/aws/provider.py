@@ -9,31 +9,38 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from petctl.config import PetctlConfig
 from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
-from petctl.providers.aws import inventory
-from petctl.providers.aws.instance_types import is_gpu, validate_instance_types
+from petctl.providers.aws import capacity, etcdbin, inventory
+from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
+from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
 from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
 from petctl.providers.aws.storage import JobStore, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
-from petctl.providers.aws.userdata import WORKER_IMDS, etcd_user_data, worker_user_data
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
-from petctl.spec import AgentConfig, JobSpec
+from petctl.spec import AgentConfig, JobSpec, Timeouts
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 LIFECYCLE_HOOK = "petctl-drain"
+# AWS recommends price-capacity-optimized for spot: pools least likely to be interrupted, and of those the
+# cheapest. capacity-optimized (least interruption, price ignored) stays selectable.
+SPOT_STRATEGIES = ("price-capacity-optimized", "capacity-optimized")
+NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
+AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
+AWS_HEARTBEAT_TTL = 10.0
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
-    "root_volume_gb": "100",
+    "root_volume_gb": "100", "etcd_binary": "",
 }
 
 
@@ -46,6 +53,13 @@ class AwsProvider(Provider):
         self.wait_timeout = 1200.0  # how long run_job waits for instances to be in service
         self.progress = stderr_progress
         self._cached: tuple[tuple[str, str, str], AwsSession] | None = None
+
+    def default_timeouts(self) -> Timeouts:
+        """Heartbeats for an etcd on a burstable t3 host reached over the VPC: a TTL of 3 s (a LAN value)
+        drops healthy nodes on one slow etcd write or a CPU-credit stall. 2 s refreshes and a 10 s TTL
+        tolerate four missed refreshes and still drop a frozen host in seconds, far below NCCL's
+        collective timeout."""
+        return Timeouts(heartbeat_interval=AWS_HEARTBEAT_INTERVAL, heartbeat_ttl=AWS_HEARTBEAT_TTL)
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _session(self, settings: dict[str, Any] | None = None) -> AwsSession:
@@ -99,24 +113,32 @@ class AwsProvider(Provider):
         with aws_errors("check the AWS credentials"):
             session.client("sts").get_caller_identity()
         stack = merged["stack_name"]
-        plan = plan_network(inventory.usable_azs(session), merged["vpc_cidr"], max_azs)
+        plan = self._network_plan(session, merged["vpc_cidr"], max_azs)
+        etcd = etcdbin.local_etcd(merged["etcd_binary"])
         ssm = session.client("ssm")
         etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
         worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
         body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
                            etcd_instance_type=merged["etcd_instance_type"],
-                           etcd_user_data=etcd_user_data(stack, plan.etcd_ip),
-                           repository_name=f"{stack}-worker", noncurrent_days=7, log_retention_days=14)
+                           etcd_user_data=etcd_user_data(stack, plan.etcd_ip, etcd.key, etcd.sha256,
+                                                         etcd.version),
+                           bucket_placeholder=BUCKET_PLACEHOLDER,
+                           repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
+                           log_retention_days=14)
         stacks = self._stacks(session)
         settings = self.settings
         # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
         settings.update(options=chosen, region=session.region, profile=merged["profile"],
-                        endpoint_url=merged["endpoint_url"], stack_name=stack)
+                        endpoint_url=merged["endpoint_url"], stack_name=stack,
+                        network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs})
         self.config.provider = self.name
         self.config.save()
         tags = {"petctl:stack": stack, "petctl:kind": "base"}
         stacks.create_or_update(stack, body, tags, "petctl base stack")
         outputs = stacks.outputs(stack)
+        # The etcd host's boot script waits for this object (on a first setup it boots before it exists).
+        if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd):
+            self.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
         from petctl import __version__
 
         settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
@@ -125,6 +147,18 @@ class AwsProvider(Provider):
         self.config.provider = self.name
         self.config.save()
         return dict(settings)
+
+    def _network_plan(self, session: AwsSession, vpc_cidr: str, max_azs: int):
+        """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
+        (which re-renders the template) never moves a subnet that jobs and the etcd interface live in."""
+        recorded = self.settings.get("network") or {}
+        if recorded.get("azs") and recorded.get("vpc_cidr") == str(vpc_cidr):
+            azs = list(recorded["azs"])
+            if len(azs) != max_azs:
+                self.progress(f"keeping the stack's {len(azs)} AZs ({', '.join(azs)}): max_azs applies to a "
+                              "new stack only (teardown first to change it)")
+            return plan_network(azs, vpc_cidr, len(azs))
+        return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs)
 
     def teardown(self, force: bool = False) -> None:
         """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
@@ -148,7 +182,7 @@ class AwsProvider(Provider):
         stacks.delete(self._base, "petctl base stack")
         if bucket:
             self.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
-        self.settings.update(ready=False, outputs={})
+        self.settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs
         self.config.save()
 
     # --- jobs --------------------------------------------------------------------------------------
@@ -157,6 +191,10 @@ class AwsProvider(Provider):
         spec.validate()
         spec.instance_types = validate_instance_types([t for item in spec.instance_types
                                                        for t in item.split(",")])
+        check_uniform_gpus(spec.instance_types, spec.nproc_per_node)
+        if spec.spot_strategy not in SPOT_STRATEGIES:
+            raise ValidationError(f"unknown spot allocation strategy {spec.spot_strategy!r}: choose "
+                                  f"{' or '.join(SPOT_STRATEGIES)}")
         if not 0 <= spec.on_demand_base <= spec.max_size:
             raise ValidationError(f"--on-demand-base {spec.on_demand_base} is outside "
                                   f"[0, --max {spec.max_size}]")
@@ -177,12 +215,14 @@ class AwsProvider(Provider):
         spec.entrypoint = spec.entrypoint or default_entry
         spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
         spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
+        placement = self._plan_placement(session, spec)
         agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                             asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                             status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
         store.put_json("job.json", spec.to_dict())
         store.put_json("agent.json", _json(agent.to_json()))
-        body = self.render_job_template(spec, agent, store.url("agent.json"))
+        store.put_json("placement.json", _json(placement.to_json()))
+        body = self.render_job_template(spec, agent, store.url("agent.json"), placement.subnet_ids)
         try:
             tags = {"petctl:stack": self._base, "petctl:kind": "job", "petctl:job": spec.name}
             stacks.create(stack, body, tags, f"job {spec.name}")
@@ -190,12 +230,85 @@ class AwsProvider(Provider):
             if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
                 stacks.delete(stack, f"failed job {spec.name}")  # free the name for a corrected retry
             raise
+        capacity.suspend_processes(session.client("autoscaling"), stack)
         inventory.wait_in_service(session.client("autoscaling"), stack, spec.size, self.wait_timeout,
-                                  self.poll_interval, self.progress)
+                                  self.poll_interval, self.progress,
+                                  on_short=self._fallback_poller(spec.name))
         return self.job(spec.name)
 
-    def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str) -> str:
-        """The job stack's template (public so tests can read exactly what would be deployed)."""
+    def _plan_placement(self, session: AwsSession, spec: JobSpec) -> Placement:
+        """Rank the base stack's AZs by where the job's instance types are offered (no AWS change)."""
+        out = self.settings["outputs"]
+        azs, subnet_ids = out.get("AvailabilityZones", "").split(","), out["SubnetIds"].split(",")
+        if len(azs) != len(subnet_ids):
+            raise NotSetUp("the base stack's outputs do not name each subnet's AZ: rerun `petctl setup`")
+        subnets = dict(zip(azs, subnet_ids, strict=True))
+        offered = capacity.offerings(session.client("ec2"), spec.instance_types)
+        placement = plan_placement(offered, subnets, spec.instance_types, multi_az=spec.multi_az)
+        if spec.multi_az:
+            self.progress(f"WARNING: {MULTI_AZ_WARNING}")
+        else:
+            self.progress(f"job {spec.name} placed in {placement.az} (fallback order: "
+                          f"{', '.join(placement.azs[1:]) or 'none'})")
+        return placement
+
+    def _fallback_poller(self, name: str) -> Callable[[int], None]:
+        """fallback_az for each poll of run_job's wait. Its failures (throttling, a lost connection) must
+        not end run_job, whose job exists by now: they are counted, reported when they start and when
+        they end, and the check runs again at the next poll."""
+        failures = 0
+
+        def poll(in_service: int) -> None:
+            nonlocal failures
+            try:
+                self.fallback_az(name, in_service)
+            except ProviderError as exc:
+                failures += 1
+                if failures == 1:
+                    self.progress(f"the AZ fallback check of job {name} failed ({exc}); retrying at each "
+                                  "poll")
+                return
+            if failures:
+                self.progress(f"the AZ fallback check of job {name} works again after {failures} failure(s)")
+                failures = 0
+
+        return poll
+
+    def fallback_az(self, name: str, in_service: int | None = None) -> str | None:
+        """Move the job's group to its next AZ if its newest launch failed for lack of capacity there.
+
+        Returns the new AZ, or None when it stays. The move is recorded in `placement.json` (so the next
+        fallback skips the AZs already tried) before the group is changed. The job stack's template keeps
+        naming the first subnet: the group drifts from it on purpose (job stacks are never updated)."""
+        session = self._session()
+        store = self._store(session, name)
+        record = store.get_json("placement.json")
+        if not isinstance(record, dict):
+            return None  # a job created before placement was recorded: leave it where it is
+        placement = Placement.from_dict(record)
+        autoscaling = session.client("autoscaling")
+        group_name = self._job_stack(name)
+        g = inventory.group(autoscaling, group_name, name)
+        if in_service is None:
+            in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
+        decision = decide_fallback(placement, capacity.activities(autoscaling, group_name), in_service,
+                                   int(g["DesiredCapacity"]))
+        if not decision.move:
+            return None
+        placement.current += 1
+        placement.moved_at = time.time()
+        placement.moves.append(f"{placement.moved_at:.0f} {decision.reason} -> {decision.az}")
+        store.put_json("placement.json", _json(placement.to_json()))
+        capacity.move_group(autoscaling, group_name, placement.subnet_ids)
+        self.progress(f"no capacity in {decision.reason}; moved job {name} to {decision.az}")
+        return decision.az
+
+    def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str,
+                            subnet_ids: list[str] | None = None) -> str:
+        """The job stack's template (public so tests can read exactly what would be deployed).
+
+        `subnet_ids`: where the group launches (create_job passes its placement's); by default the
+        first subnet, or every subnet for a --multi-az job."""
         settings = self._ready()
         out = settings["outputs"]
         types = spec.instance_types
@@ -203,13 +316,16 @@ class AwsProvider(Provider):
         mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
         user_data = worker_user_data(agent, image=settings["image"], log_group=out["LogGroupName"],
                                      config_url=config_url, gpus=is_gpu(types[0]))
-        base = {"stack_name": self._base, "bucket": out["BucketName"],
-                "subnet_ids": out["SubnetIds"].split(","),
+        all_subnets = out["SubnetIds"].split(",")
+        if subnet_ids is None:
+            subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
+        base = {"stack_name": self._base, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
                 "worker_security_group": out["WorkerSecurityGroupId"],
                 "worker_policy_arn": out["WorkerPolicyArn"]}
         return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                           instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                           on_demand_base=spec.on_demand_base, user_data=user_data,
+                          spot_strategy=spec.spot_strategy,
                           job_prefix=job_prefix(spec.name),
                           lifecycle_hook=LIFECYCLE_HOOK, root_volume_gb=settings.get("root_volume_gb", 100),
                           hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))
@@ -352,17 +468,24 @@ class AwsProvider(Provider):
         if node and node not in available:
             raise ProviderError(f"no log for node {node!r} in job {name!r} yet (see `petctl hosts {name}`)")
         nodes = [node] if node else available
-        offsets: dict[str, int] = {}
+        seen: dict[str, set] = {}  # node -> chunks already shown (each is fetched once, even with -f)
+        partial: dict[str, str] = {}  # node -> the unterminated tail of its last chunk
         while True:
+            chunks = store.chunks("logs")
             for n in nodes:
-                lines = list(store.log_lines(n))
-                for line in lines[offsets.get(n, 0):]:
+                new = [k for k in chunks.get(n, []) if k not in seen.setdefault(n, set())]
+                seen[n].update(new)
+                lines = (partial.pop(n, "") + store.chunk_text(new)).split("\n")
+                partial[n] = lines.pop()  # "" when the text ended with a newline
+                for line in (raw.rstrip("\r") for raw in lines):
                     yield line if node else f"[{n}] {line}"
-                offsets[n] = len(lines)
             if not follow or self.job(name).state != "running":
+                for n, rest in partial.items():
+                    if rest:
+                        yield rest if node else f"[{n}] {rest}"
                 return
             time.sleep(max(self.poll_interval, 2.0))
-            nodes = [node] if node else store.log_nodes()
+            nodes = [node] if node else list(store.chunks("logs"))
 
 
 def _tags(stack: dict[str, Any]) -> dict[str, str]:

