@@ -112,6 +112,10 @@ class Provider(ABC):
 
         return read_job_state(etcd_client(self.etcd_endpoint()), name)
 
+    def scaling_activities(self, name: str) -> list[str]:
+        """Why capacity is (not) arriving, newest first, one line each ([] where nothing explains it)."""
+        return []
+
     def cost(self, name: str, events: list[dict[str, Any]], now: float | None = None):
         """A `petctl.cost.CostReport` for the job's instance hours, or None where nothing is billed."""
         return None
