@@ -377,6 +377,12 @@ class AwsProvider(Provider):
         self._reap(session, stack, result)
         return inventory.apply_result(info, result)
 
+    def doctor(self):
+        """`petctl doctor`: credentials, base stack, quotas, AMI, image, permissions (see doctor.py)."""
+        from petctl.providers.aws.doctor import run_checks
+
+        return run_checks(self._session(), self.settings, self._base)
+
     def scaling_activities(self, name: str) -> list[str]:
         """The group's latest scaling activities, explained (why instances are not launching)."""
         from petctl.providers.aws import activities
