@@ -111,6 +111,19 @@ def test_a_finished_jobs_stack_is_deleted_by_the_next_cli_command(ready, moto, t
     ready.teardown()  # nothing left to refuse it
 
 
+def test_an_older_base_stack_without_the_role_still_lists_jobs(ready, moto, tmp_path, stack_name):
+    ready.create_job(spec(), write_script(tmp_path / "src"))
+    bucket = ready.settings["outputs"]["BucketName"]
+    result = {"job": "demo", "state": "succeeded", "reason": "done", "ts": time.time()}
+    boto(moto, "s3").put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())
+    del ready.settings["outputs"]["JobStackRoleArn"]  # as recorded by a setup before issue 11
+    assert {j.name: j.state for j in ready.jobs()} == {"demo": "succeeded"}
+    assert any("run `petctl setup --provider aws` again" in line for line in ready.lines)
+    assert live_stack(moto, f"{stack_name}-job-demo") is not None  # left for a later command
+    with pytest.raises(Exception, match="predates job stacks' service role"):
+        ready.create_job(spec(name="next"), write_script(tmp_path / "src"))
+
+
 def test_teardown_does_not_refuse_for_jobs_that_ended(ready, moto, tmp_path, stack_name):
     ready.create_job(spec(), write_script(tmp_path / "src"))
     bucket = ready.settings["outputs"]["BucketName"]

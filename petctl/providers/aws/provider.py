@@ -90,8 +90,13 @@ class AwsProvider(Provider):
         if not inventory.ended(result) or stack["StackStatus"] == "DELETE_IN_PROGRESS":
             return
         job = _tags(stack).get("petctl:job", stack["StackName"])
+        role = self.settings.get("outputs", {}).get("JobStackRoleArn", "")
+        if not role:  # a base stack from before the service role: listing must still work
+            self.progress(f"job {job} ended ({result['state']}); run `petctl setup --provider aws` again "
+                          f"so petctl can delete its stack {stack['StackName']}")
+            return
         self.progress(f"job {job} ended ({result['state']}): deleting its stack {stack['StackName']}")
-        self._stacks(session).start_delete(stack["StackName"], self._stack_role())
+        self._stacks(session).start_delete(stack["StackName"], role)
 
     # --- shared infrastructure ---------------------------------------------------------------------
     def setup(self, **options: Any) -> dict[str, Any]:
