@@ -131,6 +131,9 @@ def test_service_role_is_for_cloudformation_and_scoped_to_this_installations_job
             assert s["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
         if any(a.startswith("autoscaling:") and not a.endswith("Describe*") for a in actions):
             assert json.dumps(s["Resource"]).endswith(f'autoScalingGroupName/{STACK}-job-*"}}'), s["Sid"]
+    policy = role_statements(base["Resources"]["JobStackRole"])
+    assert allows(policy, "ec2:GetLaunchTemplateData") and not allows(policy, "ec2:GetPasswordData")
+    assert not allows(policy, "cloudformation:DeleteStack")  # a service role needs no CloudFormation API
     outputs = base["Outputs"]
     assert outputs["JobStackRoleArn"]["Value"] == {"Fn::GetAtt": ["JobStackRole", "Arn"]}
 
