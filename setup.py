@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+TEMPLATE_PACKAGES = {"petctl._templates.cfn": "cfn", "petctl._templates.worker_image": "worker_image"}
+
 setup(
     name="petctl",
     version="0.1.0",
@@ -9,14 +11,15 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["petctl", "petctl.*"]),
-    # The CloudFormation and boot-script templates live at the top level (cfn/, worker_image/); a
-    # non-editable install puts them under <prefix>/share/petctl/, where the AWS provider also looks.
-    data_files=[
-        ("share/petctl/cfn", ["cfn/base.yaml.j2", "cfn/job.yaml.j2"]),
-        ("share/petctl/worker_image", ["worker_image/worker_boot.sh.j2", "worker_image/etcd_boot.sh.j2",
-                                     "worker_image/boot_lib.sh.j2"]),
-    ],
+    # The CloudFormation and boot-script templates live at the top level (cfn/, worker_image/: the source
+    # of truth). They travel inside the package: the two directories are mapped onto the packages
+    # petctl._templates.cfn / .worker_image and their *.j2 files shipped as package data, so a wheel (and
+    # the worker image, whose build context has only what the Dockerfile copies) holds them with no copy
+    # kept by hand. A checkout or an editable install reads cfn/ and worker_image/ directly.
+    packages=[*find_packages(include=["petctl", "petctl.*"]), *TEMPLATE_PACKAGES],
+    package_dir=TEMPLATE_PACKAGES,
+    package_data={name: ["*.j2"] for name in TEMPLATE_PACKAGES},
+    exclude_package_data={name: ["Dockerfile*", "*.py"] for name in TEMPLATE_PACKAGES},
     install_requires=[
         "boto3>=1.28",
         "click>=8.1",

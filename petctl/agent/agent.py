@@ -337,8 +337,8 @@ class Agent:
             self._set_state(state)
             if self.mirror is not None:
                 self.mirror.flush()
-            release_capacity(self.config.asg_name, self.config.asg_name, self.config.lifecycle_hook,
-                             self.config.region, self.events)
+            release_capacity(self.config.asg_name, self.config.lifecycle_hook, self.config.region,
+                             self.events)
 
     def _finish(self, ended: JobEnded) -> int:
         self.heartbeat.stop(delete=True)

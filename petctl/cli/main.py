@@ -103,6 +103,22 @@ def teardown(force: bool) -> None:
     click.echo(f"petctl torn down ({config.provider})")
 
 
+@cli.command()
+@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default=None,
+              help="Which provider to check (default: the configured one).")
+def doctor(provider_name: str | None) -> None:
+    """Check what a job needs before it runs (aws: credentials, base stack, spot vCPU quotas, AMI, worker
+    image in ECR, your permissions). One line per check: OK, FAIL or SKIP (the endpoint lacks that API)
+    with the reason; exits 1 when any check fails."""
+    config = load_config()
+    checks = provider_for(config, provider_name or config.provider or "local").doctor()
+    for check in checks:
+        click.echo(check.line())
+    failed = [c for c in checks if c.status == "FAIL"]
+    if failed:
+        fail(f"{len(failed)} of {len(checks)} checks failed", 1)
+
+
 def _register() -> None:
     from petctl.cli import insight, jobs, steer
 

@@ -40,11 +40,13 @@ def status(name: str, output: str) -> None:
     data = job_status(provider, name)
     data["accounting"] = summarize(provider, name, running=data["state"] not in ("succeeded", "failed",
                                                                                 "killed"))
+    data["scaling_activities"] = provider.scaling_activities(name)
     if output == "json":
         print_json(data)
         return
     click.echo(status_summary(data))
     click.echo(one_line(data["accounting"]))
+    echo_activities(data["scaling_activities"])
     ranks = data["ranks"]
     nodes = sorted(data["nodes"].values(),
                    key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
@@ -58,6 +60,14 @@ def status(name: str, output: str) -> None:
           [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
             n.get("state"), n.get("step", no_step) if n.get("step") is not None else no_step,
             checkpoint_step(n.get("last_checkpoint"))] for n in nodes])
+
+
+def echo_activities(lines: list[str]) -> None:
+    """The capacity's recent scaling activities (why instances launch or not), newest first."""
+    if lines:
+        click.echo("scaling activities (newest first):")
+        for line in lines:
+            click.echo(f"  {line}")
 
 
 def checkpoint_step(value: Any) -> Any:
@@ -87,6 +97,7 @@ def hosts(name: str, show_all: bool, output: str) -> None:
     table(None, ["host", "state", "rank", "age", "type", "market", "zone", "address"],
           [[h.host_id, h.state, h.rank, age(h.launched_at), h.instance_type, h.market, h.az, h.private_ip]
            for h in infos])
+    echo_activities(provider.scaling_activities(name))
 
 
 @click.command("logs")

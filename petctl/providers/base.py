@@ -34,6 +34,18 @@ class HostInfo:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Check:
+    """One line of `petctl doctor`: what was checked, OK/FAIL/SKIP, and why."""
+
+    name: str
+    status: str  # OK | FAIL | SKIP
+    reason: str = ""
+
+    def line(self) -> str:
+        return f"{self.status:<4} {self.name}: {self.reason}"
+
+
 @dataclass
 class JobInfo:
     name: str
@@ -118,6 +130,14 @@ class Provider(ABC):
         from petctl.jobstate import read_job_state
 
         return read_job_state(etcd_client(self.etcd_endpoint()), name)
+
+    def scaling_activities(self, name: str) -> list[str]:
+        """Why capacity is (not) arriving, newest first, one line each ([] where nothing explains it)."""
+        return []
+
+    def doctor(self) -> list[Check]:
+        """Checks of what this provider needs before a job can run (quotas, images, permissions)."""
+        return [Check("provider", "SKIP", f"no checks for the {self.name} provider")]
 
     def cost(self, name: str, events: list[dict[str, Any]], now: float | None = None):
         """A `petctl.cost.CostReport` for the job's instance hours, or None where nothing is billed."""

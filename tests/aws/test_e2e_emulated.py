@@ -72,6 +72,11 @@ def stack_gone(moto: str, name: str) -> bool:
     return not [s for s in stacks if s["StackName"] == name and s["StackStatus"] != "DELETE_COMPLETE"]
 
 
+def reaped(provider, moto: str, name: str) -> bool:
+    provider.jobs()  # a CLI command that sees an ended job with a stack deletes that stack
+    return stack_gone(moto, name)
+
+
 def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto, emulator, stack_name):
     outputs = ready.settings["outputs"]
     emulator.boot_etcd_host(outputs["EtcdGroupName"])
@@ -87,8 +92,11 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     job = wait_for(lambda: finished(ready, "e2e"), 180, "the job to finish", emulator)
     assert job.state == "succeeded", emulator.console()
 
-    # ... and give the capacity back by themselves: the job stack and its group go, the instances end
-    wait_for(lambda: stack_gone(moto, f"{stack_name}-job-e2e"), 60, "the job stack to be released", emulator)
+    # ... the agent that recorded the end scales its group to 0, and the CLI's next look at the job
+    # (jobs/status) deletes the ended job's stack with the base stack's service role: the group goes, the
+    # instances end
+    wait_for(lambda: reaped(ready, moto, f"{stack_name}-job-e2e"), 60, "the job stack to be released",
+             emulator)
     assert {h.host_id: h.state for h in ready.hosts("e2e")} == dict.fromkeys(instance_ids, "terminated")
     assert {j.name: j.state for j in ready.jobs()} == {"e2e": "succeeded"}  # on record after its stack
 
@@ -139,6 +147,7 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
     assert resumed, f"the replacement did not resume from a checkpoint\n{emulator.console()}"
     new_steps = emulator.steps(new)
     assert max(new_steps) == 29 and min(new_steps) >= 4, new_steps  # resumed, not restarted from scratch
-    wait_for(lambda: stack_gone(moto, f"{stack_name}-job-spot"), 60, "the capacity to be released", emulator)
+    wait_for(lambda: reaped(ready, moto, f"{stack_name}-job-spot"), 60, "the capacity to be released",
+             emulator)
     emulator.stop_following()
     assert emulator.errors == []

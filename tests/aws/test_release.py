@@ -1,8 +1,9 @@
 """A finished job gives its capacity back by itself (issue: nobody pays for idle instances).
 
 moto neither enforces IAM nor runs lifecycle hooks, so: the permissions are asserted on the rendered
-template (scoped to the job's own group, stack, role and launch template; absent with --keep), and the
-release sequence against recording clients (order, arguments, a failing step logged, not raised).
+template (scoped to the job's own group; absent with --keep; tests/aws/test_permissions.py checks them
+against the calls release.py makes), and the release sequence against recording clients (order,
+arguments, a failing step logged, not raised). The stack itself is deleted by the CLI, not the agent.
 """
 
 from __future__ import annotations
@@ -32,29 +33,23 @@ def statements(template: dict) -> dict[str, dict]:
     return {s["Sid"]: s for p in role["Policies"] for s in p["PolicyDocument"]["Statement"]}
 
 
-def test_job_role_may_release_only_its_own_capacity(tmp_path):
+def test_job_role_may_release_only_its_own_group(tmp_path):
     stmts = statements(render(tmp_path, keep=False))
     own = f"{STACK}-job-spot-single"
     group = json.dumps(stmts["ReleaseOwnGroup"]["Resource"])
     assert group.endswith(f'autoScalingGroupName/{own}"}}')
-    assert f"stack/{own}/*" in json.dumps(stmts["DeleteOwnStack"]["Resource"])
-    assert stmts["DeleteOwnStack"]["Action"] == "cloudformation:DeleteStack"
-    lt = stmts["DeleteOwnLaunchTemplate"]
-    assert lt["Action"] == "ec2:DeleteLaunchTemplate"
-    assert lt["Condition"]["StringEquals"]["aws:ResourceTag/petctl:job"] == "spot-single"
-    roles = json.dumps(stmts["DeleteOwnRoleAndProfile"]["Resource"])
-    assert f"role/{own}-*" in roles and f"instance-profile/{own}-*" in roles
+    assert stmts["ReleaseOwnGroup"]["Action"] == ["autoscaling:DeleteLifecycleHook",
+                                                  "autoscaling:UpdateAutoScalingGroup"]
+    assert not {"DeleteOwnStack", "DeleteOwnLaunchTemplate", "DeleteOwnRoleAndProfile"} & set(stmts)
     for s in stmts.values():
         assert s["Effect"] == "Allow" and "*" not in json.dumps(s["Action"])
 
 
 def test_keep_renders_no_release_permission(tmp_path):
-    stmts = statements(render(tmp_path, keep=True))
-    assert not {"ReleaseOwnGroup", "DeleteOwnStack", "DeleteOwnLaunchTemplate",
-                "DeleteOwnRoleAndProfile"} & set(stmts)
+    assert "ReleaseOwnGroup" not in statements(render(tmp_path, keep=True))
 
 
-def test_launch_template_is_tagged_for_the_scoped_delete(tmp_path):
+def test_launch_template_is_tagged_with_its_job(tmp_path):
     lt = next(r for r in render(tmp_path, keep=False)["Resources"].values()
               if r["Type"] == "AWS::EC2::LaunchTemplate")["Properties"]
     (spec,) = lt["TagSpecifications"]
@@ -74,24 +69,23 @@ class Recorder:
         return call
 
 
-def test_release_hook_then_group_then_stack():
+def test_release_removes_the_hook_then_empties_the_group_and_leaves_the_stack():
     calls: list = []
     out = io.StringIO()
-    ok = release_capacity("st-job-a", "st-job-a", "hook", "us-east-1", EventLog("agent", stream=out),
-                          autoscaling=Recorder(calls), cloudformation=Recorder(calls))
+    ok = release_capacity("st-job-a", "hook", "us-east-1", EventLog("agent", stream=out),
+                          autoscaling=Recorder(calls))
     assert ok
-    assert [c[0] for c in calls] == ["delete_lifecycle_hook", "update_auto_scaling_group", "delete_stack"]
+    assert [c[0] for c in calls] == ["delete_lifecycle_hook", "update_auto_scaling_group"]
+    assert calls[0][1] == {"AutoScalingGroupName": "st-job-a", "LifecycleHookName": "hook"}
     assert calls[1][1] == {"AutoScalingGroupName": "st-job-a", "MinSize": 0, "DesiredCapacity": 0}
-    assert calls[2][1] == {"StackName": "st-job-a"}
     assert '"event":"release.done"' in out.getvalue()
 
 
 def test_a_denied_step_is_logged_and_the_rest_still_runs():
     calls: list = []
     out = io.StringIO()
-    ok = release_capacity("st-job-a", "st-job-a", "hook", "us-east-1", EventLog("agent", stream=out),
-                          autoscaling=Recorder(calls, fail="delete_lifecycle_hook"),
-                          cloudformation=Recorder(calls))
+    ok = release_capacity("st-job-a", "hook", "us-east-1", EventLog("agent", stream=out),
+                          autoscaling=Recorder(calls, fail="delete_lifecycle_hook"))
     assert not ok
-    assert [c[0] for c in calls] == ["delete_lifecycle_hook", "update_auto_scaling_group", "delete_stack"]
+    assert [c[0] for c in calls] == ["delete_lifecycle_hook", "update_auto_scaling_group"]
     assert "release.step_failed" in out.getvalue() and "AccessDenied" in out.getvalue()

@@ -95,7 +95,11 @@ def test_on_demand_has_no_spot_settings(templates):
 def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
     t = job(templates, variant)
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
-    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "4", "2")
+    # Created empty (issue 11.2): a group is CREATE_COMPLETE only at its desired capacity, which run_job
+    # sets once the stack exists. No DesiredCapacity means MinSize (0); updates keep the live sizes.
+    assert (group["MinSize"], group["MaxSize"]) == ("0", "4") and "DesiredCapacity" not in group
+    policy = t["Resources"]["Group"]["UpdatePolicy"]["AutoScalingScheduledAction"]
+    assert policy == {"IgnoreUnmodifiedGroupSizeProperties": True}
     assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")[:1]  # one AZ per job (all-reduce)
     assert group["AutoScalingGroupName"] == f"petctl-job-{variant}"
     (hook,) = group["LifecycleHookSpecificationList"]

@@ -77,27 +77,45 @@ def group(autoscaling, asg_name: str, job: str) -> dict[str, Any]:
     return groups[0]
 
 
+def start_group(autoscaling, asg_name: str, min_size: int, size: int) -> None:
+    """Raise a job's group from the 0 it was created at (cfn/job.yaml.j2) to its --min/--size.
+
+    The stack is complete by then whatever EC2 can deliver, so a capacity shortage never rolls it back."""
+    with aws_errors(f"start the Auto Scaling group {asg_name}"):
+        autoscaling.update_auto_scaling_group(AutoScalingGroupName=asg_name, MinSize=min_size,
+                                              DesiredCapacity=size)
+
+
 def wait_in_service(autoscaling, asg_name: str, size: int, timeout: float, poll: float,
                     progress: Callable[[str], None],
                     on_short: Callable[[int], None] | None = None) -> int:
     """Wait until `size` instances are InService; returns how many are. A spot shortage is reported, not
-    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up. `on_short(in_service)`
-    runs at each poll that finds the group short (the AZ fallback hooks in there)."""
+    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up. Each new scaling
+    activity that did not succeed is reported with EC2's reason (quota, capacity, IAM propagation).
+    `on_short(in_service)` runs at each poll that finds the group short (the AZ fallback hooks in there)."""
+    from petctl.providers.aws import activities
+
     deadline = time.monotonic() + timeout
     last = -1
+    seen: set[str] = set()
     while True:
         g = group(autoscaling, asg_name, asg_name)
         in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
         if in_service != last:
             progress(f"instances in service: {in_service}/{size}")
             last = in_service
+        for activity in reversed(activities.recent(autoscaling, asg_name)):
+            if activity.activity_id not in seen:
+                seen.add(activity.activity_id)
+                if activity.status != "Successful":
+                    progress(f"  scaling activity {activities.explain(activity)}")
         if in_service >= size:
             return in_service
         if on_short is not None:
             on_short(in_service)
         if time.monotonic() > deadline:
             progress(f"only {in_service}/{size} instances in service after {timeout:.0f}s (spot capacity "
-                     "may be short); the Auto Scaling group keeps trying")
+                     "may be short); the Auto Scaling group keeps trying (`petctl status` shows why)")
             return in_service
         time.sleep(poll)
 
@@ -119,6 +137,23 @@ def hosts(ec2, stack: str, job: str) -> list[HostInfo]:
                         private_ip=i.get("PrivateIpAddress", ""),
                         launched_at=launched.timestamp() if launched else None))
     return sorted(out, key=lambda h: (h.state == "terminated", h.launched_at or 0, h.host_id))
+
+
+ENDED = ("succeeded", "failed", "killed")
+
+
+def ended(result: Any) -> bool:
+    """True when a job's result.json records its end (written by its agent, or by kill_job)."""
+    return isinstance(result, dict) and result.get("state") in ENDED
+
+
+def apply_result(info: JobInfo, result: Any) -> JobInfo:
+    """Whenever result.json exists it decides the job's state: a job that succeeded stays succeeded while
+    (or after) its stack is deleted, even if that deletion fails."""
+    if isinstance(result, dict) and result.get("state"):
+        info.state, info.reason = str(result["state"]), str(result.get("reason", ""))
+        info.extra["ended_at"] = result.get("ts")
+    return info
 
 
 def job_info(autoscaling, stack: dict[str, Any], provider: str) -> JobInfo:

@@ -89,6 +89,29 @@ class AwsProvider(Provider):
     def _store(self, session: AwsSession, job: str) -> JobStore:
         return JobStore(session.client("s3"), self._ready()["outputs"]["BucketName"], job)
 
+    def _stack_role(self) -> str:
+        """The base stack's CloudFormation service role, which creates and deletes job stacks (the
+        caller's own permissions, or a worker's, are not what deletes a job's IAM role)."""
+        role = self._ready()["outputs"].get("JobStackRoleArn", "")
+        if not role:
+            raise NotSetUp("the base stack predates job stacks' service role: run `petctl setup --provider "
+                           "aws` again to update it")
+        return role
+
+    def _reap(self, session: AwsSession, stack: dict[str, Any], result: Any) -> None:
+        """A job whose result.json records its end, and whose stack still exists, gets its stack deleted
+        (its agent already scaled the group to 0 and may not delete the stack itself). Not waited for."""
+        if not inventory.ended(result) or stack["StackStatus"] == "DELETE_IN_PROGRESS":
+            return
+        job = _tags(stack).get("petctl:job", stack["StackName"])
+        role = self.settings.get("outputs", {}).get("JobStackRoleArn", "")
+        if not role:  # a base stack from before the service role: listing must still work
+            self.progress(f"job {job} ended ({result['state']}); run `petctl setup --provider aws` again "
+                          f"so petctl can delete its stack {stack['StackName']}")
+            return
+        self.progress(f"job {job} ended ({result['state']}): deleting its stack {stack['StackName']}")
+        self._stacks(session).start_delete(stack["StackName"], role)
+
     # --- shared infrastructure ---------------------------------------------------------------------
     def setup(self, **options: Any) -> dict[str, Any]:
         """Create or update the base stack. Options (strings, as `--option KEY=VALUE` gives them):
@@ -170,12 +193,13 @@ class AwsProvider(Provider):
         stacks = self._stacks(session)
         jobs = stacks.list_stacks("petctl:stack", self._base)
         jobs = [s for s in jobs if _tags(s).get("petctl:kind") == "job"]
-        if jobs and not force:
-            names = ", ".join(sorted(_tags(s).get("petctl:job", s["StackName"]) for s in jobs))
-            raise JobExists(f"{len(jobs)} job(s) still exist ({names}): kill them first or pass --force")
+        live = [s for s in jobs if not self._ended_stack(session, s)]  # ended jobs' stacks just go
+        if live and not force:
+            names = ", ".join(sorted(_tags(s).get("petctl:job", s["StackName"]) for s in live))
+            raise JobExists(f"{len(live)} job(s) still exist ({names}): kill them first or pass --force")
+        role = self.settings.get("outputs", {}).get("JobStackRoleArn", "")
         for job_stack in jobs:  # start every deletion first, then wait: they run in parallel
-            with aws_errors(f"delete stack {job_stack['StackName']}"):
-                session.client("cloudformation").delete_stack(StackName=job_stack["StackName"])
+            stacks.start_delete(job_stack["StackName"], role)
         for job_stack in jobs:
             stacks.delete(job_stack["StackName"], f"job {_tags(job_stack).get('petctl:job')}")
         bucket = self.settings.get("outputs", {}).get("BucketName", "")
@@ -210,6 +234,8 @@ class AwsProvider(Provider):
         if stacks.describe(stack):
             raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick "
                             "another name")
+        role = self._stack_role()
+        self._check_quota(session, spec)
         store = self._store(session, spec.name)
         spec.code_url, default_entry = store.upload_code(script)
         spec.entrypoint = spec.entrypoint or default_entry
@@ -225,15 +251,18 @@ class AwsProvider(Provider):
         body = self.render_job_template(spec, agent, store.url("agent.json"), placement.subnet_ids)
         try:
             tags = {"petctl:stack": self._base, "petctl:kind": "job", "petctl:job": spec.name}
-            stacks.create(stack, body, tags, f"job {spec.name}")
+            stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
         except ProviderError:
             if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
-                stacks.delete(stack, f"failed job {spec.name}")  # free the name for a corrected retry
+                stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
             raise
-        capacity.suspend_processes(session.client("autoscaling"), stack)
-        inventory.wait_in_service(session.client("autoscaling"), stack, spec.size, self.wait_timeout,
-                                  self.poll_interval, self.progress,
-                                  on_short=self._fallback_poller(spec.name))
+        # The group was created empty (a stack waits for its group's desired capacity): AZRebalance is
+        # suspended first (no template property can), then the group is started and watched.
+        autoscaling = session.client("autoscaling")
+        capacity.suspend_processes(autoscaling, stack)
+        inventory.start_group(autoscaling, stack, spec.min_size, spec.size)
+        inventory.wait_in_service(autoscaling, stack, spec.size, self.wait_timeout, self.poll_interval,
+                                  self.progress, on_short=self._fallback_poller(spec.name))
         return self.job(spec.name)
 
     def _plan_placement(self, session: AwsSession, spec: JobSpec) -> Placement:
@@ -303,6 +332,17 @@ class AwsProvider(Provider):
         self.progress(f"no capacity in {decision.reason}; moved job {name} to {decision.az}")
         return decision.az
 
+    def _check_quota(self, session: AwsSession, spec: JobSpec) -> None:
+        """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
+        the quota cannot be read (an emulator, a missing permission) or leaves --size out of reach."""
+        from petctl.providers.aws.quotas import check
+
+        verdict = check(session, spec.instance_types, "on-demand" if spec.on_demand else "spot", spec.size)
+        for warning in verdict.warnings:
+            self.progress(f"warning: {warning}")
+        if verdict.error:
+            raise ProviderError(verdict.error)
+
     def render_job_template(self, spec: JobSpec, agent: AgentConfig, config_url: str,
                             subnet_ids: list[str] | None = None) -> str:
         """The job stack's template (public so tests can read exactly what would be deployed).
@@ -335,16 +375,25 @@ class AwsProvider(Provider):
         self._ready()
         session = self._session()
         stacks = self._stacks(session)
-        if not stacks.describe(self._job_stack(name)):
-            raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
         store = self._store(session, name)
+        if not stacks.describe(self._job_stack(name)):
+            result = store.get_json("result.json")
+            if inventory.ended(result):  # ended, and its stack already deleted: nothing left to remove
+                self.progress(f"job {name} already ended ({result['state']}); its capacity is gone")
+                return
+            raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
         if store.get_json("result.json") is None:  # an ended job keeps the result its agent wrote
             info = self.job(name)
             ended = info.state in ("succeeded", "failed")
             store.put_json("result.json", {"job": name, "state": info.state if ended else "killed",
                                            "reason": info.reason if ended else "petctl kill_job",
                                            "ts": time.time()})
-        stacks.delete(self._job_stack(name), f"job {name}")
+        stacks.delete(self._job_stack(name), f"job {name}", self._stack_role())
+
+    def _ended_stack(self, session: AwsSession, stack: dict[str, Any]) -> bool:
+        job = _tags(stack).get("petctl:job", "")
+        return bool(job) and bool(self.settings.get("outputs", {}).get("BucketName")) and inventory.ended(
+            self._store(session, job).get_json("result.json"))
 
     def scale(self, name: str, size: int) -> None:
         self._ready()
@@ -386,7 +435,12 @@ class AwsProvider(Provider):
         session = self._session()
         stacks = [s for s in self._stacks(session).list_stacks("petctl:stack", self._base)
                   if _tags(s).get("petctl:kind") == "job"]
-        infos = [inventory.job_info(session.client("autoscaling"), s, self.name) for s in stacks]
+        infos = []
+        for stack in stacks:
+            info = inventory.job_info(session.client("autoscaling"), stack, self.name)
+            result = self._store(session, info.name).get_json("result.json")
+            infos.append(inventory.apply_result(info, result))
+            self._reap(session, stack, result)
         live = {i.name for i in infos}
         for name in recorded_jobs(session.client("s3"), settings["outputs"]["BucketName"]):
             if name not in live:
@@ -440,11 +494,26 @@ class AwsProvider(Provider):
                 raise JobNotFound(f"no job {name!r} (see `petctl jobs`)")
             return recorded
         info = inventory.job_info(session.client("autoscaling"), stack, self.name)
-        if info.state == "running":  # ended, but its capacity not released yet (or kept with --keep)
-            result = self._store(session, name).get_json("result.json")
-            if isinstance(result, dict) and result.get("state"):
-                info.state, info.reason = str(result["state"]), str(result.get("reason", ""))
-        return info
+        result = self._store(session, name).get_json("result.json")
+        self._reap(session, stack, result)
+        return inventory.apply_result(info, result)
+
+    def doctor(self):
+        """`petctl doctor`: credentials, base stack, quotas, AMI, image, permissions (see doctor.py)."""
+        from petctl.providers.aws.doctor import run_checks
+
+        return run_checks(self._session(), self.settings, self._base)
+
+    def scaling_activities(self, name: str) -> list[str]:
+        """The group's latest scaling activities, explained (why instances are not launching)."""
+        from petctl.providers.aws import activities
+
+        self._ready()
+        session = self._session()
+        if not self._stacks(session).describe(self._job_stack(name)):
+            return []
+        return [activities.explain(a) for a in activities.recent(session.client("autoscaling"),
+                                                                 self._job_stack(name), limit=5)]
 
     def etcd_endpoint(self) -> str:
         return self._ready()["outputs"]["EtcdEndpoint"]

@@ -55,14 +55,15 @@ class AwsSession:
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
         return cls(region=region, profile=profile, endpoint_url=endpoint_url, _session=session)
 
-    def client(self, service: str, region: str = ""):
-        """A client with adaptive retries; `region` for the few global-ish APIs (pricing: us-east-1)."""
-        key = f"{service}@{region}" if region else service
+    def client(self, service: str, region: str = "", attempts: int = 0):
+        """A client with adaptive retries; `region` for the few global-ish APIs (pricing: us-east-1);
+        `attempts` below the default for a probe whose failure is an answer (petctl doctor)."""
+        key = f"{service}@{region}#{attempts}" if region or attempts else service
         if key not in self._clients:
             from botocore.config import Config
 
             config = Config(region_name=region or self.region, user_agent_extra="petctl",
-                            retries={"mode": "adaptive", "max_attempts": self.max_attempts})
+                            retries={"mode": "adaptive", "max_attempts": attempts or self.max_attempts})
             self._clients[key] = self._session.client(service, config=config,
                                                       endpoint_url=self.endpoint_url or None)
         return self._clients[key]

@@ -20,6 +20,10 @@ DONE_OK = {"CREATE_COMPLETE", "UPDATE_COMPLETE", "DELETE_COMPLETE", "IMPORT_COMP
 CAPABILITIES = ["CAPABILITY_IAM"]
 
 
+def _role(role_arn: str) -> dict[str, str]:
+    return {"RoleARN": role_arn} if role_arn else {}
+
+
 def stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -61,15 +65,17 @@ class StackOps:
                         stacks.append(stack)
         return stacks
 
-    def create(self, name: str, body: str, tags: dict[str, str], what: str) -> dict[str, Any]:
-        """Create a stack that must not exist yet, and wait for it."""
+    def create(self, name: str, body: str, tags: dict[str, str], what: str,
+               role_arn: str = "") -> dict[str, Any]:
+        """Create a stack that must not exist yet, and wait for it. `role_arn`: the CloudFormation service
+        role to create (and later update and delete) it with, instead of the caller's permissions."""
         existing = self.describe(name)
         if existing:
             raise JobExists(self._exists_message(name, existing["StackStatus"], what))
         with aws_errors(f"create stack {name}"):
             self.cfn.create_stack(StackName=name, TemplateBody=body, Capabilities=CAPABILITIES,
                                   Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
-                                  OnFailure="ROLLBACK")
+                                  OnFailure="ROLLBACK", **_role(role_arn))
         self.progress(f"creating {what} (stack {name})")
         return self.wait(name, "CREATE_COMPLETE")
 
@@ -100,14 +106,19 @@ class StackOps:
         self.progress(f"updating {what} (stack {name})")
         return self.wait(name, "UPDATE_COMPLETE")
 
-    def delete(self, name: str, what: str) -> None:
-        stack = self.describe(name)
-        if stack is None:
-            return
+    def delete(self, name: str, what: str, role_arn: str = "") -> None:
+        """Delete a stack and wait until it is gone (with `role_arn`, as that service role)."""
+        if self.start_delete(name, role_arn):
+            self.progress(f"deleting {what} (stack {name})")
+            self.wait(name, "DELETE_COMPLETE")
+
+    def start_delete(self, name: str, role_arn: str = "") -> bool:
+        """Ask CloudFormation to delete a stack without waiting; False when there is no such stack."""
+        if self.describe(name) is None:
+            return False
         with aws_errors(f"delete stack {name}"):
-            self.cfn.delete_stack(StackName=name)
-        self.progress(f"deleting {what} (stack {name})")
-        self.wait(name, "DELETE_COMPLETE")
+            self.cfn.delete_stack(StackName=name, **_role(role_arn))
+        return True
 
     def wait(self, name: str, target: str) -> dict[str, Any]:
         """Poll until the stack settles; print each new resource event; raise with the failure reason."""

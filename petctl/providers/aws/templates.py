@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,13 @@ BOOT_DIR = "worker_image"
 
 
 def resource_dir(name: str) -> Path:
-    """`cfn/` or `worker_image/`: next to the package in a checkout, or under `<prefix>/share/petctl`."""
-    candidates = [Path(__file__).resolve().parents[3] / name, Path(sys.prefix) / "share" / "petctl" / name]
+    """`cfn/` or `worker_image/`: the top-level directory in a checkout (or an editable install), else the
+    copy packaged inside petctl (`petctl/_templates/<name>`, see setup.py). Raises ProviderError when
+    neither holds templates (a broken install)."""
+    package = Path(__file__).resolve().parents[2]
+    candidates = [package.parent / name, package / "_templates" / name]
     for path in candidates:
-        if path.is_dir():
+        if any(path.glob("*.j2")):
             return path
     looked = ", ".join(map(str, candidates))
     raise ProviderError(f"petctl's {name}/ templates are missing (looked in {looked})")

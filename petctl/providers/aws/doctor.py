@@ -1,0 +1,157 @@
+"""`petctl doctor --provider aws`: what only a real account can show, checked in one command.
+
+Each check is one `Check` (OK / FAIL / SKIP with the reason). A check whose API the endpoint lacks (an
+emulator) is SKIP, never FAIL; any FAIL makes the command exit non-zero. The checks: credentials, the
+base stack, the spot vCPU quotas, the worker AMI, the worker image in ECR, and the operator's
+permissions, simulated with `iam:SimulatePrincipalPolicy` for the caller's own identity.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from petctl.errors import PetctlError
+from petctl.providers.base import Check
+
+# What the CLI calls on a user's behalf after `setup` (setup itself creates IAM roles, a VPC, a bucket:
+# it needs administrator-level rights once; docs/aws.md lists them).
+OPERATOR_ACTIONS = (
+    "sts:GetCallerIdentity", "cloudformation:CreateStack", "cloudformation:DeleteStack",
+    "cloudformation:DescribeStacks", "cloudformation:DescribeStackEvents", "cloudformation:GetTemplate",
+    "autoscaling:DescribeAutoScalingGroups", "autoscaling:UpdateAutoScalingGroup",
+    "autoscaling:SetDesiredCapacity", "autoscaling:DescribeScalingActivities", "ec2:DescribeInstances",
+    "ec2:DescribeInstanceTypes", "ec2:DescribeImages", "ec2:TerminateInstances",
+    "ec2:DescribeAvailabilityZones", "ec2:DescribeSpotPriceHistory", "ecr:DescribeImages",
+    "s3:GetObject", "s3:PutObject", "s3:ListBucket", "servicequotas:GetServiceQuota", "ssm:GetParameter",
+    "pricing:GetProducts", "iam:SimulatePrincipalPolicy",
+)
+QUOTA_PROBES = (("L-3819A6DF", "All G and VT Spot Instance Requests", "g4dn.xlarge"),
+                ("L-34B43A08", "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "c5.large"))
+UNAVAILABLE = ("NotImplemented", "InvalidAction", "UnknownOperation", "NotImplementedError", "404", "501")
+
+
+def principal_arn(caller_arn: str) -> str:
+    """The IAM principal to simulate: an assumed role's role, a user as is; "" for the root user."""
+    match = re.match(r"^arn:(?P<p>[^:]+):sts::(?P<acct>\d+):assumed-role/(?P<role>[^/]+)/.+$", caller_arn)
+    if match:
+        return f"arn:{match['p']}:iam::{match['acct']}:role/{match['role']}"
+    return "" if caller_arn.endswith(":root") else caller_arn
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """True when the endpoint lacks the API (an emulator): unknown action, not implemented, or an
+    internal error page instead of an AWS response."""
+    from botocore.parsers import ResponseParserError
+
+    from petctl.providers.aws.session import error_code
+
+    if isinstance(exc, ResponseParserError):
+        return True
+    code = error_code(exc)
+    status = str((getattr(exc, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return (isinstance(exc, NotImplementedError) or code in UNAVAILABLE or status in UNAVAILABLE
+            or "not been implemented" in str(exc) or "not yet implemented" in str(exc).lower())
+
+
+def _guard(name: str, call) -> Check:
+    """Run one check; an AWS error becomes FAIL with AWS's reason, a missing API a SKIP."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
+
+    from petctl.providers.aws.session import error_code, error_message
+
+    try:
+        return call()
+    except (ClientError, NotImplementedError, ResponseParserError) as exc:
+        if _unavailable(exc):
+            why = error_code(exc) or type(exc).__name__
+            return Check(name, "SKIP", f"this endpoint does not implement the API ({why})")
+        return Check(name, "FAIL", f"{error_code(exc)}: {error_message(exc)[:200]}")
+    except BotoCoreError as exc:
+        return Check(name, "FAIL", str(exc)[:200])
+    except PetctlError as exc:
+        return Check(name, "FAIL", str(exc))
+
+
+def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check]:
+    from petctl.providers.aws import inventory, quotas
+    from petctl.providers.aws.stacks import StackOps
+
+    checks: list[Check] = []
+    identity: dict[str, str] = {}
+
+    def credentials() -> Check:
+        identity.update(session.client("sts").get_caller_identity())
+        return Check("credentials", "OK", f"{identity['Arn']} in {session.region}")
+
+    checks.append(_guard("credentials", credentials))
+    if not identity:
+        return checks
+
+    def base_stack() -> Check:
+        stack = StackOps(session.client("cloudformation")).describe(stack_name)
+        if stack is None or not settings.get("ready"):
+            return Check("base stack", "FAIL",
+                         f"stack {stack_name} not found: run `petctl setup --provider aws`")
+        status = stack["StackStatus"]
+        ok = status in ("CREATE_COMPLETE", "UPDATE_COMPLETE")
+        return Check("base stack", "OK" if ok else "FAIL", f"{stack_name} is {status}")
+
+    checks.append(_guard("base stack", base_stack))
+
+    servicequotas = session.client("service-quotas", attempts=3)  # unreadable is a warning, not a wait
+    vcpus = quotas.instance_vcpus(session.client("ec2"), [probe for _, _, probe in QUOTA_PROBES])
+    for code, name, probe in QUOTA_PROBES:
+        quota = quotas.fetch_quota(servicequotas, code, name)
+        label = f"spot vCPU quota {code} ({name})"
+        if quota.value is None:
+            checks.append(Check(label, "SKIP", quota.why_unknown))
+        elif probe in vcpus and quota.value < vcpus[probe]:
+            checks.append(Check(label, "FAIL", f"{quota.value:g} vCPUs, below one {probe} ({vcpus[probe]}): "
+                                               "request an increase in Service Quotas"))
+        else:
+            checks.append(Check(label, "OK", f"{quota.value:g} vCPUs"))
+
+    def ami() -> Check:
+        image_id = settings.get("worker_ami", "")
+        if not image_id:
+            return Check("worker AMI", "FAIL", "no worker AMI recorded: run `petctl setup --provider aws`")
+        images = session.client("ec2").describe_images(ImageIds=[image_id])["Images"]
+        if not images:
+            return Check("worker AMI", "FAIL", f"{image_id} does not exist in {session.region}")
+        found = images[0]
+        return Check("worker AMI", "OK", f"{image_id} ({found.get('Name', '')}) {found.get('State', '')}")
+
+    checks.append(_guard("worker AMI", ami))
+
+    def image() -> Check:
+        ref = settings.get("image", "")
+        if not ref:
+            return Check("worker image", "FAIL", "no image recorded: run `petctl setup --provider aws`")
+        inventory.check_image(session.client("ecr"), ref, session.region)
+        return Check("worker image", "OK", f"{ref} is in ECR" if inventory.ECR_IMAGE_RE.match(ref)
+                     else f"{ref} (not in this region's ECR: not checked)")
+
+    checks.append(_guard("worker image", image))
+    checks.append(_guard("operator permissions", lambda: permissions(session, identity["Arn"], settings)))
+    return checks
+
+
+def permissions(session, caller_arn: str, settings: dict[str, Any]) -> Check:
+    """Simulate the CLI's calls, and iam:PassRole of the job stacks' service role, for the caller."""
+    principal = principal_arn(caller_arn)
+    if not principal:
+        return Check("operator permissions", "SKIP", "the root user is not subject to IAM policies")
+    iam = session.client("iam", attempts=2)  # a missing API is an answer here, not worth ten retries
+    results = iam.simulate_principal_policy(PolicySourceArn=principal,
+                                            ActionNames=list(OPERATOR_ACTIONS))["EvaluationResults"]
+    role = settings.get("outputs", {}).get("JobStackRoleArn", "")
+    if role:
+        results += iam.simulate_principal_policy(PolicySourceArn=principal, ActionNames=["iam:PassRole"],
+                                                 ResourceArns=[role])["EvaluationResults"]
+    denied = sorted(r["EvalActionName"] for r in results if r.get("EvalDecision") != "allowed")
+    if denied:
+        return Check("operator permissions", "FAIL", f"{principal} may not: {', '.join(denied)}")
+    return Check("operator permissions", "OK", f"{principal} may make every call petctl makes "
+                                               f"({len(results)} simulated)")

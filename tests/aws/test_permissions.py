@@ -1,0 +1,208 @@
+"""Who may do what to a job stack (issue 11, item 3), checked against AWS's published contracts.
+
+CloudFormation runs a resource's create/update/delete handlers with the stack's service role, and each
+handler's required IAM actions are published in the resource type's registry schema (`handlers.*.
+permissions`). moto enforces no IAM, so the contract is checked on the rendered templates:
+
+- the base stack's JobStackRole (the service role the CLI passes as RoleARN) allows every action of
+  every handler of every resource type in the job stack (wildcards such as `autoscaling:Describe*`
+  matched with fnmatch, as IAM matches them);
+- the workers' own role allows exactly the calls the agent's release path makes (petctl/agent/release.py,
+  read with `ast`), and nothing that deletes a stack or passes a role.
+
+The schemas: the installed cfn-lint's, when they still carry `handlers` (releases after 1.3 strip them);
+otherwise `fixtures/cfn_handler_permissions.json`, extracted from cfn-lint 1.3.0's copy of the registry.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.aws import rendered
+from tests.aws.rendered import STACK, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).parent / "fixtures" / "cfn_handler_permissions.json"
+HANDLERS = ("create", "update", "delete")
+# Listed by a handler, but not an IAM service prefix (cfn-lint W3037 rejects it): no policy can grant it.
+NOT_IAM_SERVICES = {"managed-fleets"}
+
+
+@cache
+def handler_permissions(resource_type: str) -> dict[str, list[str]]:
+    """{handler: [actions]} from the installed cfn-lint's registry schema, else from the fixture."""
+    try:
+        import cfnlint
+        from cfnlint.data.schemas.providers import us_east_1
+
+        schemas = Path(cfnlint.__file__).parent / "data" / "schemas" / "resources"
+        path = schemas / f"{us_east_1.types[resource_type]}.json"
+        handlers = json.loads(path.read_text()).get("handlers", {})
+    except (ImportError, KeyError, AttributeError, OSError):
+        handlers = {}
+    if handlers:
+        return {h: handlers[h]["permissions"] for h in HANDLERS if h in handlers}
+    return json.loads(FIXTURE.read_text())["types"][resource_type]
+
+
+def statements(policy: dict[str, Any]) -> list[dict[str, Any]]:
+    found = policy.get("Statement", [])
+    return found if isinstance(found, list) else [found]
+
+
+def _listed(value: Any) -> list[str]:
+    return [value] if isinstance(value, str) else list(value)
+
+
+def allows(policy_statements: list[dict[str, Any]], action: str) -> bool:
+    """IAM's action matching: case-insensitive, `*` and `?` wildcards; an explicit Deny wins."""
+    def matches(statement: dict[str, Any]) -> bool:
+        return any(fnmatch.fnmatchcase(action.lower(), pattern.lower())
+                   for pattern in _listed(statement.get("Action", [])))
+
+    if any(s["Effect"] == "Deny" and matches(s) for s in policy_statements):
+        return False
+    return any(s["Effect"] == "Allow" and matches(s) for s in policy_statements)
+
+
+def role_statements(role: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for p in role["Properties"].get("Policies", []) for s in statements(p["PolicyDocument"])]
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, Any]:
+    return parse(rendered.base_template())
+
+
+@pytest.fixture(scope="module", params=sorted(rendered.JOB_VARIANTS))
+def job(request, tmp_path_factory) -> dict[str, Any]:
+    return parse(rendered.job_template(tmp_path_factory.mktemp("job"), request.param))
+
+
+def test_the_allows_helper_handles_wildcards_and_denies():
+    policy = [{"Effect": "Allow", "Action": ["autoscaling:Describe*", "ec2:Get*"]},
+              {"Effect": "Deny", "Action": "ec2:GetConsoleOutput"}]
+    assert allows(policy, "autoscaling:DescribeAutoScalingGroups")
+    assert allows(policy, "AutoScaling:describescalingactivities")  # IAM ignores case in actions
+    assert not allows(policy, "autoscaling:DeleteAutoScalingGroup")
+    assert not allows(policy, "ec2:GetConsoleOutput")
+
+
+def test_service_role_can_create_update_and_delete_every_job_resource(base, job):
+    service_role = base["Resources"]["JobStackRole"]
+    policy = role_statements(service_role)
+    kinds = {r["Type"] for r in job["Resources"].values()}
+    assert kinds == {"AWS::IAM::Role", "AWS::IAM::InstanceProfile", "AWS::EC2::LaunchTemplate",
+                     "AWS::AutoScaling::AutoScalingGroup"}  # a new type needs its handlers checked here
+    missing = [f"{kind} {handler}: {action}" for kind in sorted(kinds)
+               for handler, actions in handler_permissions(kind).items() for action in actions
+               if action.split(":")[0] not in NOT_IAM_SERVICES and not allows(policy, action)]
+    assert missing == []
+
+
+def test_the_delete_handlers_that_failed_from_the_worker_role_are_covered(base):
+    # the DELETE_FAILED of issue 11: these were missing when the worker's credentials deleted the stack
+    policy = role_statements(base["Resources"]["JobStackRole"])
+    for action in ("autoscaling:DescribeAutoScalingGroups", "ec2:DescribeLaunchTemplates", "ec2:DeleteTags",
+                   "iam:ListRolePolicies", "iam:ListAttachedRolePolicies", "iam:DeleteRole",
+                   "iam:DeleteRolePolicy"):
+        assert allows(policy, action), action
+
+
+def test_service_role_is_for_cloudformation_and_scoped_to_this_installations_jobs(base):
+    role = base["Resources"]["JobStackRole"]["Properties"]
+    (trust,) = role["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"Service": "cloudformation.amazonaws.com"}
+    for s in role_statements(base["Resources"]["JobStackRole"]):
+        actions = _listed(s["Action"])
+        if any(a.startswith("iam:") for a in actions):  # IAM writes only on this stack's job roles
+            resources = json.dumps(s["Resource"])
+            assert f"role/{STACK}-job-*" in resources or f"instance-profile/{STACK}-job-*" in resources or (
+                "AWSServiceRoleForAutoScaling" in resources), s["Sid"]
+        if "iam:PassRole" in actions:
+            assert s["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+        if any(a.startswith("autoscaling:") and not a.endswith("Describe*") for a in actions):
+            assert json.dumps(s["Resource"]).endswith(f'autoScalingGroupName/{STACK}-job-*"}}'), s["Sid"]
+    policy = role_statements(base["Resources"]["JobStackRole"])
+    assert allows(policy, "ec2:GetLaunchTemplateData") and not allows(policy, "ec2:GetPasswordData")
+    assert not allows(policy, "cloudformation:DeleteStack")  # a service role needs no CloudFormation API
+    outputs = base["Outputs"]
+    assert outputs["JobStackRoleArn"]["Value"] == {"Fn::GetAtt": ["JobStackRole", "Arn"]}
+
+
+def release_calls() -> set[str]:
+    """The IAM actions of the AWS calls in petctl/agent/release.py (`client.snake_case(...)`)."""
+    tree = ast.parse((ROOT / "petctl" / "agent" / "release.py").read_text())
+    calls = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+                node.func.value, ast.Name) and node.func.value.id in ("autoscaling", "cloudformation", "ec2",
+                                                                       "iam"):
+            service = node.func.value.id
+            calls.add(f"{service}:" + "".join(part.title() for part in node.func.attr.split("_")))
+    return calls
+
+
+def worker_statements(base: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Everything a worker's credentials carry that petctl writes: the job role's inline policy and the
+    base stack's shared WorkerPolicy (the other attachment is AWS's AmazonSSMManagedInstanceCore)."""
+    (role,) = [r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role"]
+    shared = base["Resources"]["WorkerPolicy"]["Properties"]["PolicyDocument"]
+    return role_statements(role) + statements(shared)
+
+
+def test_worker_role_allows_exactly_the_release_calls(base, job):
+    calls = release_calls()
+    assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup"}
+    role = next(r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role")
+    release = next(s for s in role_statements(role) if s["Sid"] == "ReleaseOwnGroup")
+    assert set(_listed(release["Action"])) == calls
+    assert all(allows(worker_statements(base, job), call) for call in calls)
+
+
+def test_worker_role_can_neither_delete_a_stack_nor_pass_a_role(base, job):
+    worker = worker_statements(base, job)
+    for action in ("cloudformation:DeleteStack", "cloudformation:CreateStack", "cloudformation:UpdateStack",
+                   "iam:PassRole", "iam:DeleteRole", "iam:DeleteRolePolicy", "ec2:DeleteLaunchTemplate"):
+        assert not allows(worker, action), action
+    assert not any(re.match(r"(cloudformation|iam):", a) for s in worker for a in _listed(s["Action"]))
+
+
+def test_the_cli_creates_and_deletes_job_stacks_with_the_service_role():
+    from petctl.providers.aws.stacks import StackOps
+
+    calls: list[tuple[str, dict]] = []
+
+    class Cfn:
+        status = "CREATE_COMPLETE"
+
+        def describe_stacks(self, StackName):  # noqa: N803 (boto3's spelling)
+            if not calls:
+                from botocore.exceptions import ClientError
+
+                raise ClientError({"Error": {"Code": "ValidationError", "Message": "does not exist"}}, "x")
+            return {"Stacks": [{"StackName": StackName, "StackId": StackName, "StackStatus": self.status}]}
+
+        def describe_stack_events(self, StackName):  # noqa: N803
+            return {"StackEvents": []}
+
+        def create_stack(self, **kw):
+            calls.append(("create", kw))
+
+        def delete_stack(self, **kw):
+            calls.append(("delete", kw))
+            self.status = "DELETE_COMPLETE"
+
+    ops = StackOps(Cfn(), poll=0, progress=lambda line: None)
+    ops.create("p-job-a", "{}", {}, "job a", role_arn="arn:aws:iam::1:role/p-JobStackRole")
+    ops.delete("p-job-a", "job a", role_arn="arn:aws:iam::1:role/p-JobStackRole")
+    assert [(c[0], c[1]["RoleARN"]) for c in calls] == [("create", "arn:aws:iam::1:role/p-JobStackRole"),
+                                                       ("delete", "arn:aws:iam::1:role/p-JobStackRole")]

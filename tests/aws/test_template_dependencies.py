@@ -1,0 +1,157 @@
+"""Dependencies CloudFormation cannot see (issue 11, item 6). CloudFormation orders creation and deletion
+by Ref/GetAtt/Sub and DependsOn only. A resource that reaches another one any other way (a boot script
+that finds an interface by its tags or its address, a literal name) needs an explicit DependsOn, or a
+stack deletion removes the target while it is still in use (an attached interface: DELETE_FAILED).
+
+The scan is generic: every resource's user data (boot scripts) is searched for the identity of
+every other resource (its fixed address, its name, or the tags a boot script filters on), and whoever
+launches instances from such user data must depend on the target, directly or transitively.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.aws import rendered
+from tests.aws.rendered import parse
+
+DESCRIBE_TYPES = {"describe-network-interfaces": "AWS::EC2::NetworkInterface",
+                  "describe-instances": "AWS::EC2::Instance", "describe-volumes": "AWS::EC2::Volume"}
+NAME_PROPERTIES = ("PrivateIpAddress", "LaunchTemplateName", "AutoScalingGroupName", "RoleName",
+                   "LogGroupName", "RepositoryName", "BucketName", "InstanceProfileName")
+
+
+def explicit_dependencies(resource: dict[str, Any], names: set[str]) -> set[str]:
+    """What CloudFormation itself sees: Ref, Fn::GetAtt, ${X} in Fn::Sub, DependsOn."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "Ref" and value in names:
+                    found.add(value)
+                elif key == "Fn::GetAtt":
+                    target = value[0] if isinstance(value, list) else str(value).split(".")[0]
+                    found.add(target)
+                elif key == "Fn::Sub":
+                    text = value[0] if isinstance(value, list) else value
+                    found.update(n.split(".")[0] for n in re.findall(r"\$\{([^}!]+)\}", text)
+                                 if n.split(".")[0] in names)
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(resource.get("Properties", {}))
+    depends = resource.get("DependsOn", [])
+    found.update([depends] if isinstance(depends, str) else depends)
+    return found
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = list(graph.get(start, ()))
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(graph.get(node, ()))
+    return seen
+
+
+def user_data(node: Any) -> list[str]:
+    """The boot scripts a resource carries (UserData anywhere in its properties)."""
+    if isinstance(node, dict):
+        return [t for key, value in node.items()
+                for t in (strings(value) if key == "UserData" else user_data(value))]
+    if isinstance(node, list):
+        return [t for item in node for t in user_data(item)]
+    return []
+
+
+def strings(node: Any) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [s for value in node.values() for s in strings(value)]
+    if isinstance(node, list):
+        return [s for item in node for s in strings(item)]
+    return []
+
+
+def tag_lookups(text: str) -> list[tuple[str, dict[str, str]]]:
+    """`aws ec2 describe-X --filters Name=tag:K,Values=V ...` commands: (resource type, tag filters)."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    lookups = []
+    for line in joined.splitlines():
+        for command, kind in DESCRIBE_TYPES.items():
+            if command in line:
+                tags = {k: v.strip("'\"") for k, v in re.findall(r"Name=tag:([^,\s]+),Values=(\S+)", line)}
+                if tags:
+                    lookups.append((kind, tags))
+    return lookups
+
+
+def hidden_references(template: dict[str, Any]) -> dict[str, set[str]]:
+    """resource -> the resources it reaches without CloudFormation seeing it."""
+    resources = template["Resources"]
+    hidden: dict[str, set[str]] = {}
+    for name, resource in resources.items():
+        texts = user_data(resource.get("Properties", {}))
+        for other, target in resources.items():
+            if other == name:
+                continue
+            props = target.get("Properties", {})
+            identities = [str(props[p]) for p in NAME_PROPERTIES if isinstance(props.get(p), str)]
+            tags = {t["Key"]: t["Value"] for t in props.get("Tags", []) if isinstance(t, dict)
+                    and isinstance(t.get("Value"), str)}
+            by_name = any(identity in text for identity in identities for text in texts)
+            by_tags = any(kind == target["Type"] and all(tags.get(k) == v for k, v in wanted.items())
+                          for text in texts for kind, wanted in tag_lookups(text))
+            if by_name or by_tags:
+                hidden.setdefault(name, set()).add(other)
+    return hidden
+
+
+def launchers(template: dict[str, Any], launch_template: str) -> list[str]:
+    """The groups/instances whose instances boot from `launch_template` (and so run its user data)."""
+    return [name for name, r in template["Resources"].items()
+            if r["Type"] in ("AWS::AutoScaling::AutoScalingGroup", "AWS::EC2::Instance")
+            and launch_template in explicit_dependencies(r, set(template["Resources"]))]
+
+
+def missing_dependencies(template: dict[str, Any]) -> list[str]:
+    resources = template["Resources"]
+    graph = {name: explicit_dependencies(r, set(resources)) for name, r in resources.items()}
+    missing = []
+    for holder, targets in hidden_references(template).items():
+        users = launchers(template, holder) if resources[holder]["Type"] == "AWS::EC2::LaunchTemplate" else []
+        for user in users or [holder]:
+            for target in targets - {user}:
+                if target not in closure(graph, user) and user not in closure(graph, target):
+                    missing.append(f"{user} reaches {target} (through {holder}) without a DependsOn")
+    return sorted(missing)
+
+
+def test_etcd_group_waits_for_and_outlives_nothing_of_its_interface():
+    base = parse(rendered.base_template())
+    assert "EtcdNetworkInterface" in hidden_references(base)["EtcdLaunchTemplate"]  # the scan sees it
+    assert "EtcdNetworkInterface" in closure(
+        {n: explicit_dependencies(r, set(base["Resources"])) for n, r in base["Resources"].items()},
+        "EtcdGroup")
+    assert missing_dependencies(base) == []
+
+
+@pytest.mark.parametrize("variant", sorted(rendered.JOB_VARIANTS))
+def test_job_stack_has_no_hidden_dependency(tmp_path, variant):
+    assert missing_dependencies(parse(rendered.job_template(tmp_path, variant))) == []
+
+
+def test_the_scan_catches_a_missing_depends_on():
+    base = parse(rendered.base_template())
+    del base["Resources"]["EtcdGroup"]["DependsOn"]
+    assert missing_dependencies(base) == [
+        "EtcdGroup reaches EtcdNetworkInterface (through EtcdLaunchTemplate) without a DependsOn"]
