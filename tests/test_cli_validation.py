@@ -3,6 +3,7 @@ etcd keys, no process. The checks run against a real setup (embedded etcd)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,12 @@ def test_unknown_job(shared_local: Petctl, args: list[str]):
 def test_duplicate_running_name_and_bad_steering(local: Petctl, script: Path):
     """One running job (a sleeping script: real agent, no torch) serves every 'job exists' check."""
     local.run("run_job", "--name", "dup", "--min", "1", "--max", "2", "--wait", str(script))
+    # Steady state first: 10 s into a round that prints no steps, the agent refills its warm pool (one new
+    # process, reported once). That is the agent's doing, not the bad commands', so wait for it.
+    deadline = time.monotonic() + 60
+    while not [e for e in local.events("dup", "workers.warm_ready") if e.get("round") is not None]:
+        assert time.monotonic() < deadline, "the agent never refilled its warm pool"
+        time.sleep(0.2)
     before = sorted(local.processes())
     meta_before = (local.job_dir("dup") / "job.json").read_text()
 
