@@ -43,7 +43,9 @@ def run_worker_pair(tmp_path: Path, worker: str, mode: str, url: str, *, tag: st
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+        # PYTHONFAULTHANDLER: a rank that dies in native code shows its threads' stacks in the failure.
+        env = {"PYTHONFAULTHANDLER": "1", **os.environ,
+               "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
                "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"), "PYTHONPATH": str(REPO),
                **rank_env(rank)}

@@ -30,7 +30,8 @@ def make_spec(tmp_path: Path, preload: tuple[str, ...], entrypoint: str = "train
     (tmp_path / "noisy.py").write_text(NOISY)
     (tmp_path / "dies.py").write_text("import os\nos._exit(3)\n")
     (tmp_path / entrypoint).write_text(
-        "import os, sys\nprint('trained rank', os.environ['RANK'], sys.argv[1:])\n")
+        "import faulthandler, os, sys\nprint('trained rank', os.environ['RANK'], sys.argv[1:])\n"
+        "print('faulthandler', faulthandler.is_enabled())\n")
     return WorkerSpec(cmd=[sys.executable, "-u", entrypoint, "--lr", "0.1"], cwd=str(tmp_path), nproc=nproc,
                       base_env={"PYTHONPATH": str(REPO)}, preload=preload)
 
@@ -56,6 +57,8 @@ def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: 
         assert text.count("Failed to initialize NumPy") == 2
         assert text.count("UserWarning: a warning before the worker is ready") == 2
         assert "trained rank 0 ['--lr', '0.1']" in text and "trained rank 1 ['--lr', '0.1']" in text
+        # A native crash in a worker leaves its threads' Python stacks in the log (PYTHONFAULTHANDLER).
+        assert text.count("faulthandler True") == 2
     finally:
         pool.close()
 

@@ -40,6 +40,16 @@ def pdeathsig() -> Callable[[], None] | None:
     return preexec
 
 
+def worker_base_env() -> dict[str, str]:
+    """The agent's environment for a worker, with Python's fault handler on unless the user set it.
+
+    A worker that dies in native code (SIGSEGV, or SIGABRT from `terminate called ...` at exit) then
+    leaves every thread's Python stack in the node log, so the log says which thread and where, instead
+    of one line and an exit code of -6.
+    """
+    return {"PYTHONFAULTHANDLER": "1", **os.environ}
+
+
 @dataclass
 class WorkerSpec:
     """What to run, identical on every node; the per-rank env is computed by `WorkerGroup.start`."""
@@ -83,7 +93,7 @@ class WarmPool:
         if not self.usable:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
-        env = {**os.environ, **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
         started = 0
         while len(self.ready) < self.spec.nproc:
             read_fd, write_fd = os.pipe()
@@ -129,11 +139,19 @@ class WarmPool:
         return readiness is not None and readiness.ready and proc.poll() is None
 
     def take(self) -> tuple[subprocess.Popen, bool] | None:
-        """A pooled worker and whether it had finished importing (if not, the round waits for it)."""
+        """A pooled worker and whether it had finished importing (if not, the round waits for it).
+
+        A worker whose pipe closed without the signal is exiting even if it cannot be reaped yet (the
+        pipe closes a moment before the process is gone): it is discarded, never handed out.
+        """
         while self.ready:
             proc = self.ready.pop(0)
-            warm = self._is_ready(proc)
-            self._warm.pop(proc.pid, None)
+            readiness = self._warm.pop(proc.pid, None)
+            warm = readiness is not None and readiness.ready and proc.poll() is None
+            if readiness is not None and readiness.settled.is_set() and not readiness.ready:
+                proc.kill()
+                proc.wait()
+                continue
             if proc.poll() is None:
                 return proc, warm
         return None
@@ -196,7 +214,7 @@ class WorkerGroup:
         for local_rank in range(nproc):
             rank = node_rank * nproc + local_rank
             env = {
-                **os.environ,
+                **worker_base_env(),
                 **self.spec.base_env,
                 **extra_env,
                 "RANK": str(rank),
