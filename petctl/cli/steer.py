@@ -128,7 +128,8 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
 
 @click.command("chaos")
 @click.argument("name")
-@click.option("--node", help="Instance to take away (default: the highest-ranked one).")
+@click.option("--node", help="Instance to take away (default: the highest-ranked one in the current round "
+                              "that has no pending notice).")
 @click.option("--kill", "mode", flag_value="kill", help="SIGKILL the instance (the host vanished).")
 @click.option("--freeze", "mode", flag_value="freeze", help="SIGSTOP the instance (the host hangs).")
 @click.option("--unfreeze", "mode", flag_value="unfreeze", help="SIGCONT a frozen instance.")
