@@ -129,10 +129,13 @@ def test_graceful_leave_reforms_without_waiting_for_ttl(cluster_factory):
     t_term = time.time()
     leaver.proc.send_signal(signal.SIGTERM)
     assert leaver.proc.wait(timeout=15) == 0
-    wait_for(lambda: trained_at(cluster, stayer.node_id, 1, t_term), 15, what="re-formed at 1")
-    # With a 30 s TTL, only the graceful leave can explain a re-form this fast.
-    first = min(s["ts"] for s in cluster.steps(stayer.node_id) if s["ts"] > t_term and s["world_size"] == 1)
-    assert first - t_term < 10
+    reformed = wait_for(lambda: [e for e in stayer.events("rendezvous.complete")
+                                 if e["ts"] > t_term and e["world_size"] == 1], 30, what="re-formed at 1")
+    # With a 30 s TTL, only the graceful leave can explain a re-form this fast. The round is what the leave
+    # decides; the first step after it also waits for worker start-up, which load stretches (seen > 15 s
+    # with the suite running twice on 2 cores), so it is checked apart, with room.
+    assert reformed[0]["ts"] - t_term < 10
+    wait_for(lambda: trained_at(cluster, stayer.node_id, 1, t_term), 60, what="training at world size 1")
 
 
 def test_worker_failures_count_and_exhaust_max_restarts(cluster_factory):
