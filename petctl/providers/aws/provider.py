@@ -15,13 +15,13 @@ from typing import Any
 
 from petctl.config import PetctlConfig
 from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
-from petctl.providers.aws import capacity, etcdbin, inventory
+from petctl.providers.aws import azfallback, capacity, etcdbin, inventory
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
-from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
+from petctl.providers.aws.placement import Placement
 from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
-from petctl.providers.aws.storage import JobStore, job_prefix, recorded_jobs
+from petctl.providers.aws.storage import JobStore, follow_logs, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
@@ -266,71 +266,18 @@ class AwsProvider(Provider):
         return self.job(spec.name)
 
     def _plan_placement(self, session: AwsSession, spec: JobSpec) -> Placement:
-        """Rank the base stack's AZs by where the job's instance types are offered (no AWS change)."""
-        out = self.settings["outputs"]
-        azs, subnet_ids = out.get("AvailabilityZones", "").split(","), out["SubnetIds"].split(",")
-        if len(azs) != len(subnet_ids):
-            raise NotSetUp("the base stack's outputs do not name each subnet's AZ: rerun `petctl setup`")
-        subnets = dict(zip(azs, subnet_ids, strict=True))
-        offered = capacity.offerings(session.client("ec2"), spec.instance_types)
-        placement = plan_placement(offered, subnets, spec.instance_types, multi_az=spec.multi_az)
-        if spec.multi_az:
-            self.progress(f"WARNING: {MULTI_AZ_WARNING}")
-        else:
-            self.progress(f"job {spec.name} placed in {placement.az} (fallback order: "
-                          f"{', '.join(placement.azs[1:]) or 'none'})")
-        return placement
+        return azfallback.plan(session, self.settings["outputs"], spec, self.progress)
 
     def _fallback_poller(self, name: str) -> Callable[[int], None]:
-        """fallback_az for each poll of run_job's wait. Its failures (throttling, a lost connection) must
-        not end run_job, whose job exists by now: they are counted, reported when they start and when
-        they end, and the check runs again at the next poll."""
-        failures = 0
-
-        def poll(in_service: int) -> None:
-            nonlocal failures
-            try:
-                self.fallback_az(name, in_service)
-            except ProviderError as exc:
-                failures += 1
-                if failures == 1:
-                    self.progress(f"the AZ fallback check of job {name} failed ({exc}); retrying at each "
-                                  "poll")
-                return
-            if failures:
-                self.progress(f"the AZ fallback check of job {name} works again after {failures} failure(s)")
-                failures = 0
-
-        return poll
+        """fallback_az at each poll of run_job's wait, its failures reported but never fatal."""
+        return azfallback.poller(lambda in_service: self.fallback_az(name, in_service), name, self.progress)
 
     def fallback_az(self, name: str, in_service: int | None = None) -> str | None:
-        """Move the job's group to its next AZ if its newest launch failed for lack of capacity there.
-
-        Returns the new AZ, or None when it stays. The move is recorded in `placement.json` (so the next
-        fallback skips the AZs already tried) before the group is changed. The job stack's template keeps
-        naming the first subnet: the group drifts from it on purpose (job stacks are never updated)."""
+        """Move the job's group to its next AZ if its newest launch failed for lack of capacity there
+        (see azfallback.fall_back); returns the new AZ, or None when it stays."""
         session = self._session()
-        store = self._store(session, name)
-        record = store.get_json("placement.json")
-        if not isinstance(record, dict):
-            return None  # a job created before placement was recorded: leave it where it is
-        placement = Placement.from_dict(record)
-        autoscaling = session.client("autoscaling")
-        group_name = self._job_stack(name)
-        g = inventory.group(autoscaling, group_name, name)
-        if in_service is None:
-            in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
-        decision = decide_fallback(placement, capacity.activities(autoscaling, group_name), in_service,
-                                   int(g["DesiredCapacity"]))
-        if not decision.move:
-            return None
-        placement.current += 1
-        placement.moved_at = time.time()
-        placement.moves.append(f"{placement.moved_at:.0f} {decision.reason} -> {decision.az}")
-        store.put_json("placement.json", _json(placement.to_json()))
-        capacity.move_group(autoscaling, group_name, placement.subnet_ids)
-        self.progress(f"no capacity in {decision.reason}; moved job {name} to {decision.az}")
-        return decision.az
+        return azfallback.fall_back(session, self._store(session, name), self._job_stack(name), name,
+                                    in_service, self.progress)
 
     def _check_quota(self, session: AwsSession, spec: JobSpec) -> None:
         """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
@@ -536,25 +483,10 @@ class AwsProvider(Provider):
             self.job(name)  # JobNotFound for a job that never existed
         if node and node not in available:
             raise ProviderError(f"no log for node {node!r} in job {name!r} yet (see `petctl hosts {name}`)")
-        nodes = [node] if node else available
-        seen: dict[str, set] = {}  # node -> chunks already shown (each is fetched once, even with -f)
-        partial: dict[str, str] = {}  # node -> the unterminated tail of its last chunk
-        while True:
-            chunks = store.chunks("logs")
-            for n in nodes:
-                new = [k for k in chunks.get(n, []) if k not in seen.setdefault(n, set())]
-                seen[n].update(new)
-                lines = (partial.pop(n, "") + store.chunk_text(new)).split("\n")
-                partial[n] = lines.pop()  # "" when the text ended with a newline
-                for line in (raw.rstrip("\r") for raw in lines):
-                    yield line if node else f"[{n}] {line}"
-            if not follow or self.job(name).state != "running":
-                for n, rest in partial.items():
-                    if rest:
-                        yield rest if node else f"[{n}] {rest}"
-                return
-            time.sleep(max(self.poll_interval, 2.0))
-            nodes = [node] if node else list(store.chunks("logs"))
+        def running() -> bool:
+            return self.job(name).state == "running"
+
+        yield from follow_logs(store, node, available, follow, running, max(self.poll_interval, 2.0))
 
 
 def _tags(stack: dict[str, Any]) -> dict[str, str]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,33 @@ class JobStore:
                 for start in range(0, len(objects), 1000):
                     batch = {"Objects": objects[start:start + 1000]}
                     self.s3.delete_objects(Bucket=self.bucket, Delete=batch)
+
+
+def follow_logs(store: JobStore, node: str | None, available: list[str], follow: bool,
+                running: Callable[[], bool], interval: float) -> Iterator[str]:
+    """The node logs' lines from their chunks, in order (prefixed `[node] ` unless one node was asked for).
+
+    Each chunk is fetched once, even with `follow`; a line split across two chunks is joined. With
+    `follow`, new chunks (and new nodes) are read every `interval` seconds until `running()` is False."""
+    nodes = [node] if node else available
+    seen: dict[str, set] = {}  # node -> chunks already shown
+    partial: dict[str, str] = {}  # node -> the unterminated tail of its last chunk
+    while True:
+        chunks = store.chunks("logs")
+        for n in nodes:
+            new = [k for k in chunks.get(n, []) if k not in seen.setdefault(n, set())]
+            seen[n].update(new)
+            lines = (partial.pop(n, "") + store.chunk_text(new)).split("\n")
+            partial[n] = lines.pop()  # "" when the text ended with a newline
+            for line in (raw.rstrip("\r") for raw in lines):
+                yield line if node else f"[{n}] {line}"
+        if not follow or not running():
+            for n, rest in partial.items():
+                if rest:
+                    yield rest if node else f"[{n}] {rest}"
+            return
+        time.sleep(interval)
+        nodes = [node] if node else list(store.chunks("logs"))
 
 
 def recorded_jobs(s3: Any, bucket: str) -> list[str]:
