@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import Node, start_node, stop_nodes
-from petctl.etcd_server import etcd_client
+from petctl.core.spec import AgentConfig, JobSpec
+from petctl.io.etcd import etcd_client
 from petctl.jobstate import JobState, read_job_state
-from petctl.spec import AgentConfig, JobSpec
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent

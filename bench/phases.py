@@ -1,7 +1,7 @@
 """Turn the event lines of a run into figures: recovery time, steps lost, and a phase breakdown.
 
 Every node's log holds the agent's events (petctl) and the workers' lines (both systems), all parsed with
-`petctl.eventlog.parse_line`. A recovery is a sequence of milestones after the disruption at `t_event`;
+`petctl.core.eventlog.parse_line`. A recovery is a sequence of milestones after the disruption at `t_event`;
 each milestone is the moment the *last* node that must reach it did (the job is only as fast as its
 slowest node), except detection, which is the first node to notice.
 """

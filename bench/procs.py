@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.eventlog import parse_line
+from petctl.core.eventlog import parse_line
 
 # torchrun's agent logs (LOGLEVEL=INFO, glog format) turned into events, so its phases can be timed too.
 GLOG_RE = re.compile(r"^I(\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) ")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out).resolve()
     scratch = Path(tempfile.mkdtemp(prefix="petctl-bench-"))
 
-    from petctl.etcd_server import EtcdServer
+    from petctl.io.etcd import EtcdServer
     from petctl.providers.local.metadata_server import LocalMetadataServer
 
     etcd = imds = None

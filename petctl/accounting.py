@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from petctl.eventlog import dedupe
+from petctl.core.eventlog import dedupe
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.keys import JobKeys
+from petctl.core.keys import JobKeys
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.accounting import Accounting
-from petctl.errors import PetctlError
+from petctl.core.errors import PetctlError
 
 MARKED = {  # event -> (legend label, colour)
     "preemption.notice": ("preemption notice", "tab:orange"),

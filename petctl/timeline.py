@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from petctl.eventlog import dedupe
-from petctl.keys import JobKeys
+from petctl.core.eventlog import dedupe
+from petctl.core.keys import JobKeys
 
 
 def read_events(job: str, etcd_endpoint: str = "", mirror_url: str = "") -> list[dict[str, Any]]:
@@ -28,7 +28,7 @@ def read_events(job: str, etcd_endpoint: str = "", mirror_url: str = "") -> list
 def _from_etcd(job: str, endpoint: str) -> list[dict[str, Any]]:
     import etcd
 
-    from petctl.etcd_server import etcd_client
+    from petctl.io.etcd import etcd_client
 
     try:
         listing = etcd_client(endpoint, read_timeout=3).read(JobKeys(job).events, recursive=True, sorted=True)
@@ -45,8 +45,8 @@ def _from_mirror(url: str) -> list[dict[str, Any]]:
 
 
 def _mirror_streams(url: str) -> list[str]:
-    """Each node's events, its chunks reassembled in write order (petctl/mirrorchunks.py)."""
-    from petctl.mirrorchunks import by_node
+    """Each node's events, its chunks reassembled in write order (petctl/core/mirrorchunks.py)."""
+    from petctl.core.mirrorchunks import by_node
 
     u = urlparse(url)
     if u.scheme in ("", "file"):

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.etcd_server import etcd_client
-from petctl.eventlog import parse_line
+from petctl.core.eventlog import parse_line
+from petctl.core.spec import AgentConfig, JobSpec
+from petctl.io.etcd import etcd_client
 from petctl.jobstate import JobState, read_job_state
-from petctl.spec import AgentConfig, JobSpec
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

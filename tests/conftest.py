@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from petctl.eventlog import parse_line
+from petctl.core.eventlog import parse_line
 
 if TYPE_CHECKING:
     from petctl.providers.local.metadata_server import LocalMetadataServer
@@ -187,7 +187,7 @@ def write_script(directory: Path, name: str, source: str) -> Path:
 @pytest.fixture(scope="module")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     """A real etcd 3.5 on 127.0.0.1 for a module whose tests drive agents by hand (no provider)."""
-    from petctl.etcd_server import EtcdServer
+    from petctl.io.etcd import EtcdServer
 
     server = EtcdServer.start(tmp_path_factory.mktemp("etcd"))
     yield server
@@ -200,7 +200,7 @@ def serve_moto() -> Iterator[str]:
     yields its endpoint URL and stops it on the way out."""
     from moto.server import ThreadedMotoServer
 
-    from petctl.etcd_server import free_port
+    from petctl.io.etcd import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

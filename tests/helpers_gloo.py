@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from petctl.etcd_server import free_port
+from petctl.io.etcd import free_port
 from tests.conftest import REPO
 
 # Leaves `mode`, `out` (where the worker writes its JSON result), `rank`, `controlfiles` and an initialised
@@ -24,7 +24,7 @@ import datetime, json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from petctl.agent import controlfiles
+from petctl.core import controlfiles
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ["RANK"])

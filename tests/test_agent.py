@@ -203,8 +203,8 @@ def test_restart_hands_the_round_to_warm_workers(cluster_factory):
 def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     """The job's timeline is kept twice: in etcd (`events/`) for a running job and in the job's prefix
     (here file://) so it outlives etcd; status and the node log are mirrored too."""
-    from petctl.etcd_server import etcd_client
-    from petctl.keys import JobKeys
+    from petctl.core.keys import JobKeys
+    from petctl.io.etcd import etcd_client
 
     mirror = tmp_path / "mirror"
     cluster = cluster_factory(min_size=1, max_size=1, env={"STEPS": "6", "STEP_TIME": "0.05"})
@@ -220,7 +220,7 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
         assert expected in names, names
     summary = next(r for r in records if r["event"] == "round.summary")
     assert (summary["first_step"], summary["last_step"], summary["world_size"]) == (0, 5, 1)
-    def stream(kind: str) -> str:  # the node's append-only chunks, in write order (petctl/mirrorchunks.py)
+    def stream(kind: str) -> str:  # append-only chunks in write order (core/mirrorchunks.py)
         chunks = sorted((mirror / kind / node.node_id).iterdir())
         return "".join(p.read_text() for p in chunks if not p.name.startswith("."))
 

@@ -49,9 +49,9 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     # etcd forgets (TTL, a new etcd): the mirror in the job's prefix still tells the story.
     import etcd
 
-    from petctl.config import PetctlConfig
-    from petctl.etcd_server import etcd_client
-    from petctl.keys import JobKeys
+    from petctl.core.config import PetctlConfig
+    from petctl.core.keys import JobKeys
+    from petctl.io.etcd import etcd_client
 
     endpoint = PetctlConfig.load(local.home).section("local")["etcd_endpoint"]
     etcd_client(endpoint).delete(JobKeys("ins").events, recursive=True)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.agent import controlfiles
+from petctl.core import controlfiles
+from petctl.core.eventlog import EventLog, parse_lines
 from petctl.elastic import Checkpointer, State
 from petctl.elastic import manifest as mf
 from petctl.elastic.state import load_payload
 from petctl.elastic.store import CheckpointStore, ObjectInfo, open_store
-from petctl.eventlog import EventLog, parse_lines
 
 
 @pytest.fixture

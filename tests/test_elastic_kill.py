@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from petctl.core.eventlog import parse_line
 from petctl.elastic import Checkpointer, State
 from petctl.elastic import manifest as mf
 from petctl.elastic.store import S3Store
-from petctl.eventlog import parse_line
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from petctl.agent.imds import IMDSWatcher, Notice, parse_time
-from petctl.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import EventLog, parse_lines
 from petctl.providers.local.metadata_server import LocalMetadataServer
 from tests.conftest import write_notice
 

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from petctl.agent.lifecycle import LifecycleHeartbeat, complete_lifecycle_action, make_client
-from petctl.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import EventLog, parse_lines
 
 
 class Recorder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from petctl.errors import PetctlError
+from petctl.core.errors import PetctlError
 from petctl.providers.base import HostInfo
 from petctl.providers.local.chaos import choose_target
 

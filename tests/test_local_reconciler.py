@@ -153,7 +153,7 @@ def test_a_second_notice_to_a_departing_instance_is_refused(stub: Petctl):
 
 
 def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
-    from petctl.etcd_server import etcd_client
+    from petctl.io.etcd import etcd_client
     from petctl.jobstate import write_result
 
     start(stub, "done", "--size", "2")

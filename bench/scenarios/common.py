@@ -14,7 +14,7 @@ class Context:
     root: Path  # scratch directory of this benchmark run (logs of every node are kept there)
     reps: int
     quick: bool
-    etcd: Any  # petctl.etcd_server.EtcdServer
+    etcd: Any  # petctl.io.etcd.EtcdServer
     imds: Any  # petctl.providers.local.metadata_server.LocalMetadataServer (started)
     systems: list[str] = field(default_factory=lambda: ["petctl", "torchrun-c10d", "torchrun-etcd-v2"])
     hang_cap: float = 30.0  # P2: how long torchrun is given before "> cap" is reported

@@ -26,8 +26,8 @@ from bench.petctl_runner import BENCH, PetctlJob
 from bench.procs import Node, wait_for
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
-from petctl.etcd_server import etcd_client
-from petctl.keys import JobKeys
+from petctl.core.keys import JobKeys
+from petctl.io.etcd import etcd_client
 
 TRIVIAL = BENCH / "trivial_worker.py"
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard

@@ -21,7 +21,6 @@ from typing import IO, Any
 
 import etcd
 
-from petctl.agent import controlfiles
 from petctl.agent.code import fetch_code
 from petctl.agent.eventsink import EtcdEventSink
 from petctl.agent.heartbeat import Heartbeat
@@ -37,10 +36,11 @@ from petctl.agent.rendezvous import (
     Snapshot,
 )
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, pdeathsig
-from petctl.etcd_server import etcd_client
-from petctl.eventlog import EventLog
-from petctl.keys import JobKeys
-from petctl.spec import AgentConfig
+from petctl.core import controlfiles
+from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
+from petctl.core.spec import AgentConfig
+from petctl.io.etcd import etcd_client
 
 STATUS_TTL = 120
 WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports before it joins anyway

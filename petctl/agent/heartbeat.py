@@ -14,7 +14,7 @@ import time
 
 import etcd
 
-from petctl.keys import JobKeys
+from petctl.core.keys import JobKeys
 
 
 class Heartbeat:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from petctl.eventlog import EventLog
+from petctl.core.eventlog import EventLog
 
 TOKEN_PATH = "/latest/api/token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"

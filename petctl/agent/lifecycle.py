@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from petctl.eventlog import EventLog
+from petctl.core.eventlog import EventLog
 
 
 class LifecycleClient(Protocol):

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from petctl.spec import AgentConfig
+from petctl.core.spec import AgentConfig
 
 
 def load_config(location: str) -> AgentConfig:

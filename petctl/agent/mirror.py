@@ -8,7 +8,7 @@ so each agent mirrors to the job's prefix (s3://bucket/jobs/<job>/ or file://...
     events/<node_id>/<chunk>.jsonl    the events this agent emitted, as append-only chunks
     logs/<node_id>/<chunk>.log        the node log (agent events + worker output), as append-only chunks
 
-Chunks (petctl/mirrorchunks.py) hold only what is new since the previous upload, so the bytes sent per
+Chunks (petctl/core/mirrorchunks.py) hold only what is new since the previous upload, so the bytes sent per
 interval follow the new lines, not the file's size, and a versioned bucket keeps no stale copies. The
 log's uploaded offset is kept next to the log (`.<log name>.mirrored`), so an agent restarted on the same
 node continues where its predecessor stopped instead of sending the whole file again.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from petctl.mirrorchunks import chunk_name
+from petctl.core.mirrorchunks import chunk_name
 
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one PUT at most; a larger backlog goes as several chunks
 MAX_PENDING_EVENTS = 20000  # events kept for upload while the store is unreachable (oldest dropped)

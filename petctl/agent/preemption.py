@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl.agent import controlfiles
 from petctl.agent.workers import WorkerGroup
-from petctl.eventlog import EventLog
-from petctl.spec import AgentConfig
+from petctl.core import controlfiles
+from petctl.core.eventlog import EventLog
+from petctl.core.spec import AgentConfig
 
 SAFETY_MARGIN = 15.0  # leave at least this long before the instance is reclaimed
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from petctl.eventlog import EventLog
+from petctl.core.eventlog import EventLog
 
 
 def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,

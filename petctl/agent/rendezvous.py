@@ -30,10 +30,10 @@ from typing import Any
 
 import etcd
 
-from petctl.eventlog import EventLog
+from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
+from petctl.core.spec import Timeouts
 from petctl.jobstate import write_result
-from petctl.keys import JobKeys
-from petctl.spec import Timeouts
 
 JOIN_RECORD_TTL = 3600  # join records outlive any round; old round dirs are also deleted by closers
 

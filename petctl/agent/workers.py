@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from petctl.agent.warm_worker import READY
-from petctl.eventlog import parse_line
+from petctl.core.eventlog import parse_line
 
 PR_SET_PDEATHSIG = 1
 

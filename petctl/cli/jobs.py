@@ -10,7 +10,7 @@ import click
 
 from petctl.cli.main import provider_for
 from petctl.cli.render import age, output_option, print_json, table
-from petctl.errors import PetctlError, ValidationError
+from petctl.core.errors import PetctlError, ValidationError
 
 
 def build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
@@ -18,7 +18,7 @@ def build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env
                warm_imports=(), multi_az=False):
     """The job's spec from the command line, validated before anything is touched."""
     from petctl.cli.parse import key_values, timeouts
-    from petctl.spec import JobSpec, Timeouts
+    from petctl.core.spec import JobSpec, Timeouts
 
     spec = JobSpec(name=name, min_size=min_size, max_size=max_size,
                    size=min_size if size is None else size, entrypoint="", args=list(args),

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from petctl.errors import PetctlError
+from petctl.core.errors import PetctlError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -50,7 +50,7 @@ def cli() -> None:
 
 
 def load_config():
-    from petctl.config import PetctlConfig
+    from petctl.core.config import PetctlConfig
 
     return PetctlConfig.load()
 
@@ -77,7 +77,7 @@ def setup(provider_name: str, region: str | None, profile: str | None, endpoint_
           options: tuple[str, ...]) -> None:
     """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
     from petctl.cli.parse import key_values
-    from petctl.errors import ValidationError
+    from petctl.core.errors import ValidationError
 
     flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url)) if v}
     if flags and provider_name != "aws":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from petctl.errors import ValidationError
+from petctl.core.errors import ValidationError
 
 
 def key_values(items: tuple[str, ...] | list[str], option: str) -> dict[str, str]:

@@ -110,7 +110,7 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
 
     `-o json` prints one object per line, {"node", "text"}, and the event itself when the line is one.
     """
-    from petctl.eventlog import parse_line
+    from petctl.core.eventlog import parse_line
 
     for line in provider_for().logs(name, node=node, follow=follow):
         if output != "json":

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.background import BackgroundUploader, UploaderOwner
 from petctl.elastic.cache import LocalCache
@@ -30,7 +31,6 @@ from petctl.elastic.dist import Comm
 from petctl.elastic.preemption import PreemptionMonitor
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options, open_store
-from petctl.eventlog import EventLog
 
 ENV_CHECKPOINT_URL = "PETCTL_CHECKPOINT_URL"
 

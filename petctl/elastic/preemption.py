@@ -1,7 +1,7 @@
 """Worker side of the preemption protocol: "should every rank checkpoint now?" at a step boundary.
 
 The agent of every node writes `<PETCTL_CONTROL_DIR>/preempt` when any node of the job has a notice
-(`petctl.agent.controlfiles`). A node learns of it at slightly different times, so each rank reads its
+(`petctl.core.controlfiles`). A node learns of it at slightly different times, so each rank reads its
 local flag and the ranks all-reduce it (MAX): every rank gets the same answer at the same step, and so
 all ranks save the same step. After the save each worker writes `saved.<LOCAL_RANK>` and exits 0.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from petctl.agent import controlfiles
+from petctl.core import controlfiles
 from petctl.elastic.dist import Comm
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.background import BackgroundUploader, UploaderOwner
 from petctl.elastic.cache import LocalCache
@@ -30,7 +31,6 @@ from petctl.elastic.checkpointer import ENV_CHECKPOINT_URL
 from petctl.elastic.dist import Comm
 from petctl.elastic.preemption import PreemptionMonitor
 from petctl.elastic.store import CheckpointStore, ObjectNotFound, open_store
-from petctl.eventlog import EventLog
 
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"

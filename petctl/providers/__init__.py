@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from petctl.config import PetctlConfig
-from petctl.errors import PetctlError
+from petctl.core.config import PetctlConfig
+from petctl.core.errors import PetctlError
 from petctl.providers.base import Provider
 
 

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.config import PetctlConfig
-from petctl.spec import JobSpec
+from petctl.core.config import PetctlConfig
+from petctl.core.spec import JobSpec
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Provider(ABC):
     def default_timeouts(self):
         """The agent timeouts a job gets before `--timeout` overrides: LAN values by default; a provider
         whose etcd is reached over a real network overrides them."""
-        from petctl.spec import Timeouts
+        from petctl.core.spec import Timeouts
 
         return Timeouts()
 
@@ -126,7 +126,7 @@ class Provider(ABC):
     def node_states(self, name: str):
         """The job's live state as its agents publish it (etcd). A provider whose CLI cannot reach etcd
         (AWS, etcd inside the VPC) overrides this to read the agents' status mirror instead."""
-        from petctl.etcd_server import etcd_client
+        from petctl.io.etcd import etcd_client
         from petctl.jobstate import read_job_state
 
         return read_job_state(etcd_client(self.etcd_endpoint()), name)

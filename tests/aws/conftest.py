@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from petctl.config import PetctlConfig
+from petctl.core.config import PetctlConfig
 from tests.aws.moto_patches import patch_moto_stack_deletion
 from tests.conftest import serve_moto
 

@@ -3,7 +3,7 @@
 moto launches instances for an Auto Scaling group but runs nothing on them. This emulator plays the part of
 EC2 and the VPC for petctl's end-to-end test:
 
-* the etcd host: the base stack's one-instance group gets a real etcd 3.5 (`petctl.etcd_server`), and the
+* the etcd host: the base stack's one-instance group gets a real etcd 3.5 (`petctl.io.etcd`), and the
   fixed address its boot script advertises (`ETCD_IP`, from the user data) is mapped to that server;
 * each worker: the job config is read from the instance's own user data (the heredoc the boot script
   writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from petctl.etcd_server import EtcdServer
+from petctl.io.etcd import EtcdServer
 from petctl.providers.aws.userdata import agent_config_from_user_data
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,12 +8,12 @@ from typing import Any
 
 import yaml
 
-from petctl.config import PetctlConfig
+from petctl.core.config import PetctlConfig
+from petctl.core.spec import AgentConfig, JobSpec
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import LIFECYCLE_HOOK, AwsProvider
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data
-from petctl.spec import AgentConfig, JobSpec
 
 STACK = "petctl"
 ETCD_SHA256 = "ab" * 32

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from petctl.errors import ProviderError, ValidationError
+from petctl.core.errors import ProviderError, ValidationError
+from petctl.core.spec import AgentConfig, JobSpec
 from petctl.providers.aws.instance_types import validate_instance_types
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.userdata import (
@@ -19,7 +20,6 @@ from petctl.providers.aws.userdata import (
     etcd_user_data,
     worker_user_data,
 )
-from petctl.spec import AgentConfig, JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from petctl.errors import ProviderError
+from petctl.core.errors import ProviderError
+from petctl.core.spec import JobSpec
 from petctl.providers.aws import inventory
 from petctl.providers.base import JobInfo
-from petctl.spec import JobSpec
 from tests.aws.conftest import boto, write_script
 from tests.aws.rendered import parse
 

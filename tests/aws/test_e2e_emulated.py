@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from petctl.spec import JobSpec, Timeouts
+from petctl.core.spec import JobSpec, Timeouts
 from tests.aws.conftest import REGION, boto
 from tests.aws.instance_emulator import InstanceEmulator
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from petctl.agent.mirror import Mirror
-from petctl.mirrorchunks import ChunkKey, by_node, chunk_name
+from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
 from petctl.providers.aws.storage import JobStore
 from petctl.timeline import read_events
 from tests.aws import rendered

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from petctl.errors import ProviderError
+from petctl.core.errors import ProviderError
+from petctl.core.spec import JobSpec
 from petctl.providers.aws import capacity
 from petctl.providers.aws.placement import (
     Activity,
@@ -21,7 +22,6 @@ from petctl.providers.aws.placement import (
     plan_placement,
     rank_azs,
 )
-from petctl.spec import JobSpec
 from tests.aws.conftest import boto, write_script
 
 SUBNETS = {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b", "us-east-1c": "subnet-c"}
@@ -149,7 +149,7 @@ def test_fallback_moves_the_group_to_the_next_az_on_insufficient_capacity(ready,
 
 
 def test_run_job_refuses_mixed_gpus_before_any_aws_change(ready, moto, tmp_path, stack_name):
-    from petctl.errors import ValidationError
+    from petctl.core.errors import ValidationError
 
     with pytest.raises(ValidationError, match="same GPU count and model"):
         ready.create_job(job(instance_types=["g5.xlarge", "g6.xlarge"]), write_script(tmp_path / "src"))

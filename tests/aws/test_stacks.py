@@ -8,8 +8,8 @@ import datetime as dt
 import pytest
 from botocore.exceptions import ClientError
 
-from petctl.errors import JobExists, NotSetUp, ProviderError
-from petctl.providers.aws.session import aws_errors
+from petctl.core.errors import JobExists, NotSetUp, ProviderError
+from petctl.io.aws import aws_errors
 from petctl.providers.aws.stacks import StackOps
 
 

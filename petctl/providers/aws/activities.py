@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from petctl.providers.aws.session import aws_errors
+from petctl.io.aws import aws_errors
 
 # (substring of EC2's status message, what it means for the user); the first match wins.
 SPOT_QUOTA = ("spot vCPU quota reached: request an increase in Service Quotas "

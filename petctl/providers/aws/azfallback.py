@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from petctl.errors import NotSetUp, ProviderError
+from petctl.core.errors import NotSetUp, ProviderError
+from petctl.core.spec import JobSpec
+from petctl.io.aws import AwsSession
 from petctl.providers.aws import capacity, inventory
 from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
-from petctl.providers.aws.session import AwsSession
 from petctl.providers.aws.storage import JobStore
-from petctl.spec import JobSpec
 
 
 def plan(session: AwsSession, outputs: dict[str, Any], spec: JobSpec,

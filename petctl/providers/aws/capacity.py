@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from petctl.io.aws import aws_errors
 from petctl.providers.aws.placement import Activity
-from petctl.providers.aws.session import aws_errors
 
 # AZRebalance terminates instances to even out AZs: in a training group that is a lost node for nothing
 # (and in a single-AZ group it has nothing to do). CloudFormation's AutoScalingGroup has no property for

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from petctl.errors import PetctlError
+from petctl.core.errors import PetctlError
 from petctl.providers.base import Check
 
 # What the CLI calls on a user's behalf after `setup` (setup itself creates IAM roles, a VPC, a bucket:
@@ -44,7 +44,7 @@ def _unavailable(exc: BaseException) -> bool:
     internal error page instead of an AWS response."""
     from botocore.parsers import ResponseParserError
 
-    from petctl.providers.aws.session import error_code
+    from petctl.io.aws import error_code
 
     if isinstance(exc, ResponseParserError):
         return True
@@ -59,7 +59,7 @@ def _guard(name: str, call) -> Check:
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
-    from petctl.providers.aws.session import error_code, error_message
+    from petctl.io.aws import error_code, error_message
 
     try:
         return call()
@@ -100,7 +100,7 @@ def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check
 
     checks.append(_guard("base stack", base_stack))
 
-    servicequotas = session.client("service-quotas", attempts=3)  # unreadable is a warning, not a wait
+    servicequotas = session.client("service-quotas", profile="probe")  # unreadable is a warning, not a wait
     vcpus = quotas.instance_vcpus(session.client("ec2"), [probe for _, _, probe in QUOTA_PROBES])
     for code, name, probe in QUOTA_PROBES:
         quota = quotas.fetch_quota(servicequotas, code, name)
@@ -143,7 +143,7 @@ def permissions(session, caller_arn: str, settings: dict[str, Any]) -> Check:
     principal = principal_arn(caller_arn)
     if not principal:
         return Check("operator permissions", "SKIP", "the root user is not subject to IAM policies")
-    iam = session.client("iam", attempts=2)  # a missing API is an answer here, not worth ten retries
+    iam = session.client("iam", profile="probe")  # a missing API is an answer here, not worth ten retries
     results = iam.simulate_principal_policy(PolicySourceArn=principal,
                                             ActionNames=list(OPERATOR_ACTIONS))["EvaluationResults"]
     role = settings.get("outputs", {}).get("JobStackRoleArn", "")

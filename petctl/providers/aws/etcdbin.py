@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.errors import ValidationError
-from petctl.providers.aws.session import aws_errors, error_code
+from petctl.core.errors import ValidationError
+from petctl.io.aws import aws_errors, error_code
 
 ELF_MAGIC = b"\x7fELF"
 EM_X86_64 = 0x3E
@@ -42,8 +42,8 @@ def local_etcd(path_option: str = "") -> EtcdArtifact:
         from importlib.metadata import PackageNotFoundError
         from importlib.metadata import version as dist_version
 
-        from petctl.errors import ProviderError
-        from petctl.etcd_server import etcd_binary
+        from petctl.core.errors import ProviderError
+        from petctl.io.etcd import etcd_binary
 
         try:
             path = Path(etcd_binary())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from petctl.errors import ValidationError
+from petctl.core.errors import ValidationError
 
 GPU_FAMILIES = frozenset({
     "g4dn", "g5", "g6", "g6e", "gr6", "p3", "p3dn", "p4d", "p4de", "p5", "p5e", "p5en",

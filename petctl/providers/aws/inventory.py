@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from petctl.errors import JobNotFound, ProviderError, ValidationError
+from petctl.core.errors import JobNotFound, ProviderError, ValidationError
+from petctl.io.aws import aws_errors, error_code
 from petctl.jobstate import JobState
-from petctl.providers.aws.session import aws_errors, error_code
 from petctl.providers.base import HostInfo, JobInfo
 
 EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",

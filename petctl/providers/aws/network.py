@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from petctl.errors import ProviderError, ValidationError
+from petctl.core.errors import ProviderError, ValidationError
 
 DEFAULT_VPC_CIDR = "10.42.0.0/16"
 SUBNET_PREFIX = 20  # 4091 usable addresses per AZ: room for any job size we would run

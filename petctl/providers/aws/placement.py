@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from petctl.errors import ProviderError
+from petctl.core.errors import ProviderError
 
 # Status messages of failed launches that mean "this AZ has no capacity for this request now"
 # (EC2 error codes as the Auto Scaling activity reports them).

@@ -13,19 +13,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from petctl.config import PetctlConfig
-from petctl.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
+from petctl.core.config import PetctlConfig
+from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
+from petctl.core.spec import AgentConfig, JobSpec, Timeouts
+from petctl.io.aws import AwsSession, aws_errors
 from petctl.providers.aws import azfallback, capacity, etcdbin, inventory
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
 from petctl.providers.aws.placement import Placement
-from petctl.providers.aws.session import AwsSession, aws_errors
 from petctl.providers.aws.stacks import StackOps, stderr_progress
 from petctl.providers.aws.storage import JobStore, follow_logs, job_prefix, recorded_jobs
 from petctl.providers.aws.templates import render_base, render_job
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data, worker_user_data
 from petctl.providers.base import HostInfo, JobInfo, Provider
-from petctl.spec import AgentConfig, JobSpec, Timeouts
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"

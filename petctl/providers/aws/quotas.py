@@ -98,7 +98,7 @@ def fetch_quota(servicequotas, code: str, name: str) -> Quota:
     """The account's applied value, or None with the reason it could not be read (never raises)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from petctl.providers.aws.session import error_code, error_message
+    from petctl.io.aws import error_code, error_message
 
     try:
         value = servicequotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
@@ -129,7 +129,7 @@ def instance_vcpus(ec2, types: list[str]) -> dict[str, int]:
 
 def check(session, types: list[str], market: str, size: int) -> Verdict:
     """Read the quotas the job's types draw on and assess them."""
-    servicequotas = session.client("service-quotas", attempts=3)  # unreadable is a warning, not a wait
+    servicequotas = session.client("service-quotas", profile="probe")  # unreadable is a warning, not a wait
     codes = {quota_for(t, market) for t in types} - {None}
     quotas = {code: fetch_quota(servicequotas, code, name) for code, name in codes}
     return assess(types, instance_vcpus(session.client("ec2"), types), quotas, market, size)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.errors import JobExists, ProviderError
-from petctl.providers.aws.session import aws_errors, error_message
+from petctl.core.errors import JobExists, ProviderError
+from petctl.io.aws import aws_errors, error_message
 
 Progress = Callable[[str], None]
 

@@ -7,7 +7,7 @@ Layout under `s3://<bucket>/jobs/<job>/`:
     agent.json                        the agent config the user data embeds (identity placeholders in)
     checkpoints/                      petctl.elastic checkpoints
     status/<node_id>.json             each agent's published node state (same schema as etcd's)
-    events/<node_id>/<chunk>.jsonl    each agent's events, append-only chunks (petctl/mirrorchunks.py)
+    events/<node_id>/<chunk>.jsonl    each agent's events, append-only chunks (petctl/core/mirrorchunks.py)
     logs/<node_id>/<chunk>.log        each agent's node log, append-only chunks
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.errors import ValidationError
-from petctl.mirrorchunks import ChunkKey, by_node
-from petctl.providers.aws.session import aws_errors, error_code
+from petctl.core.errors import ValidationError
+from petctl.core.mirrorchunks import ChunkKey, by_node
+from petctl.io.aws import aws_errors, error_code
 
 ARCHIVE_NAME = "code.tar.gz"
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from petctl.errors import ProviderError
+from petctl.core.errors import ProviderError
 
 CFN_DIR = "cfn"
 BOOT_DIR = "worker_image"

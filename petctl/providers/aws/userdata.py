@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from petctl.spec import AgentConfig
+from petctl.core.spec import AgentConfig
 
 CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
 # Keep the user data below EC2's 16 KB limit (with room to spare) so a long argument list is refused here
@@ -24,7 +24,7 @@ WORKER_IMDS = "http://169.254.169.254"
 
 def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url: str,
                      gpus: bool = True) -> str:
-    from petctl.errors import ValidationError
+    from petctl.core.errors import ValidationError
     from petctl.providers.aws.templates import render_boot
 
     text = render_boot("worker_boot.sh.j2", agent_config=config.to_json(), image=image, log_group=log_group,

@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Any
 
-from petctl.errors import PetctlError, ValidationError
+from petctl.core.errors import PetctlError, ValidationError
 from petctl.providers.base import HostInfo
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from petctl.core.spec import AgentConfig, JobSpec
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef
-from petctl.spec import AgentConfig, JobSpec
 
 PR_SET_PDEATHSIG = 1
 

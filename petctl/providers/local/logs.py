@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from petctl.errors import PetctlError
+from petctl.core.errors import PetctlError
 from petctl.providers.local.jobdir import JobDir
 
 

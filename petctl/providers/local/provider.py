@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import petctl
-from petctl.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ProviderError, ValidationError
-from petctl.keys import JobKeys
+from petctl.core.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ProviderError, ValidationError
+from petctl.core.keys import JobKeys
+from petctl.core.spec import JobSpec
 from petctl.providers.base import HostInfo, JobInfo, Provider
 from petctl.providers.local import chaos, logs
 from petctl.providers.local.jobdir import JobDir, local_root
 from petctl.providers.local.procs import ProcRef, start_ticks, stop_group, wait_gone
-from petctl.spec import JobSpec
 
 FINAL_STATES = ("succeeded", "failed", "killed")
 # Test hook: a JSON list replacing the agent command ("{config}" -> agent.json), e.g. a stub agent.
@@ -72,7 +72,7 @@ class LocalProvider(Provider):
             raise ValidationError(f"the local provider takes no setup options (got {', '.join(options)})")
         if self.settings.get("ready") and self._etcd_healthy():
             return dict(self.settings)
-        from petctl.etcd_server import EtcdServer
+        from petctl.io.etcd import EtcdServer
 
         self._stop_etcd()  # a recorded but unhealthy etcd (say, after a crash) is replaced
         etcd_dir = self.root / "etcd"
@@ -112,7 +112,7 @@ class LocalProvider(Provider):
         return str(self.settings["etcd_endpoint"])
 
     def _client(self):
-        from petctl.etcd_server import etcd_client
+        from petctl.io.etcd import etcd_client
 
         return etcd_client(self.etcd_endpoint(), read_timeout=3.0)
 
@@ -137,7 +137,7 @@ class LocalProvider(Provider):
 
     def job_events(self, name: str) -> list[dict[str, Any]]:
         """The agents' timeline plus the reconciler's own (instances launched/terminated, scaling)."""
-        from petctl.eventlog import parse_lines
+        from petctl.core.eventlog import parse_lines
 
         events = super().job_events(name)
         log = JobDir.of(self.config.home, name).reconciler_log

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.eventlog import EventLog
-from petctl.keys import JobKeys
+from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
+from petctl.core.spec import JobSpec
 from petctl.providers.local import instances as inst_mod
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
-from petctl.spec import JobSpec
 
 QUICK_EXIT_S = 10.0  # an instance that fails faster than this after launch is crash-looping
 MAX_QUICK_FAILURES = 5  # ... and this many in a row end the job (a broken agent, not bad luck)
@@ -66,7 +66,7 @@ def start_metadata_server(notices: Path):
 
 class Reconciler:
     def __init__(self, opts: Options, spec: JobSpec, events: EventLog, command: list[str] | None = None):
-        from petctl.etcd_server import etcd_client
+        from petctl.io.etcd import etcd_client
 
         self.opts = opts
         self.job = JobDir(opts.job_dir)

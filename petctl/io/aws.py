@@ -1,9 +1,13 @@
-"""boto3 sessions and clients the way the AWS CLI would build them, plus AWS errors in user terms.
+"""The one place petctl builds boto3 sessions and clients, plus AWS errors in user terms.
 
 Region and profile follow the CLI's conventions (flags first, then AWS_PROFILE / AWS_REGION /
-AWS_DEFAULT_REGION and ~/.aws/config); an endpoint URL (an emulator such as moto) is just configuration.
-Clients use adaptive retries so throttling backs off instead of failing a long stack wait. boto3 is
-imported here lazily so `import petctl` never pays for it.
+AWS_DEFAULT_REGION and ~/.aws/config); an endpoint URL (an emulator such as moto) is just configuration
+(`AWS_ENDPOINT_URL`, which boto3 also honours per service).
+
+Every client is built with a named retry profile (`RETRY_PROFILES`), chosen for what a failure costs
+where it is used, as SkyPilot's adaptors do: the CLI waits out throttling, an agent's control call must
+not stall its loop, data transfers ride out a slow S3 prefix, a probe's failure is itself the answer.
+boto3 is imported here lazily so `import petctl` never pays for it; nothing else in petctl imports it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.errors import NotSetUp, PetctlError, ProviderError, ValidationError
+from petctl.core.errors import NotSetUp, PetctlError, ProviderError, ValidationError
 
 THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
               "SlowDown", "RequestThrottled", "PriorRequestNotComplete"}
@@ -25,6 +29,47 @@ NO_CREDENTIALS_HINT = ("set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_K
                        "or `aws sso login`, or pass --option profile=NAME")
 
 
+@dataclass(frozen=True)
+class RetryProfile:
+    """botocore retry and timeout settings for one kind of caller."""
+
+    mode: str
+    max_attempts: int
+    connect_timeout: float = 60.0
+    read_timeout: float = 60.0
+
+    def config(self, region: str = ""):
+        from botocore.config import Config
+
+        return Config(region_name=region or None, user_agent_extra="petctl",
+                      retries={"mode": self.mode, "max_attempts": self.max_attempts},
+                      connect_timeout=self.connect_timeout, read_timeout=self.read_timeout)
+
+
+RETRY_PROFILES: dict[str, RetryProfile] = {
+    # The CLI: long stack waits and bursts of describes; adaptive retries back off under throttling.
+    "cli": RetryProfile("adaptive", 10),
+    # An agent's control calls (lifecycle hooks, scaling to 0): short, so a stuck call never stalls the
+    # agent's loop past a spot notice's two minutes.
+    "agent": RetryProfile("standard", 3, connect_timeout=5, read_timeout=10),
+    # Checkpoint and log transfers: ride out S3's 503 SlowDown on a hot prefix.
+    "data": RetryProfile("standard", 5, connect_timeout=10, read_timeout=60),
+    # `petctl doctor`: one retry; a failure is the answer being sought.
+    "probe": RetryProfile("standard", 2, connect_timeout=5, read_timeout=10),
+}
+
+
+def client(service: str, profile: str = "agent", region: str = "", endpoint_url: str = ""):
+    """A boto3 client outside a CLI session (agents, workers): region and credentials from the
+    environment or the instance profile; `endpoint_url` (or AWS_ENDPOINT_URL) for an emulator.
+    Raises KeyError for an unknown profile name."""
+    import boto3
+
+    retry = RETRY_PROFILES[profile]
+    return boto3.session.Session().client(service, config=retry.config(region),
+                                          endpoint_url=endpoint_url or None)
+
+
 @dataclass
 class AwsSession:
     """A region-bound boto3 session with clients built on demand (and cached per service)."""
@@ -32,7 +77,6 @@ class AwsSession:
     region: str
     profile: str = ""
     endpoint_url: str = ""
-    max_attempts: int = 10
     _session: Any = None
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -55,15 +99,12 @@ class AwsSession:
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
         return cls(region=region, profile=profile, endpoint_url=endpoint_url, _session=session)
 
-    def client(self, service: str, region: str = "", attempts: int = 0):
-        """A client with adaptive retries; `region` for the few global-ish APIs (pricing: us-east-1);
-        `attempts` below the default for a probe whose failure is an answer (petctl doctor)."""
-        key = f"{service}@{region}#{attempts}" if region or attempts else service
+    def client(self, service: str, region: str = "", profile: str = "cli"):
+        """A cached client; `region` for the few global-ish APIs (pricing: us-east-1); `profile` names
+        the retry profile (`probe` for petctl doctor, whose failures are answers)."""
+        key = f"{service}@{region or self.region}#{profile}"
         if key not in self._clients:
-            from botocore.config import Config
-
-            config = Config(region_name=region or self.region, user_agent_extra="petctl",
-                            retries={"mode": "adaptive", "max_attempts": attempts or self.max_attempts})
+            config = RETRY_PROFILES[profile].config(region or self.region)
             self._clients[key] = self._session.client(service, config=config,
                                                       endpoint_url=self.endpoint_url or None)
         return self._clients[key]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.errors import NotSetUp
+from petctl.core.errors import NotSetUp
 
 PROVIDERS = ("local", "aws")
 

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from petctl.errors import ProviderError
+from petctl.core.errors import ProviderError
 
 
 def etcd_binary() -> str:

@@ -1,0 +1,190 @@
+"""The wire format: every record petctl writes to etcd or the object store, as a typed dataclass.
+
+Why typed: agents of different ages share one etcd during a rolling upgrade, the CLI reads what agents
+wrote, and the docs describe the same fields; one definition keeps the three in step
+(tests/test_records.py checks docs/ARCHITECTURE.md's field lists against these classes).
+
+Rules every record follows:
+- `to_json()` writes every field, `from_json()` reads it back equal (a round trip is the identity).
+- Unknown keys are ignored and missing optional keys take their defaults, so an older reader accepts a
+  newer writer's record and the other way round.
+- A value that is not a JSON object, or lacks a required field, raises `WireFormatError` (a
+  `ValueError`): callers decide whether a corrupt record is skipped (and counted) or fatal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+R = TypeVar("R", bound="WireRecord")
+
+
+class WireFormatError(ValueError):
+    """A stored value is not a valid record of the expected kind."""
+
+
+class Phase(str, enum.Enum):
+    """`live/round`'s phase: the round's place in its life."""
+
+    JOINING = "joining"  # nodes write join records; the closer freezes it
+    FROZEN = "frozen"  # the barrier is passed: ranks are fixed, workers run
+    FINAL = "final"  # the job is over; `result` says why
+
+
+class WireRecord:
+    """JSON codec shared by the records below (dataclasses of JSON-native fields)."""
+
+    # Fields holding nested records: name -> record class (decoded from their dicts).
+    _nested: ClassVar[dict[str, type[WireRecord]]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, WireRecord):
+                value = value.to_dict()
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            out[f.name] = value
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any) -> R:
+        """Build the record from a decoded JSON object. Raises WireFormatError."""
+        if not isinstance(data, dict):
+            raise WireFormatError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name not in data:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise WireFormatError(f"{cls.__name__}: missing field {f.name!r}")
+                continue
+            value = data[f.name]
+            nested = cls._nested.get(f.name)
+            if nested is not None and value is not None:
+                value = nested.from_dict(value)
+            kwargs[f.name] = value
+        try:
+            record = cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise WireFormatError(f"{cls.__name__}: {e}") from e
+        return record
+
+    @classmethod
+    def from_json(cls: type[R], text: str | bytes | None) -> R:
+        """Parse a stored value. Raises WireFormatError (empty, not JSON, or not this record)."""
+        if not text:
+            raise WireFormatError(f"{cls.__name__}: empty value")
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise WireFormatError(f"{cls.__name__}: not JSON ({e})") from e
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class Preempt(WireRecord):
+    """A spot interruption notice, carried on the running round so every member's workers can save."""
+
+    node_id: str
+    deadline: float  # epoch seconds when the noticed instance is taken
+
+
+@dataclass(frozen=True)
+class Round(WireRecord):
+    """`live/round`: the one value every agent watches, changed only by compare-and-swap."""
+
+    _nested: ClassVar[dict[str, type[WireRecord]]] = {"preempt": Preempt}
+
+    round: int | None  # None only on a `final` record written before any round opened
+    phase: Phase
+    ts: float  # when this round was opened (recovery time is measured from it)
+    restarts: int = 0  # worker failures so far (max_restarts bounds it)
+    cause: str = ""  # why this round was opened
+    preempt: Preempt | None = None
+    # Set when frozen:
+    ranks: dict[str, int] = field(default_factory=dict)  # node_id -> node rank
+    world_size: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+    frozen_ts: float | None = None
+    # Set when final:
+    state: str = ""  # succeeded | failed | killed
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))
+        object.__setattr__(self, "ranks", {str(k): int(v) for k, v in (self.ranks or {}).items()})
+
+
+@dataclass(frozen=True)
+class JoinRecord(WireRecord):
+    """`rounds/<n>/<node_id>`: a node's entry into round n, with the address rank 0 would serve on."""
+
+    node_id: str
+    addr: str
+    port: int
+    ts: float
+    prev_rank: int | None = None  # the node's rank in the round before (it keeps it if it can)
+
+
+@dataclass(frozen=True)
+class NodeRecord(WireRecord):
+    """`live/nodes/<node_id>`: the heartbeat (TTL'd); its presence is what "alive" means."""
+
+    node_id: str
+    host_addr: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class DoneRecord(WireRecord):
+    """`live/done/<n>/<node_id>`: the node finished round n with every worker exiting 0."""
+
+    ts: float
+
+
+@dataclass(frozen=True)
+class Checkpoint(WireRecord):
+    step: int | None
+    url: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeStatus(WireRecord):
+    """`status/<node_id>` (TTL'd) and the mirror's status file: what `petctl status` shows per node."""
+
+    _nested: ClassVar[dict[str, type[WireRecord]]] = {"last_checkpoint": Checkpoint}
+
+    node_id: str
+    state: str  # starting | joining | waiting | running | stopping | leaving | succeeded | failed | ...
+    updated: float
+    host_addr: str = ""
+    pid: int | None = None
+    round: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    restarts: int | None = None
+    step: int | None = None
+    last_checkpoint: Checkpoint | None = None
+    etcd_requests: dict[str, int] = field(default_factory=dict)  # reads/writes/watches so far
+    failures: dict[str, int] = field(default_factory=dict)  # service -> failed attempts so far
+
+
+@dataclass(frozen=True)
+class JobResult(WireRecord):
+    """`result` in etcd and `result.json` beside the job's data: how the job ended. Written once."""
+
+    state: str  # succeeded | failed | killed
+    reason: str
+    ts: float
+    round: int | None = None
+    job: str = ""
+    node: str = ""  # the agent (or "cli") that wrote it
