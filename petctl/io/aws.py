@@ -172,3 +172,20 @@ def aws_errors(action: str) -> Iterator[None]:
         raise ProviderError(f"failed to {action}: {code}: {message}") from None
     except BotoCoreError as exc:
         raise ProviderError(f"failed to {action}: {exc}") from None
+
+
+def client_error() -> type[Exception]:
+    """botocore's ClientError (AWS answered with an error code), imported lazily: `except client_error():`
+    lets callers outside this module catch it without importing botocore themselves."""
+    from botocore.exceptions import ClientError
+
+    return ClientError
+
+
+def aws_failures() -> tuple[type[Exception], ...]:
+    """Every way a boto3 call fails on AWS's side or on the way there: an error answer, a transport or
+    credentials failure (BotoCoreError), or an unparseable answer (an emulator or proxy, not AWS)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
+
+    return (ClientError, BotoCoreError, ResponseParserError)
