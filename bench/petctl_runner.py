@@ -88,9 +88,11 @@ class PetctlJob:
         return read_job_state(etcd_client(self.endpoint), self.spec.name)
 
     def frozen_ranks(self, world: int) -> dict[str, int] | None:
+        import etcd
+
         try:
             st = self.state()
-        except Exception:
+        except etcd.EtcdException:  # etcd restarting under the benchmark: not frozen yet, poll again
             return None
         return st.ranks if st.state == "running" and st.world_size == world else None
 

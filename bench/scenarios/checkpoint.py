@@ -12,6 +12,7 @@ one thread, padded to BENCH_STEP_TIME, standing in for a GPU step during which t
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from typing import Any
@@ -73,7 +74,7 @@ def run_once(ctx: Context, moto: Moto, variant: str, rep: int, cfg: dict[str, An
     out: dict[str, Any] = {"variant": variant, "rep": rep}
     try:
         code = node.proc.wait(timeout=600)
-    except Exception:
+    except subprocess.TimeoutExpired:
         node.kill()
         out["error"] = "timeout"
         return out

@@ -17,9 +17,12 @@ Figures per run:
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 from typing import Any
+
+import etcd
 
 from bench import phases
 from bench.petctl_runner import BENCH, PetctlJob
@@ -127,8 +130,8 @@ def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
         for node in nodes:  # the job ends by itself (every worker exits 0)
             try:
                 node.proc.wait(timeout=60)
-            except Exception:
-                pass
+            except subprocess.TimeoutExpired:  # job.stop() below kills it; its counters are still read
+                out.setdefault("stragglers", []).append(node.name)
         out["agent_requests_per_node_per_round"] = _agent_requests(job, nodes)
         out["rdzv_requests_per_node"] = _rdzv_requests(nodes)
         return out
@@ -142,7 +145,7 @@ def _agent_requests(job: PetctlJob, nodes: list[Node]) -> dict[str, Any]:
     per: list[dict[str, float]] = []
     try:
         leaves = client.read(JobKeys(job.spec.name).status, recursive=True).leaves
-    except Exception:
+    except etcd.EtcdKeyNotFound:  # no node published a status: nothing to average
         return {}
     rounds = {n.name: max(1, len(n.events("rendezvous.complete"))) for n in nodes}
     for leaf in leaves:

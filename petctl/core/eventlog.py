@@ -26,6 +26,7 @@ class EventLog:
         self.context = {k: v for k, v in context.items() if v is not None}
         self._sinks: list[Sink] = []
         self._lock = threading.Lock()
+        self.sink_failures = 0  # records a sink raised on (published in the node status)
 
     def add_sink(self, sink: Sink) -> None:
         self._sinks.append(sink)
@@ -42,8 +43,9 @@ class EventLog:
         for sink in list(self._sinks):
             try:
                 sink(record)
-            except Exception:  # a failing sink (etcd down) must never break the caller
-                pass
+            except Exception:  # noqa: BLE001 a failing sink (etcd down) must never break the caller
+                # Sinks count and report their own outages; this counts what escaped them.
+                self.sink_failures += 1
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"ts": round(time.time(), 6), "event": event, "component": self.component, **self.context,

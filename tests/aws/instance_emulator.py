@@ -181,7 +181,7 @@ class InstanceEmulator:
             while not self._stop.wait(interval):
                 try:
                     self.sync(asg_name)
-                except Exception as exc:  # keep emulating; the test reports what went wrong
+                except Exception as exc:  # noqa: BLE001 keep emulating; the test reports what went wrong
                     self.errors.append(repr(exc))
 
         self._thread = threading.Thread(target=loop, name="instance-emulator", daemon=True)
