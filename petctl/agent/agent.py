@@ -35,12 +35,14 @@ from petctl.agent.rendezvous import (
     RoundInfo,
     Snapshot,
 )
-from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, pdeathsig
+from petctl.agent.warm_pool import WarmPool
+from petctl.agent.workers import WorkerGroup, WorkerSpec
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client
+from petctl.io.procs import die_with_parent
 
 STATUS_TTL = 120
 WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports before it joins anyway
@@ -101,7 +103,7 @@ class Agent:
                                       cwd=str(code_dir), nproc=self.spec.nproc_per_node,
                                       base_env=dict(self.spec.env))
         self.worker_spec.preload += tuple(self.spec.warm_imports)
-        self.pool = WarmPool(self.worker_spec, pdeathsig()) if self.spec.warm_workers else None
+        self.pool = WarmPool(self.worker_spec, die_with_parent()) if self.spec.warm_workers else None
         if self.pool is not None:
             # Join only once our workers have torch imported: a new node would otherwise restart a
             # running job and then make everyone wait for its imports (bounded: never wait forever).

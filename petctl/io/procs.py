@@ -36,15 +36,20 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+UNKNOWN = "unknown"  # the process exists, but we may not look at it (another user's)
+
+
 def status(pid: int) -> str | None:
-    """psutil's status of `pid` ("running", "sleeping", "stopped", "zombie", ...), None if there is no
-    such process (or it is not ours to look at)."""
+    """psutil's status of `pid` ("running", "sleeping", "stopped", "zombie", ...), `UNKNOWN` when it
+    exists but is not ours to look at, None when there is no such process."""
     import psutil
 
     try:
         return psutil.Process(pid).status()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except psutil.NoSuchProcess:
         return None
+    except psutil.AccessDenied:
+        return UNKNOWN
 
 
 def alive(pid: int, start: int | None = None) -> bool:
