@@ -75,7 +75,8 @@ class Agent:
         self.preemption = PreemptionHandler(config, self.events)
         self.event_sink = EtcdEventSink(etcd_client(self.spec.etcd_endpoint), self.keys.events)
         self.events.add_sink(self.event_sink)
-        self.mirror = Mirror(config.status_url, self.node_id, log_path) if config.status_url else None
+        self.mirror = (Mirror(config.status_url, self.node_id, log_path, log=self.events)
+                       if config.status_url else None)
         if self.mirror is not None:
             self.events.add_sink(self.mirror.add_event)
         self.progress: dict[str, Any] = {"step": None, "last_checkpoint": None}

@@ -112,8 +112,8 @@ class WorkerGroup:
                 try:
                     self.out.write(line if line.endswith("\n") else line + "\n")
                     self.out.flush()
-                except (ValueError, OSError):
-                    pass
+                except (ValueError, OSError):  # our stream is closed (shutting down): drop the line, but
+                    pass  # keep draining the pipe so the worker never blocks on a full one
             if self.on_event is not None:
                 record = parse_line(line)
                 if record is not None:

@@ -162,6 +162,37 @@ def test_an_agent_without_access_reports_the_outage_and_keeps_the_result_for_lat
     assert "train.step" in names
 
 
+def test_concurrent_flushes_lose_and_repeat_nothing(tmp_path):
+    """The agent flushes (and writes the result) while the mirror's thread flushes: every write goes
+    through one flush at a time, so each event and log byte is stored exactly once."""
+    log = tmp_path / "node.log"
+    log.write_bytes(b"")
+    mirror = Mirror(f"file://{tmp_path / 'mirror'}", "i-1", log, interval=0.001,
+                    log=EventLog("agent", stream=io.StringIO()))
+    mirror.start()
+    written = b""
+    for i in range(300):
+        mirror.add_event(event(i))
+        line = f"line {i}\n".encode()
+        with open(log, "ab") as f:
+            f.write(line)
+        written += line
+        mirror.set_status({"node_id": "i-1", "step": i})
+        if i % 3 == 0:
+            mirror.flush()
+        if i == 150:
+            assert mirror.put_result({"state": "succeeded", "reason": "done"})
+    mirror.stop()
+    assert mirror.failures == 0
+    mirrored = read_events("demo", mirror_url=f"file://{tmp_path / 'mirror'}")
+    assert [e["step"] for e in mirrored] == list(range(300))
+    store = mirror.store
+    chunks = by_node([o.key for o in store.list("logs/")], "logs")["i-1"]
+    assert b"".join(store.get_bytes(k.name) for k in chunks) == written
+    assert json.loads(store.get_bytes("status/i-1.json"))["step"] == 299
+    assert json.loads(store.get_bytes("result.json"))["state"] == "succeeded"
+
+
 def test_chunk_names_sort_in_write_order_and_legacy_objects_still_read():
     names = [chunk_name("logs", "i-1", 1700000000123, 10), chunk_name("logs", "i-1", 1700000000123, 9),
              chunk_name("logs", "i-1", 1700000000999, 0), "logs/i-1.log", "logs/i-2/junk.txt",
