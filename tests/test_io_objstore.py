@@ -156,3 +156,22 @@ def test_the_agent_loads_its_config_and_code_from_s3_and_files(moto_env: str, s3
     assert not list(tmp_path.glob(".code.*"))  # the downloaded archive is gone
     dest = fetch_code(f"{s3_url}/code/single.py", tmp_path / "code")
     assert [p.name for p in dest.iterdir()] == ["single.py"]  # replaced, not merged
+
+
+def test_layers_the_agent_and_the_cli_never_load_the_library_or_torch() -> None:
+    """The agent reaches the store through petctl.io, never through petctl.elastic (which would bring
+    torch); petctl.io imports nothing of petctl but petctl.core."""
+    code = ("import sys; import petctl.agent.main, petctl.agent.mirror, petctl.agent.code, "
+            "petctl.agent.workers, petctl.agent.warm_pool, petctl.timeline, petctl.providers.aws.storage, "
+            "petctl.io.objstore, petctl.io.s3store, petctl.io.files, petctl.io.procs, petctl.io.wait, "
+            "petctl.io.net, petctl.io.etcd, petctl.io.aws; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'boto3', 'botocore') "
+            "or m.startswith('petctl.elastic')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    for path in (REPO / "petctl" / "io").glob("*.py"):
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if words[:1] in (["import"], ["from"]) and words[1].startswith("petctl."):
+                assert words[1].startswith(("petctl.core", "petctl.io")), f"{path.name}: {line}"
+    for path in (REPO / "petctl" / "elastic").glob("*.py"):
+        assert "petctl.agent" not in path.read_text(), path.name
