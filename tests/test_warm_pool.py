@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, pdeathsig
+from petctl.agent.warm_pool import WarmPool
+from petctl.agent.workers import WorkerGroup, WorkerSpec
+from petctl.io.procs import die_with_parent
 from tests.conftest import REPO
 
 # What a newcomer's machine printed before torch was imported (no numpy), plus a line on stdout that is
@@ -37,7 +39,7 @@ def make_spec(tmp_path: Path, preload: tuple[str, ...], entrypoint: str = "train
 
 
 def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: Path) -> None:
-    pool = WarmPool(make_spec(tmp_path, ("noisy",)), pdeathsig())
+    pool = WarmPool(make_spec(tmp_path, ("noisy",)), die_with_parent())
     try:
         assert pool.fill() == 2
         t0 = time.monotonic()
@@ -64,7 +66,7 @@ def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: 
 
 
 def test_a_worker_that_dies_before_ready_is_reported_at_once_not_after_the_timeout(tmp_path: Path) -> None:
-    pool = WarmPool(make_spec(tmp_path, ("dies",), nproc=1), pdeathsig())
+    pool = WarmPool(make_spec(tmp_path, ("dies",), nproc=1), die_with_parent())
     try:
         pool.fill()
         t0 = time.monotonic()
@@ -78,7 +80,7 @@ def test_a_worker_that_dies_before_ready_is_reported_at_once_not_after_the_timeo
 def test_any_entrypoint_name_is_warm_and_a_full_pool_starts_nothing(tmp_path: Path) -> None:
     """`--entrypoint train` (no .py) used to leave the pool empty forever, and the agent then started a
     readiness reporter on every loop pass."""
-    pool = WarmPool(make_spec(tmp_path, ("noisy",), entrypoint="train"), pdeathsig())
+    pool = WarmPool(make_spec(tmp_path, ("noisy",), entrypoint="train"), die_with_parent())
     try:
         assert pool.usable
         assert pool.fill() == 2

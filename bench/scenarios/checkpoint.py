@@ -21,7 +21,7 @@ from bench import phases
 from bench.petctl_runner import BENCH, REPO, node_env
 from bench.procs import Node, start_node
 from bench.scenarios.common import Context
-from petctl.io.etcd import free_port
+from petctl.io.net import free_port
 
 VARIANTS = ("none", "elastic", "sync")
 WARMUP = 3

@@ -35,12 +35,14 @@ from petctl.agent.rendezvous import (
     RoundInfo,
     Snapshot,
 )
-from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, pdeathsig
+from petctl.agent.warm_pool import WarmPool
+from petctl.agent.workers import WorkerGroup, WorkerSpec
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client
+from petctl.io.procs import die_with_parent
 
 STATUS_TTL = 120
 WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports before it joins anyway
@@ -73,7 +75,8 @@ class Agent:
         self.preemption = PreemptionHandler(config, self.events)
         self.event_sink = EtcdEventSink(etcd_client(self.spec.etcd_endpoint), self.keys.events)
         self.events.add_sink(self.event_sink)
-        self.mirror = Mirror(config.status_url, self.node_id, log_path) if config.status_url else None
+        self.mirror = (Mirror(config.status_url, self.node_id, log_path, log=self.events)
+                       if config.status_url else None)
         if self.mirror is not None:
             self.events.add_sink(self.mirror.add_event)
         self.progress: dict[str, Any] = {"step": None, "last_checkpoint": None}
@@ -101,7 +104,7 @@ class Agent:
                                       cwd=str(code_dir), nproc=self.spec.nproc_per_node,
                                       base_env=dict(self.spec.env))
         self.worker_spec.preload += tuple(self.spec.warm_imports)
-        self.pool = WarmPool(self.worker_spec, pdeathsig()) if self.spec.warm_workers else None
+        self.pool = WarmPool(self.worker_spec, die_with_parent()) if self.spec.warm_workers else None
         if self.pool is not None:
             # Join only once our workers have torch imported: a new node would otherwise restart a
             # running job and then make everyone wait for its imports (bounded: never wait forever).

@@ -1,8 +1,9 @@
 """Bring the job's code onto the node: a file or directory (file://), or an object in S3 (s3://).
 
 A directory uploaded to S3 travels as a .tar.gz archive and is unpacked here (with tarfile's `data`
-filter where available, so an archive can't write outside the code dir). boto3 is imported only for
-s3:// URLs; it honours AWS_ENDPOINT_URL, which is how the tests point it at the emulator.
+filter where available, so an archive can't write outside the code dir). An object is downloaded through
+`petctl.io.objstore` (boto3 loads for s3:// only; it honours AWS_ENDPOINT_URL, which is how the tests
+point it at the emulator).
 """
 
 from __future__ import annotations
@@ -10,17 +11,20 @@ from __future__ import annotations
 import shutil
 import tarfile
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+
+from petctl.io.objstore import local_path, open_parent
 
 
 def fetch_code(code_url: str, dest: Path) -> Path:
-    """Materialise the code under `dest` (replaced if present); returns `dest`."""
+    """Materialise the code under `dest` (replaced if present); returns `dest`.
+
+    Raises ObjectNotFound or StoreError (OSErrors) when the object cannot be read, ValueError for an
+    unsupported URL or an archive member that would land outside `dest`."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    u = urlparse(code_url)
-    if u.scheme in ("", "file"):
-        src = Path(unquote(u.path) if u.scheme else code_url)
+    src = local_path(code_url)
+    if src is not None:
         if src.is_dir():
             shutil.copytree(src, dest, dirs_exist_ok=True)
         elif _is_archive(src.name):
@@ -28,19 +32,15 @@ def fetch_code(code_url: str, dest: Path) -> Path:
         else:
             shutil.copy2(src, dest / src.name)
         return dest
-    if u.scheme == "s3":
-        import boto3
-
-        name = Path(u.path).name
-        local = dest.parent / f".{dest.name}.{name}"
-        boto3.client("s3").download_file(u.netloc, u.path.lstrip("/"), str(local))
-        if _is_archive(name):
-            _unpack(local, dest)
-            local.unlink()
-        else:
-            local.replace(dest / name)
-        return dest
-    raise ValueError(f"unsupported code URL {code_url!r} (use file:// or s3://)")
+    store, name = open_parent(code_url)
+    local = dest.parent / f".{dest.name}.{name}"
+    store.get_file(name, local)
+    if _is_archive(name):
+        _unpack(local, dest)
+        local.unlink()
+    else:
+        local.replace(dest / name)
+    return dest
 
 
 def _is_archive(name: str) -> bool:

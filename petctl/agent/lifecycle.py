@@ -27,13 +27,11 @@ class LifecycleClient(Protocol):
 
 
 def make_client(region: str, endpoint_url: str | None = None) -> LifecycleClient:
-    """A boto3 autoscaling client with few retries: the clock is the two-minute notice."""
-    import boto3
-    from botocore.config import Config
+    """A boto3 autoscaling client with few retries (the `agent` profile): the clock is the two-minute
+    notice."""
+    from petctl.io.aws import client
 
-    config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=10)
-    return boto3.session.Session().client("autoscaling", region_name=region or None,
-                                          endpoint_url=endpoint_url, config=config)
+    return client("autoscaling", profile="agent", region=region, endpoint_url=endpoint_url or "")
 
 
 def _describe(error: Exception) -> str:

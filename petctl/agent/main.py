@@ -10,23 +10,16 @@ import argparse
 import os
 import stat
 import sys
-import tempfile
 from pathlib import Path
-from urllib.parse import urlparse
 
 from petctl.core.spec import AgentConfig
+from petctl.io.objstore import read_url
 
 
 def load_config(location: str) -> AgentConfig:
-    u = urlparse(location)
-    if u.scheme == "s3":
-        import boto3
-
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / "agent.json"
-            boto3.client("s3").download_file(u.netloc, u.path.lstrip("/"), str(local))
-            return AgentConfig.from_json(local.read_text())
-    return AgentConfig.from_json(Path(u.path if u.scheme == "file" else location).read_text())
+    """The config at a path, `file://` or `s3://` URL. Raises OSError (ObjectNotFound, StoreError) when
+    it cannot be read, ValueError or KeyError when it is not a valid agent config."""
+    return AgentConfig.from_json(read_url(location).decode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,69 +13,52 @@ interval follow the new lines, not the file's size, and a versioned bucket keeps
 log's uploaded offset is kept next to the log (`.<log name>.mirrored`), so an agent restarted on the same
 node continues where its predecessor stopped instead of sending the whole file again.
 
-Uploads run on one background thread every `interval` seconds and once more at exit; a failing upload is
-retried next time (nothing is dropped until it is stored) and never disturbs training; failures are
-counted and reported once when they start and once when they end. Stdlib + boto3 (imported lazily,
-s3:// only); no torch.
+Uploads run on one background thread every `interval` seconds and once more at exit; every write (the
+final result's too) goes through `flush`, one at a time, so no two threads ever write the same object or
+offset file. A failing upload is retried next time (nothing is dropped until it is stored, the result
+included) and never disturbs training. Failures are counted (`failures`, published in the node status)
+and reported as events, once when an outage starts (`mirror.outage`) and once when it ends
+(`mirror.recovered`), so an agent without access to its prefix is visible instead of silently
+mirroring nothing. The bytes go through `petctl.io.objstore` (boto3 loads for s3:// only); no torch.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
+from petctl.core.eventlog import EventLog
 from petctl.core.mirrorchunks import chunk_name
+from petctl.io.files import atomic_write
+from petctl.io.objstore import ObjectStore, open_store
 
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one PUT at most; a larger backlog goes as several chunks
 MAX_PENDING_EVENTS = 20000  # events kept for upload while the store is unreachable (oldest dropped)
 
 
-class ObjectWriter:
-    """put(relative_key, bytes) under a file:// or s3:// prefix."""
-
-    def __init__(self, url: str) -> None:
-        u = urlparse(url)
-        self.scheme = u.scheme or "file"
-        if self.scheme == "s3":
-            self.bucket, self.prefix = u.netloc, u.path.lstrip("/")
-            self._client: Any = None
-        elif self.scheme == "file":
-            self.root = Path(unquote(u.path) if u.scheme else url)
-        else:
-            raise ValueError(f"unsupported mirror URL {url!r} (use file:// or s3://)")
-
-    def put(self, key: str, data: bytes, content_type: str = "application/json") -> None:
-        if self.scheme == "s3":
-            if self._client is None:
-                import boto3
-
-                self._client = boto3.client("s3")
-            full = f"{self.prefix.rstrip('/')}/{key}" if self.prefix else key
-            self._client.put_object(Bucket=self.bucket, Key=full, Body=data, ContentType=content_type)
-            return
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-
-
 class Mirror:
+    """Mirrors one node's status, events and log under `url` (see the module docstring).
+
+    log: where the outage events go; the agent passes its own EventLog (which forwards them to etcd and,
+        through `add_event`, to this mirror). By default a log of its own on stderr that also feeds
+        this mirror, so the outage is on record once uploads work again.
+    store: the object store to write to (tests); default `open_store(url)`.
+    """
+
     def __init__(self, url: str, node_id: str, log_path: Path | None, interval: float = 10.0,
-                 report: Callable[[str], None] | None = None) -> None:
-        self.writer = ObjectWriter(url)
+                 log: EventLog | None = None, store: ObjectStore | None = None) -> None:
+        self.store = store if store is not None else open_store(url)
         self.url = url
         self.node_id = node_id
         self.log_path = log_path
         self.interval = interval
-        self.report = report or _stderr
+        if log is None:
+            log = EventLog("mirror", node_id=node_id)
+            log.add_sink(self.add_event)
+        self.log = log
         self.epoch_ms = int(time.time() * 1000)  # names this process's chunks apart from a predecessor's
         self._event_seq = 0
         self._log_seq = 0
@@ -83,13 +66,15 @@ class Mirror:
         self._appended = 0  # events ever added; _pending holds the last len(_pending) of them
         self._status: dict[str, Any] | None = None
         self._status_sent: dict[str, Any] | None = None
-        self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()  # the thread's flush and stop()'s final flush never overlap
+        self._result: dict[str, Any] | None = None  # the job's result until it is stored
+        self._lock = threading.Lock()  # the pending data above, shared with add_event/set_status
+        self._flush_lock = threading.Lock()  # one flush at a time: the only path that writes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mirror", daemon=True)
-        self.failures = 0  # consecutive failed flushes (0 once one succeeds)
-        self.total_failures = 0
-        self.dropped_events = 0
+        self.failures = 0  # failed flushes since start (published in the node status)
+        self.dropped_events = 0  # events dropped over MAX_PENDING_EVENTS, not yet reported
+        self._outage_failures = 0  # consecutive failed flushes (0: no outage)
+        self._outage_since = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -107,46 +92,78 @@ class Mirror:
         with self._lock:
             self._status = dict(value)
 
-    def put_result(self, value: dict[str, Any]) -> None:
-        """The job's final result, next to its data (`result.json`): readable after the stack is gone."""
-        try:
-            self.writer.put("result.json", json.dumps(value).encode())
-        except Exception as exc:  # noqa: BLE001 - reported; the agent's own exit is what matters
-            self.total_failures += 1
-            self.report(f"mirror: could not write result.json to {self.url}: {type(exc).__name__}: {exc}")
+    def put_result(self, value: dict[str, Any]) -> bool:
+        """The job's final result, next to its data (`result.json`): readable after the stack is gone.
+        Written now if the store answers, else by a later flush; True when it is stored."""
+        with self._lock:
+            self._result = dict(value)
+        return self.flush() and self._result is None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.flush()
+            try:
+                self.flush()
+            except Exception as exc:  # noqa: BLE001 - a bug in one flush must not end mirroring for the rest of the job; counted and reported as an outage
+                with self._flush_lock:
+                    self._failed(exc)
 
-    def flush(self) -> None:
-        """Upload what changed: the status if it differs from the last one sent, the new events, the new
-        log bytes. Each part advances only once stored, so a failure resends exactly what is missing."""
+    def flush(self) -> bool:
+        """Upload what changed: the result, the status if it differs from the last one sent, the new
+        events, the new log bytes. Each part advances only once stored, so a failure resends exactly
+        what is missing. Returns whether everything is stored; a failure (an OSError from the store or
+        the log file) is counted and reported, never raised."""
         with self._flush_lock:
             try:
+                self._flush_result()
                 self._flush_status()
                 self._flush_events()
                 self._flush_log()
-            except Exception as exc:  # noqa: BLE001 - network, credentials, throttling: retried next time
-                self.failures += 1
-                self.total_failures += 1
-                if self.failures == 1:
-                    self.report(f"mirror: uploads to {self.url} failing ({type(exc).__name__}: {exc}); "
-                                f"retrying every {self.interval:g}s")
-                return
-            if self.failures:
-                self.report(f"mirror: uploads to {self.url} recovered after {self.failures} failed "
-                            "attempt(s)")
-                self.failures = 0
-            if self.dropped_events:
-                self.report(f"mirror: {self.dropped_events} event(s) were dropped while uploads failed")
-                self.dropped_events = 0
+                if self._succeeded():
+                    self._flush_events()  # the report of the recovery itself, while the store answers
+            except OSError as exc:  # network, credentials, throttling, a full disk: retried next time
+                self._failed(exc)
+                return False
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        """Count a failed flush; the first of an outage is reported (caller holds the flush lock)."""
+        self.failures += 1
+        self._outage_failures += 1
+        if self._outage_failures == 1:
+            self._outage_since = time.monotonic()
+            self.log.emit("mirror.outage", url=self.url, error=f"{type(exc).__name__}: {exc}"[:500],
+                          retry_every=self.interval)
+
+    def _succeeded(self) -> bool:
+        """A flush stored everything: report the end of an outage, and events dropped during it (caller
+        holds the flush lock). True when it reported something."""
+        reported = False
+        if self._outage_failures:
+            self.log.emit("mirror.recovered", url=self.url, failed_attempts=self._outage_failures,
+                          seconds=round(time.monotonic() - self._outage_since, 3))
+            self._outage_failures = 0
+            reported = True
+        if self.dropped_events:
+            dropped, self.dropped_events = self.dropped_events, 0
+            self.log.emit("mirror.events_dropped", url=self.url, count=dropped)
+            reported = True
+        return reported
+
+    def _flush_result(self) -> None:
+        with self._lock:
+            result = self._result
+        if result is not None:
+            self.store.put_bytes("result.json", json.dumps(result, default=str).encode(), "application/json")
+            with self._lock:
+                if self._result is result:
+                    self._result = None
 
     def _flush_status(self) -> None:
         with self._lock:
             status = self._status
         if status is not None and status != self._status_sent:
-            self.writer.put(f"status/{self.node_id}.json", json.dumps(status).encode())
+            self.store.put_bytes(f"status/{self.node_id}.json", json.dumps(status, default=str).encode(),
+                                 "application/json")
             self._status_sent = status
 
     def _flush_events(self) -> None:
@@ -156,8 +173,8 @@ class Mirror:
         if not batch:
             return
         body = "".join(json.dumps(e, default=str) + "\n" for e in batch).encode()
-        self.writer.put(chunk_name("events", self.node_id, self.epoch_ms, self._event_seq), body,
-                        "application/x-ndjson")
+        self.store.put_bytes(chunk_name("events", self.node_id, self.epoch_ms, self._event_seq), body,
+                             "application/x-ndjson")
         self._event_seq += 1
         with self._lock:
             # add_event only appends (or drops the oldest over the cap): drop what is now stored
@@ -179,10 +196,10 @@ class Mirror:
             if not data:
                 break
             key = chunk_name("logs", self.node_id, self.epoch_ms, self._log_seq)
-            self.writer.put(key, data, "text/plain")
+            self.store.put_bytes(key, data, "text/plain")
             self._log_seq += 1
             offset += len(data)
-            _write_offset(marker, offset)
+            atomic_write(marker, str(offset))
 
     def stop(self) -> None:
         self._stop.set()
@@ -195,13 +212,3 @@ def _read_offset(marker: Path) -> int:
         return max(0, int(marker.read_text().strip() or 0))
     except (OSError, ValueError):
         return 0
-
-
-def _write_offset(marker: Path, offset: int) -> None:
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(str(offset))
-    os.replace(tmp, marker)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -24,9 +24,9 @@ def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
                      autoscaling: Any = None) -> bool:
     """Remove the group's termination hook, then scale the group to 0. True when both calls succeeded."""
     if autoscaling is None:
-        import boto3
+        from petctl.io.aws import client
 
-        autoscaling = boto3.session.Session(region_name=region or None).client("autoscaling")
+        autoscaling = client("autoscaling", profile="agent", region=region)
     steps = [
         ("delete_lifecycle_hook", lambda: autoscaling.delete_lifecycle_hook(
             AutoScalingGroupName=asg_name, LifecycleHookName=hook_name)),

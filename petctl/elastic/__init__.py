@@ -10,47 +10,50 @@
             break
     ckpt.close()
 
-See docs/elastic.md. This package imports torch; the agent never imports it.
+See docs/elastic.md. The checkpointers import torch (on first use of a name that needs it); the agent
+never imports this package: it shares the object store through `petctl.io.objstore`.
 """
 
-from petctl.elastic.checkpointer import ENV_CHECKPOINT_URL, Checkpointer
-from petctl.elastic.manifest import (
-    Manifest,
-    ObjectEntry,
-    manifest_steps,
-    prune,
-    read_manifest,
-    write_checkpoint,
-)
-from petctl.elastic.preemption import PreemptionMonitor
-from petctl.elastic.state import State, Stateful
-from petctl.elastic.store import (
-    CheckpointStore,
-    FileStore,
-    ObjectInfo,
-    ObjectNotFound,
-    S3Options,
-    S3Store,
-    open_store,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ENV_CHECKPOINT_URL",
-    "Checkpointer",
-    "CheckpointStore",
-    "FileStore",
-    "Manifest",
-    "ObjectEntry",
-    "ObjectInfo",
-    "ObjectNotFound",
-    "PreemptionMonitor",
-    "S3Options",
-    "S3Store",
-    "State",
-    "Stateful",
-    "manifest_steps",
-    "open_store",
-    "prune",
-    "read_manifest",
-    "write_checkpoint",
-]
+import importlib
+from typing import Any
+
+# Name -> the module defining it. Loaded on first access (PEP 562), so `import petctl.elastic.store` or
+# `.manifest` never pays for torch; `from petctl.elastic import Checkpointer` loads what it needs.
+_EXPORTS = {
+    "ENV_CHECKPOINT_URL": "checkpointer",
+    "Checkpointer": "checkpointer",
+    "Manifest": "manifest",
+    "ObjectEntry": "manifest",
+    "manifest_steps": "manifest",
+    "prune": "manifest",
+    "read_manifest": "manifest",
+    "write_checkpoint": "manifest",
+    "PreemptionMonitor": "preemption",
+    "State": "state",
+    "Stateful": "state",
+    "CheckpointStore": "store",
+    "FileStore": "store",
+    "ObjectInfo": "store",
+    "ObjectNotFound": "store",
+    "S3Options": "store",
+    "S3Store": "store",
+    "open_store": "store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'petctl.elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"petctl.elastic.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+

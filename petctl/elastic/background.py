@@ -11,10 +11,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from petctl.elastic.dist import Comm
+from typing import Any
 
 
 class BackgroundUploader:
@@ -41,7 +38,7 @@ class BackgroundUploader:
             return None
         try:
             return pending.result()
-        except BaseException:  # already reported through on_error
+        except BaseException:  # noqa: BLE001 - the job's own failure, already reported through on_error
             return None
 
     def submit(self, job: Callable[[], Any]) -> Future[Any]:
@@ -65,36 +62,6 @@ class BackgroundUploader:
         """Finish the upload in flight (a checkpoint half uploaded is worth nothing), then stop."""
         self.wait()
         self._pool.shutdown(wait=True)
-
-
-_Owner = TypeVar("_Owner", bound="UploaderOwner")
-
-
-class UploaderOwner:
-    """`wait`, `close` and `with` for a checkpointer that owns a `BackgroundUploader` and a `Comm`.
-
-    Shared by `Checkpointer` and `ShardedCheckpointer`, so both end the same way: the upload in flight is
-    finished first (a checkpoint half uploaded is worth nothing), and only then are the background thread
-    and the gloo group (the one `Comm` created for checkpoint control traffic, if any) released.
-    """
-
-    _uploader: BackgroundUploader
-    comm: Comm
-
-    def wait(self) -> None:
-        """Block until the upload in flight (if any) is complete."""
-        self._uploader.wait()
-
-    def close(self) -> None:
-        """Finish the upload in flight and release the background thread and the gloo group."""
-        self._uploader.close()
-        self.comm.close()
-
-    def __enter__(self: _Owner) -> _Owner:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 BACKGROUND_NICE = 10

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from petctl.elastic.manifest import Manifest, verify_file
+from petctl.io import procs
 
 ENV_CACHE_DIR = "PETCTL_CACHE_DIR"
 
@@ -62,7 +63,7 @@ class LocalCache:
         removed = []
         for path in self.dir.glob("staging-*"):
             pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not procs.alive(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
         return removed
@@ -78,12 +79,3 @@ class LocalCache:
                 return None
         return path
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -25,17 +25,15 @@ import torch
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
-from petctl.elastic.background import BackgroundUploader, UploaderOwner
+from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
-from petctl.elastic.dist import Comm
-from petctl.elastic.preemption import PreemptionMonitor
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
-from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options, open_store
+from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options
 
-ENV_CHECKPOINT_URL = "PETCTL_CHECKPOINT_URL"
+__all__ = ["ENV_CHECKPOINT_URL", "Checkpointer"]
 
 
-class Checkpointer(UploaderOwner):
+class Checkpointer(BaseCheckpointer):
     """Saves and restores a `State` under one checkpoint URL (`s3://...` or `file://...`).
 
     url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
@@ -60,43 +58,15 @@ class Checkpointer(UploaderOwner):
                  weights_only: bool = True, reuse_buffers: bool = True, s3: S3Options | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
                  log: EventLog | None = None) -> None:
-        url = url or (store.url if store is not None else os.environ.get(ENV_CHECKPOINT_URL, ""))
-        if not url:
-            raise ValueError(f"no checkpoint URL: pass url= or set ${ENV_CHECKPOINT_URL}")
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (got {keep})")
-        self.url = url
-        self.keep = keep
-        self.every = every
-        self.every_seconds = every_seconds
-        self._last_save_at = time.monotonic()
-        self.background = background
+        super().__init__(url, keep, every, every_seconds, check_every, background, store, s3, control_dir,
+                         log)
         self.weights_only = weights_only
         self.reuse_buffers = reuse_buffers
         self._staged: dict[str, Any] | None = None  # the last snapshot: its tensors are reused
-        self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
-        self.log = log or EventLog("elastic", rank=self.comm.rank, node_id=os.environ.get("PETCTL_NODE_ID"))
-        monitor_args: dict[str, Any] = {"comm": self.comm, "check_every": check_every}
-        if control_dir is not None:
-            monitor_args["control_dir"] = Path(control_dir)
-        self.preemption = PreemptionMonitor(**monitor_args)
-        self.preemption.announce()
-        self._store = store
-        self._s3 = s3
-        self.cache = LocalCache(url, Path(cache_dir) if cache_dir else None) if use_cache else None
+        self.cache = LocalCache(self.url, Path(cache_dir) if cache_dir else None) if use_cache else None
         if self.cache is not None and self.comm.is_writer:
             self.cache.sweep()
-        self._uploader = BackgroundUploader(on_error=self._on_save_error)
-        self._submitted_step: int | None = None
         self.last_saved: mf.Manifest | None = None  # newest manifest this process wrote
-        self.preempted_at: int | None = None  # the step of the preemption save, once made
-
-    # --- store access (rank 0 only: other ranks never need credentials or bandwidth) -------------
-    @property
-    def store(self) -> CheckpointStore:
-        if self._store is None:
-            self._store = open_store(self.url, self._s3)
-        return self._store
 
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, state: State) -> int:
@@ -164,9 +134,6 @@ class Checkpointer(UploaderOwner):
             return loaded_step, path / _state_name(manifest), snapshot, source
         return None
 
-    def _report_corrupt(self, step: int, reason: str) -> None:
-        self.log.emit("checkpoint.skipped_corrupt", step=step, reason=reason, url=self.url)
-
     def _fetch(self, manifest: mf.Manifest) -> tuple[Path, str] | None:
         """A local directory holding the manifest's verified objects: the cache, else a download."""
         if self.cache is not None:
@@ -195,29 +162,6 @@ class Checkpointer(UploaderOwner):
         return cache.commit(staging, manifest.step), "store"
 
     # --- saving ----------------------------------------------------------------------------------
-    def should_checkpoint(self, step: int) -> bool:
-        """True on every rank at the same step when any node of the job has a preemption pending."""
-        return self.preemption.should_checkpoint(step)
-
-    def step_end(self, step: int, state: State) -> bool:
-        """Call after each completed step (on every rank). True: the preemption save of `step` is
-        done and this worker should leave its training loop and exit 0."""
-        if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
-            return True
-        if self.should_checkpoint(step):
-            self._preemption_save(step, state)
-            self.preempted_at = step
-            return True
-        if self._periodic_due(step):
-            self.save(step, state, block=not self.background)
-        return False
-
-    def _periodic_due(self, step: int) -> bool:
-        if self.every > 0 and (step + 1) % self.every == 0:
-            return True
-        return (self.every_seconds > 0 and self.comm.is_writer
-                and time.monotonic() - self._last_save_at >= self.every_seconds)
-
     def save(self, step: int, state: State, block: bool = False) -> mf.Manifest | None:
         """Save `state` as checkpoint `step` (rank 0 only; other ranks return None at once).
 
@@ -238,8 +182,7 @@ class Checkpointer(UploaderOwner):
         reuse = self._staged if self.reuse_buffers and not self._uploader.busy else None
         snapshot = state.snapshot(reuse=reuse)
         self._staged = snapshot if self.reuse_buffers else None
-        self._submitted_step = step
-        self._last_save_at = time.monotonic()
+        self._saved_now(step)
         self._uploader.submit(lambda: self._write(step, snapshot))
         return self._uploader.wait() if block else None
 
@@ -266,34 +209,23 @@ class Checkpointer(UploaderOwner):
         except OSError as e:
             cache.discard(staging)
             self.log.emit("checkpoint.cache_failed", step=step, error=repr(e))
-        try:
-            deleted = mf.prune(self.store, self.keep)
-        except Exception as e:
-            deleted = []
-            self.log.emit("checkpoint.prune_failed", step=step, error=repr(e), url=self.url)
+        deleted = self._prune(step)
         self.last_saved = manifest
         self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes,
                       seconds=round(time.monotonic() - t0, 3), url=self.url, pruned=deleted)
         return manifest
 
-    def _on_save_error(self, error: BaseException) -> None:
-        self.log.emit("checkpoint.save_failed", error=repr(error), url=self.url)
-
-    def _preemption_save(self, step: int, state: State) -> None:
-        """Synchronous save of `step` on rank 0, then every rank reports it and may exit."""
-        self.log.emit("preempt.detected", step=step, deadline=self.preemption.deadline())
+    def _save_for_preemption(self, step: int, state: State) -> bool:
+        """Synchronous save of `step` on rank 0; its outcome is broadcast, which is also the barrier:
+        no rank reports the save before rank 0 made it."""
         ok = True
         if self.comm.is_writer:
             try:
                 ok = self.save(step, state, block=True) is not None
-            except Exception as e:  # never leave the other ranks waiting in the broadcast below
+            except Exception as e:  # noqa: BLE001 - whatever failed, the other ranks wait in the broadcast below: they must hear it
                 self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
                 ok = False
-        ok = bool(self.comm.broadcast_object(ok))  # also the barrier: nobody reports before rank 0 saved
-        if ok:
-            self.preemption.report_saved(step)
-        self.log.emit("preempt.saved" if ok else "preempt.save_failed", step=step)
-
+        return bool(self.comm.broadcast_object(ok))
 
 def _state_name(manifest: mf.Manifest) -> str:
     """The object holding the serialised state (one today; the manifest allows more, e.g. DCP shards)."""

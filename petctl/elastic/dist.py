@@ -76,11 +76,16 @@ class Comm:
 
     def any_true(self, flag: bool) -> bool:
         """True on every rank when it is true on any rank (all-reduce MAX of one CPU int)."""
+        return self.any_true_each(flag)[0]
+
+    def any_true_each(self, *flags: bool) -> tuple[bool, ...]:
+        """`any_true` of several flags in one all-reduce (MAX of a few CPU ints): several questions
+        agreed on for the price of one."""
         if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            return tuple(bool(f) for f in flags)
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
         self._collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), t)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """`obj` from rank `src` on every rank (pickled, as `broadcast_object_list` does).

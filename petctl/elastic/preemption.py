@@ -33,14 +33,24 @@ class PreemptionMonitor:
 
     def should_checkpoint(self, step: int) -> bool:
         """True on every rank at the same step once any node's agent has raised the flag."""
+        return self.poll(step)[0]
+
+    def is_check_step(self, step: int) -> bool:
+        """Whether `step` runs the check's collective (every `check_every` steps, until it fires)."""
+        return self.fired_at is None and self.check_every > 0 and step % self.check_every == 0
+
+    def poll(self, step: int, also: bool = False) -> tuple[bool, bool]:
+        """(preemption pending, `also` true on any rank): the preemption question, plus one more flag
+        the ranks must agree on, in the same all-reduce. Off the check steps: (False, False), or
+        (True, False) once fired."""
         if self.fired_at is not None:
-            return True
-        if self.check_every <= 0 or step % self.check_every != 0:
-            return False
-        if self.comm.any_true(self.local_flag()):
+            return True, False
+        if not self.is_check_step(step):
+            return False, False
+        pending, also = self.comm.any_true_each(self.local_flag(), also)
+        if pending:
             self.fired_at = step
-            return True
-        return False
+        return pending, also
 
     def deadline(self) -> float | None:
         """The agent's deadline for the save, when this node has the flag (for events and logs)."""

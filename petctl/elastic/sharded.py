@@ -15,7 +15,6 @@ different world size still resumes. No collective runs off the training thread.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -25,12 +24,12 @@ import torch.distributed.checkpoint as dcp
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
-from petctl.elastic.background import BackgroundUploader, UploaderOwner
+from petctl.elastic.basecheckpointer import BaseCheckpointer
 from petctl.elastic.cache import LocalCache
-from petctl.elastic.checkpointer import ENV_CHECKPOINT_URL
-from petctl.elastic.dist import Comm
-from petctl.elastic.preemption import PreemptionMonitor
-from petctl.elastic.store import CheckpointStore, ObjectNotFound, open_store
+from petctl.elastic.store import CheckpointStore, ObjectNotFound
+from petctl.io.wait import wait_until
+
+ENTRIES_POLL = 0.2  # how often rank 0 looks for the other ranks' entries before writing the manifest
 
 DCP_FORMAT = "dcp"
 METADATA_FILE = ".metadata"
@@ -67,49 +66,32 @@ class ShardedState:
         self.extra.update(state_dict.get("extra", {}))
 
 
-class ShardedCheckpointer(UploaderOwner):
+class ShardedCheckpointer(BaseCheckpointer):
     """Like `Checkpointer`, for state that every rank saves a part of. `app_state` is what `dcp.save`
     takes: a dict of tensors/DTensors or `Stateful` objects, e.g. `{"app": ShardedState(model, opt)}`.
 
-    Every call is collective: create it, `resume`, `step_end` and `save` on every rank.
+    Every call is collective: create it, `resume`, `step_end` and `save` on every rank. `every_seconds`
+    saves are agreed on in the preemption check (so at most `check_every - 1` steps late, and it needs
+    `check_every >= 1`); the other arguments are `Checkpointer`'s, plus `local_dir` (where DCP writes
+    before the upload) and `entries_timeout` (how long rank 0 waits for every rank's part).
     """
 
-    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, check_every: int = 1,
-                 background: bool = True, local_dir: Path | str | None = None,
+    AGREE_ON_TIME = True  # every rank saves: a time-based save is decided together
+
+    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
+                 check_every: int = 1, background: bool = True, local_dir: Path | str | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
                  entries_timeout: float = 900.0, log: EventLog | None = None) -> None:
-        url = url or (store.url if store is not None else os.environ.get(ENV_CHECKPOINT_URL, ""))
-        if not url:
-            raise ValueError(f"no checkpoint URL: pass url= or set ${ENV_CHECKPOINT_URL}")
-        self.url = url
-        self.keep = keep
-        self.every = every
-        self.background = background
+        super().__init__(url, keep, every, every_seconds, check_every, background, store, None, control_dir,
+                         log)
         self.entries_timeout = entries_timeout
-        self.comm = Comm.create()
-        self.log = log or EventLog("elastic", rank=self.comm.rank, node_id=os.environ.get("PETCTL_NODE_ID"))
-        self.local_dir = Path(local_dir) if local_dir else LocalCache(url).dir / "dcp"
-        self.preemption = PreemptionMonitor(comm=self.comm, check_every=check_every,
-                                            **({"control_dir": Path(control_dir)} if control_dir else {}))
-        self.preemption.announce()
-        self._store = store
-        self._uploader = BackgroundUploader(on_error=lambda e: self.log.emit(
-            "checkpoint.save_failed", error=repr(e), url=self.url))
-        self._submitted_step: int | None = None
-        self.preempted_at: int | None = None
-
-    @property
-    def store(self) -> CheckpointStore:
-        if self._store is None:
-            self._store = open_store(self.url)
-        return self._store
+        self.local_dir = Path(local_dir) if local_dir else LocalCache(self.url).dir / "dcp"
 
     # --- resume ----------------------------------------------------------------------------------
     def _candidates(self) -> list[int]:
         """Rank 0: steps whose manifest parses and whose objects all exist with the right sizes."""
         out = []
-        for manifest in mf.readable_manifests(self.store, lambda step, reason: self.log.emit(
-                "checkpoint.skipped_corrupt", step=step, reason=reason, url=self.url)):
+        for manifest in mf.readable_manifests(self.store, self._report_corrupt):
             step = manifest.step
             sizes = {o.key: o.size for o in self.store.list(mf.data_prefix(step))}
             if manifest.meta.get("format") != DCP_FORMAT or any(
@@ -146,7 +128,7 @@ class ShardedCheckpointer(UploaderOwner):
         if self.comm.is_writer:
             try:
                 candidates = self._candidates()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - whatever failed, the other ranks wait in the broadcast below: they must hear it
                 failure = f"{type(e).__name__}: {e}"
         shared = self.comm.broadcast_object(("error", failure) if failure else ("ok", candidates))
         if shared[0] == "error":
@@ -171,24 +153,11 @@ class ShardedCheckpointer(UploaderOwner):
         return 0
 
     # --- saving ----------------------------------------------------------------------------------
-    def should_checkpoint(self, step: int) -> bool:
-        return self.preemption.should_checkpoint(step)
-
-    def step_end(self, step: int, app_state: dict[str, Any]) -> bool:
-        """As `Checkpointer.step_end`: periodic saves, and True after the preemption save of `step`."""
-        if self.preempted_at is not None:
-            return True
-        if self.should_checkpoint(step):
-            ok = self.save(step, app_state, block=True)
-            ok = not self.comm.any_true(not ok)  # every rank's part is up (rank 0: and the manifest)
-            if ok:
-                self.preemption.report_saved(step)
-            self.log.emit("preempt.saved" if ok else "preempt.save_failed", step=step)
-            self.preempted_at = step
-            return True
-        if self.every > 0 and (step + 1) % self.every == 0:
-            self.save(step, app_state, block=not self.background)
-        return False
+    def _save_for_preemption(self, step: int, app_state: dict[str, Any]) -> bool:
+        """Every rank saves its part synchronously; True once every part (rank 0: and the manifest) is
+        up, on every rank."""
+        ok = self.save(step, app_state, block=True)
+        return not self.comm.any_true(not ok)
 
     def save(self, step: int, app_state: dict[str, Any], block: bool = False) -> bool:
         """Every rank: write its shards locally now (collective), upload them in the background.
@@ -213,7 +182,7 @@ class ShardedCheckpointer(UploaderOwner):
         rank = self.comm.rank
         mine = {p.name: p for p in local.iterdir()
                 if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == METADATA_FILE)}
-        self._submitted_step = step
+        self._saved_now(step)
         self._uploader.submit(lambda: self._upload(step, local, mine))
         return self._uploader.wait() is True if block else True
 
@@ -226,11 +195,7 @@ class ShardedCheckpointer(UploaderOwner):
                              json.dumps([[e.name, e.size, e.sha256] for e in entries]).encode())
         if self.comm.is_writer:
             manifest = self._write_manifest(step)
-            try:  # the checkpoint is complete: housekeeping failures must not fail the save
-                pruned = mf.prune(self.store, self.keep)
-            except Exception as e:
-                pruned = []
-                self.log.emit("checkpoint.prune_failed", step=step, error=repr(e), url=self.url)
+            pruned = self._prune(step)
             self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes, url=self.url,
                           seconds=round(time.monotonic() - t0, 3), format=DCP_FORMAT, pruned=pruned)
         for path in files.values():  # only our own files: other local ranks may still be uploading
@@ -243,15 +208,11 @@ class ShardedCheckpointer(UploaderOwner):
         preempt_deadline = self.preemption.deadline() if self.preemption.fired_at is not None else None
         if preempt_deadline is not None:  # past the notice's deadline the instance is gone anyway
             timeout = max(1.0, min(timeout, preempt_deadline - time.time()))
-        deadline = time.monotonic() + timeout
         prefix = entries_prefix(step)
-        while True:
-            keys = [o.key for o in self.store.list(prefix)]
-            if len(keys) >= self.comm.world_size:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"step {step}: {len(keys)}/{self.comm.world_size} ranks uploaded")
-            time.sleep(0.2)
+        world = self.comm.world_size
+        keys = wait_until(lambda: _all_entries(self.store, prefix, world), timeout, ENTRIES_POLL)
+        if not keys:
+            raise TimeoutError(f"step {step}: {len(self.store.list(prefix))}/{world} ranks uploaded")
         objects = []
         for key in sorted(keys):
             objects += [mf.ObjectEntry(n, int(s), h) for n, s, h in json.loads(self.store.get_bytes(key))]
@@ -266,3 +227,9 @@ class ShardedCheckpointer(UploaderOwner):
         for path in self.local_dir.glob("restore-*"):
             if path.name != f"restore-{keep_restore:012d}":
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _all_entries(store: CheckpointStore, prefix: str, world_size: int) -> list[str]:
+    """The entries objects under `prefix` once every rank's is there, else [] (keep waiting)."""
+    keys = [o.key for o in store.list(prefix)]
+    return keys if len(keys) >= world_size else []

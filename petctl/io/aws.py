@@ -38,12 +38,14 @@ class RetryProfile:
     connect_timeout: float = 60.0
     read_timeout: float = 60.0
 
-    def config(self, region: str = ""):
+    def config(self, region: str = "", max_pool_connections: int = 10):
+        """botocore's Config; `max_pool_connections` above its default of 10 for parallel transfers."""
         from botocore.config import Config
 
         return Config(region_name=region or None, user_agent_extra="petctl",
                       retries={"mode": self.mode, "max_attempts": self.max_attempts},
-                      connect_timeout=self.connect_timeout, read_timeout=self.read_timeout)
+                      connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                      max_pool_connections=max_pool_connections)
 
 
 RETRY_PROFILES: dict[str, RetryProfile] = {
@@ -59,14 +61,15 @@ RETRY_PROFILES: dict[str, RetryProfile] = {
 }
 
 
-def client(service: str, profile: str = "agent", region: str = "", endpoint_url: str = ""):
+def client(service: str, profile: str = "agent", region: str = "", endpoint_url: str = "",
+           max_pool_connections: int = 10):
     """A boto3 client outside a CLI session (agents, workers): region and credentials from the
     environment or the instance profile; `endpoint_url` (or AWS_ENDPOINT_URL) for an emulator.
     Raises KeyError for an unknown profile name."""
     import boto3
 
     retry = RETRY_PROFILES[profile]
-    return boto3.session.Session().client(service, config=retry.config(region),
+    return boto3.session.Session().client(service, config=retry.config(region, max_pool_connections),
                                           endpoint_url=endpoint_url or None)
 
 
@@ -138,7 +141,8 @@ def error_message(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def aws_errors(action: str) -> Iterator[None]:
-    """Turn botocore failures into one-line `PetctlError`s naming what petctl was doing."""
+    """Turn botocore failures (and the object store's, which carry the AWS error code) into one-line
+    `PetctlError`s naming what petctl was doing."""
     from botocore.exceptions import (
         BotoCoreError,
         ClientError,
@@ -147,6 +151,8 @@ def aws_errors(action: str) -> Iterator[None]:
         NoRegionError,
         PartialCredentialsError,
     )
+
+    from petctl.io.objstore import StoreError
 
     try:
         yield
@@ -159,17 +165,15 @@ def aws_errors(action: str) -> Iterator[None]:
     except EndpointConnectionError as exc:
         raise ProviderError(f"cannot reach AWS to {action}: {exc}") from None
     except ClientError as exc:
-        code = error_code(exc)
-        message = error_message(exc)
-        if code in THROTTLING:
-            raise ProviderError(f"AWS is throttling requests ({code}) while trying to {action}, even after "
-                                "adaptive retries: wait a minute and run the command again") from None
-        if code in BAD_CREDENTIALS:
-            raise NotSetUp(f"AWS rejected the credentials ({code}) while trying to {action}: "
+        raise coded_error(action, error_code(exc), error_message(exc)) from None
+    except StoreError as exc:  # the object store's wrapping of one of the above: judged by its cause
+        cause = exc.__cause__
+        if isinstance(cause, (NoCredentialsError, PartialCredentialsError)):
+            raise NotSetUp(f"no AWS credentials found while trying to {action}: "
                            f"{NO_CREDENTIALS_HINT}") from None
-        if code in {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation"}:
-            raise ProviderError(f"AWS denied permission to {action}: {message}") from None
-        raise ProviderError(f"failed to {action}: {code}: {message}") from None
+        if isinstance(cause, ClientError):
+            raise coded_error(action, error_code(cause), error_message(cause)) from None
+        raise ProviderError(f"failed to {action}: {exc}") from None
     except BotoCoreError as exc:
         raise ProviderError(f"failed to {action}: {exc}") from None
 
@@ -189,3 +193,16 @@ def aws_failures() -> tuple[type[Exception], ...]:
     from botocore.parsers import ResponseParserError
 
     return (ClientError, BotoCoreError, ResponseParserError)
+
+
+def coded_error(action: str, code: str, message: str) -> PetctlError:
+    """The user-facing error for an AWS error code met while trying to `action`."""
+    if code in THROTTLING:
+        return ProviderError(f"AWS is throttling requests ({code}) while trying to {action}, even after "
+                             "adaptive retries: wait a minute and run the command again")
+    if code in BAD_CREDENTIALS:
+        return NotSetUp(f"AWS rejected the credentials ({code}) while trying to {action}: "
+                        f"{NO_CREDENTIALS_HINT}")
+    if code in {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation"}:
+        return ProviderError(f"AWS denied permission to {action}: {message}")
+    return ProviderError(f"failed to {action}: {code}: {message}")

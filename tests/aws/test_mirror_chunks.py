@@ -7,13 +7,17 @@ calls."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
 import uuid
 
 import pytest
 
 from petctl.agent.mirror import Mirror
+from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
+from petctl.io.objstore import StoreError
 from petctl.providers.aws.storage import JobStore
 from petctl.timeline import read_events
 from tests.aws import rendered
@@ -35,8 +39,8 @@ class PutCounter:
 
     def __init__(self, mirror: Mirror) -> None:
         self.puts: list[tuple[str, int]] = []
-        mirror.writer.put("status/_probe.json", b"{}")  # creates the lazy client
-        mirror.writer._client.meta.events.register("provide-client-params.s3.PutObject", self._count)
+        mirror.store.put_bytes("status/_probe.json", b"{}")  # creates the lazy client
+        mirror.store.client.meta.events.register("provide-client-params.s3.PutObject", self._count)
 
     def _count(self, params, **_) -> None:
         self.puts.append((params["Key"], len(params["Body"])))
@@ -108,25 +112,85 @@ def test_a_restarted_agent_continues_the_log_and_never_overwrites_chunks(bucket,
 
 
 def test_upload_failures_are_retried_without_loss_and_reported_once_each_way(tmp_path):
-    reports: list[str] = []
-    mirror = Mirror(f"file://{tmp_path / 'mirror'}", "i-1", None, interval=3600, report=reports.append)
-    real_put, failing = mirror.writer.put, {"left": 3}
+    stream = io.StringIO()
+    mirror = Mirror(f"file://{tmp_path / 'mirror'}", "i-1", None, interval=3600,
+                    log=EventLog("agent", stream=stream))
+    real_put, failing = mirror.store.put_bytes, {"left": 3}
 
-    def flaky(key, data, content_type="application/json"):
+    def flaky(key, data, content_type=""):
         if failing["left"]:
             failing["left"] -= 1
-            raise ConnectionError("endpoint unreachable")
+            raise StoreError("cannot write: endpoint unreachable")
         real_put(key, data, content_type)
 
-    mirror.writer.put = flaky
+    mirror.store.put_bytes = flaky
+    stored = []
     for i in range(5):
         mirror.add_event(event(i))
-        mirror.flush()
-    assert mirror.failures == 0 and mirror.total_failures == 3
-    assert len(reports) == 2
-    assert "failing (ConnectionError" in reports[0] and "recovered after 3" in reports[1]
+        stored.append(mirror.flush())
+    assert stored == [False, False, False, True, True]
+    assert mirror.failures == 3  # every failed attempt counts, and the count stays (node status)
+    reports = [e for e in parse_lines(stream.getvalue().splitlines()) if e["event"].startswith("mirror.")]
+    assert [e["event"] for e in reports] == ["mirror.outage", "mirror.recovered"]
+    assert "StoreError: cannot write" in reports[0]["error"] and reports[1]["failed_attempts"] == 3
     mirrored = read_events("demo", mirror_url=f"file://{tmp_path / 'mirror'}")
     assert [e["step"] for e in mirrored] == [0, 1, 2, 3, 4]
+
+
+def test_an_agent_without_access_reports_the_outage_and_keeps_the_result_for_later(tmp_path):
+    """No write access at all (a prefix under a plain file stands in for a denied bucket; the tests may run
+    as root, who ignores permissions): the outage is one event, not one per interval, and the job's result
+    is written once the prefix works."""
+    blocker = tmp_path / "blocked"
+    blocker.write_text("not a directory")
+    prefix = blocker / "mirror"
+    mirror = Mirror(f"file://{prefix}", "i-1", None, interval=0.05)  # its own log: stderr + the mirror
+    try:
+        mirror.start()
+        mirror.add_event(event(1))
+        assert not mirror.put_result({"state": "succeeded", "reason": "done"})
+        deadline = time.monotonic() + 10
+        while mirror.failures < 4:  # the thread keeps trying, every interval
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        blocker.unlink()  # access restored
+        mirror.stop()
+    assert json.loads((prefix / "result.json").read_text())["state"] == "succeeded"
+    names = [e["event"] for e in read_events("demo", mirror_url=f"file://{prefix}")]
+    assert names.count("mirror.outage") == 1 and names.count("mirror.recovered") == 1
+    assert "train.step" in names
+
+
+def test_concurrent_flushes_lose_and_repeat_nothing(tmp_path):
+    """The agent flushes (and writes the result) while the mirror's thread flushes: every write goes
+    through one flush at a time, so each event and log byte is stored exactly once."""
+    log = tmp_path / "node.log"
+    log.write_bytes(b"")
+    mirror = Mirror(f"file://{tmp_path / 'mirror'}", "i-1", log, interval=0.001,
+                    log=EventLog("agent", stream=io.StringIO()))
+    mirror.start()
+    written = b""
+    for i in range(300):
+        mirror.add_event(event(i))
+        line = f"line {i}\n".encode()
+        with open(log, "ab") as f:
+            f.write(line)
+        written += line
+        mirror.set_status({"node_id": "i-1", "step": i})
+        if i % 3 == 0:
+            mirror.flush()
+        if i == 150:
+            assert mirror.put_result({"state": "succeeded", "reason": "done"})
+    mirror.stop()
+    assert mirror.failures == 0
+    mirrored = read_events("demo", mirror_url=f"file://{tmp_path / 'mirror'}")
+    assert [e["step"] for e in mirrored] == list(range(300))
+    store = mirror.store
+    chunks = by_node([o.key for o in store.list("logs/")], "logs")["i-1"]
+    assert b"".join(store.get_bytes(k.name) for k in chunks) == written
+    assert json.loads(store.get_bytes("status/i-1.json"))["step"] == 299
+    assert json.loads(store.get_bytes("result.json"))["state"] == "succeeded"
 
 
 def test_chunk_names_sort_in_write_order_and_legacy_objects_still_read():

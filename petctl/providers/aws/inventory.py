@@ -8,7 +8,6 @@ import re
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
 
 from petctl.core.errors import JobNotFound, ProviderError, ValidationError
 from petctl.io.aws import aws_errors, error_code
@@ -193,13 +192,6 @@ def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]],
 
 def etcd_answers(endpoint: str, timeout: float) -> bool:
     """True when etcd itself answers at `endpoint` (a TCP connect is not enough: proxies accept those)."""
-    import json
-    import urllib.request
+    from petctl.io.etcd import etcd_healthy
 
-    if not urlparse(endpoint).hostname:
-        return False
-    try:
-        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/version", timeout=timeout) as response:
-            return "etcdserver" in json.loads(response.read().decode() or "{}")
-    except (OSError, ValueError):
-        return False
+    return etcd_healthy(endpoint, timeout=timeout)

@@ -18,13 +18,16 @@ import json
 import tarfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from petctl.core.errors import ValidationError
 from petctl.core.mirrorchunks import ChunkKey, by_node
-from petctl.io.aws import aws_errors, error_code
+from petctl.io.aws import aws_errors
+from petctl.io.objstore import ObjectNotFound
+from petctl.io.s3store import S3Store
+from petctl.timeline import mirror_events
 
 ARCHIVE_NAME = "code.tar.gz"
 
@@ -35,9 +38,17 @@ def job_prefix(job: str) -> str:
 
 @dataclass
 class JobStore:
+    """The job's prefix, read and written with the CLI session's S3 client (`s3`). The bytes go through
+    the object store (`objects`, petctl.io.s3store); this class knows the layout and turns failures into
+    one-line errors naming what it was doing."""
+
     s3: Any
     bucket: str
     job: str
+    objects: S3Store = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.objects = S3Store(self.url(), client=self.s3)
 
     @property
     def prefix(self) -> str:
@@ -50,10 +61,10 @@ class JobStore:
         """Upload a file as itself or a directory as one tar.gz; returns (code_url, default entrypoint)."""
         script = Path(script)
         if script.is_file():
-            key = f"{self.prefix}/code/{script.name}"
-            with aws_errors(f"upload {script} to s3://{self.bucket}/{key}"):
-                self.s3.upload_file(str(script), self.bucket, key)
-            return f"s3://{self.bucket}/{key}", script.name
+            key = f"code/{script.name}"
+            with aws_errors(f"upload {script} to {self.url(key)}"):
+                self.objects.put_file(key, script)
+            return self.url(key), script.name
         if script.is_dir():
             buffer = io.BytesIO()
             with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -61,17 +72,15 @@ class JobStore:
                     if "__pycache__" in path.parts or path.name.startswith(".") or not path.is_file():
                         continue
                     tar.add(path, arcname=str(path.relative_to(script)))
-            key = f"{self.prefix}/code/{ARCHIVE_NAME}"
-            with aws_errors(f"upload {script}/ to s3://{self.bucket}/{key}"):
-                self.s3.put_object(Bucket=self.bucket, Key=key, Body=buffer.getvalue())
-            return f"s3://{self.bucket}/{key}", ""
+            key = f"code/{ARCHIVE_NAME}"
+            with aws_errors(f"upload {script}/ to {self.url(key)}"):
+                self.objects.put_bytes(key, buffer.getvalue())
+            return self.url(key), ""
         raise ValidationError(f"script {script} does not exist")
 
     def put_json(self, name: str, value: Any) -> None:
-        with aws_errors(f"write s3://{self.bucket}/{self.prefix}/{name}"):
-            body = json.dumps(value, sort_keys=True).encode()
-            self.s3.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}", Body=body,
-                               ContentType="application/json")
+        with aws_errors(f"write {self.url(name)}"):
+            self.objects.put_bytes(name, json.dumps(value, sort_keys=True).encode(), "application/json")
 
     def get_json(self, name: str) -> Any:
         text = self.get_text(name)
@@ -87,34 +96,22 @@ class JobStore:
         return None if data is None else data.decode("utf-8", "replace")
 
     def get_bytes(self, name: str) -> bytes | None:
-        from botocore.exceptions import ClientError
-
-        with aws_errors(f"read s3://{self.bucket}/{self.prefix}/{name}"):
+        """The object's bytes, or None when there is none."""
+        with aws_errors(f"read {self.url(name)}"):
             try:
-                return self.s3.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{name}")["Body"].read()
-            except ClientError as exc:
-                if error_code(exc) in {"NoSuchKey", "404", "NotFound"}:
-                    return None
-                raise
+                return self.objects.get_bytes(name)
+            except ObjectNotFound:
+                return None
 
     def list_names(self, sub: str) -> list[str]:
         """Object names (relative to `<prefix>/<sub>/`) directly under a sub-prefix."""
-        names = []
-        base = f"{self.prefix}/{sub}/"
-        with aws_errors(f"list s3://{self.bucket}/{base}"):
-            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
-        return sorted(n for n in names if n and "/" not in n)
+        base = f"{sub}/"
+        return sorted(n for n in (k[len(base):] for k in self.list_keys(sub)) if n and "/" not in n)
 
     def list_keys(self, sub: str) -> list[str]:
         """Every object name under `<prefix>/<sub>/`, relative to `<prefix>/` (nested ones included)."""
-        names = []
-        base = f"{self.prefix}/"
-        with aws_errors(f"list s3://{self.bucket}/{base}{sub}/"):
-            paginator = self.s3.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{base}{sub}/"):
-                names.extend(obj["Key"][len(base):] for obj in page.get("Contents", []))
-        return sorted(names)
+        with aws_errors(f"list {self.url(sub)}/"):
+            return [o.key for o in self.objects.list(f"{sub}/")]
 
     def chunks(self, stream: str) -> dict[str, list[ChunkKey]]:
         """node -> its `events` or `logs` chunks in write order."""
@@ -130,16 +127,11 @@ class JobStore:
         spec = self.get_json("job.json")
         if not isinstance(spec, dict):
             return None
-        created = 0.0
-        with aws_errors(f"read s3://{self.bucket}/{self.prefix}/job.json"):
-            try:
-                head = self.s3.head_object(Bucket=self.bucket, Key=f"{self.prefix}/job.json")
-                created = head["LastModified"].timestamp()
-            except Exception as e:
-                if error_code(e) not in ("404", "NoSuchKey", "NotFound"):
-                    raise
+        with aws_errors(f"read {self.url('job.json')}"):
+            info = self.objects.stat("job.json")
         result = self.get_json("result.json")
-        return {"spec": spec, "result": result if isinstance(result, dict) else None, "created_at": created}
+        return {"spec": spec, "result": result if isinstance(result, dict) else None,
+                "created_at": info.mtime if info is not None else 0.0}
 
     def node_states(self) -> dict[str, dict[str, Any]]:
         """node_id -> published node state, from `status/<node_id>.json`."""
@@ -154,16 +146,8 @@ class JobStore:
 
     def events(self) -> list[dict[str, Any]]:
         """Every event the agents mirrored (each node's chunks in order), unsorted across nodes."""
-        out = []
-        for keys in self.chunks("events").values():
-            for line in self.chunk_text(keys).splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and "event" in record:
-                    out.append(record)
-        return out
+        with aws_errors(f"read {self.url('events')}/"):
+            return mirror_events(self.objects)
 
     def log_nodes(self) -> list[str]:
         return list(self.chunks("logs"))
@@ -173,14 +157,8 @@ class JobStore:
 
     def delete_all(self) -> None:
         """Remove every object (all versions) under the job's prefix."""
-        with aws_errors(f"delete s3://{self.bucket}/{self.prefix}/"):
-            paginator = self.s3.get_paginator("list_object_versions")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
-                objects = [{"Key": v["Key"], "VersionId": v["VersionId"]}
-                           for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
-                for start in range(0, len(objects), 1000):
-                    batch = {"Objects": objects[start:start + 1000]}
-                    self.s3.delete_objects(Bucket=self.bucket, Delete=batch)
+        with aws_errors(f"delete {self.url()}/"):
+            self.objects.purge("")
 
 
 def follow_logs(store: JobStore, node: str | None, available: list[str], follow: bool,
@@ -212,9 +190,5 @@ def follow_logs(store: JobStore, node: str | None, available: list[str], follow:
 
 def recorded_jobs(s3: Any, bucket: str) -> list[str]:
     """Names of every job with a record under `jobs/` (running or long gone)."""
-    names = []
     with aws_errors(f"list s3://{bucket}/jobs/"):
-        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="jobs/", Delimiter="/")
-        for page in pages:
-            names += [p["Prefix"][len("jobs/"):].rstrip("/") for p in page.get("CommonPrefixes", [])]
-    return sorted(n for n in names if n)
+        return S3Store(f"s3://{bucket}/jobs", client=s3).subdirs("")

@@ -7,37 +7,19 @@ as losing a machine would.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from petctl.core.spec import AgentConfig, JobSpec
+from petctl.io.procs import die_with_parent
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec function: SIGTERM the agent if its reconciler dies (even by SIGKILL), so a lost
-    reconciler never leaves agents behind; the agent then leaves gracefully and its workers die with it.
-    libc is resolved here, before the fork, so the child runs no import (the reconciler has threads)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-    def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return preexec
 
 
 def agent_command(config_path: str) -> list[str]:
@@ -96,9 +78,11 @@ def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: st
     cmd = [part.replace("{config}", str(config_path)) for part in command] if command \
         else agent_command(str(config_path))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PETCTL_INSTANCE_ID": iid}
+    # SIGTERM the agent if its reconciler dies (even by SIGKILL), so a lost reconciler never leaves agents
+    # behind; the agent then leaves gracefully and its workers die with it.
     with open(root / "agent.log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=str(root), env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent())
+                                preexec_fn=die_with_parent(signal.SIGTERM))
     ref = ProcRef.of(proc.pid)
     return Instance(id=iid, pid=proc.pid, start=ref.start, launched_at=time.time()), proc

@@ -2,38 +2,22 @@
 
 The local provider's processes (etcd, reconcilers, agents) outlive the `petctl` command that started
 them, so later commands find them again by the pid written to a file. A bare pid can be reused by an
-unrelated process after ours exits; pairing it with the start time from /proc makes "is it still ours
-and alive?" a safe question, and signalling a stale handle a no-op instead of hitting a stranger.
+unrelated process after ours exits; pairing it with the start time (`petctl.io.procs.start_ticks`) makes
+"is it still ours and alive?" a safe question, and signalling a stale handle a no-op instead of hitting a
+stranger. Liveness and state come from `petctl.io.procs` (psutil).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass
 
+from petctl.io import procs
+from petctl.io.procs import start_ticks
+from petctl.io.wait import wait_until
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its closing ')'.
-    return raw[raw.rfind(")") + 2:].split()
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), or None."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None
-
-
-def proc_state(pid: int) -> str | None:
-    """One-letter kernel state (R, S, T for stopped, Z for zombie, ...) or None if the pid is gone."""
-    fields = _stat_fields(pid)
-    return fields[0] if fields else None
+__all__ = ["ProcRef", "group_alive", "start_ticks", "stop_group", "wait_gone"]
 
 
 @dataclass(frozen=True)
@@ -48,16 +32,11 @@ class ProcRef:
     def alive(self) -> bool:
         """Running or stopped, and still ours. A zombie counts as gone; it is never reaped here, because
         the reconciler's Popen must collect its children's exit status itself."""
-        fields = _stat_fields(self.pid)
-        if not fields or fields[0] in ("Z", "X"):
-            return False
-        return self.start is None or int(fields[19]) == self.start
-
-    def state(self) -> str | None:
-        return proc_state(self.pid) if self.alive() else None
+        return procs.alive(self.pid, self.start)
 
     def frozen(self) -> bool:
-        return self.state() in ("T", "t")
+        """Stopped (SIGSTOP: a frozen instance), and still ours."""
+        return self.alive() and procs.stopped(self.pid)
 
     def signal(self, sig: int) -> bool:
         """Signal the process; False if it is gone (or the pid now belongs to someone else)."""
@@ -94,13 +73,7 @@ class ProcRef:
 
 def wait_gone(refs: list[ProcRef], timeout: float, poll: float = 0.05) -> bool:
     """Wait until none of `refs` is alive; True if they all went within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if not any(r.alive() for r in refs):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll)
+    return wait_until(lambda: not any(r.alive() for r in refs), timeout, poll)
 
 
 def group_alive(pgid: int) -> bool:

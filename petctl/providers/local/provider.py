@@ -55,17 +55,13 @@ class LocalProvider(Provider):
         return ProcRef(int(pid), self.settings.get("etcd_start")) if pid else None
 
     def _etcd_healthy(self) -> bool:
-        import urllib.request
+        from petctl.io.etcd import etcd_healthy
 
         endpoint = self.settings.get("etcd_endpoint")
         ref = self._etcd_ref()
         if not endpoint or ref is None or not ref.alive():
             return False
-        try:
-            with urllib.request.urlopen(f"{endpoint}/v2/keys/", timeout=1.0) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return etcd_healthy(endpoint, timeout=1.0)
 
     def setup(self, **options: Any) -> dict[str, Any]:
         if options:

@@ -1,0 +1,233 @@
+"""Bytes under a `file://` or `s3://` URL, addressed by keys relative to it: the one object store.
+
+Checkpoints (`petctl.elastic`), the agent's mirror of status/events/logs, the job's code and agent config,
+and the CLI's read side all go through these classes, so "put these bytes there" is written once per
+backend. A store only moves bytes (put/get/list/delete); what makes a checkpoint complete is the manifest
+layer above it, and what a key means is its caller's business.
+
+Every failure to reach the backend is an `OSError`: `ObjectNotFound` (also a `FileNotFoundError`) for a
+missing key, `StoreError` for the rest (on S3: credentials, access, throttling, the network, with the
+AWS error code in `code`). Callers catch `OSError` and need not know the backend; a key that is not a
+valid relative path, or an unsupported URL, is a `ValueError`.
+
+    <url>/<key>        keys are '/'-separated relative paths; '.' and '..' are refused
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+from petctl.io.files import atomic_copy, atomic_write, is_temporary
+
+if TYPE_CHECKING:  # the S3 backend (and boto3) load only when an s3:// URL is opened
+    from petctl.io.s3store import S3Options
+
+
+class StoreError(OSError):
+    """The store could not be read or written; `code` is the backend's error code when it has one."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ObjectNotFound(FileNotFoundError):
+    """The key does not exist in the store."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # relative to the store's base URL, '/'-separated
+    size: int
+    mtime: float = 0.0  # unix seconds of the last write (0.0 where the backend did not say)
+
+
+class ObjectStore(ABC):
+    """Bytes under a base URL. Keys are relative, '/'-separated paths; implementations are thread-safe.
+
+    Subclasses implement the six abstract methods; `stat`, `subdirs` and `purge` have portable defaults
+    built on them that a backend may override with something cheaper."""
+
+    url: str
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a local file (large objects: streamed, multipart on S3). Raises OSError."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes, content_type: str = "") -> None:
+        """Store `data` at `key` (replacing it whole: a reader never sees half). Raises OSError."""
+
+    @abstractmethod
+    def get_file(self, key: str, path: Path) -> None:
+        """Download to a local path. Raises ObjectNotFound, or StoreError."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Raises ObjectNotFound, or StoreError."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with `prefix`, sorted by key. Raises StoreError."""
+
+    @abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """Delete keys; missing keys are not an error (retention may race a restarted writer)."""
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """The object at exactly `key`, or None."""
+        return next((o for o in self.list(key) if o.key == key), None)
+
+    def subdirs(self, prefix: str = "") -> list[str]:
+        """Names of the 'directories' directly under `prefix` (which ends with '/' or is empty)."""
+        rests = [o.key[len(prefix):] for o in self.list(prefix)]
+        return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
+
+    def purge(self, prefix: str) -> None:
+        """Remove every object under `prefix`, with every stored version where the backend keeps them."""
+        self.delete([o.key for o in self.list(prefix)])
+
+
+def check_key(key: str) -> list[str]:
+    """The key's path parts. Raises ValueError for an empty key, or one with '.' or '..' parts."""
+    parts = [p for p in key.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise ValueError(f"invalid store key {key!r}")
+    return parts
+
+
+class FileStore(ObjectStore):
+    """A directory. Writes go to a unique temporary name beside the target and are renamed into place
+    (`petctl.io.files`), so concurrent writers of one key never share a temporary file."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+        self.url = self.root.resolve().as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*check_key(key))
+
+    def put_file(self, key: str, path: Path) -> None:
+        atomic_copy(path, self._path(key))
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = "") -> None:
+        atomic_write(self._path(key), data)
+
+    def get_file(self, key: str, path: Path) -> None:
+        try:
+            shutil.copyfile(self._path(key), path)
+        except FileNotFoundError as e:
+            if not self._path(key).is_file():
+                raise ObjectNotFound(key) from e
+            raise  # the destination's directory is missing: the caller's mistake, not a missing key
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError) as e:
+            raise ObjectNotFound(key) from e
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                if is_temporary(name):  # in-flight writes are not objects
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        st = full.stat()
+                    except FileNotFoundError:
+                        continue
+                    out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            self._prune_dirs(path.parent)
+
+    def _prune_dirs(self, parent: Path) -> None:
+        """Remove the empty directories a delete left, up to the root (step directories go with their
+        last object)."""
+        while parent != self.root and parent.is_dir():
+            try:
+                parent.rmdir()
+            except OSError:  # not empty: what is left above is in use too
+                break
+            parent = parent.parent
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def subdirs(self, prefix: str = "") -> list[str]:
+        base = self.root.joinpath(*prefix.split("/")) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir())
+
+
+def local_path(url: str) -> Path | None:
+    """The local path a `file://` URL or a plain path names; None for any other scheme.
+    Raises ValueError for a `file://` URL with a host."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file:// URL with a host is not supported: {url!r}")
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "":
+        return Path(url)
+    return None
+
+
+def open_store(url: str, s3: S3Options | None = None) -> ObjectStore:
+    """The store for a URL: `s3://bucket/prefix`, `file:///abs/dir`, or a plain local path.
+    Raises ValueError for any other scheme."""
+    path = local_path(url)
+    if path is not None:
+        return FileStore(path)
+    if urlparse(url).scheme == "s3":
+        from petctl.io.s3store import S3Store
+
+        return S3Store(url, s3)
+    raise ValueError(f"unsupported URL {url!r}: use s3://bucket/prefix or file:///path")
+
+
+def open_parent(url: str) -> tuple[ObjectStore, str]:
+    """The store holding the single object `url` names, and its key there (`s3://b/p/x.json` ->
+    (the store of `s3://b/p`, "x.json")). Raises ValueError for an unsupported URL or one naming no
+    object."""
+    path = local_path(url)
+    if path is not None:
+        if not path.name:
+            raise ValueError(f"not the URL of an object: {url!r}")
+        return FileStore(path.parent), path.name
+    parsed = urlparse(url)
+    key = parsed.path.strip("/")
+    if parsed.scheme != "s3" or not parsed.netloc or not key:
+        raise ValueError(f"not the URL of an object: {url!r} (use s3://bucket/key or a file path)")
+    from petctl.io.s3store import S3Store
+
+    head, _, name = key.rpartition("/")
+    return S3Store(f"s3://{parsed.netloc}/{head}".rstrip("/")), name
+
+
+def read_url(url: str) -> bytes:
+    """The bytes of the object `url` names (a path, `file://` or `s3://`). Raises ObjectNotFound,
+    StoreError, or ValueError."""
+    store, key = open_parent(url)
+    return store.get_bytes(key)

@@ -1,0 +1,83 @@
+"""Process helpers: is a pid (still the same process and) alive, its state, and dying with the parent.
+
+Liveness and state come from psutil. A process's identity is its pid plus its start time in clock ticks
+since boot (field 22 of `/proc/<pid>/stat`): a later process reusing the pid has another one. psutil only
+offers the start time in seconds since the epoch, computed from the boot time, which moves when the
+system clock is stepped (NTP, a resumed VM), so a handle stored by one command could look like a stranger
+to the next; the tick count never changes, and is what we store. Linux first: elsewhere the start time
+is unknown (None: trust the pid alone) and `die_with_parent` is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import signal
+import sys
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+GONE_STATES = ("zombie", "dead")  # exited, maybe not yet reaped: gone for every purpose of ours
+STOPPED_STATES = ("stopped", "tracing-stop")  # SIGSTOP'd (a frozen local instance)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when it is gone (or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing ')'.
+    fields = raw[raw.rfind(")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+UNKNOWN = "unknown"  # the process exists, but we may not look at it (another user's)
+
+
+def status(pid: int) -> str | None:
+    """psutil's status of `pid` ("running", "sleeping", "stopped", "zombie", ...), `UNKNOWN` when it
+    exists but is not ours to look at, None when there is no such process."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.AccessDenied:
+        return UNKNOWN
+
+
+def alive(pid: int, start: int | None = None) -> bool:
+    """`pid` runs (or is stopped) and, when `start` is given, is the process that started then.
+
+    A zombie counts as gone; it is never reaped here (a parent's Popen must collect the exit status)."""
+    state = status(pid)
+    if state is None or state in GONE_STATES:
+        return False
+    return start is None or start_ticks(pid) == start
+
+
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP): alive but not running."""
+    return status(pid) in STOPPED_STATES
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get `sig` when its parent dies (PR_SET_PDEATHSIG), even by
+    SIGKILL; None where the call does not exist (not Linux).
+
+    libc is resolved here, before the fork: the child then runs no import, which matters when the parent
+    has threads (a fork copies only the calling thread, an import lock held by another would deadlock)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+
+    return preexec
