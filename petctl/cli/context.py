@@ -31,6 +31,10 @@ class CliContext:
             self.config = PetctlConfig.load()
         return self.config
 
+    def configured(self) -> str:
+        """The name of the provider later commands use ("" before `petctl setup`)."""
+        return self.provider.name if self.provider is not None else self.load_config().provider
+
     def provider_for(self, name: str | None = None) -> Provider:
         """Provider `name`, or (None) the configured one, which requires a completed `petctl setup`.
         Raises NotSetUp, or PetctlError for an unknown provider name."""
@@ -54,6 +58,10 @@ def current() -> CliContext:
 
 def load_config() -> PetctlConfig:
     return current().load_config()
+
+
+def configured() -> str:
+    return current().configured()
 
 
 def provider_for(name: str | None = None) -> Provider:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from petctl.cli.context import load_config, provider_for
+from petctl.cli.context import configured, load_config, provider_for
 from petctl.core.errors import PetctlError
 
 
@@ -61,7 +61,7 @@ def doctor(provider_name: str | None) -> None:
     from petctl.providers.base import Check
     from petctl.providers.capabilities import Diagnostics
 
-    provider = provider_for(provider_name or load_config().provider or "local")
+    provider = provider_for(provider_name or configured() or "local")
     if isinstance(provider, Diagnostics):
         checks = provider.doctor()
     else:

@@ -14,6 +14,7 @@ import sys
 import click
 
 from petctl.cli import infra, insight, jobs, status, steer
+from petctl.cli.context import CliContext
 from petctl.core.errors import PetctlError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -24,10 +25,11 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the group, turn every error into one line."""
+def main(argv: list[str] | None = None, obj: CliContext | None = None) -> None:
+    """Console-script entry point: run the group, turn every error into one line. `obj` hands the
+    commands a context of the caller's (a provider of its own, see petctl.cli.context)."""
     try:
-        rv = cli.main(args=argv, prog_name="petctl", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="petctl", standalone_mode=False, obj=obj)
     except PetctlError as e:
         fail(str(e), e.exit_code)
     except click.UsageError as e:
