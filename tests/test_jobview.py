@@ -123,5 +123,8 @@ def test_a_silent_etcd_falls_back_to_the_mirror_and_says_so(mirror: Path) -> Non
     assert state.source == "mirror" and state.ranks == {"i-a": 0, "i-b": 1}
     assert any(UNREACHABLE in note for note in view.notes())
     assert [e["ts"] for e in view.events()] == [1, 2, 3]
+    assert view.result() is None  # still running: neither copy has a result
+    write(mirror, "result.json", JobResult(state="failed", reason="max_restarts", ts=9.0).to_json())
+    assert view.result() == JobResult(state="failed", reason="max_restarts", ts=9.0)
     with pytest.raises(ProviderError, match=f"cannot read job 'demo' from etcd at {UNREACHABLE}"):
         JobView(JobSources(job="demo", etcd_endpoint=UNREACHABLE)).state()
