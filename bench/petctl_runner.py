@@ -18,7 +18,7 @@ from typing import Any
 from bench.procs import Node, start_node, stop_nodes
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.etcd import etcd_client
-from petctl.jobstate import JobState, read_job_state
+from petctl.jobview.state import JobState, read_job_state
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent

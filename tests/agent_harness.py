@@ -16,7 +16,7 @@ from typing import Any
 from petctl.core.eventlog import parse_line
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.etcd import etcd_client
-from petctl.jobstate import JobState, read_job_state
+from petctl.jobview.state import JobState, read_job_state
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -127,7 +127,7 @@ class Petctl:
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PETCTL_HOME", "PETCTL_LOCAL_AGENT_COMMAND")}
+    env = {k: v for k, v in os.environ.items() if k != "PETCTL_HOME"}
     env["PETCTL_HOME"] = str(home)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"

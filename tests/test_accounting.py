@@ -1,6 +1,6 @@
 """Goodput, lost steps and re-forming time from a hand-built timeline with known answers."""
 
-from petctl.accounting import account
+from petctl.jobview.accounting import account
 
 
 def ev(ts, event, node, **fields):
@@ -70,7 +70,7 @@ def test_rounds_that_never_trained_fall_inside_the_reform_gap():
 def test_a_script_that_reports_no_steps_has_no_goodput_rather_than_zero():
     """A plain torchrun script prints no train.step lines: its rounds have no step span. It trained all
     along, so "goodput 0%" would be false: goodput is n/a, and the summary line says why."""
-    from petctl.jobsummary import one_line
+    from petctl.jobview.summary import one_line
 
     def stepless(node: str, rank: int) -> dict:
         return ev(50, "round.summary", node, round=1, rank=rank, world_size=2, started=1.0, ended=50,

@@ -55,7 +55,7 @@ def test_two_nodes_form_ranks_and_succeed(cluster_factory):
     assert set(st.ranks) == {a.node_id, b.node_id}
     assert a.proc.wait(timeout=60) == 0 and b.proc.wait(timeout=60) == 0
     final = cluster.state()
-    assert final.result["state"] == "succeeded", dump(final.to_dict())
+    assert final.result.state == "succeeded", dump(final.to_dict())
     # Every rank ran every step at world size 2, in one round.
     for agent in (a, b):
         steps = agent.events("train.step")
@@ -71,7 +71,7 @@ def test_a_rank_stuck_at_exit_does_not_hold_the_job_forever(cluster_factory):
                               env={"STEPS": "5", "STEP_TIME": "0.05", "HANG_AT_EXIT_RANK": "1"})
     a, b = cluster.start(), cluster.start()
     assert a.proc.wait(timeout=90) == 0 and b.proc.wait(timeout=90) == 0
-    assert cluster.state().result["state"] == "succeeded"
+    assert cluster.state().result.state == "succeeded"
     lingered = [n for n in (a, b) if n.events("workers.lingered")]
     assert len(lingered) == 1
     assert lingered[0].events("workers.started")[0]["rank"] == 1
@@ -89,7 +89,7 @@ def test_killed_node_reforms_smaller_then_grows_back(cluster_factory):
     survivor = next(a for a in nodes if a is not victim and a.node_id != rank0)
     wait_for(lambda: trained_at(cluster, survivor.node_id, 2, t_kill), 20, what="steps at world 2")
     assert st2.ranks[rank0] == 0, "rank 0 survived and must stay rank 0"
-    assert st2.round["restarts"] == 0, "a lost node is a membership change, not a failure"
+    assert st2.round.restarts == 0, "a lost node is a membership change, not a failure"
     assert victim.node_id not in st2.ranks
     # A replacement instance joins: the job grows back to 3.
     t_join = time.time()
@@ -111,7 +111,7 @@ def test_frozen_node_is_dropped_within_seconds_and_rejoins_after_thaw(cluster_fa
     resumed_after = min(s["ts"] for s in cluster.steps(other.node_id)
                         if s["ts"] > t_freeze and s["world_size"] == 1) - t_freeze
     assert resumed_after < 15, f"survivor resumed {resumed_after:.1f}s after the freeze"
-    assert cluster.state().round["restarts"] == 0
+    assert cluster.state().round.restarts == 0
     t_thaw = time.time()
     frozen.signal_group(signal.SIGCONT)
     st2 = wait_for(frozen_world(cluster, 2), 20, what="thawed node rejoins")
@@ -144,9 +144,9 @@ def test_worker_failures_count_and_exhaust_max_restarts(cluster_factory):
     a, b = cluster.start(), cluster.start()
     assert a.proc.wait(timeout=90) == 1 and b.proc.wait(timeout=90) == 1
     final = cluster.state()
-    assert final.result["state"] == "failed"
-    assert "max_restarts=1 exhausted" in final.result["reason"]
-    assert "worker failure" in final.result["reason"]
+    assert final.result.state == "failed"
+    assert "max_restarts=1 exhausted" in final.result.reason
+    assert "worker failure" in final.result.reason
     restarts = [e for agent in (a, b) for e in agent.events("rendezvous.restart")]
     assert [e["restarts"] for e in restarts if e["failure"]] == [1], dump(restarts)
     # TORCHELASTIC_RESTART_COUNT seen by the workers went 0 then 1.
@@ -158,7 +158,7 @@ def test_below_min_for_too_long_fails_the_job(cluster_factory):
     lone = cluster.start()
     assert lone.proc.wait(timeout=30) == 1
     result = cluster.state().result
-    assert result["state"] == "failed" and "fewer than min=2" in result["reason"]
+    assert result.state == "failed" and "fewer than min=2" in result.reason
 
 
 def test_etcd_writes_per_node_per_round_are_bounded(cluster_factory):
@@ -170,9 +170,9 @@ def test_etcd_writes_per_node_per_round_are_bounded(cluster_factory):
     wait_for(frozen_world(cluster, 3), 20, what="world of 3")
     time.sleep(6)  # one status publication later
     st = cluster.state()
-    rounds = st.round["round"]
+    rounds = st.round.round
     for node_id, node in st.nodes.items():
-        writes = node["etcd_requests"]["writes"]
+        writes = node.etcd_requests["writes"]
         # join + open-next-round CAS + freeze CAS + cleanup, per round: a constant, whatever N.
         assert writes <= 6 * rounds, f"{node_id}: {writes} writes in {rounds} rounds"
 

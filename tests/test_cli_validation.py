@@ -44,6 +44,8 @@ def assert_left_nothing(cli: Petctl, job: str, etcd_pid_only: bool = True) -> No
     (["--name", "bad", "--min", "1", "--max", "2", "--timeout", "nope=1"], "unknown timeout"),
     (["--name", "bad", "--min", "1", "--max", "2", "--timeout", "heartbeat_ttl=0"], "must be > 0"),
     (["--name", "bad", "--min", "1", "--max", "2", "--replace-delay", "-1"], "--replace-delay"),
+    (["--name", "bad", "--min", "1", "--max", "2", "--instance-type", "g5.xlarge"],
+     "--instance-type is not supported by the local provider"),
 ])
 def test_bad_job_specs(shared_local: Petctl, script: Path, args: list[str], needle: str):
     assert_one_line_error(run_job(shared_local, *args, str(script)), needle)
@@ -108,3 +110,13 @@ def test_duplicate_running_name_and_bad_steering(local: Petctl, script: Path):
     # A finished job's name can be used again.
     local.run("run_job", "--name", "dup", "--min", "1", "--max", "2", str(script))
     assert local.json("jobs")[0]["state"] == "running"
+
+
+@pytest.mark.parametrize("option, needle", [
+    ("agent_command=python agent.py", "must contain {config}"),
+    ("agent_command=python 'unclosed", "not a command line"),
+    ("region=us-east-1", "unknown local setup option(s) region"),
+])
+def test_bad_local_setup_options_set_nothing_up(petctl: Petctl, option: str, needle: str):
+    assert_one_line_error(petctl.run("setup", "--option", option, check=False), needle)
+    assert not (petctl.home / "local").exists() and petctl.processes() == []

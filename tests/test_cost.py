@@ -1,6 +1,6 @@
 """Cost arithmetic on usage from agent events, with prices from a fake `Prices` (no AWS involved)."""
 
-from petctl.cost import Quote, UsageKey, price_usage, usage
+from petctl.jobview.cost import Quote, UsageKey, price_usage, usage
 
 
 class FakePrices:

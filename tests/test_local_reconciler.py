@@ -36,7 +36,8 @@ while True:
 def stub(local: Petctl, tmp_path: Path) -> Petctl:
     agent = tmp_path / "stub_agent.py"
     agent.write_text(STUB_AGENT)
-    local.env["PETCTL_LOCAL_AGENT_COMMAND"] = json.dumps([sys.executable, str(agent), "{config}"])
+    # The local provider's documented seam for another agent: `setup --option agent_command=...`.
+    local.run("setup", "--option", f"agent_command={sys.executable} {agent} {{config}}")
     (tmp_path / "train.py").write_text("print('never run by the stub')\n")
     return local
 

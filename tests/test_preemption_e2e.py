@@ -55,7 +55,7 @@ def test_announced_preemption_loses_no_step(cluster, imds, tmp_path):
 
     st2 = wait_for(lambda: (s := cluster.state()).world_size == 2 and s, 40, what="world of 2")
     assert victim.node_id not in st2.ranks
-    assert st2.round["restarts"] == 0
+    assert st2.round.restarts == 0
     for node in survivors:
         steps = cluster.steps(node.node_id)
         wait_for(lambda n=node: any(s["world_size"] == 2 for s in cluster.steps(n.node_id)), 30,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from petctl.cli.main import provider_for
+from petctl.cli.context import job_view, provider_for
 from petctl.cli.render import output_option, print_json, table
 
 # Events worth a line in `petctl events` by default; --all shows every one (checkpoints included).
@@ -20,6 +20,12 @@ HEADLINES = {
 }
 DETAIL_FIELDS = ("round", "rank", "world_size", "cause", "nodes", "step", "kind", "state", "reason", "code",
                  "seconds", "why", "desired")
+
+
+def echo_notes(notes: list[str]) -> None:
+    """How the timeline was read, when the user should know (on stderr: stdout may be JSON)."""
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
 
 
 def _detail(event: dict) -> str:
@@ -37,9 +43,10 @@ def _detail(event: dict) -> str:
 @output_option
 def events_cmd(name: str, show_all: bool, output: str) -> None:
     """The job's timeline: rounds, restarts and why, preemptions, checkpoints, scale changes."""
-    provider = provider_for()
-    provider.job(name)  # unknown job -> one-line error
-    events = provider.job_events(name)
+    provider_for().job(name)  # unknown job -> one-line error
+    view = job_view(name)
+    events = view.events()
+    echo_notes(view.notes())
     if not show_all:
         events = [e for e in events if e.get("event") in HEADLINES]
     if output == "json":
@@ -59,15 +66,15 @@ def events_cmd(name: str, show_all: bool, output: str) -> None:
 @output_option
 def report_cmd(name: str, png: Path | None, output: str) -> None:
     """Goodput, lost steps, restarts and a PNG chart of the job's timeline."""
-    from petctl.accounting import account
+    from petctl.jobview.report import render_timeline
 
-    provider = provider_for()
-    info = provider.job(name)
-    events = provider.job_events(name)
-    acc = account(events, now=time.time() if info.state == "running" else None)
+    info = provider_for().job(name)
+    view = job_view(name)
+    events = view.events()
+    echo_notes(view.notes())
+    acc = view.accounting(events, running=info.state == "running")
     data = {"job": name, "state": info.state, "reason": info.reason, **acc.to_dict()}
     data.pop("rounds")
-    from petctl.report import render_timeline
 
     data["chart"] = str(render_timeline(name, events, acc, png or Path(f"{name}-timeline.png")))
     if output == "json":

@@ -2,56 +2,45 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 
 import click
 
-from petctl.cli.main import provider_for
+from petctl.cli.context import job_view, provider_for
 from petctl.cli.render import age, output_option, print_json, table
-from petctl.core.errors import PetctlError, ValidationError
+from petctl.core.errors import PetctlError
+from petctl.core.spec import SPOT_STRATEGIES
 
 
-def build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
-               entrypoint, script: Path, args, instance_types, on_demand, on_demand_base, keep=False,
-               warm_imports=(), multi_az=False):
-    """The job's spec from the command line, validated before anything is touched."""
+def build_submission(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
+                     entrypoint, script: Path, args, instance_types, on_demand, on_demand_base, spot_strategy,
+                     multi_az, warm_imports, keep, replace_delay):
+    """The job as the command line describes it, validated before a provider is even loaded (its
+    provider-specific options are checked against the provider later, in `Provider.validate`)."""
     from petctl.cli.parse import key_values, timeouts
-    from petctl.core.spec import JobSpec, Timeouts
+    from petctl.core.spec import JobSpec, JobSubmission, Timeouts
 
     spec = JobSpec(name=name, min_size=min_size, max_size=max_size,
-                   size=min_size if size is None else size, entrypoint="", args=list(args),
+                   size=min_size if size is None else size, entrypoint=entrypoint or "", args=list(args),
                    nproc_per_node=nproc_per_node, max_restarts=max_restarts,
                    env=key_values(env, "--env"), timeouts=timeouts(timeout_items, Timeouts()),
                    instance_types=list(instance_types), on_demand=on_demand, on_demand_base=on_demand_base,
-                   keep=keep, warm_imports=list(warm_imports), multi_az=multi_az)
-    spec.validate()
-    if not script.exists():
-        raise ValidationError(f"script not found: {script}")
-    if script.is_dir():
-        if not entrypoint:
-            raise ValidationError(f"{script} is a directory: name the file to run with --entrypoint")
-        if not (script / entrypoint).is_file():
-            raise ValidationError(f"entrypoint {entrypoint!r} not found in {script}")
-        spec.entrypoint = entrypoint
-    else:
-        if entrypoint:
-            raise ValidationError("--entrypoint is only for a directory SCRIPT")
-        spec.entrypoint = script.name
-    return spec
+                   spot_strategy=spot_strategy, multi_az=multi_az, keep=keep, warm_imports=list(warm_imports))
+    return JobSubmission(spec, script, replace_delay=replace_delay).validate()
 
 
 def wait_formed(provider, name: str, timeout: float) -> None:
     """Block until the job's first round is frozen (or it ended, or `timeout` passed)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = provider.node_states(name)
-        if state.result:
-            raise PetctlError(f"job {name!r} ended before it formed: {state.result.get('state')} "
-                              f"({state.result.get('reason', '')})")
+        state = job_view(name).state()
+        if state.result is not None:
+            raise PetctlError(f"job {name!r} ended before it formed: {state.result.state} "
+                              f"({state.result.reason})")
         if state.ranks:
-            click.echo(f"job {name} formed: round {state.round.get('round')}, world size {state.world_size}")
+            round_no = state.round.round if state.round is not None else None
+            click.echo(f"job {name} formed: round {round_no}, world size {state.world_size}")
             return
         if provider.job(name).state != "running":
             raise PetctlError(f"job {name!r} stopped before it formed (see `petctl logs {name}`)")
@@ -75,8 +64,8 @@ def wait_formed(provider, name: str, timeout: float) -> None:
 @click.option("--instance-type", "instance_types", multiple=True, help="Instance type (aws; repeatable).")
 @click.option("--on-demand", is_flag=True, help="Use on-demand instead of spot capacity (aws).")
 @click.option("--on-demand-base", type=int, default=0, help="On-demand instances before spot (aws).")
-@click.option("--spot-strategy", type=click.Choice(["price-capacity-optimized", "capacity-optimized"]),
-              default="price-capacity-optimized", show_default=True,
+@click.option("--spot-strategy", type=click.Choice(SPOT_STRATEGIES), default=SPOT_STRATEGIES[0],
+              show_default=True,
               help="Spot allocation strategy of a mixed-instances group (aws).")
 @click.option("--multi-az", is_flag=True,
               help="Spread the job over every AZ (aws). Costly: all-reduce across AZs is billed per GB.")
@@ -94,19 +83,13 @@ def run_job(name, min_size, max_size, size, nproc_per_node, max_restarts, env, e
     """Start an elastic job running SCRIPT (a file, or a directory with --entrypoint) -- ARGS."""
     from petctl.cli.parse import timeouts
 
-    spec = build_spec(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
-                      entrypoint, script, args, instance_types, on_demand, on_demand_base, keep, warm_imports,
-                      multi_az=multi_az)
-    spec.spot_strategy = spot_strategy
+    job = build_submission(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
+                           entrypoint, script, args, instance_types, on_demand, on_demand_base, spot_strategy,
+                           multi_az, warm_imports, keep, replace_delay)
     provider = provider_for()
     # The provider's defaults (a networked etcd on AWS needs longer heartbeats than a LAN), then --timeout.
-    spec.timeouts = timeouts(timeout_items, provider.default_timeouts())
-    extra = {}
-    if replace_delay is not None:
-        if "replace_delay" not in inspect.signature(provider.create_job).parameters:
-            raise ValidationError(f"--replace-delay is not supported by the {provider.name} provider")
-        extra["replace_delay"] = replace_delay
-    info = provider.create_job(spec, script, **extra)
+    job.spec.timeouts = timeouts(timeout_items, provider.default_timeouts())
+    info = provider.create_job(provider.validate(job))
     click.echo(f"job {info.name} started: {info.desired} nodes (min {info.min_size}, max {info.max_size}); "
                f"follow it with `petctl status {info.name}`")
     if wait:
@@ -128,17 +111,20 @@ def kill_job(name: str) -> None:
 @output_option
 def jobs(output: str) -> None:
     """List jobs."""
-    from petctl.jobsummary import cost_text
+    from petctl.jobview.summary import cost_text
+    from petctl.providers.capabilities import Pricing
 
     provider = provider_for()
     infos = provider.jobs()
     costs = {}
     for i in infos:
-        try:
-            events = provider.job_events(i.name)
-            costs[i.name] = provider.cost(i.name, events, time.time() if i.state == "running" else None)
-        except Exception:  # a price lookup never hides the list of jobs
-            costs[i.name] = None
+        costs[i.name] = None
+        if isinstance(provider, Pricing):
+            try:
+                view = job_view(i.name)
+                costs[i.name] = view.cost(view.events(), running=i.state == "running")
+            except PetctlError as e:  # a price lookup never hides the list of jobs: its cell says why
+                click.echo(f"note: no cost for job {i.name}: {e}", err=True)
     if output == "json":
         print_json([{**i.to_dict(), "cost": c.to_dict() if (c := costs[i.name]) else None} for i in infos])
         return

@@ -1,7 +1,9 @@
-"""The `petctl` command group, error handling and the infrastructure commands (setup, teardown).
+"""The `petctl` group and its entry point: every error becomes one line.
 
 Every `PetctlError` (and every usage error) becomes one line `error: ...` on stderr and a non-zero exit
-code: scripts can rely on the status, people never see a traceback for a mistake of theirs.
+code: scripts can rely on the status, people never see a traceback for a mistake of theirs. The
+commands live in their own modules and get their provider from petctl.cli.context; this module only
+gathers them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import sys
 
 import click
 
+from petctl.cli import infra, insight, jobs, status, steer
+from petctl.cli.context import CliContext
 from petctl.core.errors import PetctlError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -21,10 +25,11 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the group, turn every error into one line."""
+def main(argv: list[str] | None = None, obj: CliContext | None = None) -> None:
+    """Console-script entry point: run the group, turn every error into one line. `obj` hands the
+    commands a context of the caller's (a provider of its own, see petctl.cli.context)."""
     try:
-        rv = cli.main(args=argv, prog_name="petctl", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="petctl", standalone_mode=False, obj=obj)
     except PetctlError as e:
         fail(str(e), e.exit_code)
     except click.UsageError as e:
@@ -36,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("interrupted", 130)
     except BrokenPipeError:
         sys.exit(0)
-    except Exception as e:
+    except Exception as e:  # a bug: one line naming it, the traceback on request
         if os.environ.get("PETCTL_DEBUG"):
             raise
         fail(f"unexpected {type(e).__name__}: {e} (set PETCTL_DEBUG=1 for a traceback)", 1)
@@ -49,81 +54,5 @@ def cli() -> None:
     """Elastic, fault-tolerant PyTorch training on EC2 spot capacity (or on this machine)."""
 
 
-def load_config():
-    from petctl.core.config import PetctlConfig
-
-    return PetctlConfig.load()
-
-
-def provider_for(config=None, name: str | None = None):
-    """The configured provider (the CLI never branches on which one it is)."""
-    from petctl.providers import get_provider
-
-    config = config or load_config()
-    if name is None:
-        config.require_setup()
-    return get_provider(config, name)
-
-
-@cli.command()
-@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default="local",
-              show_default=True, help="Where jobs get their capacity; remembered for later commands.")
-@click.option("--region", help="aws: region (default: the AWS CLI's, e.g. AWS_REGION or the profile's).")
-@click.option("--profile", help="aws: named profile from your AWS config.")
-@click.option("--endpoint-url", help="aws: an emulator's endpoint (e.g. http://127.0.0.1:5000).")
-@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
-              help="Provider-specific setup option (repeatable), e.g. stack_name=petctl, max_azs=3.")
-def setup(provider_name: str, region: str | None, profile: str | None, endpoint_url: str | None,
-          options: tuple[str, ...]) -> None:
-    """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
-    from petctl.cli.parse import key_values
-    from petctl.core.errors import ValidationError
-
-    flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url)) if v}
-    if flags and provider_name != "aws":
-        raise ValidationError(f"--{next(iter(flags)).replace('_', '-')} is for `--provider aws`")
-    config = load_config()
-    provider = provider_for(config, provider_name)
-    result = provider.setup(**{**key_values(options, "--option"), **flags})
-    config.provider = provider_name
-    config.save()
-    endpoint = result.get("etcd_endpoint")
-    click.echo(f"petctl is set up ({provider_name})" + (f": etcd at {endpoint}" if endpoint else ""))
-
-
-@cli.command()
-@click.option("--force", is_flag=True, help="Kill running jobs instead of refusing.")
-def teardown(force: bool) -> None:
-    """Remove what `setup` created (refuses while jobs run unless --force)."""
-    config = load_config()
-    if not config.provider:
-        click.echo("nothing to tear down")
-        return
-    provider_for(config, config.provider).teardown(force=force)
-    click.echo(f"petctl torn down ({config.provider})")
-
-
-@cli.command()
-@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default=None,
-              help="Which provider to check (default: the configured one).")
-def doctor(provider_name: str | None) -> None:
-    """Check what a job needs before it runs (aws: credentials, base stack, spot vCPU quotas, AMI, worker
-    image in ECR, your permissions). One line per check: OK, FAIL or SKIP (the endpoint lacks that API)
-    with the reason; exits 1 when any check fails."""
-    config = load_config()
-    checks = provider_for(config, provider_name or config.provider or "local").doctor()
-    for check in checks:
-        click.echo(check.line())
-    failed = [c for c in checks if c.status == "FAIL"]
-    if failed:
-        fail(f"{len(failed)} of {len(checks)} checks failed", 1)
-
-
-def _register() -> None:
-    from petctl.cli import insight, jobs, steer
-
-    for command in (*jobs.COMMANDS, *steer.COMMANDS, *insight.COMMANDS):
-        cli.add_command(command)
-
-
-_register()
+for _command in (*infra.COMMANDS, *jobs.COMMANDS, *status.COMMANDS, *steer.COMMANDS, *insight.COMMANDS):
+    cli.add_command(_command)

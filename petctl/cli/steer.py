@@ -1,78 +1,15 @@
-"""Commands that look at and poke a running job: status, hosts, logs, chaos."""
+"""Commands that look at and poke a running job's instances: hosts, logs, chaos."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import click
 
-from petctl.cli.main import provider_for
-from petctl.cli.render import age, output_option, print_json, status_summary, table
-
-
-def job_status(provider, name: str) -> dict[str, Any]:
-    """What `status -o json` prints: the provider's view of the job plus the agents' (etcd)."""
-    info = provider.job(name)
-    state = provider.node_states(name)
-    data = state.to_dict()
-    result = state.result or {}
-    final = info.state in ("succeeded", "failed", "killed")
-    data.update(
-        state=info.state if final else state.state,
-        reason=result.get("reason") or info.reason,
-        desired=info.desired, min_size=info.min_size, max_size=info.max_size,
-        ranks=state.ranks,
-        round_no=(state.round or {}).get("round"),
-        restarts=(state.round or {}).get("restarts"),
-    )
-    return data
-
-
-@click.command("status")
-@click.argument("name")
-@output_option
-def status(name: str, output: str) -> None:
-    """A job's state and its nodes: rank, world size, round, restarts, state, step."""
-    from petctl.jobsummary import one_line, summarize
-
-    provider = provider_for()
-    data = job_status(provider, name)
-    data["accounting"] = summarize(provider, name, running=data["state"] not in ("succeeded", "failed",
-                                                                                "killed"))
-    data["scaling_activities"] = provider.scaling_activities(name)
-    if output == "json":
-        print_json(data)
-        return
-    click.echo(status_summary(data))
-    click.echo(one_line(data["accounting"]))
-    echo_activities(data["scaling_activities"])
-    ranks = data["ranks"]
-    nodes = sorted(data["nodes"].values(),
-                   key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
-    if not nodes:
-        click.echo("no live nodes" if data["state"] not in ("succeeded", "failed", "killed")
-                   else "the job is over; its node logs: `petctl logs " + name + "`")
-        return
-    # A script that reports no steps: "n/a" (the one-line summary above says why), not a bare "-".
-    no_step = None if data["accounting"].get("steps_reported", True) else "n/a"
-    table(None, ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"],
-          [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
-            n.get("state"), n.get("step", no_step) if n.get("step") is not None else no_step,
-            checkpoint_step(n.get("last_checkpoint"))] for n in nodes])
-
-
-def echo_activities(lines: list[str]) -> None:
-    """The capacity's recent scaling activities (why instances launch or not), newest first."""
-    if lines:
-        click.echo("scaling activities (newest first):")
-        for line in lines:
-            click.echo(f"  {line}")
-
-
-def checkpoint_step(value: Any) -> Any:
-    """The agent publishes {"step", "url"}; the table shows the step."""
-    return value.get("step") if isinstance(value, dict) else value
+from petctl.cli.context import job_view, provider_for
+from petctl.cli.render import age, output_option, print_json, table
+from petctl.cli.status import echo_activities
+from petctl.core.errors import PetctlError
 
 
 @click.command("hosts")
@@ -81,11 +18,14 @@ def checkpoint_step(value: Any) -> Any:
 @output_option
 def hosts(name: str, show_all: bool, output: str) -> None:
     """The job's instances as the provider sees them, with their rank in the current round."""
+    from petctl.providers.capabilities import CapacityInsight
+
     provider = provider_for()
     infos = provider.hosts(name)
     try:
-        ranks = provider.node_states(name).ranks
-    except Exception:  # the instance list is still worth showing without ranks
+        ranks = job_view(name).state().ranks
+    except PetctlError as e:  # the instance list is still worth showing without ranks
+        click.echo(f"note: no ranks: {e}", err=True)
         ranks = {}
     for h in infos:
         h.rank = ranks.get(h.host_id)
@@ -97,7 +37,8 @@ def hosts(name: str, show_all: bool, output: str) -> None:
     table(None, ["host", "state", "rank", "age", "type", "market", "zone", "address"],
           [[h.host_id, h.state, h.rank, age(h.launched_at), h.instance_type, h.market, h.az, h.private_ip]
            for h in infos])
-    echo_activities(provider.scaling_activities(name))
+    if isinstance(provider, CapacityInsight):
+        echo_activities(provider.scaling_activities(name))
 
 
 @click.command("logs")
@@ -112,7 +53,7 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
     """
     from petctl.core.eventlog import parse_line
 
-    for line in provider_for().logs(name, node=node, follow=follow):
+    for line in job_view(name).logs(node=node, follow=follow):
         if output != "json":
             click.echo(line)
             continue
@@ -140,10 +81,12 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
               help="Seconds between a --notice and the reclaim.")
 def chaos(name: str, node: str | None, mode: str | None, grace: float) -> None:
     """Take one instance of a job away, to see it recover (tests, demos, benchmarks)."""
+    from petctl.providers.capabilities import check_chaos_mode
+
     if mode is None:
         raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice")
-    host = provider_for().terminate_host(name, node, mode=mode, grace=grace)
+    host = check_chaos_mode(provider_for(), mode).terminate_host(name, node, mode=mode, grace=grace)
     click.echo(f"{mode}: {host}")
 
 
-COMMANDS = (status, hosts, logs, chaos)
+COMMANDS = (hosts, logs, chaos)

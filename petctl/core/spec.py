@@ -9,12 +9,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from petctl.core.errors import ValidationError
 
 JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$")
+# AWS recommends price-capacity-optimized for spot: pools least likely to be interrupted, and of those the
+# cheapest. capacity-optimized (least interruption, price ignored) stays selectable.
+SPOT_STRATEGIES = ("price-capacity-optimized", "capacity-optimized")
+# `run_job` options only some providers honour (each declares which in `Provider.run_options`):
+# option name -> the flag users type, which is what a message names.
+PROVIDER_OPTIONS: dict[str, str] = {
+    "replace_delay": "--replace-delay",
+    "instance_types": "--instance-type",
+    "on_demand": "--on-demand",
+    "on_demand_base": "--on-demand-base",
+    "spot_strategy": "--spot-strategy",
+    "multi_az": "--multi-az",
+}
 
 
 def _from_dict(cls: type, data: dict[str, Any]):
@@ -68,7 +83,7 @@ class JobSpec:
     instance_types: list[str] = field(default_factory=list)
     on_demand: bool = False
     on_demand_base: int = 0
-    spot_strategy: str = "price-capacity-optimized"  # mixed spot groups; or capacity-optimized
+    spot_strategy: str = SPOT_STRATEGIES[0]  # mixed spot groups; or capacity-optimized
     multi_az: bool = False  # spread over every AZ (cross-AZ all-reduce is billed per GB; see docs/aws.md)
 
     def validate(self) -> None:
@@ -106,6 +121,69 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class JobSubmission:
+    """A job as submitted to a provider: its spec, its code, and the options that live outside the spec.
+
+    `validate()` is the one validation of a submission: the CLI runs it before it touches anything, and
+    every provider runs it again before its first side effect, so bad input gets the same one-line
+    message whoever submits the job (the CLI, a test, a library caller).
+    """
+
+    spec: JobSpec
+    script: Path  # a file to run, or a directory whose `spec.entrypoint` is run
+    replace_delay: float | None = None  # local: seconds before a lost instance is replaced
+
+    def options_set(self) -> list[str]:
+        """The provider-specific options (`PROVIDER_OPTIONS`) this submission sets to non-default values."""
+        defaults = JobSpec(name="", min_size=0, max_size=0, size=0, entrypoint="")
+        names = [name for name in PROVIDER_OPTIONS
+                 if hasattr(defaults, name) and getattr(self.spec, name) != getattr(defaults, name)]
+        if self.replace_delay is not None:
+            names.append("replace_delay")
+        return sorted(names, key=list(PROVIDER_OPTIONS).index)
+
+    def validate(self, provider: str = "", accepts: Collection[str] | None = None) -> JobSubmission:
+        """Check the spec, the script and the options; settle `spec.entrypoint`; return self.
+
+        `accepts`: the provider-specific options `provider` honours (None: not checked yet, as when the
+        CLI validates before it knows the provider). Raises ValidationError with one line a user can act
+        on; idempotent, so a provider may validate a submission the CLI already validated.
+        """
+        self.spec.validate()
+        self.script = Path(self.script)
+        self._settle_entrypoint()
+        if self.replace_delay is not None and self.replace_delay < 0:
+            raise ValidationError(f"--replace-delay must be >= 0 (got {self.replace_delay})")
+        if self.spec.spot_strategy not in SPOT_STRATEGIES:
+            raise ValidationError(f"unknown spot allocation strategy {self.spec.spot_strategy!r}: choose "
+                                  f"{' or '.join(SPOT_STRATEGIES)}")
+        if not 0 <= self.spec.on_demand_base <= self.spec.max_size:
+            raise ValidationError(f"--on-demand-base {self.spec.on_demand_base} is outside "
+                                  f"[0, --max {self.spec.max_size}]")
+        if accepts is not None:
+            unsupported = [name for name in self.options_set() if name not in accepts]
+            if unsupported:
+                flags = ", ".join(PROVIDER_OPTIONS[name] for name in unsupported)
+                raise ValidationError(f"{flags} {'is' if len(unsupported) == 1 else 'are'} not supported by "
+                                      f"the {provider} provider")
+        return self
+
+    def _settle_entrypoint(self) -> None:
+        script, entrypoint = self.script, self.spec.entrypoint
+        if not script.exists():
+            raise ValidationError(f"script not found: {script}")
+        if script.is_dir():
+            if not entrypoint:
+                raise ValidationError(f"{script} is a directory: name the file to run with --entrypoint")
+            if not (script / entrypoint).is_file():
+                raise ValidationError(f"entrypoint {entrypoint!r} not found in {script}")
+        elif entrypoint and entrypoint != script.name:
+            raise ValidationError("--entrypoint is only for a directory SCRIPT")
+        else:
+            self.spec.entrypoint = script.name
 
 
 @dataclass

@@ -1,20 +1,24 @@
 """The one interface every capacity backend implements (modelled on Ray's NodeProvider and
 torch.distributed.elastic's narrow ABCs): the CLI never branches on which provider it has.
 
-Job *state* (ranks, rounds, restarts) belongs to the agents and lives in etcd; providers own *capacity*
-(instances, their count, their teardown) and know how to reach the job's etcd.
+A provider owns *capacity*: what all jobs share (setup, teardown), a job's instances (create, scale,
+kill, hosts) and the list of jobs. Job *state* (ranks, rounds, restarts) belongs to the agents, who
+publish it to etcd and to the job's prefix; a provider only says where those are (`sources`), and the
+read side (petctl.jobview) reads them the same way for every provider. What only some providers can do
+(chaos, pricing, diagnostics, explaining capacity) are optional capabilities, in capabilities.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from petctl.core.config import PetctlConfig
-from petctl.core.spec import JobSpec
+from petctl.core.spec import JobSubmission, Timeouts
+
+if TYPE_CHECKING:
+    from petctl.jobview.view import JobSources
 
 
 @dataclass
@@ -28,7 +32,7 @@ class HostInfo:
     market: str = ""  # spot | on-demand | local
     private_ip: str = ""
     launched_at: float | None = None
-    rank: int | None = None  # filled from etcd by the CLI when the agent has one
+    rank: int | None = None  # filled from the job's state by the CLI when the agent has one
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,7 +69,10 @@ class JobInfo:
 class Provider(ABC):
     """Capacity for jobs. Methods raise `PetctlError` subclasses with user-facing messages."""
 
-    name: str = ""
+    name: ClassVar[str] = ""
+    # The provider-specific `run_job` options it honours (names from petctl.core.spec.PROVIDER_OPTIONS);
+    # a submission setting any other is refused by `JobSubmission.validate`.
+    run_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: PetctlConfig) -> None:
         self.config = config
@@ -74,12 +81,14 @@ class Provider(ABC):
     def settings(self) -> dict[str, Any]:
         return self.config.section(self.name)
 
-    def default_timeouts(self):
+    def default_timeouts(self) -> Timeouts:
         """The agent timeouts a job gets before `--timeout` overrides: LAN values by default; a provider
         whose etcd is reached over a real network overrides them."""
-        from petctl.core.spec import Timeouts
-
         return Timeouts()
+
+    def validate(self, job: JobSubmission) -> JobSubmission:
+        """The submission checked for this provider (see `JobSubmission.validate`). Raises ValidationError."""
+        return job.validate(self.name, self.run_options)
 
     # --- shared infrastructure -------------------------------------------------------------------
     @abstractmethod
@@ -92,8 +101,8 @@ class Provider(ABC):
 
     # --- jobs ------------------------------------------------------------------------------------
     @abstractmethod
-    def create_job(self, spec: JobSpec, script: Path) -> JobInfo:
-        """Upload `script` (file or directory) and start `spec.size` instances running the agent."""
+    def create_job(self, job: JobSubmission) -> JobInfo:
+        """Validate `job` (before any side effect), upload its code and start `spec.size` instances."""
 
     @abstractmethod
     def kill_job(self, name: str) -> None:
@@ -105,60 +114,17 @@ class Provider(ABC):
 
     @abstractmethod
     def hosts(self, name: str) -> list[HostInfo]:
-        ...
-
-    @abstractmethod
-    def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
-        """Take one instance away (chaos/testing). mode: kill | freeze | term | notice. Returns its id."""
+        """The job's instances, terminated ones included while the provider still knows them."""
 
     @abstractmethod
     def jobs(self) -> list[JobInfo]:
-        ...
+        """Every job on record, running or ended."""
 
     @abstractmethod
     def job(self, name: str) -> JobInfo:
         """One job; raises JobNotFound."""
 
     @abstractmethod
-    def etcd_endpoint(self) -> str:
-        """Where this provider's jobs keep their rendezvous and state (reachable from the CLI)."""
-
-    def node_states(self, name: str):
-        """The job's live state as its agents publish it (etcd). A provider whose CLI cannot reach etcd
-        (AWS, etcd inside the VPC) overrides this to read the agents' status mirror instead."""
-        from petctl.io.etcd import etcd_client
-        from petctl.jobstate import read_job_state
-
-        return read_job_state(etcd_client(self.etcd_endpoint()), name)
-
-    def scaling_activities(self, name: str) -> list[str]:
-        """Why capacity is (not) arriving, newest first, one line each ([] where nothing explains it)."""
-        return []
-
-    def doctor(self) -> list[Check]:
-        """Checks of what this provider needs before a job can run (quotas, images, permissions)."""
-        return [Check("provider", "SKIP", f"no checks for the {self.name} provider")]
-
-    def cost(self, name: str, events: list[dict[str, Any]], now: float | None = None):
-        """A `petctl.cost.CostReport` for the job's instance hours, or None where nothing is billed."""
-        return None
-
-    def mirror_url(self, name: str) -> str:
-        """The job's prefix the agents mirror status/events/logs to ("" if none)."""
-        return ""
-
-    def job_events(self, name: str) -> list[dict[str, Any]]:
-        """The job's timeline: etcd's copy while the job runs, merged with the agents' mirror in the
-        job's prefix (which outlives etcd, the stack and the instances). Sorted by time."""
-        from petctl.timeline import read_events
-
-        endpoint = ""
-        try:
-            endpoint = self.etcd_endpoint()
-        except Exception:  # no etcd reachable (AWS from outside the VPC): the mirror alone
-            pass
-        return read_events(name, endpoint, self.mirror_url(name))
-
-    @abstractmethod
-    def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
-        """Lines of the job's node logs, each prefixed with its node id unless one node is asked for."""
+    def sources(self, name: str) -> JobSources:
+        """Where the job's records are (its etcd when it answers from here, its prefix, its logs), for
+        the read side. Raises JobNotFound where the provider can tell the job never existed."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.config import PetctlConfig
+from petctl.core.spec import JobSpec, JobSubmission
 from tests.aws.moto_patches import patch_moto_stack_deletion
 from tests.conftest import serve_moto
 
@@ -114,3 +115,15 @@ def write_script(directory: Path, name: str = "train.py", text: str = "print('he
     path = directory / name
     path.write_text(text)
     return path
+
+
+def submit(spec: JobSpec, script: Path, **options) -> JobSubmission:
+    """What `petctl run_job` hands the provider: the spec, the script and the options outside the spec."""
+    return JobSubmission(spec, Path(script), **options)
+
+
+def view(provider, job: str):
+    """The read side of `job` on `provider`, as the CLI opens it (status, events, logs)."""
+    from petctl.providers import job_view
+
+    return job_view(provider, job)

@@ -10,8 +10,9 @@ import yaml
 
 from petctl.core.config import PetctlConfig
 from petctl.core.spec import AgentConfig, JobSpec
+from petctl.providers.aws.launch import LIFECYCLE_HOOK
 from petctl.providers.aws.network import plan_network
-from petctl.providers.aws.provider import LIFECYCLE_HOOK, AwsProvider
+from petctl.providers.aws.provider import AwsProvider
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data
 

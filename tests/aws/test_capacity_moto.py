@@ -14,10 +14,11 @@ import time
 import pytest
 
 from petctl.core.errors import ProviderError
+from petctl.core.records import JobResult
 from petctl.core.spec import JobSpec
 from petctl.providers.aws import inventory
 from petctl.providers.base import JobInfo
-from tests.aws.conftest import boto, write_script
+from tests.aws.conftest import boto, submit, write_script
 from tests.aws.rendered import parse
 
 
@@ -56,7 +57,7 @@ def no_capacity(monkeypatch):
 
 
 def test_group_is_created_empty_and_run_job_raises_it_to_min_and_size(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(min_size=1, size=3), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(min_size=1, size=3), write_script(tmp_path / "src")))
     name = f"{stack_name}-job-demo"
     template = parse(boto(moto, "cloudformation").get_template(StackName=name)["TemplateBody"])
     created = template["Resources"]["Group"]["Properties"]  # what CloudFormation waited for: nothing
@@ -70,7 +71,7 @@ def test_a_group_that_never_fills_neither_hangs_nor_fails_the_stack(ready, moto,
                                                                     no_capacity):
     ready.wait_timeout = 0.5
     began = time.monotonic()
-    info = ready.create_job(spec(size=2), write_script(tmp_path / "src"))
+    info = ready.create_job(submit(spec(size=2), write_script(tmp_path / "src")))
     assert time.monotonic() - began < 20  # not CloudFormation's hour
     name = f"{stack_name}-job-demo"
     assert live_stack(moto, name)["StackStatus"] == "CREATE_COMPLETE"  # no rollback
@@ -85,7 +86,7 @@ def test_a_group_that_never_fills_neither_hangs_nor_fails_the_stack(ready, moto,
 
 
 def test_job_stacks_are_created_with_the_base_stacks_service_role(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     role = ready.settings["outputs"]["JobStackRoleArn"]
     assert role.startswith("arn:aws:iam::") and ":role/" in role
     roles = boto(moto, "iam").list_roles()["Roles"]
@@ -96,7 +97,7 @@ def test_job_stacks_are_created_with_the_base_stacks_service_role(ready, moto, t
 
 
 def test_a_finished_jobs_stack_is_deleted_by_the_next_cli_command(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     name = f"{stack_name}-job-demo"
     # what the agent that recorded the end does: result.json, then its group to 0 (release.py)
     bucket = ready.settings["outputs"]["BucketName"]
@@ -112,7 +113,7 @@ def test_a_finished_jobs_stack_is_deleted_by_the_next_cli_command(ready, moto, t
 
 
 def test_an_older_base_stack_without_the_role_still_lists_jobs(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
     result = {"job": "demo", "state": "succeeded", "reason": "done", "ts": time.time()}
     boto(moto, "s3").put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())
@@ -121,11 +122,11 @@ def test_an_older_base_stack_without_the_role_still_lists_jobs(ready, moto, tmp_
     assert any("run `petctl setup --provider aws` again" in line for line in ready.lines)
     assert live_stack(moto, f"{stack_name}-job-demo") is not None  # left for a later command
     with pytest.raises(Exception, match="predates job stacks' service role"):
-        ready.create_job(spec(name="next"), write_script(tmp_path / "src"))
+        ready.create_job(submit(spec(name="next"), write_script(tmp_path / "src")))
 
 
 def test_teardown_does_not_refuse_for_jobs_that_ended(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
     result = {"job": "demo", "state": "failed", "reason": "max restarts", "ts": time.time()}
     boto(moto, "s3").put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())
@@ -143,7 +144,7 @@ def test_result_json_decides_the_state_whatever_the_stack_says(status):
             return {"AutoScalingGroups": []}
 
     info = inventory.job_info(NoGroup(), stack, "aws")
-    out = inventory.apply_result(info, {"state": "succeeded", "reason": "all workers exited 0", "ts": 5.0})
+    out = inventory.apply_result(info, JobResult(state="succeeded", reason="all workers exited 0", ts=5.0))
     assert isinstance(out, JobInfo) and (out.state, out.reason) == ("succeeded", "all workers exited 0")
     assert inventory.apply_result(inventory.job_info(NoGroup(), stack, "aws"), None).state == (
         "running" if status == "CREATE_COMPLETE" else "failed")
@@ -151,7 +152,7 @@ def test_result_json_decides_the_state_whatever_the_stack_says(status):
 
 # --- the vCPU quota, before anything is created -----------------------------------------------------
 def test_quota_unknown_on_the_emulator_is_a_warning(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(instance_types=["g5.xlarge"]), write_script(tmp_path / "src")))
     warning = [line for line in ready.lines if line.startswith("warning: spot vCPU quota L-3819A6DF")]
     assert warning and "not checked" in warning[0]
     assert live_stack(moto, f"{stack_name}-job-demo")["StackStatus"] == "CREATE_COMPLETE"
@@ -175,12 +176,12 @@ def zero_gpu_spot_quota(monkeypatch):
 def test_a_quota_below_one_instance_refuses_the_job_and_creates_nothing(ready, moto, tmp_path, stack_name,
                                                                         zero_gpu_spot_quota):
     with pytest.raises(ProviderError, match=r"L-3819A6DF .* is 0 vCPUs, below the 4 of one g5.xlarge"):
-        ready.create_job(spec(instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+        ready.create_job(submit(spec(instance_types=["g5.xlarge"]), write_script(tmp_path / "src")))
     assert live_stack(moto, f"{stack_name}-job-demo") is None
     bucket = ready.settings["outputs"]["BucketName"]
     assert boto(moto, "s3").list_objects_v2(Bucket=bucket, Prefix="jobs/demo/").get("KeyCount") == 0
     # CPU types draw on another quota (unknown here): not refused
-    ready.create_job(spec(name="cpu", instance_types=["c5.xlarge"]), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(name="cpu", instance_types=["c5.xlarge"]), write_script(tmp_path / "src")))
 
 
 # --- through the CLI: the same explanations, one-line errors -----------------------------------------
@@ -194,7 +195,7 @@ def cli(*args: str):
 
 def test_status_and_hosts_show_why_the_group_does_not_fill(ready, moto, tmp_path, no_capacity):
     ready.wait_timeout = 0.3
-    ready.create_job(spec(size=2), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(size=2), write_script(tmp_path / "src")))
     for command in (["status", "demo"], ["hosts", "demo"]):
         result = cli(*command)
         assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.spec import JobSpec, Timeouts
-from tests.aws.conftest import REGION, boto
+from tests.aws.conftest import REGION, boto, submit, view
 from tests.aws.instance_emulator import InstanceEmulator
 
 HERE = Path(__file__).resolve().parent
@@ -82,7 +82,7 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     emulator.boot_etcd_host(outputs["EtcdGroupName"])
     spec = JobSpec(name="e2e", min_size=2, max_size=2, size=2, entrypoint="", env={"STEPS": "6"},
                    timeouts=timeouts(), instance_types=["c5.xlarge"])
-    info = ready.create_job(spec, HERE / "workload_train.py")
+    info = ready.create_job(submit(spec, HERE / "workload_train.py"))
     assert (info.state, info.desired) == ("running", 2)
     instance_ids = {h.host_id for h in ready.hosts("e2e")}
     assert len(instance_ids) == 2
@@ -101,8 +101,8 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     assert {j.name: j.state for j in ready.jobs()} == {"e2e": "succeeded"}  # on record after its stack
 
     def all_reported():  # etcd is inside the "VPC": this is the agents' S3 mirror, which each agent
-        state = ready.node_states("e2e")  # uploads on its own schedule and once more at exit
-        states = {node: n.get("state") for node, n in state.nodes.items()}
+        state = view(ready, "e2e").state()  # uploads on its own schedule and once more at exit
+        states = {node: n.state for node, n in state.nodes.items()}
         # The releasing agent scales its own group to 0, so its instance's shutdown (SIGTERM) may reach it
         # before its last status upload: it may end "leaving". The job's result is recorded before that.
         return states if set(states) == instance_ids and "succeeded" in states.values() else None
@@ -110,7 +110,7 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     wait_for(all_reported, 60, "every node's final status in S3", emulator)
     listing = boto(moto, "s3").list_objects_v2(Bucket=outputs["BucketName"], Prefix="jobs/e2e/checkpoints/")
     assert listing.get("KeyCount", 0) > 0, "no checkpoint reached the job's S3 prefix"
-    steps = [line for line in ready.logs("e2e") if '"event": "train.step"' in line]
+    steps = [line for line in view(ready, "e2e").logs() if '"event": "train.step"' in line]
     assert any('"step": 5' in line for line in steps), steps
     assert {line.split("]")[0][1:] for line in steps} == instance_ids, steps
 
@@ -125,7 +125,7 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
     emulator.boot_etcd_host(ready.settings["outputs"]["EtcdGroupName"])
     spec = JobSpec(name="spot", min_size=2, max_size=2, size=2, entrypoint="",
                    env={"STEPS": "30", "STEP_TIME": "0.3"}, timeouts=timeouts(), instance_types=["c5.xlarge"])
-    ready.create_job(spec, HERE / "workload_train.py")
+    ready.create_job(submit(spec, HERE / "workload_train.py"))
     emulator.follow(f"{stack_name}-job-spot")
     first = wait_for(lambda: len(emulator.booted) == 2 and set(emulator.booted), 60, "two agents", emulator)
     wait_for(lambda: all(max(emulator.steps(i), default=-1) >= 5 for i in first), 120, "step 5", emulator)
@@ -139,11 +139,11 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
     (new,) = replacement
     # The replacement's own mirror reached S3 (its last state depends on whether the capacity release
     # shut its instance down before its last upload; the console below shows what it trained).
-    nodes = wait_for(lambda: (n := ready.node_states("spot").nodes).get(new) and n, 60,
+    nodes = wait_for(lambda: (n := view(ready, "spot").state().nodes).get(new) and n, 60,
                      "the replacement's status in S3", emulator)
     # the victim may have gone before its first status upload (each agent's mirror has its own schedule)
-    assert nodes.get(victim, {}).get("state") != "succeeded", nodes
-    resumed = [line for line in ready.logs("spot", node=new) if '"event": "train.resumed"' in line]
+    assert victim not in nodes or nodes[victim].state != "succeeded", nodes
+    resumed = [line for line in view(ready, "spot").logs(node=new) if '"event": "train.resumed"' in line]
     assert resumed, f"the replacement did not resume from a checkpoint\n{emulator.console()}"
     new_steps = emulator.steps(new)
     assert max(new_steps) == 29 and min(new_steps) >= 4, new_steps  # resumed, not restarted from scratch

@@ -17,9 +17,11 @@ import pytest
 from petctl.agent.mirror import Mirror
 from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
-from petctl.io.objstore import StoreError
+from petctl.io.objstore import StoreError, open_store
+from petctl.jobview.events import merge, mirror_events
+from petctl.jobview.logs import follow_chunks, log_nodes
+from petctl.jobview.prefix import StorePrefix
 from petctl.providers.aws.storage import JobStore
-from petctl.timeline import read_events
 from tests.aws import rendered
 from tests.aws.conftest import boto
 
@@ -49,6 +51,11 @@ class PutCounter:
         total = sum(size for _, size in self.puts)
         self.puts.clear()
         return total
+
+
+def log_lines(store: JobStore, node: str) -> list[str]:
+    """One node's mirrored log, read as `petctl logs --node` reads it."""
+    return list(follow_chunks(store, node, follow=False, running=lambda: False, interval=0))
 
 
 def event(i: int) -> dict:
@@ -83,9 +90,9 @@ def test_each_upload_is_proportional_to_the_new_lines_not_to_the_file(bucket, tm
     assert counter.take() == 0
 
     store = JobStore(boto(moto, "s3"), bucket, "demo")
-    assert store.log_nodes() == ["i-1"]
-    assert "\n".join(store.log_lines("i-1")) + "\n" == written_log.decode()  # exact, in order
-    assert sorted(store.events(), key=lambda e: e["ts"]) == all_events == store.events()
+    assert log_nodes(store) == ["i-1"]
+    assert "\n".join(log_lines(store, "i-1")) + "\n" == written_log.decode()  # exact, in order
+    assert sorted(mirror_events(store), key=lambda e: e["ts"]) == all_events == mirror_events(store)
     assert read_events("demo", mirror_url=f"s3://{bucket}/jobs/demo/") == all_events
     versions = boto(moto, "s3").list_object_versions(Bucket=bucket, Prefix="jobs/demo/events/")
     assert len(versions["Versions"]) == 6  # one object per interval, none rewritten
@@ -107,8 +114,8 @@ def test_a_restarted_agent_continues_the_log_and_never_overwrites_chunks(bucket,
     second.flush()
     assert counter.take() == len(b"second life\n") + len(json.dumps(event(2)) + "\n")  # not the first life
     store = JobStore(boto(moto, "s3"), bucket, "demo")
-    assert list(store.log_lines("i-1")) == ["first life", "second life"]
-    assert [e["step"] for e in store.events()] == [1, 2]
+    assert list(log_lines(store, "i-1")) == ["first life", "second life"]
+    assert [e["step"] for e in mirror_events(store)] == [1, 2]
 
 
 def test_upload_failures_are_retried_without_loss_and_reported_once_each_way(tmp_path):
@@ -215,3 +222,8 @@ def test_bucket_keeps_noncurrent_versions_one_day():
     assert noncurrent["NoncurrentVersionExpiration"] == {"NoncurrentDays": 1}  # logs, events, checkpoints
     assert noncurrent["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
     assert rules["remove-expired-delete-markers"]["ExpiredObjectDeleteMarker"] is True
+
+
+def read_events(job: str, mirror_url: str) -> list[dict]:
+    """The job's mirrored events as `petctl events` merges them (de-duplicated, in time order)."""
+    return merge(mirror_events(StorePrefix(open_store(mirror_url))))

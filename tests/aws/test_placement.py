@@ -22,7 +22,7 @@ from petctl.providers.aws.placement import (
     plan_placement,
     rank_azs,
 )
-from tests.aws.conftest import boto, write_script
+from tests.aws.conftest import boto, submit, write_script
 
 SUBNETS = {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b", "us-east-1c": "subnet-c"}
 NO_CAPACITY = Activity("Failed", "We currently do not have sufficient g5.xlarge capacity in the Availability "
@@ -104,7 +104,7 @@ def subnet_az(moto: str, subnet: str) -> str:
 
 
 def test_job_group_lives_in_one_az_and_has_az_rebalance_suspended(ready, moto, tmp_path, stack_name):
-    ready.create_job(job(instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+    ready.create_job(submit(job(instance_types=["g5.xlarge"]), write_script(tmp_path / "src")))
     g = asg(moto, f"{stack_name}-job-demo")
     subnets = g["VPCZoneIdentifier"].split(",")
     assert len(subnets) == 1
@@ -115,7 +115,7 @@ def test_job_group_lives_in_one_az_and_has_az_rebalance_suspended(ready, moto, t
 
 
 def test_multi_az_job_spans_every_subnet_and_is_warned(ready, moto, tmp_path, stack_name):
-    ready.create_job(job(instance_types=["g5.xlarge"], multi_az=True), write_script(tmp_path / "src"))
+    ready.create_job(submit(job(instance_types=["g5.xlarge"], multi_az=True), write_script(tmp_path / "src")))
     g = asg(moto, f"{stack_name}-job-demo")
     every = ready.settings["outputs"]["SubnetIds"].split(",")
     assert sorted(g["VPCZoneIdentifier"].split(",")) == sorted(every)
@@ -125,7 +125,7 @@ def test_multi_az_job_spans_every_subnet_and_is_warned(ready, moto, tmp_path, st
 
 def test_fallback_moves_the_group_to_the_next_az_on_insufficient_capacity(ready, moto, tmp_path, stack_name,
                                                                            monkeypatch):
-    ready.create_job(job(instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+    ready.create_job(submit(job(instance_types=["g5.xlarge"]), write_script(tmp_path / "src")))
     name = f"{stack_name}-job-demo"
     first = asg(moto, name)["VPCZoneIdentifier"]
     monkeypatch.setattr(capacity, "activities", lambda autoscaling, group, limit=20: [NO_CAPACITY])
@@ -152,7 +152,8 @@ def test_run_job_refuses_mixed_gpus_before_any_aws_change(ready, moto, tmp_path,
     from petctl.core.errors import ValidationError
 
     with pytest.raises(ValidationError, match="same GPU count and model"):
-        ready.create_job(job(instance_types=["g5.xlarge", "g6.xlarge"]), write_script(tmp_path / "src"))
+        ready.create_job(submit(job(instance_types=["g5.xlarge", "g6.xlarge"]),
+                                write_script(tmp_path / "src")))
     stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
     assert not [s for s in stacks if s["StackName"] == f"{stack_name}-job-demo"]
 
@@ -166,7 +167,7 @@ def test_fallback_check_failures_are_reported_once_each_way_and_never_end_the_wa
             raise outcome
 
     monkeypatch.setattr(ready, "fallback_az", fallback_az)
-    poll = ready._fallback_poller("demo")
+    poll = ready.fallback_poller("demo")
     for _ in range(4):
         poll(0)
     reports = [line for line in ready.lines if "fallback check" in line]

@@ -9,7 +9,7 @@ from pathlib import Path
 import boto3
 from botocore.stub import Stubber
 
-from petctl.cost import UsageKey
+from petctl.jobview.cost import UsageKey
 from petctl.providers.aws.pricing import AwsPrices
 from tests.aws.conftest import REGION, boto
 

@@ -16,7 +16,7 @@ import pytest
 from petctl.core.config import PetctlConfig
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import JobSpec
-from tests.aws.conftest import REGION, boto, write_script
+from tests.aws.conftest import REGION, boto, submit, view, write_script
 
 
 def spec(name: str = "demo", min_size: int = 1, max_size: int = 4, size: int = 2, **kw) -> JobSpec:
@@ -115,7 +115,7 @@ def test_setup_rejects_unknown_options(provider, moto):
 
 
 def test_teardown_refuses_while_jobs_exist_then_force_removes_everything(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     with pytest.raises(JobExists, match="still exist.*demo"):
         ready.teardown()
     assert stack_names(moto, stack_name) == {stack_name, f"{stack_name}-job-demo"}
@@ -136,7 +136,8 @@ def test_teardown_without_jobs(ready, moto, stack_name):
 
 # --- jobs ------------------------------------------------------------------------------------------
 def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_path, stack_name):
-    info = ready.create_job(spec(size=3, instance_types=["g5.xlarge"]), write_script(tmp_path / "src"))
+    script = write_script(tmp_path / "src")
+    info = ready.create_job(submit(spec(size=3, instance_types=["g5.xlarge"]), script))
     assert (info.name, info.state, info.min_size, info.max_size, info.desired) == ("demo", "running", 1, 4, 3)
     g = group(moto, f"{stack_name}-job-demo")
     assert (g["MinSize"], g["MaxSize"], g["DesiredCapacity"]) == (1, 4, 3)
@@ -151,7 +152,7 @@ def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_pa
 
 
 def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
     assert keys(moto, bucket, "jobs/demo/") == ["jobs/demo/agent.json", "jobs/demo/code/train.py",
                                                 "jobs/demo/job.json", "jobs/demo/placement.json"]
@@ -169,7 +170,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
 def test_instances_carry_the_boot_script_with_the_job_config(ready, moto, tmp_path, stack_name):
     from petctl.providers.aws.userdata import agent_config_from_user_data
 
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     instance = ready.hosts("demo")[0].host_id
     data = boto(moto, "ec2").describe_instance_attribute(InstanceId=instance, Attribute="userData")
     text = base64.b64decode(data["UserData"]["Value"]).decode()
@@ -183,7 +184,7 @@ def test_run_job_uploads_a_directory_as_an_archive(ready, moto, tmp_path):
     write_script(src / "pkg", "util.py", "X = 1\n")
     (src / "__pycache__").mkdir()
     (src / "__pycache__" / "junk.pyc").write_bytes(b"x")
-    ready.create_job(_dir_spec(), src)
+    ready.create_job(submit(_dir_spec(), src))
     bucket = ready.settings["outputs"]["BucketName"]
     body = boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/code/code.tar.gz")["Body"].read()
     with tarfile.open(fileobj=io.BytesIO(body)) as tar:
@@ -206,7 +207,7 @@ def test_validation_happens_before_any_aws_call(ready, moto, tmp_path, stack_nam
         (spec(instance_types=["zz9.large"]), "unknown instance family"),
         (spec(instance_types=["g5.xlarge", "c5.large"]), "mixes GPU and CPU"),
         (spec(on_demand_base=9), "--on-demand-base 9"),
-        (spec(), "does not exist", tmp_path / "missing.py"),
+        (spec(), "script not found", tmp_path / "missing.py"),
         (spec(), "--entrypoint", tmp_path / "src"),
     ]
 
@@ -214,31 +215,31 @@ def test_validation_happens_before_any_aws_call(ready, moto, tmp_path, stack_nam
         raise AssertionError("an AWS session was opened before the input was validated")
 
     with monkeypatch.context() as patched:
-        patched.setattr(ready, "_session", no_aws)
+        patched.setattr(ready, "session", no_aws)
         for bad, message, *path in cases:
             with pytest.raises(ValidationError, match=message):
-                ready.create_job(bad, path[0] if path else script)
+                ready.create_job(submit(bad, path[0] if path else script))
     assert keys(moto, bucket, "jobs/") == [] and stack_names(moto, stack_name) == {stack_name}
 
 
 def test_run_job_refuses_when_the_worker_image_was_never_pushed(ready, moto, tmp_path, stack_name):
     ready.settings["image"] = ready.settings["image"].rsplit(":", 1)[0] + ":not-pushed"
     with pytest.raises(ValidationError, match="worker image .*:not-pushed is not in ECR"):
-        ready.create_job(spec(), write_script(tmp_path / "src"))
+        ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     assert stack_names(moto, stack_name) == {stack_name}
     ready.settings["image"] = "ghcr.io/example/petctl-worker:1"  # another registry: the user's business
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
 
 
 def test_existing_job_is_refused_without_touching_it(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     with pytest.raises(JobExists, match="already exists"):
-        ready.create_job(spec(size=1), write_script(tmp_path / "src"))
+        ready.create_job(submit(spec(size=1), write_script(tmp_path / "src")))
     assert group(moto, f"{stack_name}-job-demo")["DesiredCapacity"] == 2
 
 
 def test_scale_changes_desired_capacity_within_bounds(ready, moto, tmp_path, stack_name):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     ready.scale("demo", 4)
     assert group(moto, f"{stack_name}-job-demo")["DesiredCapacity"] == 4
     assert ready.job("demo").desired == 4
@@ -250,7 +251,7 @@ def test_scale_changes_desired_capacity_within_bounds(ready, moto, tmp_path, sta
 
 
 def test_terminated_instance_is_seen_by_hosts(ready, moto, tmp_path):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     victim = ready.terminate_host("demo", None)
     states = {h.host_id: h.state for h in ready.hosts("demo")}
     assert states[victim] == "terminated"
@@ -262,8 +263,8 @@ def test_terminated_instance_is_seen_by_hosts(ready, moto, tmp_path):
 
 def test_kill_job_removes_that_job_and_nothing_else(ready, moto, tmp_path, stack_name):
     script = write_script(tmp_path / "src")
-    ready.create_job(spec("one"), script)
-    ready.create_job(spec("two"), script)
+    ready.create_job(submit(spec("one"), script))
+    ready.create_job(submit(spec("two"), script))
     assert sorted(j.name for j in ready.jobs()) == ["one", "two"]
     ready.kill_job("one")
     assert stack_names(moto, stack_name) == {stack_name, f"{stack_name}-job-two"}
@@ -281,38 +282,44 @@ def test_kill_job_removes_that_job_and_nothing_else(ready, moto, tmp_path, stack
 
 
 def test_status_and_logs_from_the_s3_mirror(ready, moto, tmp_path):
-    ready.create_job(spec(), write_script(tmp_path / "src"))
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
     s3 = boto(moto, "s3")
     for i, node in enumerate(["i-aaa", "i-bbb"]):
-        state = {"node_id": node, "state": "running", "round": 2, "rank": i, "world_size": 2, "step": 7}
+        state = {"node_id": node, "state": "running", "round": 2, "rank": i, "world_size": 2, "step": 7,
+                 "updated": 1.0, "failures": {"etcd": i}}
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json", Body=json.dumps(state).encode())
         log = f"hello from {node}\nstep 7\n".encode()
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/logs/{node}.log", Body=log)
     events = [{"ts": 2.0, "event": "round.frozen", "node": "i-aaa"}, {"ts": 1.0, "event": "agent.started"}]
     s3.put_object(Bucket=bucket, Key="jobs/demo/events/i-aaa.jsonl",
                   Body="".join(json.dumps(e) + "\n" for e in events).encode() + b"not json\n")
+    s3.put_object(Bucket=bucket, Key="jobs/demo/status/i-ccc.json", Body=b'{"node_id": "i-ccc"')  # torn
     # read through the provider's own session (its endpoint here), sorted by time
-    assert [e["event"] for e in ready.job_events("demo")] == ["agent.started", "round.frozen"]
-    state = ready.node_states("demo")  # etcd (10.42.0.10) is unreachable from here: the mirror answers
-    assert state.ranks == {"i-aaa": 0, "i-bbb": 1} and state.state == "running"
-    assert list(ready.logs("demo", node="i-bbb")) == ["hello from i-bbb", "step 7"]
-    assert list(ready.logs("demo")) == ["[i-aaa] hello from i-aaa", "[i-aaa] step 7",
-                                        "[i-bbb] hello from i-bbb", "[i-bbb] step 7"]
+    demo = view(ready, "demo")
+    assert [e["event"] for e in demo.events()] == ["agent.started", "round.frozen"]
+    state = demo.state()  # etcd (10.42.0.10) is unreachable from here: the mirror answers
+    assert state.source == "mirror" and state.ranks == {"i-aaa": 0, "i-bbb": 1} and state.state == "running"
+    assert {n: s.failures for n, s in state.nodes.items()} == {"i-aaa": {"etcd": 0}, "i-bbb": {"etcd": 1}}
+    assert demo.corrupt.to_dict() == {"event": 1, "node status": 1}  # skipped and counted, never fatal
+    assert list(demo.logs(node="i-bbb")) == ["hello from i-bbb", "step 7"]
+    assert list(demo.logs()) == ["[i-aaa] hello from i-aaa", "[i-aaa] step 7",
+                                 "[i-bbb] hello from i-bbb", "[i-bbb] step 7"]
     with pytest.raises(ProviderError, match="no log for node"):
-        list(ready.logs("demo", node="i-zzz"))
+        list(demo.logs(node="i-zzz"))
     for node in ("i-aaa", "i-bbb"):  # a node's "succeeded" is its own workers', not the job's end
         s3.put_object(Bucket=bucket, Key=f"jobs/demo/status/{node}.json",
-                      Body=json.dumps({"node_id": node, "state": "succeeded"}).encode())
+                      Body=json.dumps({"node_id": node, "state": "succeeded", "updated": 2.0}).encode())
     assert ready.job("demo").state == "running"
-    result = {"job": "demo", "state": "succeeded", "reason": "all workers exited 0", "node": "i-aaa"}
+    result = {"job": "demo", "state": "succeeded", "reason": "all workers exited 0", "node": "i-aaa",
+              "ts": 3.0}
     s3.put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())
-    assert ready.job("demo").state == "succeeded" and ready.node_states("demo").state == "succeeded"
+    assert ready.job("demo").state == "succeeded" and view(ready, "demo").state().state == "succeeded"
     ready.kill_job("demo")
     assert ready.job("demo").state == "succeeded"  # its own result is what stays on record
-    assert list(ready.logs("demo", node="i-aaa")) == ["hello from i-aaa", "step 7"]  # logs outlive the job
+    assert list(view(ready, "demo").logs(node="i-aaa")) == ["hello from i-aaa", "step 7"]  # outlive the job
     with pytest.raises(JobNotFound):
-        list(ready.logs("never-ran"))
+        list(view(ready, "never-ran").logs())
 
 
 # --- errors the user can act on --------------------------------------------------------------------
@@ -335,6 +342,6 @@ def test_unknown_profile(provider, moto):
 
 def test_commands_before_setup(provider):
     with pytest.raises(NotSetUp, match="not set up"):
-        provider.create_job(spec(), Path("x.py"))
+        provider.create_job(submit(spec(), Path("x.py")))
     with pytest.raises(NotSetUp):
         provider.jobs()

@@ -14,7 +14,7 @@ import json
 from petctl.agent.release import release_capacity
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
-from petctl.providers.aws.provider import LIFECYCLE_HOOK
+from petctl.providers.aws.launch import LIFECYCLE_HOOK
 from tests.aws.rendered import BUCKET, STACK, job_spec, parse, provider
 
 

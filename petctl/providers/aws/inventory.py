@@ -1,5 +1,5 @@
 """What a job's capacity looks like from the AWS APIs: AZs, AMIs, the Auto Scaling group and its
-instances, and the job state rebuilt from the agents' S3 status mirror when etcd is out of reach.
+instances, and whether the job's etcd answers from here.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from petctl.core.errors import JobNotFound, ProviderError, ValidationError
+from petctl.core.records import JobResult
 from petctl.io.aws import aws_errors, error_code
-from petctl.jobstate import JobState
 from petctl.providers.base import HostInfo, JobInfo
 
 EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",
@@ -141,17 +141,17 @@ def hosts(ec2, stack: str, job: str) -> list[HostInfo]:
 ENDED = ("succeeded", "failed", "killed")
 
 
-def ended(result: Any) -> bool:
+def ended(result: JobResult | None) -> bool:
     """True when a job's result.json records its end (written by its agent, or by kill_job)."""
-    return isinstance(result, dict) and result.get("state") in ENDED
+    return result is not None and result.state in ENDED
 
 
-def apply_result(info: JobInfo, result: Any) -> JobInfo:
+def apply_result(info: JobInfo, result: JobResult | None) -> JobInfo:
     """Whenever result.json exists it decides the job's state: a job that succeeded stays succeeded while
     (or after) its stack is deleted, even if that deletion fails."""
-    if isinstance(result, dict) and result.get("state"):
-        info.state, info.reason = str(result["state"]), str(result.get("reason", ""))
-        info.extra["ended_at"] = result.get("ts")
+    if result is not None and result.state:
+        info.state, info.reason = result.state, result.reason
+        info.extra["ended_at"] = result.ts
     return info
 
 
@@ -172,22 +172,6 @@ def job_info(autoscaling, stack: dict[str, Any], provider: str) -> JobInfo:
                    created_at=created.timestamp() if created else 0.0, provider=provider,
                    reason=stack.get("StackStatusReason", "") if state == "failed" else "",
                    extra={"stack": stack["StackName"], "stack_status": status})
-
-
-def job_state_from_nodes(job: str, nodes: dict[str, dict[str, Any]],
-                         result: dict[str, Any] | None = None) -> JobState:
-    """Rebuild the round from the nodes' own reports: the latest round whose ranked members agree.
-
-    A node's "succeeded" only means its own workers exited 0; the job's end is `result` (result.json,
-    written by the agent that recorded it)."""
-    state = JobState(job=job, nodes=nodes, result=result if isinstance(result, dict) else None)
-    ranked = {k: n for k, n in nodes.items() if n.get("rank") is not None and n.get("round") is not None}
-    if ranked:
-        latest = max(int(n["round"]) for n in ranked.values())
-        members = {k: int(n["rank"]) for k, n in ranked.items() if int(n["round"]) == latest}
-        state.round = {"round": latest, "phase": "frozen", "ranks": members, "world_size": len(members),
-                       "source": "s3 status mirror"}
-    return state
 
 
 def etcd_answers(endpoint: str, timeout: float) -> bool:

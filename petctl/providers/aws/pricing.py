@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.core.config import atomic_write
-from petctl.cost import Quote, UsageKey
+from petctl.jobview.cost import Quote, UsageKey
 
 CACHE_TTL = 24 * 3600
 PRICING_REGION = "us-east-1"
@@ -68,6 +68,8 @@ class AwsPrices:
                                   "EndTime": _dt(end)}
         if key.az:
             kwargs["AvailabilityZone"] = key.az
+        from botocore.exceptions import BotoCoreError, ClientError
+
         points: list[tuple[float, float]] = []
         try:
             for page in self.ec2.get_paginator("describe_spot_price_history").paginate(**kwargs):
@@ -75,7 +77,7 @@ class AwsPrices:
                            for p in page.get("SpotPriceHistory", [])]
                 if any(t <= start for t, _ in points):  # we reached back to the start: enough
                     break
-        except Exception as e:
+        except (BotoCoreError, ClientError) as e:  # a price is a nicety: the quote says why it is missing
             return Quote(None, True, f"spot price history unavailable: {type(e).__name__}")
         if not points:
             return Quote(None, True, "no spot price published for this type/AZ")
@@ -91,11 +93,13 @@ class AwsPrices:
     def _on_demand(self, instance_type: str) -> Quote:
         filters = [("instanceType", instance_type), ("regionCode", self.region), ("operatingSystem", "Linux"),
                    ("tenancy", "Shared"), ("preInstalledSw", "NA"), ("capacitystatus", "Used")]
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
             response = self.pricing.get_products(
                 ServiceCode="AmazonEC2", MaxResults=10,
                 Filters=[{"Type": "TERM_MATCH", "Field": f, "Value": v} for f, v in filters])
-        except Exception as e:
+        except (BotoCoreError, ClientError) as e:  # a price is a nicety: the quote says why it is missing
             return Quote(None, True, f"price list unavailable: {type(e).__name__}")
         for item in response.get("PriceList", []):
             product = json.loads(item) if isinstance(item, str) else item

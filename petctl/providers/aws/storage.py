@@ -1,4 +1,5 @@
-"""The job's S3 prefix: code upload, job records, and the agents' status and log mirror.
+"""The job's S3 prefix: code upload and job records. The agents' status, events and logs mirrored here
+are read by petctl.jobview (a `JobStore` is the `PrefixReader` the AWS provider hands it).
 
 Layout under `s3://<bucket>/jobs/<job>/`:
     code/<file> or code/code.tar.gz   what the agent runs (uploaded by run_job)
@@ -16,18 +17,14 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from petctl.core.errors import ValidationError
-from petctl.core.mirrorchunks import ChunkKey, by_node
 from petctl.io.aws import aws_errors
 from petctl.io.objstore import ObjectNotFound
 from petctl.io.s3store import S3Store
-from petctl.timeline import mirror_events
 
 ARCHIVE_NAME = "code.tar.gz"
 
@@ -113,15 +110,6 @@ class JobStore:
         with aws_errors(f"list {self.url(sub)}/"):
             return [o.key for o in self.objects.list(f"{sub}/")]
 
-    def chunks(self, stream: str) -> dict[str, list[ChunkKey]]:
-        """node -> its `events` or `logs` chunks in write order."""
-        return by_node(self.list_keys(stream), stream)
-
-    def chunk_text(self, keys: list[ChunkKey]) -> str:
-        """One node's stream, reassembled: its chunks' bytes concatenated in write order, then decoded
-        (a chunk may end inside a multi-byte character)."""
-        return b"".join(self.get_bytes(key.name) or b"" for key in keys).decode("utf-8", "replace")
-
     def record(self) -> dict[str, Any] | None:
         """What outlives the job's stack: its spec, its result (if it ended) and when it was submitted."""
         spec = self.get_json("job.json")
@@ -133,59 +121,10 @@ class JobStore:
         return {"spec": spec, "result": result if isinstance(result, dict) else None,
                 "created_at": info.mtime if info is not None else 0.0}
 
-    def node_states(self) -> dict[str, dict[str, Any]]:
-        """node_id -> published node state, from `status/<node_id>.json`."""
-        states = {}
-        for name in self.list_names("status"):
-            if not name.endswith(".json") or name.startswith("_"):
-                continue
-            value = self.get_json(f"status/{name}")
-            if isinstance(value, dict):
-                states[name[: -len(".json")]] = value
-        return states
-
-    def events(self) -> list[dict[str, Any]]:
-        """Every event the agents mirrored (each node's chunks in order), unsorted across nodes."""
-        with aws_errors(f"read {self.url('events')}/"):
-            return mirror_events(self.objects)
-
-    def log_nodes(self) -> list[str]:
-        return list(self.chunks("logs"))
-
-    def log_lines(self, node: str) -> Iterator[str]:
-        yield from self.chunk_text(self.chunks("logs").get(node, [])).splitlines()
-
     def delete_all(self) -> None:
         """Remove every object (all versions) under the job's prefix."""
         with aws_errors(f"delete {self.url()}/"):
             self.objects.purge("")
-
-
-def follow_logs(store: JobStore, node: str | None, available: list[str], follow: bool,
-                running: Callable[[], bool], interval: float) -> Iterator[str]:
-    """The node logs' lines from their chunks, in order (prefixed `[node] ` unless one node was asked for).
-
-    Each chunk is fetched once, even with `follow`; a line split across two chunks is joined. With
-    `follow`, new chunks (and new nodes) are read every `interval` seconds until `running()` is False."""
-    nodes = [node] if node else available
-    seen: dict[str, set] = {}  # node -> chunks already shown
-    partial: dict[str, str] = {}  # node -> the unterminated tail of its last chunk
-    while True:
-        chunks = store.chunks("logs")
-        for n in nodes:
-            new = [k for k in chunks.get(n, []) if k not in seen.setdefault(n, set())]
-            seen[n].update(new)
-            lines = (partial.pop(n, "") + store.chunk_text(new)).split("\n")
-            partial[n] = lines.pop()  # "" when the text ended with a newline
-            for line in (raw.rstrip("\r") for raw in lines):
-                yield line if node else f"[{n}] {line}"
-        if not follow or not running():
-            for n, rest in partial.items():
-                if rest:
-                    yield rest if node else f"[{n}] {rest}"
-            return
-        time.sleep(interval)
-        nodes = [node] if node else list(store.chunks("logs"))
 
 
 def recorded_jobs(s3: Any, bucket: str) -> list[str]:

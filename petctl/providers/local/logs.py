@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from petctl.core.errors import PetctlError
+from petctl.core.eventlog import parse_lines
 from petctl.providers.local.jobdir import JobDir
 
 
@@ -62,3 +64,12 @@ def follow_logs(job: JobDir, node: str | None, follow: bool, running: Callable[[
             if finished_passes >= 2:
                 return
         time.sleep(poll)
+
+
+def reconciler_events(job: JobDir) -> list[dict[str, Any]]:
+    """The reconciler's own events (instances launched and terminated, scaling), from its log."""
+    try:
+        with open(job.reconciler_log, errors="replace") as f:
+            return list(parse_lines(f))
+    except FileNotFoundError:
+        return []

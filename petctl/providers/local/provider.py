@@ -2,92 +2,73 @@
 
 Shared infrastructure is an embedded etcd (started detached by `setup`, so it outlives the CLI); each
 job gets a state directory (see jobdir.py) and a detached reconciler that plays the Auto Scaling group.
-The CLI talks to this class only through the `Provider` interface; job state (ranks, rounds) is read
-from etcd where the agents publish it.
+The CLI talks to this class only through the `Provider` interface (plus the chaos capability); job state
+(ranks, rounds) is read by petctl.jobview from etcd and the job's mirror, where the agents publish it.
+
+Setup option `agent_command` (e.g. `petctl setup --option "agent_command=python my_agent.py {config}"`)
+replaces the agent every instance runs, `{config}` standing for its agent.json: a stub agent in tests,
+or the agent under a profiler or a wrapper. An empty value restores petctl's own agent.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import shlex
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import petctl
-from petctl.core.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ProviderError, ValidationError
+from petctl.core.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ValidationError
 from petctl.core.keys import JobKeys
-from petctl.core.spec import JobSpec
+from petctl.core.spec import JobSpec, JobSubmission
+from petctl.jobview.prefix import file_prefix
+from petctl.jobview.view import JobSources
 from petctl.providers.base import HostInfo, JobInfo, Provider
-from petctl.providers.local import chaos, logs
+from petctl.providers.capabilities import check_chaos_mode
+from petctl.providers.local import chaos, etcdhost, jobstart, logs
 from petctl.providers.local.jobdir import JobDir, local_root
-from petctl.providers.local.procs import ProcRef, start_ticks, stop_group, wait_gone
 
 FINAL_STATES = ("succeeded", "failed", "killed")
-# Test hook: a JSON list replacing the agent command ("{config}" -> agent.json), e.g. a stub agent.
-AGENT_COMMAND_ENV = "PETCTL_LOCAL_AGENT_COMMAND"
 DEFAULT_REPLACE_DELAY = 3.0
+SETUP_OPTIONS = ("agent_command",)
 
 
-def _python_env() -> dict[str, str]:
-    """Environment for our detached children: they import this very petctl, installed or not."""
-    root = str(Path(petctl.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
+def agent_command_option(value: str) -> list[str] | None:
+    """`--option agent_command=...` as the command list the reconciler runs (None: petctl's agent)."""
+    try:
+        command = shlex.split(value)
+    except ValueError as e:
+        raise ValidationError(f"local setup option agent_command is not a command line: {e}") from None
+    if command and not any("{config}" in part for part in command):
+        raise ValidationError("local setup option agent_command must contain {config} (where the agent's "
+                              "agent.json path goes)")
+    return command or None
 
 
 class LocalProvider(Provider):
     name = "local"
+    run_options = frozenset({"replace_delay"})
+    chaos_modes: ClassVar[tuple[str, ...]] = chaos.MODES
 
     @property
     def root(self) -> Path:
         return local_root(self.config.home)
 
     # --- shared infrastructure -------------------------------------------------------------------
-    def _etcd_ref(self) -> ProcRef | None:
-        pid = self.settings.get("etcd_pid")
-        return ProcRef(int(pid), self.settings.get("etcd_start")) if pid else None
-
-    def _etcd_healthy(self) -> bool:
-        from petctl.io.etcd import etcd_healthy
-
-        endpoint = self.settings.get("etcd_endpoint")
-        ref = self._etcd_ref()
-        if not endpoint or ref is None or not ref.alive():
-            return False
-        return etcd_healthy(endpoint, timeout=1.0)
-
     def setup(self, **options: Any) -> dict[str, Any]:
-        if options:
-            raise ValidationError(f"the local provider takes no setup options (got {', '.join(options)})")
-        if self.settings.get("ready") and self._etcd_healthy():
-            return dict(self.settings)
-        from petctl.io.etcd import EtcdServer
-
-        self._stop_etcd()  # a recorded but unhealthy etcd (say, after a crash) is replaced
-        etcd_dir = self.root / "etcd"
-        etcd_dir.mkdir(parents=True, exist_ok=True)
-        server = EtcdServer.start(etcd_dir, log_path=etcd_dir / "etcd.log", detach=True)
+        unknown = sorted(set(options) - set(SETUP_OPTIONS))
+        if unknown:
+            raise ValidationError(f"unknown local setup option(s) {', '.join(unknown)}: choose from "
+                                  f"{', '.join(SETUP_OPTIONS)}")
         settings = self.settings
-        settings.update(etcd_endpoint=server.endpoint, etcd_pid=server.pid,
-                        etcd_start=start_ticks(server.pid), state_dir=str(self.root), ready=True)
+        if "agent_command" in options:
+            settings["agent_command"] = agent_command_option(str(options["agent_command"]))
+        if not (settings.get("ready") and etcdhost.healthy(settings)):
+            etcdhost.stop(settings)  # a recorded but unhealthy etcd (say, after a crash) is replaced
+            settings.update(etcdhost.start(self.root), state_dir=str(self.root), ready=True)
         self.config.provider = self.name
         self.config.save()
         return dict(settings)
-
-    def _stop_etcd(self) -> None:
-        ref = self._etcd_ref()
-        if ref is not None and ref.alive():
-            ref.signal(signal.SIGTERM)
-            if not wait_gone([ref], 5.0):
-                ref.signal(signal.SIGKILL)
-                wait_gone([ref], 5.0)
 
     def teardown(self, force: bool = False) -> None:
         jobs = self.jobs() if self.root.exists() else []
@@ -96,8 +77,8 @@ class LocalProvider(Provider):
             raise PetctlError(f"jobs still running: {', '.join(running)} (kill them with `petctl kill_job "
                               "NAME`, or use `petctl teardown --force`)")
         for job in jobs:
-            self._stop_job_processes(JobDir.of(self.config.home, job.name), grace=5.0)
-        self._stop_etcd()
+            jobstart.stop_processes(JobDir.of(self.config.home, job.name), grace=5.0)
+        etcdhost.stop(self.settings)
         shutil.rmtree(self.root, ignore_errors=True)
         self.config.settings.pop(self.name, None)
         self.config.save()
@@ -120,43 +101,30 @@ class LocalProvider(Provider):
             raise JobNotFound(f"no job named {name!r} (see `petctl jobs`)")
         return job, meta
 
-    def _reconciler(self, meta: dict[str, Any]) -> ProcRef | None:
-        data = meta.get("reconciler")
-        return ProcRef.from_dict(data) if data else None
+    def _ended(self, name: str) -> tuple[str, str]:
+        """(state, reason) of a job whose reconciler is gone without recording the end in job.json."""
+        import etcd
 
-    def _result(self, name: str) -> dict[str, Any] | None:
+        from petctl.jobview.state import read_result
+
         try:
-            node = self._client().read(JobKeys(name).result)
-            return json.loads(node.value)
-        except Exception:  # not there, or etcd unreachable: the caller falls back
-            return None
-
-    def job_events(self, name: str) -> list[dict[str, Any]]:
-        """The agents' timeline plus the reconciler's own (instances launched/terminated, scaling)."""
-        from petctl.core.eventlog import parse_lines
-
-        events = super().job_events(name)
-        log = JobDir.of(self.config.home, name).reconciler_log
-        if log.exists():
-            with open(log, errors="replace") as f:
-                events += list(parse_lines(f))
-        return sorted(events, key=lambda e: float(e.get("ts", 0.0)))
-
-    def mirror_url(self, name: str) -> str:
-        return f"file://{JobDir.of(self.config.home, name).mirror}"
+            result = read_result(self._client(), name)
+        except etcd.EtcdException as e:
+            return "unknown", f"its reconciler is not running, and etcd did not answer ({e})"
+        if result is None:
+            return "unknown", "its reconciler is not running"
+        return result.state, result.reason
 
     def job(self, name: str) -> JobInfo:
         job, meta = self._job_dir(name)
         spec = JobSpec.from_dict(meta["spec"])
         state, reason = meta.get("state", ""), meta.get("reason", "")
-        rec = self._reconciler(meta)
+        rec = jobstart.reconciler(job)
         if state not in FINAL_STATES:
             if rec is not None and rec.alive():
                 state, reason = "running", ""
             else:
-                result = self._result(name) or {}
-                state = result.get("state", "unknown")
-                reason = result.get("reason", "its reconciler is not running")
+                state, reason = self._ended(name)
         live = [r for r in job.read_instances() if r.get("state") in ("running", "frozen")]
         return JobInfo(name=name, state=state, min_size=spec.min_size, max_size=spec.max_size,
                        desired=job.read_desired(spec.size), created_at=float(meta.get("created_at", 0)),
@@ -169,138 +137,82 @@ class LocalProvider(Provider):
             try:
                 out.append(self.job(path.parent.name))
             except JobNotFound:
-                continue
+                continue  # a directory being created or removed right now
         return out
 
-    def create_job(self, spec: JobSpec, script: Path,
-                   replace_delay: float = DEFAULT_REPLACE_DELAY) -> JobInfo:
+    def create_job(self, job: JobSubmission) -> JobInfo:
         """Validate everything first; then copy the code, write the spec and start the reconciler."""
-        spec.validate()
+        self.validate(job)
         endpoint = self.etcd_endpoint()
-        script = Path(script)
-        if not script.exists():
-            raise ValidationError(f"script not found: {script}")
-        if script.is_dir() and not (script / spec.entrypoint).is_file():
-            raise ValidationError(f"entrypoint {spec.entrypoint!r} not found in {script}")
-        if replace_delay < 0:
-            raise ValidationError(f"--replace-delay must be >= 0 (got {replace_delay})")
-        job = JobDir.of(self.config.home, spec.name)
-        if job.exists() and self.job(spec.name).state == "running":
+        spec = job.spec
+        job_dir = JobDir.of(self.config.home, spec.name)
+        if job_dir.exists() and self.job(spec.name).state == "running":
             raise JobExists(f"job {spec.name!r} is already running (kill it with `petctl kill_job "
                             f"{spec.name}` or pick another --name)")
-        if not self._etcd_healthy():
+        if not etcdhost.healthy(self.settings):
             raise NotSetUp(f"etcd at {endpoint} is not running: run `petctl setup` again")
-        command = os.environ.get(AGENT_COMMAND_ENV)
-        rec: ProcRef | None = None
-        try:
-            self._forget(job)
-            job.path.mkdir(parents=True)
-            if script.is_dir():
-                shutil.copytree(script, job.code, ignore=shutil.ignore_patterns("__pycache__", ".git"))
-            else:
-                job.code.mkdir()
-                shutil.copy2(script, job.code / spec.entrypoint)
-            job.checkpoints.mkdir()
-            job.notices.mkdir()
-            spec.code_url = job.code.resolve().as_uri()
-            spec.checkpoint_url = job.checkpoints.resolve().as_uri()
-            spec.etcd_endpoint = endpoint
-            job.update_meta(spec=spec.to_dict(), created_at=time.time(), replace_delay=replace_delay,
-                            agent_command=json.loads(command) if command else None)
-            job.write_desired(spec.size)
-            client = self._client()
-            client.write(JobKeys(spec.name).spec, spec.to_json())
-            client.write(JobKeys(spec.name).desired, str(spec.size))
-            cmd = [sys.executable, "-m", "petctl.providers.local.reconciler", "--job-dir", str(job.path),
-                   "--etcd", endpoint, "--replace-delay", str(replace_delay)]
-            with open(job.reconciler_log, "ab") as log:
-                proc = subprocess.Popen(cmd, cwd=str(job.path), env=_python_env(), stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            rec = ProcRef.of(proc.pid)
-            job.update_meta(reconciler=rec.to_dict())
-        except Exception as e:
-            if rec is not None:
-                stop_group(rec, grace=2.0)
-            self._forget(job)
-            if isinstance(e, PetctlError):
-                raise
-            raise ProviderError(f"could not start job {spec.name!r}: {e}") from e
+        delay = DEFAULT_REPLACE_DELAY if job.replace_delay is None else job.replace_delay
+        jobstart.start(job_dir, job, endpoint, self._client(), delay, self.settings.get("agent_command"))
         return self.job(spec.name)
 
-    def _forget(self, job: JobDir) -> None:
-        """Remove a finished job's leftovers (its directory and etcd keys) before its name is reused."""
+    def kill_job(self, name: str) -> None:
         import etcd
 
-        self._stop_job_processes(job, grace=2.0)
-        shutil.rmtree(job.path, ignore_errors=True)
-        try:
-            self._client().delete(JobKeys(job.name).base, recursive=True)
-        except etcd.EtcdKeyNotFound:
-            pass
-
-    def _stop_job_processes(self, job: JobDir, grace: float) -> None:
-        """Stop the reconciler (it stops its instances), then make sure no instance group is left."""
-        rec = self._reconciler(job.read_meta())
-        if rec is not None and rec.alive():
-            rec.signal(signal.SIGTERM)
-            if not wait_gone([rec], grace + 20.0):
-                rec.signal(signal.SIGKILL)
-                wait_gone([rec], 5.0)
-        for row in job.read_instances():
-            ref = ProcRef(int(row["pid"]), row.get("start"))
-            if ref.alive():
-                stop_group(ref, grace=grace)
-            ref.signal_group(signal.SIGKILL)
-
-    def kill_job(self, name: str) -> None:
         from petctl.jobstate import write_result
 
         job, meta = self._job_dir(name)
+        reason = "killed by the user (petctl kill_job)"
         if meta.get("state") not in FINAL_STATES:
             try:
-                write_result(self._client(), name, "killed", "killed by the user (petctl kill_job)")
-            except Exception:  # etcd down: stopping the processes still ends the job
-                pass
-        self._stop_job_processes(job, grace=JobSpec.from_dict(meta["spec"]).timeouts.stop_grace + 5.0)
+                write_result(self._client(), name, "killed", reason)
+            except etcd.EtcdException:
+                pass  # etcd is down: stopping the processes below still ends the job, recorded in job.json
+        jobstart.stop_processes(job, grace=JobSpec.from_dict(meta["spec"]).timeouts.stop_grace + 5.0)
         if job.read_meta().get("state") not in FINAL_STATES:
-            job.update_meta(state="killed", reason="killed by the user (petctl kill_job)",
-                            finished_at=time.time())
+            job.update_meta(state="killed", reason=reason, finished_at=time.time())
 
     def scale(self, name: str, size: int) -> None:
+        import etcd
+
         info = self.job(name)
         if info.state != "running":
             raise PetctlError(f"job {name!r} is {info.state}: only a running job can be scaled")
         if not info.min_size <= size <= info.max_size:
             raise ValidationError(f"--size {size} is outside [--min {info.min_size}, --max {info.max_size}] "
                                   f"of job {name!r}")
-        JobDir.of(self.config.home, name).write_desired(size)
+        JobDir.of(self.config.home, name).write_desired(size)  # what the reconciler acts on
         try:
             self._client().write(JobKeys(name).desired, str(size))
-        except Exception:  # informational for agents; the reconciler reads the file
-            pass
+        except etcd.EtcdException:
+            pass  # informational for agents; the reconciler reads the file written above
 
     def hosts(self, name: str) -> list[HostInfo]:
         job, _ = self._job_dir(name)
         return [chaos.host_info(row) for row in job.read_instances()]
 
+    def sources(self, name: str) -> JobSources:
+        job, _ = self._job_dir(name)
+
+        def running() -> bool:
+            return self.job(name).state == "running"
+
+        return JobSources(job=name, etcd_endpoint=self.etcd_endpoint(), mirror=file_prefix(job.mirror),
+                          logs=lambda node, follow: logs.follow_logs(job, node, follow, running),
+                          extra_events=lambda: logs.reconciler_events(job))
+
+    # --- the chaos capability ----------------------------------------------------------------------
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
+        """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py)."""
+        import etcd
+
+        from petctl.jobview.state import ranks_of, read_round
+
+        check_chaos_mode(self, mode)
         info = self.job(name)
         if info.state != "running":
             raise PetctlError(f"job {name!r} is {info.state}: no instance to take away")
-        ranks = self.node_states(name).ranks
-        return chaos.take_away(JobDir.of(self.config.home, name), ranks, host_id, mode, grace)
-
-    def node_states(self, name: str):
-        from petctl.jobstate import read_job_state
-
-        self._job_dir(name)
         try:
-            return read_job_state(self._client(), name)
-        except PetctlError:
-            raise
-        except Exception as e:
-            raise ProviderError(f"cannot read job {name!r} from etcd at {self.etcd_endpoint()}: {e}") from e
-
-    def logs(self, name: str, node: str | None = None, follow: bool = False) -> Iterator[str]:
-        job, _ = self._job_dir(name)
-        return logs.follow_logs(job, node, follow, running=lambda: self.job(name).state == "running")
+            current = read_round(self._client(), name)
+        except etcd.EtcdException as e:
+            raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
+        return chaos.take_away(JobDir.of(self.config.home, name), ranks_of(current), host_id, mode, grace)

@@ -12,23 +12,22 @@ killed. Either way every instance is stopped before the reconciler exits: it nev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from petctl.core.eventlog import EventLog
-from petctl.core.keys import JobKeys
+from petctl.core.records import JobResult
 from petctl.core.spec import JobSpec
 from petctl.providers.local import instances as inst_mod
+from petctl.providers.local.fleet import Fleet
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
+from petctl.providers.local.joblink import JobLink
 
 QUICK_EXIT_S = 10.0  # an instance that fails faster than this after launch is crash-looping
 MAX_QUICK_FAILURES = 5  # ... and this many in a row end the job (a broken agent, not bad luck)
@@ -65,59 +64,27 @@ def start_metadata_server(notices: Path):
 
 
 class Reconciler:
+    """The job's desired instance count kept alive, and every instance stopped when the job ends."""
+
     def __init__(self, opts: Options, spec: JobSpec, events: EventLog, command: list[str] | None = None):
         from petctl.io.etcd import etcd_client
 
         self.opts = opts
         self.job = JobDir(opts.job_dir)
         self.spec = spec
-        self.keys = JobKeys(spec.name)
         self.events = events
-        self.command = command
-        self.client = etcd_client(opts.etcd_endpoint, read_timeout=2.0)
-        self.instances: dict[str, Instance] = {}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.deadlines: dict[str, float] = {}  # terminating instance -> when to SIGKILL its group
+        self.link = JobLink(etcd_client(opts.etcd_endpoint, read_timeout=2.0), spec.name, events)
+        self.fleet = Fleet(self.job, spec, events, command, stop_grace=spec.timeouts.stop_grace + 5.0)
         self.reclaimed: dict[str, str] = {}  # instance -> reason, for notices we enforced
         self.not_before = 0.0  # no launch before this (replacement delay after a loss)
         self.desired = spec.size
         self.quick_failures = 0
+        self.failure = ""  # why the reconciler itself ends the job as failed ("" while it does not)
         self.stop_requested = False
         self.metadata = None
-        self._etcd_down = False
-        self._written: list[dict[str, Any]] | None = None
-        self.stop_grace = spec.timeouts.stop_grace + 5.0
-
-    # --- etcd ------------------------------------------------------------------------------------
-    def result(self) -> dict[str, Any] | None:
-        import etcd
-
-        try:
-            value = self.client.read(self.keys.result).value
-        except etcd.EtcdKeyNotFound:
-            return None
-        except Exception as e:  # etcd down or slow: keep the instances as they are, say so once
-            if not self._etcd_down:
-                self.events.emit("reconciler.etcd_unreachable", error=str(e))
-            self._etcd_down = True
-            return None
-        self._etcd_down = False
-        try:
-            return json.loads(value)
-        except ValueError:
-            return {"state": "unknown", "reason": value}
-
-    def ranks(self) -> dict[str, int]:
-        try:
-            data = json.loads(self.client.read(self.keys.round).value)
-        except Exception:
-            return {}
-        if not isinstance(data, dict) or data.get("phase") != "frozen":
-            return {}
-        return {k: int(v) for k, v in (data.get("ranks") or {}).items()}
 
     # --- the loop --------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def run(self) -> JobResult:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, self._on_sigterm)
         try:
@@ -126,20 +93,19 @@ class Reconciler:
             self.events.emit("reconciler.imds_unavailable", error=str(e))
         self.events.emit("reconciler.started", pid=os.getpid(), desired=self.desired,
                          imds=bool(self.metadata))
-        result: dict[str, Any] | None = None
-        failure = ""
+        result: JobResult | None = None
         try:
             while True:
-                result = self.result()
+                result = self.link.result()
                 if result or self.stop_requested:
                     break
                 self.tick(time.time())
                 time.sleep(self.opts.poll)
-        except Exception as e:  # a bug or a broken disk: end the job loudly rather than orphan it
-            failure = f"the reconciler failed: {type(e).__name__}: {e}"
-            self.events.emit("reconciler.error", error=failure, traceback=traceback.format_exc())
+        except Exception as e:  # noqa: BLE001 - a bug or a broken disk: end the job loudly, never orphan it
+            self.failure = f"the reconciler failed: {type(e).__name__}: {e}"
+            self.events.emit("reconciler.error", error=self.failure, traceback=traceback.format_exc())
         finally:
-            result = self.shutdown(result, failure)
+            result = self.shutdown(result)
         return result
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -149,28 +115,17 @@ class Reconciler:
         self.reap(now)
         self.enforce_notices(now)
         self.scale(now)
-        self.escalate(now)
-        self.refresh_frozen()
-        self.persist()
-
-    def live(self) -> list[Instance]:
-        return [i for i in self.instances.values() if i.live]
+        self.fleet.escalate(now)
+        self.fleet.refresh_frozen()
+        self.fleet.persist()
 
     def reap(self, now: float) -> None:
-        for iid, proc in list(self.procs.items()):
-            code = proc.poll()
-            if code is None:
-                continue
-            inst = self.instances[iid]
-            inst.ref.signal_group(signal.SIGKILL)  # workers that outlived their agent go with it
-            del self.procs[iid]
-            self.deadlines.pop(iid, None)
+        for inst, code in self.fleet.exited():
             if inst.state != "terminating":
                 inst.reason = self._loss_reason(inst, code)
                 self.not_before = max(self.not_before, now + self.opts.replace_delay)
                 self._count_quick_failure(inst, code, now)
-            inst.state, inst.ended_at, inst.returncode = "terminated", now, code
-            self.events.emit("instance.terminated", instance=iid, reason=inst.reason, returncode=code)
+            self.fleet.ended(inst, code, now)
 
     def _loss_reason(self, inst: Instance, code: int) -> str:
         if inst.id in self.reclaimed:
@@ -178,7 +133,7 @@ class Reconciler:
         try:
             chaos = self.job.chaos_marker(inst.id).read_text().strip()
         except OSError:
-            chaos = ""
+            chaos = ""  # no marker: nobody took it away on purpose
         return f"chaos-{chaos}: {_describe_exit(code)}" if chaos else _describe_exit(code)
 
     def _count_quick_failure(self, inst: Instance, code: int, now: float) -> None:
@@ -188,17 +143,14 @@ class Reconciler:
         else:
             self.quick_failures = 0
         if self.quick_failures >= MAX_QUICK_FAILURES:
-            from petctl.jobstate import write_result
-
             reason = (f"{self.quick_failures} instances in a row exited within {QUICK_EXIT_S:.0f}s of "
                       f"launch ({_describe_exit(code)}): see `petctl logs {self.spec.name}`")
-            try:
-                write_result(self.client, self.spec.name, "failed", reason)
-            except Exception:
+            if not self.link.end("failed", reason):  # etcd refused: end it ourselves, as failed
+                self.failure = reason
                 self.stop_requested = True
 
     def enforce_notices(self, now: float) -> None:
-        for inst in self.live():
+        for inst in self.fleet.live():
             notice = self.job.read_notice(inst.id)
             if not notice or inst.id in self.reclaimed or float(notice["time"]) > now:
                 continue
@@ -212,98 +164,39 @@ class Reconciler:
         if desired != self.desired:
             self.events.emit("scale.changed", previous=self.desired, desired=desired)
             self.desired = desired
-        live = self.live()
+        live = self.fleet.live()
         if len(live) > desired:
             for victim in self._victims(live, len(live) - desired):
-                self._terminate(victim, "scale-in", now)
+                self.fleet.terminate(victim, "scale-in", now)
         elif len(live) < desired and now >= self.not_before:
-            if self.result():  # the agents may have ended the job between our checks
+            if self.link.result():  # the agents may have ended the job between our checks
                 return
             for _ in range(desired - len(live)):
-                self._launch()
+                iid = inst_mod.new_instance_id()
+                imds = self.metadata.endpoint_for(iid) if self.metadata else ""
+                self.fleet.launch(imds, iid, self.desired)
 
     def _victims(self, live: list[Instance], count: int) -> list[Instance]:
         """Instances without a rank first (newest first), then the highest ranks: rank 0 stays."""
-        ranks = self.ranks()
+        ranks = self.link.ranks()
         return sorted(live, key=lambda i: (i.id in ranks, -ranks.get(i.id, 0), -i.launched_at))[:count]
 
-    def _launch(self) -> None:
-        iid = inst_mod.new_instance_id()
-        imds = self.metadata.endpoint_for(iid) if self.metadata else ""
-        inst, proc = inst_mod.launch(self.job, self.spec, iid=iid, imds_endpoint=imds, command=self.command)
-        self.instances[inst.id] = inst
-        self.procs[inst.id] = proc
-        self.events.emit("instance.launched", instance=inst.id, pid=inst.pid, desired=self.desired)
-
-    def _terminate(self, inst: Instance, reason: str, now: float) -> None:
-        inst.state, inst.reason = "terminating", reason
-        self.deadlines[inst.id] = now + self.stop_grace
-        inst.ref.signal_group(signal.SIGCONT)
-        inst.ref.signal(signal.SIGTERM)
-        self.events.emit("instance.terminating", instance=inst.id, reason=reason)
-
-    def escalate(self, now: float) -> None:
-        for iid, deadline in list(self.deadlines.items()):
-            if now >= deadline:
-                self.instances[iid].ref.signal_group(signal.SIGKILL)
-                del self.deadlines[iid]
-
-    def refresh_frozen(self) -> None:
-        for inst in self.live():
-            state = "frozen" if inst.ref.frozen() else "running"
-            if state != inst.state:
-                inst.state = state
-                self.events.emit(f"instance.{'frozen' if state == 'frozen' else 'thawed'}", instance=inst.id)
-
-    def persist(self) -> None:
-        rows = [i.to_dict() for i in self.instances.values()]
-        if rows != self._written:
-            self.job.write_instances(rows)
-            self._written = rows
-
     # --- the end ---------------------------------------------------------------------------------
-    def shutdown(self, result: dict[str, Any] | None, failure: str = "") -> dict[str, Any]:
+    def shutdown(self, result: JobResult | None) -> JobResult:
         """Stop every instance (the job is over, we were told to go, or we failed), record why."""
-        from petctl.jobstate import write_result
-
         if result is None:
-            state, reason = ("failed", failure) if failure else ("killed", "the job was killed")
-            try:
-                write_result(self.client, self.spec.name, state, reason)
-            except Exception:
-                pass
-            result = self.result() or {"state": state, "reason": reason}
-        self.events.emit("reconciler.stopping", state=result.get("state"), reason=result.get("reason"))
-        deadline = time.monotonic() + SELF_EXIT_GRACE_S
-        while self.procs and time.monotonic() < deadline and not self.stop_requested:
-            if all(p.poll() is not None for p in self.procs.values()):
-                break
-            time.sleep(0.1)
-        for iid, proc in self.procs.items():
-            if proc.poll() is None:
-                self.instances[iid].ref.signal_group(signal.SIGCONT)
-                self.instances[iid].ref.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
-            time.sleep(0.1)
-        now = time.time()
-        for iid, proc in self.procs.items():
-            inst = self.instances[iid]
-            inst.ref.signal_group(signal.SIGKILL)
-            code = proc.wait()
-            inst.state, inst.ended_at, inst.returncode = "terminated", now, code
-            inst.reason = inst.reason if inst.reason == "scale-in" else f"job {result.get('state')}"
-            self.events.emit("instance.terminated", instance=iid, reason=inst.reason, returncode=code)
-        self.procs.clear()
-        self.persist()
+            state, reason = ("failed", self.failure) if self.failure else ("killed", "the job was killed")
+            self.link.end(state, reason)
+            result = self.link.result() or JobResult(state=state, reason=reason, ts=time.time())
+        self.events.emit("reconciler.stopping", state=result.state, reason=result.reason)
+        self.fleet.stop_all(result.state, SELF_EXIT_GRACE_S, hurry=lambda: self.stop_requested)
         if self.metadata is not None:
             try:
                 self.metadata.stop()
-            except Exception:
-                pass
-        self.job.update_meta(state=result.get("state", "unknown"), reason=result.get("reason", ""),
-                             finished_at=time.time())
-        self.events.emit("reconciler.exit", state=result.get("state"))
+            except OSError as e:  # the job is over either way; say why the endpoint did not stop cleanly
+                self.events.emit("reconciler.imds_stop_failed", error=str(e))
+        self.job.update_meta(state=result.state, reason=result.reason, finished_at=time.time())
+        self.events.emit("reconciler.exit", state=result.state)
         return result
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from petctl.accounting import Accounting
 from petctl.core.errors import PetctlError
+from petctl.jobview.accounting import Accounting
 
 MARKED = {  # event -> (legend label, colour)
     "preemption.notice": ("preemption notice", "tab:orange"),

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from petctl.accounting import node_spans
+from petctl.jobview.accounting import node_spans
 
 
 @dataclass(frozen=True)

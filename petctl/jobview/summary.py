@@ -5,31 +5,32 @@ Kept apart from the CLI so every command shows the same numbers computed the sam
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from petctl.accounting import account
+from petctl.core.errors import PetctlError
+from petctl.jobview.view import JobView
 
 
-def summarize(provider, name: str, running: bool) -> dict[str, Any]:
+def summarize(view: JobView, running: bool) -> dict[str, Any]:
+    """Goodput, lost steps, restarts and cost from the job's timeline. A timeline or price that cannot be
+    read is reported in the summary (`events_error`, `cost_error`), never raised: it must not hide the
+    status it accompanies."""
     try:
-        events = provider.job_events(name)
-    except Exception:  # the timeline is unreachable right now: report nothing rather than fail
-        events = []
-    now = time.time() if running else None
-    acc = account(events, now=now)
+        events, events_error = view.events(), ""
+    except PetctlError as e:  # the mirror is unreadable right now (permissions, network)
+        events, events_error = [], str(e)
+    acc = view.accounting(events, running)
     try:
-        cost = provider.cost(name, events, now)
-    except Exception as e:  # prices are a nicety: never fail a status for them
-        cost, error = None, f"{type(e).__name__}: {e}"
-    else:
-        error = ""
+        cost, cost_error = view.cost(events, running), ""
+    except PetctlError as e:  # prices are a nicety: say why they are missing
+        cost, cost_error = None, str(e)
     return {"goodput": acc.goodput, "goodput_note": acc.goodput_note, "steps_reported": acc.steps_reported,
             "steps_kept": acc.steps_kept, "steps_lost": acc.steps_lost,
             "restarts": acc.restarts, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
             "instance_hours": acc.instance_seconds / 3600.0,
-            "cost": cost.to_dict() if cost is not None else None, "cost_error": error}
+            "cost": cost.to_dict() if cost is not None else None, "cost_error": cost_error,
+            "events_error": events_error}
 
 
 def one_line(summary: dict[str, Any]) -> str:

@@ -1,0 +1,76 @@
+"""The infrastructure commands: setup, teardown and doctor."""
+
+from __future__ import annotations
+
+import click
+
+from petctl.cli.context import configured, load_config, provider_for
+from petctl.core.errors import PetctlError
+
+
+class ChecksFailed(PetctlError):
+    exit_code = 1
+
+
+@click.command()
+@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default="local",
+              show_default=True, help="Where jobs get their capacity; remembered for later commands.")
+@click.option("--region", help="aws: region (default: the AWS CLI's, e.g. AWS_REGION or the profile's).")
+@click.option("--profile", help="aws: named profile from your AWS config.")
+@click.option("--endpoint-url", help="aws: an emulator's endpoint (e.g. http://127.0.0.1:5000).")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="Provider-specific setup option (repeatable), e.g. stack_name=petctl, max_azs=3 (aws) or "
+                   "agent_command='python my_agent.py {config}' (local).")
+def setup(provider_name: str, region: str | None, profile: str | None, endpoint_url: str | None,
+          options: tuple[str, ...]) -> None:
+    """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
+    from petctl.cli.parse import key_values
+    from petctl.core.errors import ValidationError
+
+    flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url)) if v}
+    if flags and provider_name != "aws":
+        raise ValidationError(f"--{next(iter(flags)).replace('_', '-')} is for `--provider aws`")
+    config = load_config()
+    provider = provider_for(provider_name)
+    result = provider.setup(**{**key_values(options, "--option"), **flags})
+    config.provider = provider_name
+    config.save()
+    endpoint = result.get("etcd_endpoint")
+    click.echo(f"petctl is set up ({provider_name})" + (f": etcd at {endpoint}" if endpoint else ""))
+
+
+@click.command()
+@click.option("--force", is_flag=True, help="Kill running jobs instead of refusing.")
+def teardown(force: bool) -> None:
+    """Remove what `setup` created (refuses while jobs run unless --force)."""
+    config = load_config()
+    if not config.provider:
+        click.echo("nothing to tear down")
+        return
+    provider_for(config.provider).teardown(force=force)
+    click.echo(f"petctl torn down ({config.provider})")
+
+
+@click.command()
+@click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default=None,
+              help="Which provider to check (default: the configured one).")
+def doctor(provider_name: str | None) -> None:
+    """Check what a job needs before it runs (aws: credentials, base stack, spot vCPU quotas, AMI, worker
+    image in ECR, your permissions). One line per check: OK, FAIL or SKIP (the endpoint lacks that API)
+    with the reason; exits 1 when any check fails."""
+    from petctl.providers.base import Check
+    from petctl.providers.capabilities import Diagnostics
+
+    provider = provider_for(provider_name or configured() or "local")
+    if isinstance(provider, Diagnostics):
+        checks = provider.doctor()
+    else:
+        checks = [Check("provider", "SKIP", f"no checks for the {provider.name} provider")]
+    for check in checks:
+        click.echo(check.line())
+    failed = [c for c in checks if c.status == "FAIL"]
+    if failed:
+        raise ChecksFailed(f"{len(failed)} of {len(checks)} checks failed")
+
+
+COMMANDS = (setup, teardown, doctor)

@@ -1,0 +1,105 @@
+"""`petctl status`: a job's state and its nodes, as the provider and the agents see it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from petctl.cli.context import job_view, provider_for
+from petctl.cli.render import output_option, print_json, status_summary, table
+
+FINAL_STATES = ("succeeded", "failed", "killed")
+
+
+def job_status(info, state) -> dict[str, Any]:
+    """What `status -o json` prints: the provider's view of the job (`JobInfo`) plus the agents'
+    (`JobState`, from etcd or the job's mirror)."""
+    data = state.to_dict()
+    final = info.state in FINAL_STATES
+    current = state.round
+    data.update(
+        state=info.state if final else state.state,
+        reason=(state.result.reason if state.result else "") or info.reason,
+        desired=info.desired, min_size=info.min_size, max_size=info.max_size,
+        ranks=state.ranks,
+        round_no=current.round if current else None,
+        restarts=current.restarts if current else None,
+    )
+    return data
+
+
+def checkpoint_step(value: Any) -> Any:
+    """The agent publishes {"step", "url"}; the table shows the step."""
+    return value.get("step") if isinstance(value, dict) else value
+
+
+def failures_text(failures: dict[str, int] | None) -> str:
+    """A node's counted failures, service=count (empty when none)."""
+    return ", ".join(f"{service}={count}" for service, count in sorted((failures or {}).items()) if count)
+
+
+def echo_activities(lines: list[str]) -> None:
+    """The capacity's recent scaling activities (why instances launch or not), newest first."""
+    if lines:
+        click.echo("scaling activities (newest first):")
+        for line in lines:
+            click.echo(f"  {line}")
+
+
+def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """The node table, rank order; a `failures` column only when some node counted failures."""
+    ranks = data["ranks"]
+    nodes = sorted(data["nodes"].values(),
+                   key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
+    # A script that reports no steps: "n/a" (the one-line summary says why), not a bare "-".
+    no_step = None if data["accounting"].get("steps_reported", True) else "n/a"
+    columns = ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"]
+    rows = [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
+             n.get("state"), n.get("step") if n.get("step") is not None else no_step,
+             checkpoint_step(n.get("last_checkpoint"))] for n in nodes]
+    failures = [failures_text(n.get("failures")) for n in nodes]
+    if any(failures):
+        columns.append("failures")
+        for row, text in zip(rows, failures, strict=True):
+            row.append(text)
+    return columns, rows
+
+
+@click.command("status")
+@click.argument("name")
+@output_option
+def status(name: str, output: str) -> None:
+    """A job's state and its nodes: rank, world size, round, restarts, state, step, and each node's
+    counted failures (etcd, mirror, heartbeat, ...) when it has any."""
+    from petctl.jobview.summary import one_line, summarize
+    from petctl.providers.capabilities import CapacityInsight
+
+    provider = provider_for()
+    info = provider.job(name)
+    view = job_view(name)
+    data = job_status(info, view.state())
+    data["accounting"] = summarize(view, running=data["state"] not in FINAL_STATES)
+    data["scaling_activities"] = (provider.scaling_activities(name) if isinstance(provider, CapacityInsight)
+                                  else [])
+    data["corrupt_records"] = view.corrupt.to_dict()
+    data["notes"] = view.notes()
+    if output == "json":
+        print_json(data)
+        return
+    click.echo(status_summary(data))
+    click.echo(one_line(data["accounting"]))
+    echo_activities(data["scaling_activities"])
+    for note in data["notes"]:
+        click.echo(f"note: {note}")
+    if data["source"] == "mirror":
+        click.echo("(from the agents' mirror in the job's prefix: etcd does not answer from here)")
+    if not data["nodes"]:
+        click.echo("no live nodes" if data["state"] not in FINAL_STATES
+                   else "the job is over; its node logs: `petctl logs " + name + "`")
+        return
+    columns, rows = node_rows(data)
+    table(None, columns, rows)
+
+
+COMMANDS = (status,)

@@ -1,0 +1,131 @@
+"""One job's records, read the same way whichever provider keeps them.
+
+A provider says where a job's records are (`JobSources`: its etcd when it answers from here, the job's
+prefix, the provider's own log reader); `JobView` reads status, events, logs, result, goodput and cost
+from them. Which copy answers is decided here, once: etcd while it answers, the agents' mirror when it
+does not (or has forgotten the job).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from petctl.core.errors import ProviderError
+from petctl.core.records import JobResult
+from petctl.jobview import events as timeline
+from petctl.jobview.accounting import Accounting, account
+from petctl.jobview.corrupt import Corrupt
+from petctl.jobview.cost import CostReport, Prices, price_usage, usage
+from petctl.jobview.prefix import PrefixReader
+from petctl.jobview.state import JobState, mirror_result, read_job_state, read_result, state_from_mirror
+
+LogReader = Callable[[str | None, bool], Iterator[str]]  # (node or None for all, follow) -> lines
+
+
+@dataclass(frozen=True)
+class JobSources:
+    """Where one job's records are, as its provider knows them."""
+
+    job: str
+    etcd_endpoint: str = ""  # "" when etcd does not answer from this machine
+    mirror: PrefixReader | None = None  # the job's prefix: the agents' status/events/logs, result.json
+    logs: LogReader | None = None  # the provider's reader of the node logs
+    extra_events: Callable[[], list[dict[str, Any]]] | None = None  # events kept by the provider itself
+
+
+class JobView:
+    """Status, events, logs, result, goodput and cost of one job. Corrupt records are skipped and counted
+    in `corrupt`; copies that could not be read are listed in `unreadable` (one line each). `prices` is
+    asked for only when a cost is wanted (building it may open a cloud session)."""
+
+    def __init__(self, sources: JobSources, prices: Callable[[], Prices] | None = None) -> None:
+        self.sources = sources
+        self.prices = prices
+        self.corrupt = Corrupt()
+        self.unreadable: list[str] = []
+
+    @property
+    def job(self) -> str:
+        return self.sources.job
+
+    def _client(self):
+        from petctl.io.etcd import etcd_client
+
+        return etcd_client(self.sources.etcd_endpoint, read_timeout=3.0)
+
+    def _etcd_failed(self, error: Exception) -> None:
+        self.unreadable.append(f"etcd at {self.sources.etcd_endpoint} did not answer: {error}")
+
+    def state(self) -> JobState:
+        """The live state: etcd's, else the agents' mirror. Raises ProviderError when neither is readable."""
+        import etcd
+
+        endpoint, mirror = self.sources.etcd_endpoint, self.sources.mirror
+        if endpoint:
+            try:
+                state = read_job_state(self._client(), self.job, self.corrupt)
+            except etcd.EtcdException as e:
+                if mirror is None:
+                    raise ProviderError(f"cannot read job {self.job!r} from etcd at {endpoint}: {e}") from e
+                self._etcd_failed(e)
+            else:
+                if state.result is None and mirror is not None:  # etcd forgot it; the prefix did not
+                    state.result = mirror_result(mirror, self.corrupt)
+                return state
+        if mirror is None:
+            return JobState(job=self.job)
+        return state_from_mirror(self.job, mirror, self.corrupt)
+
+    def result(self) -> JobResult | None:
+        """How the job ended (None while it runs): etcd's record, else the one in the job's prefix."""
+        import etcd
+
+        if self.sources.etcd_endpoint:
+            try:
+                found = read_result(self._client(), self.job, self.corrupt)
+            except etcd.EtcdException as e:
+                self._etcd_failed(e)
+            else:
+                if found is not None:
+                    return found
+        return mirror_result(self.sources.mirror, self.corrupt) if self.sources.mirror else None
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every copy of the timeline merged: etcd's (while it answers), the mirror's, the provider's."""
+        import etcd
+
+        copies: list[list[dict[str, Any]]] = []
+        if self.sources.etcd_endpoint:
+            try:
+                copies.append(timeline.etcd_events(self._client(), self.job, self.corrupt))
+            except etcd.EtcdException as e:
+                self._etcd_failed(e)
+        if self.sources.mirror is not None:
+            copies.append(timeline.mirror_events(self.sources.mirror, self.corrupt))
+        if self.sources.extra_events is not None:
+            copies.append(self.sources.extra_events())
+        return timeline.merge(*copies)
+
+    def logs(self, node: str | None = None, follow: bool = False) -> Iterator[str]:
+        """Lines of the node logs, each prefixed `[node] ` unless one node is asked for."""
+        if self.sources.logs is None:
+            raise ProviderError(f"no logs are kept for job {self.job!r}")
+        return self.sources.logs(node, follow)
+
+    def accounting(self, events: list[dict[str, Any]], running: bool) -> Accounting:
+        return account(events, now=time.time() if running else None)
+
+    def cost(self, events: list[dict[str, Any]], running: bool) -> CostReport | None:
+        """What the job's instance hours cost, or None where the provider prices nothing.
+        Raises PetctlError when the prices cannot be read."""
+        if self.prices is None:
+            return None
+        return price_usage(usage(events, time.time() if running else None), self.prices())
+
+    def notes(self) -> list[str]:
+        """What the user should know about how this view was read (skipped records, silent copies)."""
+        corrupt = self.corrupt.note()
+        return [*dict.fromkeys(self.unreadable), *([corrupt] if corrupt else [])]

@@ -1,0 +1,148 @@
+"""The installation's base stack: `petctl setup --provider aws` creates or updates it, `teardown`
+deletes it (and, with --force, the job stacks under it).
+
+The base stack holds what every job shares: the VPC and its subnets (one per AZ), the etcd host, the
+bucket, the worker image repository, the log group, the workers' policy and the service role that
+creates and deletes job stacks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from petctl.core.errors import JobExists, NotSetUp, ValidationError
+from petctl.io.aws import AwsSession, aws_errors
+from petctl.providers.aws import etcdbin, inventory
+from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
+from petctl.providers.aws.templates import render_base
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_user_data
+
+if TYPE_CHECKING:
+    from petctl.providers.aws.provider import AwsProvider
+
+STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
+WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
+ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
+SETUP_OPTIONS = {  # every option `setup` accepts, with its default
+    "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
+    "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
+    "root_volume_gb": "100", "etcd_binary": "",
+}
+
+
+def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[str, str]:
+    """The options the user chose, now and at earlier setups (strings, as `--option KEY=VALUE` gives
+    them). What was derived (AMIs, image) is not remembered, so a later `setup` picks up AWS's current
+    AMIs unless the user pinned them. Raises ValidationError for an unknown option."""
+    opts = {k.replace("-", "_"): str(v) for k, v in options.items() if v not in (None, "")}
+    opts.pop("provider", None)
+    unknown = sorted(set(opts) - set(SETUP_OPTIONS))
+    if unknown:
+        raise ValidationError(f"unknown aws setup option(s) {', '.join(unknown)}: choose from "
+                              f"{', '.join(SETUP_OPTIONS)}")
+    return {**settings.get("options", {}), **opts}
+
+
+def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
+    """Create or update the base stack; returns the settings recorded in the config. Options: region,
+    profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
+    etcd_instance_type, root_volume_gb, etcd_binary."""
+    chosen = chosen_options(provider.settings, options)
+    merged = {**SETUP_OPTIONS, **chosen}
+    if not STACK_NAME_RE.match(merged["stack_name"]):
+        raise ValidationError(f"invalid stack_name {merged['stack_name']!r}: 1-24 lowercase letters, "
+                              "digits and '-', starting with a letter")
+    max_azs = _int_option("max_azs", merged["max_azs"], 2)
+    root_gb = _int_option("root_volume_gb", merged["root_volume_gb"], 30)
+    session = provider.session(merged)
+    with aws_errors("check the AWS credentials"):
+        session.client("sts").get_caller_identity()
+    stack = merged["stack_name"]
+    plan = network_plan(provider, session, merged["vpc_cidr"], max_azs)
+    etcd = etcdbin.local_etcd(merged["etcd_binary"])
+    ssm = session.client("ssm")
+    etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
+    worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
+    body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
+                       etcd_instance_type=merged["etcd_instance_type"],
+                       etcd_user_data=etcd_user_data(stack, plan.etcd_ip, etcd.key, etcd.sha256,
+                                                     etcd.version),
+                       bucket_placeholder=BUCKET_PLACEHOLDER,
+                       repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
+                       log_retention_days=14)
+    stacks = provider.stacks(session)
+    settings = provider.settings
+    # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
+    settings.update(options=chosen, region=session.region, profile=merged["profile"],
+                    endpoint_url=merged["endpoint_url"], stack_name=stack,
+                    network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs})
+    provider.config.provider = provider.name
+    provider.config.save()
+    stacks.create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"}, "petctl base stack")
+    outputs = stacks.outputs(stack)
+    # The etcd host's boot script waits for this object (on a first setup it boots before it exists).
+    if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd):
+        provider.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
+    from petctl import __version__
+
+    settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
+                    image=merged["image"] or f"{outputs['RepositoryUri']}:{__version__}",
+                    etcd_endpoint=outputs["EtcdEndpoint"], ready=True)
+    provider.config.provider = provider.name
+    provider.config.save()
+    return dict(settings)
+
+
+def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_azs: int):
+    """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
+    (which re-renders the template) never moves a subnet that jobs and the etcd interface live in."""
+    recorded = provider.settings.get("network") or {}
+    if recorded.get("azs") and recorded.get("vpc_cidr") == str(vpc_cidr):
+        azs = list(recorded["azs"])
+        if len(azs) != max_azs:
+            provider.progress(f"keeping the stack's {len(azs)} AZs ({', '.join(azs)}): max_azs applies to a "
+                              "new stack only (teardown first to change it)")
+        return plan_network(azs, vpc_cidr, len(azs))
+    return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs)
+
+
+def teardown(provider: AwsProvider, force: bool) -> None:
+    """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
+
+    Works after a failed setup too: all it needs is where the base stack was to be created."""
+    from petctl.providers.aws import jobrecords
+
+    settings = provider.settings
+    if not settings.get("region"):
+        raise NotSetUp("nothing to tear down on AWS: `petctl setup --provider aws` was never run")
+    session = provider.session()
+    stacks = provider.stacks(session)
+    jobs = [s for s in stacks.list_stacks("petctl:stack", provider.base_stack)
+            if jobrecords.tags(s).get("petctl:kind") == "job"]
+    live = [s for s in jobs if not jobrecords.ended_stack(provider, session, s)]  # ended ones just go
+    if live and not force:
+        names = ", ".join(sorted(jobrecords.tags(s).get("petctl:job", s["StackName"]) for s in live))
+        raise JobExists(f"{len(live)} job(s) still exist ({names}): kill them first or pass --force")
+    role = settings.get("outputs", {}).get("JobStackRoleArn", "")
+    for job_stack in jobs:  # start every deletion first, then wait: they run in parallel
+        stacks.start_delete(job_stack["StackName"], role)
+    for job_stack in jobs:
+        stacks.delete(job_stack["StackName"], f"job {jobrecords.tags(job_stack).get('petctl:job')}")
+    bucket = settings.get("outputs", {}).get("BucketName", "")
+    stacks.delete(provider.base_stack, "petctl base stack")
+    if bucket:
+        provider.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
+    settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs
+    provider.config.save()
+
+
+def _int_option(name: str, value: str, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValidationError(f"aws setup option {name} expects an integer (got {value!r})") from None
+    if number < minimum:
+        raise ValidationError(f"aws setup option {name} must be >= {minimum} (got {number})")
+    return number

@@ -1,0 +1,115 @@
+"""Starting a job on AWS: everything `run_job` checks and creates, in the order that keeps a refused job
+from leaving anything behind.
+
+Input is validated first with no AWS call (the submission, then the instance types); then what AWS
+must confirm (the worker image, the job's name, the vCPU quota) is asked; only then are the code and the
+job's records uploaded, its stack created, and its group raised and watched until it is in service.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from petctl.core.errors import JobExists, ProviderError
+from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
+from petctl.io.aws import AwsSession
+from petctl.providers.aws import azfallback, capacity, inventory
+from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
+from petctl.providers.aws.storage import job_prefix
+from petctl.providers.aws.templates import render_job
+from petctl.providers.aws.userdata import WORKER_IMDS, worker_user_data
+
+if TYPE_CHECKING:
+    from petctl.providers.aws.provider import AwsProvider
+
+LIFECYCLE_HOOK = "petctl-drain"
+
+
+def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
+    """The submission and its instance types checked, with no AWS call. Raises ValidationError."""
+    provider.validate(job)
+    spec = job.spec
+    types = [t for item in spec.instance_types for t in item.split(",")]
+    spec.instance_types = validate_instance_types(types)
+    check_uniform_gpus(spec.instance_types, spec.nproc_per_node)
+    return spec
+
+
+def create_job(provider: AwsProvider, job: JobSubmission) -> None:
+    """Create the job's stack and start its group; returns once `size` instances are in service (or
+    `provider.wait_timeout` passed: a spot shortage is reported, not fatal)."""
+    settings = provider.require_ready()
+    spec = validate(provider, job)
+    session = provider.session()
+    stacks = provider.stacks(session)
+    stack = provider.job_stack(spec.name)
+    inventory.check_image(session.client("ecr"), settings["image"], session.region)
+    if stacks.describe(stack):
+        raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick another name")
+    role = provider.stack_role()
+    check_quota(provider, session, spec)
+    store = provider.store(session, spec.name)
+    spec.code_url, _ = store.upload_code(job.script)
+    spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
+    spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
+    placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
+    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
+                        asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
+                        status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
+    store.put_json("job.json", spec.to_dict())
+    store.put_json("agent.json", json.loads(agent.to_json()))
+    store.put_json("placement.json", json.loads(placement.to_json()))
+    body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
+    try:
+        tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name}
+        stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
+    except ProviderError:
+        if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
+            stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
+        raise
+    # The group was created empty (a stack waits for its group's desired capacity): AZRebalance is
+    # suspended first (no template property can), then the group is started and watched.
+    autoscaling = session.client("autoscaling")
+    capacity.suspend_processes(autoscaling, stack)
+    inventory.start_group(autoscaling, stack, spec.min_size, spec.size)
+    inventory.wait_in_service(autoscaling, stack, spec.size, provider.wait_timeout, provider.poll_interval,
+                              provider.progress, on_short=provider.fallback_poller(spec.name))
+
+
+def check_quota(provider: AwsProvider, session: AwsSession, spec: JobSpec) -> None:
+    """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
+    the quota cannot be read (an emulator, a missing permission) or leaves --size out of reach."""
+    from petctl.providers.aws.quotas import check
+
+    verdict = check(session, spec.instance_types, "on-demand" if spec.on_demand else "spot", spec.size)
+    for warning in verdict.warnings:
+        provider.progress(f"warning: {warning}")
+    if verdict.error:
+        raise ProviderError(verdict.error)
+
+
+def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig, config_url: str,
+                        subnet_ids: list[str] | None = None) -> str:
+    """The job stack's template. `subnet_ids`: where the group launches (create_job passes its
+    placement's); by default the first subnet, or every subnet for a --multi-az job."""
+    settings = provider.require_ready()
+    out = settings["outputs"]
+    types = spec.instance_types
+    spot = not spec.on_demand
+    mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
+    user_data = worker_user_data(agent, image=settings["image"], log_group=out["LogGroupName"],
+                                 config_url=config_url, gpus=is_gpu(types[0]))
+    all_subnets = out["SubnetIds"].split(",")
+    if subnet_ids is None:
+        subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
+    base = {"stack_name": provider.base_stack, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
+            "worker_security_group": out["WorkerSecurityGroupId"],
+            "worker_policy_arn": out["WorkerPolicyArn"]}
+    return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
+                      instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
+                      on_demand_base=spec.on_demand_base, user_data=user_data,
+                      spot_strategy=spec.spot_strategy,
+                      job_prefix=job_prefix(spec.name), lifecycle_hook=LIFECYCLE_HOOK,
+                      root_volume_gb=settings.get("root_volume_gb", 100),
+                      hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))

@@ -1,0 +1,106 @@
+"""Starting and stopping a local job's processes: its directory, its etcd keys, its detached reconciler.
+
+A job starts whole or not at all: if any step fails, what the earlier steps made is removed again, so
+a failed `run_job` leaves no directory, no etcd key and no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import petctl
+from petctl.core.errors import PetctlError, ProviderError
+from petctl.core.keys import JobKeys
+from petctl.core.spec import JobSubmission
+from petctl.providers.local.jobdir import JobDir
+from petctl.providers.local.procs import ProcRef, stop_group, wait_gone
+
+
+def python_env() -> dict[str, str]:
+    """Environment for our detached children: they import this very petctl, installed or not."""
+    root = str(Path(petctl.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace_delay: float,
+          agent_command: list[str] | None) -> None:
+    """Copy the code, record the spec (job directory and etcd) and start the job's reconciler.
+
+    `agent_command` replaces the agent each instance runs (None: petctl's own). Raises ProviderError
+    (or the PetctlError met) after undoing every step that had been done."""
+    import etcd
+
+    spec, script = submission.spec, submission.script
+    rec: ProcRef | None = None
+    try:
+        forget(job, client)
+        job.path.mkdir(parents=True)
+        if script.is_dir():
+            shutil.copytree(script, job.code, ignore=shutil.ignore_patterns("__pycache__", ".git"))
+        else:
+            job.code.mkdir()
+            shutil.copy2(script, job.code / spec.entrypoint)
+        job.checkpoints.mkdir()
+        job.notices.mkdir()
+        spec.code_url = job.code.resolve().as_uri()
+        spec.checkpoint_url = job.checkpoints.resolve().as_uri()
+        spec.etcd_endpoint = endpoint
+        job.update_meta(spec=spec.to_dict(), created_at=time.time(), replace_delay=replace_delay,
+                        agent_command=agent_command)
+        job.write_desired(spec.size)
+        client.write(JobKeys(spec.name).spec, spec.to_json())
+        client.write(JobKeys(spec.name).desired, str(spec.size))
+        cmd = [sys.executable, "-m", "petctl.providers.local.reconciler", "--job-dir", str(job.path),
+               "--etcd", endpoint, "--replace-delay", str(replace_delay)]
+        with open(job.reconciler_log, "ab") as log:
+            proc = subprocess.Popen(cmd, cwd=str(job.path), env=python_env(), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        rec = ProcRef.of(proc.pid)
+        job.update_meta(reconciler=rec.to_dict())
+    except (PetctlError, OSError, etcd.EtcdException) as e:
+        if rec is not None:
+            stop_group(rec, grace=2.0)
+        forget(job, client)
+        if isinstance(e, PetctlError):
+            raise
+        raise ProviderError(f"could not start job {spec.name!r}: {e}") from e
+
+
+def forget(job: JobDir, client) -> None:
+    """Remove a finished job's leftovers (its directory and etcd keys) before its name is reused."""
+    import etcd
+
+    stop_processes(job, grace=2.0)
+    shutil.rmtree(job.path, ignore_errors=True)
+    try:
+        client.delete(JobKeys(job.name).base, recursive=True)
+    except etcd.EtcdKeyNotFound:
+        pass  # nothing of it in etcd: already forgotten
+
+
+def reconciler(job: JobDir) -> ProcRef | None:
+    data = job.read_meta().get("reconciler")
+    return ProcRef.from_dict(data) if data else None
+
+
+def stop_processes(job: JobDir, grace: float) -> None:
+    """Stop the reconciler (it stops its instances), then make sure no instance group is left."""
+    rec = reconciler(job)
+    if rec is not None and rec.alive():
+        rec.signal(signal.SIGTERM)
+        if not wait_gone([rec], grace + 20.0):
+            rec.signal(signal.SIGKILL)
+            wait_gone([rec], 5.0)
+    for row in job.read_instances():
+        ref = ProcRef(int(row["pid"]), row.get("start"))
+        if ref.alive():
+            stop_group(ref, grace=grace)
+        ref.signal_group(signal.SIGKILL)
