@@ -178,21 +178,7 @@ def aws_errors(action: str) -> Iterator[None]:
         raise ProviderError(f"failed to {action}: {exc}") from None
 
 
-def client_error() -> type[Exception]:
-    """botocore's ClientError (AWS answered with an error code), imported lazily: `except client_error():`
-    lets callers outside this module catch it without importing botocore themselves."""
-    from botocore.exceptions import ClientError
 
-    return ClientError
-
-
-def aws_failures() -> tuple[type[Exception], ...]:
-    """Every way a boto3 call fails on AWS's side or on the way there: an error answer, a transport or
-    credentials failure (BotoCoreError), or an unparseable answer (an emulator or proxy, not AWS)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-    from botocore.parsers import ResponseParserError
-
-    return (ClientError, BotoCoreError, ResponseParserError)
 
 
 def coded_error(action: str, code: str, message: str) -> PetctlError:
@@ -206,3 +192,20 @@ def coded_error(action: str, code: str, message: str) -> PetctlError:
     if code in {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation"}:
         return ProviderError(f"AWS denied permission to {action}: {message}")
     return ProviderError(f"failed to {action}: {code}: {message}")
+
+
+# botocore's exception classes, importable from here (`from petctl.io.aws import ClientError`) and
+# resolved on first use, so callers catch them without importing botocore (only this layer does) and
+# without paying for it at import time.
+_BOTOCORE_EXCEPTIONS = {"ClientError": "botocore.exceptions", "BotoCoreError": "botocore.exceptions",
+                        "ResponseParserError": "botocore.parsers"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _BOTOCORE_EXCEPTIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+

@@ -42,9 +42,7 @@ def principal_arn(caller_arn: str) -> str:
 def _unavailable(exc: BaseException) -> bool:
     """True when the endpoint lacks the API (an emulator): unknown action, not implemented, or an
     internal error page instead of an AWS response."""
-    from botocore.parsers import ResponseParserError
-
-    from petctl.io.aws import error_code
+    from petctl.io.aws import ResponseParserError, error_code
 
     if isinstance(exc, ResponseParserError):
         return True
@@ -56,10 +54,7 @@ def _unavailable(exc: BaseException) -> bool:
 
 def _guard(name: str, call) -> Check:
     """Run one check; an AWS error becomes FAIL with AWS's reason, a missing API a SKIP."""
-    from botocore.exceptions import BotoCoreError, ClientError
-    from botocore.parsers import ResponseParserError
-
-    from petctl.io.aws import error_code, error_message
+    from petctl.io.aws import BotoCoreError, ClientError, ResponseParserError, error_code, error_message
 
     try:
         return call()

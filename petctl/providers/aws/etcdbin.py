@@ -62,7 +62,7 @@ def local_etcd(path_option: str = "") -> EtcdArtifact:
 
 def upload(s3: Any, bucket: str, artifact: EtcdArtifact) -> bool:
     """Put the binary at its key unless it is there already; True when it was uploaded."""
-    from botocore.exceptions import ClientError
+    from petctl.io.aws import ClientError
 
     with aws_errors(f"upload etcd to s3://{bucket}/{artifact.key}"):
         try:

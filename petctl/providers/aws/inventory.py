@@ -30,7 +30,7 @@ def usable_azs(session) -> list[str]:
 
 def ssm_parameter(ssm, name: str) -> str:
     """AWS's public parameter for the current AMI (resolved now, so the template names a fixed image)."""
-    from botocore.exceptions import ClientError
+    from petctl.io.aws import ClientError
 
     with aws_errors(f"read SSM parameter {name}"):
         try:
@@ -50,7 +50,7 @@ def check_image(ecr, image: str, region: str) -> None:
     """Refuse to start GPU instances that would only fail to pull: the worker image must be in ECR.
 
     Only images in this region's ECR are checked (a public or other registry is the user's business)."""
-    from botocore.exceptions import ClientError
+    from petctl.io.aws import ClientError
 
     match = ECR_IMAGE_RE.match(image)
     if not match or match.group("region") != region:

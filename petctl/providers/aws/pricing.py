@@ -68,7 +68,7 @@ class AwsPrices:
                                   "EndTime": _dt(end)}
         if key.az:
             kwargs["AvailabilityZone"] = key.az
-        from botocore.exceptions import BotoCoreError, ClientError
+        from petctl.io.aws import BotoCoreError, ClientError
 
         points: list[tuple[float, float]] = []
         try:
@@ -93,7 +93,7 @@ class AwsPrices:
     def _on_demand(self, instance_type: str) -> Quote:
         filters = [("instanceType", instance_type), ("regionCode", self.region), ("operatingSystem", "Linux"),
                    ("tenancy", "Shared"), ("preInstalledSw", "NA"), ("capacitystatus", "Used")]
-        from botocore.exceptions import BotoCoreError, ClientError
+        from petctl.io.aws import BotoCoreError, ClientError
 
         try:
             response = self.pricing.get_products(

@@ -96,9 +96,7 @@ def assess(types: list[str], vcpus: dict[str, int], quotas: dict[str, Quota], ma
 
 def fetch_quota(servicequotas, code: str, name: str) -> Quota:
     """The account's applied value, or None with the reason it could not be read (never raises)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from petctl.io.aws import error_code, error_message
+    from petctl.io.aws import BotoCoreError, ClientError, error_code, error_message
 
     try:
         value = servicequotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
@@ -118,7 +116,7 @@ def fetch_quota(servicequotas, code: str, name: str) -> Quota:
 
 def instance_vcpus(ec2, types: list[str]) -> dict[str, int]:
     """Default vCPUs per instance type (DescribeInstanceTypes); {} when the call fails."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from petctl.io.aws import BotoCoreError, ClientError
 
     try:
         found = ec2.describe_instance_types(InstanceTypes=sorted(set(types)))["InstanceTypes"]

@@ -40,7 +40,7 @@ class StackOps:
 
     def describe(self, name: str) -> dict[str, Any] | None:
         """The stack, or None when it does not exist (deleted stacks are invisible by name)."""
-        from botocore.exceptions import ClientError
+        from petctl.io.aws import ClientError
 
         with aws_errors(f"describe stack {name}"):
             try:
@@ -81,7 +81,7 @@ class StackOps:
 
     def create_or_update(self, name: str, body: str, tags: dict[str, str], what: str) -> dict[str, Any]:
         """setup is idempotent: create the stack, or update it in place when it is already healthy."""
-        from botocore.exceptions import ClientError
+        from petctl.io.aws import ClientError
 
         existing = self.describe(name)
         if existing is not None and existing["StackStatus"] == "ROLLBACK_COMPLETE":
@@ -149,7 +149,7 @@ class StackOps:
         return (stack or {}).get("StackStatusReason") or "no reason given by CloudFormation"
 
     def _describe_id(self, stack_id: str) -> dict[str, Any] | None:
-        from botocore.exceptions import ClientError
+        from petctl.io.aws import ClientError
 
         with aws_errors(f"describe stack {stack_id}"):
             try:
@@ -161,7 +161,7 @@ class StackOps:
         return None if stack["StackStatus"] == "DELETE_COMPLETE" else stack
 
     def _events(self, stack_id: str) -> list[dict[str, Any]]:
-        from botocore.exceptions import ClientError
+        from petctl.io.aws import ClientError
 
         with aws_errors(f"read events of stack {stack_id}"):
             try:
