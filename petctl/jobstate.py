@@ -1,14 +1,13 @@
 """Read a job's live state from etcd: what `petctl status`, `hosts` and the tests look at.
 
 The agents are the source of truth for ranks, rounds and restarts; this module only reads what they
-publish (see docs/ARCHITECTURE.md for the schema) and never writes, except `write_result`, which lets a
-provider end a job (kill_job) the same way an agent does.
+publish (see docs/ARCHITECTURE.md for the schema) and never writes: ending a job is
+`petctl.io.jobresult.write_result`.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,22 +94,3 @@ def read_job_state(client, job: str) -> JobState:
         elif leaf.key == keys.round:
             state.round = _json(leaf.value)
     return state
-
-
-def write_result(client, job: str, state: str, reason: str, round_no: int | None = None) -> bool:
-    """End the job once: record the result, then flip `live/round` to `final` so every agent wakes.
-
-    Returns False if another writer ended the job first (its result stands).
-    """
-    import etcd
-
-    keys = JobKeys(job)
-    now = time.time()
-    value = json.dumps({"state": state, "reason": reason, "ts": now, "round": round_no})
-    try:
-        client.write(keys.result, value, prevExist=False)
-    except etcd.EtcdAlreadyExist:
-        return False
-    client.write(keys.round, json.dumps({"round": round_no, "phase": "final", "state": state,
-                                         "reason": reason, "ts": now}))
-    return True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+from petctl.agent.outage import describe
 from petctl.core.eventlog import EventLog
 
 
@@ -27,19 +28,10 @@ class LifecycleClient(Protocol):
 
 
 def make_client(region: str, endpoint_url: str | None = None) -> LifecycleClient:
-    """A boto3 autoscaling client with few retries: the clock is the two-minute notice."""
-    import boto3
-    from botocore.config import Config
+    """An autoscaling client with the agent's few retries: the clock is the two-minute notice."""
+    from petctl.io.aws import client
 
-    config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=10)
-    return boto3.session.Session().client("autoscaling", region_name=region or None,
-                                          endpoint_url=endpoint_url, config=config)
-
-
-def _describe(error: Exception) -> str:
-    """One short line: botocore may quote a whole HTML error page."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
+    return client("autoscaling", profile="agent", region=region, endpoint_url=endpoint_url or "")
 
 
 def _args(asg_name: str, hook_name: str, instance_id: str) -> dict[str, str]:
@@ -56,8 +48,8 @@ def complete_lifecycle_action(asg_name: str, hook_name: str, instance_id: str, r
         client = client or make_client(region)
         client.complete_lifecycle_action(**_args(asg_name, hook_name, instance_id),
                                          LifecycleActionResult=result)
-    except Exception as e:  # botocore errors, missing credentials, no network: never fatal here
-        log.emit("lifecycle.complete_failed", error=_describe(e), **fields)
+    except Exception as e:  # noqa: BLE001 - botocore errors, missing credentials, no network: never fatal
+        log.emit("lifecycle.complete_failed", error=describe(e), **fields)
         return False
     log.emit("lifecycle.completed", **fields)
     return True
@@ -88,9 +80,9 @@ class LifecycleHeartbeat:
             if self._client is None:
                 self._client = make_client(self.region)
             self._client.record_lifecycle_action_heartbeat(**self.args)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as above: counted and logged, the save goes on
             self.failures += 1
-            self.log.emit("lifecycle.heartbeat_failed", error=_describe(e),
+            self.log.emit("lifecycle.heartbeat_failed", error=describe(e),
                           asg=self.args["AutoScalingGroupName"], instance_id=self.args["InstanceId"])
             return False
         self.beats += 1

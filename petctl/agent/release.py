@@ -24,9 +24,9 @@ def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
                      autoscaling: Any = None) -> bool:
     """Remove the group's termination hook, then scale the group to 0. True when both calls succeeded."""
     if autoscaling is None:
-        import boto3
+        from petctl.io.aws import client
 
-        autoscaling = boto3.session.Session(region_name=region or None).client("autoscaling")
+        autoscaling = client("autoscaling", profile="agent", region=region)
     steps = [
         ("delete_lifecycle_hook", lambda: autoscaling.delete_lifecycle_hook(
             AutoScalingGroupName=asg_name, LifecycleHookName=hook_name)),
@@ -37,7 +37,7 @@ def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
     for name, call in steps:
         try:
             call()
-        except Exception as e:  # a missing hook is fine; a denied call is worth a line, not a crash
+        except Exception as e:  # noqa: BLE001 - a missing hook is fine; a denied call is a line, not a crash
             ok = False
             log.emit("release.step_failed", step=name, error=f"{type(e).__name__}: {e}"[:300])
     log.emit("release.done" if ok else "release.partial", asg=asg_name)

@@ -257,7 +257,7 @@ class LocalProvider(Provider):
             ref.signal_group(signal.SIGKILL)
 
     def kill_job(self, name: str) -> None:
-        from petctl.jobstate import write_result
+        from petctl.io.jobresult import write_result
 
         job, meta = self._job_dir(name)
         if meta.get("state") not in FINAL_STATES:

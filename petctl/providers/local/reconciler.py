@@ -188,7 +188,7 @@ class Reconciler:
         else:
             self.quick_failures = 0
         if self.quick_failures >= MAX_QUICK_FAILURES:
-            from petctl.jobstate import write_result
+            from petctl.io.jobresult import write_result
 
             reason = (f"{self.quick_failures} instances in a row exited within {QUICK_EXIT_S:.0f}s of "
                       f"launch ({_describe_exit(code)}): see `petctl logs {self.spec.name}`")
@@ -264,7 +264,7 @@ class Reconciler:
     # --- the end ---------------------------------------------------------------------------------
     def shutdown(self, result: dict[str, Any] | None, failure: str = "") -> dict[str, Any]:
         """Stop every instance (the job is over, we were told to go, or we failed), record why."""
-        from petctl.jobstate import write_result
+        from petctl.io.jobresult import write_result
 
         if result is None:
             state, reason = ("failed", failure) if failure else ("killed", "the job was killed")
