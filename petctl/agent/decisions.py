@@ -24,6 +24,7 @@ The rules (docs/ARCHITECTURE.md has the whole protocol):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from petctl.agent.view import Member, Members, RoundInfo, Snapshot
@@ -183,18 +184,24 @@ def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, 
     live = {n: m for n, m in members.records.items() if n in snap.alive}
     if s.node_id not in live:  # our record vanished (should not happen): write it again
         return Join(round_no, state.prev_rank), dataclasses.replace(state, members=None, ahead=frozenset())
-    order = closing_order(live)
+    order = closing_order(live, rnd.prev_ranks)
     state = dataclasses.replace(state, ahead=frozenset(order[: order.index(s.node_id)]))
     if state.ahead:
         return Wait(IDLE, watch_membership=False), state
     return _close(snap, rnd, live, order, state, s, now)
 
 
-def closing_order(live: dict[str, Member]) -> list[str]:
-    """Joiners in rank order: previous ranks first (rank 0 stays rank 0), then newcomers by arrival."""
+def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None = None) -> list[str]:
+    """Joiners in rank order: previous ranks first (rank 0 stays rank 0), then newcomers by arrival.
+
+    A previous rank is the one in the join record, else the one in the round's `prev_ranks` (a member
+    that lost its heartbeat and came back rejoins without one).
+    """
+    prev_ranks = prev_ranks or {}
+
     def key(node: str) -> tuple[int, int, int]:
         m = live[node]
-        prev = m.record.prev_rank
+        prev = m.record.prev_rank if m.record.prev_rank is not None else prev_ranks.get(node)
         return (0 if prev is not None else 1, prev if prev is not None else 0, m.created)
     return sorted(live, key=key)
 

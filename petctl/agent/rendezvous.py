@@ -5,8 +5,8 @@ vanishes without closing its sockets is noticed only when a collective times out
 key per node (see heartbeat.py), every round is one JSON value (`core.records.Round`) changed only by
 compare-and-swap, and a round can always be replaced by the next one, so no single failure wedges the job.
 
-This module is the executor: it reads etcd into typed snapshots (livereader.py), asks
-`decisions.decide` what to do, and does it. The rules themselves (closer, last call, expected members, admission) live in decisions.py.
+This module is the executor: it reads etcd into typed snapshots (livereader.py), asks `decisions.decide`
+what to do, and does it. The rules (closer, last call, expected members, admission) live in decisions.py.
 
 etcd requests per node per round are bounded: one join write, at most one CAS to open a round, the
 closer's CAS to freeze it (and two deletes of the round before), plus reads on wake-ups. Only the closer

@@ -158,6 +158,8 @@ class DoneRecord(WireRecord):
 
 @dataclass(frozen=True)
 class Checkpoint(WireRecord):
+    """A node's newest saved checkpoint, as its workers reported it (`NodeStatus.last_checkpoint`)."""
+
     step: int | None
     url: str | None = None
 
