@@ -139,11 +139,11 @@ class EtcdRendezvous:
     def end_job(self, state: str, reason: str, round_no: int | None) -> bool:
         """Record the final result; True for the one agent whose write it was (it releases capacity)."""
         self.stats.writes += 2
-        self.stats.reads += 1
         result = JobResult(state=state, reason=reason, ts=time.time(), round=round_no, job=self.job,
                            node=self.node_id)
         if not record_result(self.client, result):
             return False
+        self.stats.reads += 1  # the replaced round's restart count, carried into the final one
         self.events.emit("job.result", state=state, reason=reason, round=round_no)
         if self.on_result is not None:
             self.on_result(result)

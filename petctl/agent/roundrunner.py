@@ -191,11 +191,13 @@ class RoundRunner:
     def _end(self, workers: WorkerGroup, info: RoundInfo, snap: Snapshot,
              outcome: RoundOutcome) -> RoundOutcome:
         """The round was replaced: join the new one before our workers stop (they may take seconds to
-        handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting."""
-        rnd = snap.round
-        if (outcome is RoundOutcome.NEXT_ROUND and rnd is not None and rnd.phase is Phase.JOINING
-                and rnd.round is not None and self.p.node_id in snap.alive):
-            self.p.rdzv.prejoin(rnd.round, info.rank)
+        handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting.
+        Not a node on its way out (asked to leave, or preempted): the closer should not count on it."""
+        p, rnd = self.p, snap.round
+        staying = not p.leave.is_set() and p.preemption.notice is None and not p.heartbeat.lost.is_set()
+        if (outcome is RoundOutcome.NEXT_ROUND and staying and rnd is not None and rnd.phase is Phase.JOINING
+                and rnd.round is not None and p.node_id in snap.alive):
+            p.rdzv.prejoin(rnd.round, info.rank)
         return self._stop(workers, info, outcome)
 
     def _stop(self, workers: WorkerGroup, info: RoundInfo, outcome: RoundOutcome) -> RoundOutcome:
