@@ -397,6 +397,14 @@ def test_a_waiting_node_reports_once_then_waits_quietly():
     assert act(snapshot({"a", "me"}, rnd), st, settings()) == Wait(1.0)
 
 
+def test_a_node_left_out_of_a_frozen_round_joins_the_next_one_as_new():
+    """Its old rank went to someone else: keeping it would tie with that node in the next round."""
+    st = RendezvousState(started=T0, prev_rank=1)
+    _, st = decide(snapshot({"a", "b", "me"}, frozen_round(5, {"a": 0, "b": 1})), st, settings(), now())
+    assert st.prev_rank is None
+    assert act(snapshot({"a", "b", "me"}, joining(6, {"a": 0, "b": 1})), st, settings()) == Join(6, None)
+
+
 def test_a_waiting_node_opens_the_next_round_when_every_member_is_gone():
     action = act(snapshot({"me"}, frozen_round(3, {"a": 0, "b": 1})), RendezvousState(started=T0), settings())
     assert action == StartNextRound("all members of the previous round lost")

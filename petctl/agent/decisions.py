@@ -259,6 +259,8 @@ def _frozen(snap: Snapshot, rnd: Round, state: RendezvousState,
             s: Settings) -> tuple[Action, RendezvousState]:
     if s.node_id in rnd.ranks:
         return Admitted(RoundInfo.of(rnd, s.node_id)), state
+    # A round formed without us: our old rank now belongs to someone else, so we come back as new.
+    state = dataclasses.replace(state, prev_rank=None)
     if not any(n in snap.alive for n in rnd.ranks):  # nobody else will open the next round
         return StartNextRound("all members of the previous round lost"), state
     if state.waiting_reported:
