@@ -155,7 +155,7 @@ def test_a_second_notice_to_a_departing_instance_is_refused(stub: Petctl):
 
 def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
     from petctl.io.etcd import etcd_client
-    from petctl.jobstate import write_result
+    from petctl.io.jobresult import write_result
 
     start(stub, "done", "--size", "2")
     ids = running(wait_hosts(stub, "done", lambda rows: len(running(rows)) == 2))

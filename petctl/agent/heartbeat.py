@@ -4,36 +4,41 @@ Refreshes use etcd's `refresh=True`, which renews the TTL without notifying watc
 produces no watch traffic at all. A node that stops refreshing (dead, or frozen with its sockets still
 open) has its key expire after `ttl`; etcd then emits `expire` and every agent wakes within the TTL.
 A node that finds its own key gone (it was frozen past the TTL) must treat itself as a new node.
+Failed refreshes (etcd briefly unreachable) are retried until the TTL decides, and reported once per
+outage (outage.py).
 """
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 
 import etcd
 
+from petctl.agent.outage import OutageReporter
 from petctl.core.keys import JobKeys
+from petctl.core.records import NodeRecord
 
 
 class Heartbeat:
-    def __init__(self, client: etcd.Client, keys: JobKeys, node_id: str, host_addr: str, pid: int,
-                 interval: float, ttl: float) -> None:
+    def __init__(self, client: etcd.Client, keys: JobKeys, record: NodeRecord, interval: float, ttl: float,
+                 outage: OutageReporter) -> None:
         self.client = client
-        self.key = keys.node(node_id)
-        self.value = json.dumps({"node_id": node_id, "host_addr": host_addr, "pid": pid})
+        self.key = keys.node(record.node_id)
+        self.value = record.to_json()
         self.interval = interval
         self.ttl = max(1, int(round(ttl)))
+        self.outage = outage
         self.lost = threading.Event()  # set when our key vanished under us
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.errors = 0
+        self._deleted = False
 
     def register(self) -> None:
-        """(Re)create the key; clears `lost`. Safe to call when it already exists."""
+        """(Re)create the key; clears `lost`. Safe to call when it already exists. Raises
+        etcd.EtcdException if etcd cannot be reached."""
         self.client.write(self.key, self.value, ttl=self.ttl)
         self.lost.clear()
+        self._deleted = False
 
     def start(self) -> None:
         self.register()
@@ -47,22 +52,25 @@ class Heartbeat:
                 continue
             try:
                 self.client.refresh(self.key, ttl=self.ttl)
-                self.errors = 0
             except etcd.EtcdKeyNotFound:
                 self.lost.set()
-            except Exception:  # etcd briefly unreachable: keep trying until the TTL decides
-                self.errors += 1
-                time.sleep(min(self.interval, 0.2))
+            except Exception as e:  # noqa: BLE001 - etcd unreachable (any form): retry until the TTL decides
+                self.outage.failed(e)
+                self._stop.wait(min(self.interval, 0.2))
+            else:
+                self.outage.succeeded()
 
     def stop(self, delete: bool) -> None:
-        """Stop refreshing; `delete` = graceful leave (others see a `delete` event at once)."""
+        """Stop refreshing; `delete` = leaving (others see a `delete` event at once). Idempotent."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval + 1)
-        if delete:
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * self.interval + 1)
+        if delete and not self._deleted:
+            self._deleted = True
             try:
                 self.client.delete(self.key)
             except etcd.EtcdKeyNotFound:
-                pass
-            except Exception:
-                pass
+                return  # expired already: the others have seen it go
+            except etcd.EtcdException as e:  # the key expires by its TTL anyway
+                self.outage.failed(e)

@@ -7,7 +7,7 @@ Launch templates require IMDSv2, so every GET carries a session token from `PUT 
 re-fetched shortly before it expires and whenever a GET answers 401.
 
 A metadata service that does not answer (a local run without the endpoint, a transient error) is logged
-once per outage and treated as "no notice": the watcher never raises into the agent.
+once per outage (outage.py) and treated as "no notice": the watcher never raises into the agent.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from petctl.agent.outage import OutageReporter
 from petctl.core.eventlog import EventLog
 
 TOKEN_PATH = "/latest/api/token"
@@ -73,7 +74,8 @@ class IMDSWatcher:
         self.token_fetches = 0  # for tests and diagnostics
         self._token: str | None = None
         self._token_expires = 0.0
-        self._unreachable = False
+        self.outage = OutageReporter("imds", self.log.emit, down_event="imds.unreachable",
+                                     up_event="imds.reachable")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -143,13 +145,9 @@ class IMDSWatcher:
                 if notice is not None:
                     notices.append(notice)
         except IMDSError as e:
-            if not self._unreachable:  # one line per outage, not one per poll
-                self.log.emit("imds.unreachable", endpoint=self.endpoint, error=str(e))
-                self._unreachable = True
+            self.outage.failed(e, endpoint=self.endpoint)  # one line per outage, not one per poll
             return min(notices, key=lambda n: n.deadline) if notices else None
-        if self._unreachable:
-            self.log.emit("imds.reachable", endpoint=self.endpoint)
-            self._unreachable = False
+        self.outage.succeeded(endpoint=self.endpoint)
         return min(notices, key=lambda n: n.deadline) if notices else None
 
     def instance_id(self) -> str | None:
@@ -188,7 +186,7 @@ class IMDSWatcher:
                 self.log.emit("imds.notice", kind=notice.kind, action=notice.action, deadline=notice.deadline)
                 try:
                     callback(notice)
-                except Exception as e:  # the agent's bug must not kill the watcher silently
+                except Exception as e:  # noqa: BLE001 - the agent's bug must not kill the watcher silently
                     self.log.emit("imds.callback_failed", error=repr(e))
                 return
             self._stop.wait(self.interval)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+from petctl.agent.outage import describe
 from petctl.core.eventlog import EventLog
 
 
@@ -54,8 +55,8 @@ def complete_lifecycle_action(asg_name: str, hook_name: str, instance_id: str, r
         client = client or make_client(region)
         client.complete_lifecycle_action(**_args(asg_name, hook_name, instance_id),
                                          LifecycleActionResult=result)
-    except Exception as e:  # botocore errors, missing credentials, no network: never fatal here
-        log.emit("lifecycle.complete_failed", error=_describe(e), **fields)
+    except Exception as e:  # noqa: BLE001 - botocore errors, missing credentials, no network: never fatal
+        log.emit("lifecycle.complete_failed", error=describe(e), **fields)
         return False
     log.emit("lifecycle.completed", **fields)
     return True
@@ -86,9 +87,9 @@ class LifecycleHeartbeat:
             if self._client is None:
                 self._client = make_client(self.region)
             self._client.record_lifecycle_action_heartbeat(**self.args)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as above: counted and logged, the save goes on
             self.failures += 1
-            self.log.emit("lifecycle.heartbeat_failed", error=_describe(e),
+            self.log.emit("lifecycle.heartbeat_failed", error=describe(e),
                           asg=self.args["AutoScalingGroupName"], instance_id=self.args["InstanceId"])
             return False
         self.beats += 1

@@ -2,6 +2,9 @@
 
 Kept on argparse and the stdlib so it starts fast and carries nothing it does not need; the config is a
 file path or an s3:// URL (the job's S3 prefix on AWS), never values baked into the image.
+
+Never a silent death: an unexpected error emits one `agent.crashed` event (one line; the traceback goes
+to the node log) and the process exits with `EXIT_CRASHED`, so the provider sees the instance fail.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ import argparse
 import os
 import stat
 import sys
+import traceback
 from pathlib import Path
 
+from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
 from petctl.io.objstore import read_url
+
+EXIT_CRASHED = 70  # EX_SOFTWARE: the agent itself failed (0 ok or killed, 1 job failed, 2 bad config)
 
 
 def load_config(location: str) -> AgentConfig:
@@ -33,13 +40,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--config is required")
     try:
         config = load_config(args.config)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - a path, JSON, a field or S3: any of them is one line
         print(f"error: cannot load agent config {args.config}: {e}", file=sys.stderr)
         return 2
     if args.node_id:
         config.node_id = args.node_id
     if args.host_addr:
         config.host_addr = args.host_addr
+    from petctl.agent.agent import AgentCrashed
+
+    try:
+        return run(config)
+    except AgentCrashed:  # reported by the agent while its event sinks still ran
+        traceback.print_exc()
+        return EXIT_CRASHED
+    except Exception as e:  # noqa: BLE001 - the last line of defence: a crash before the agent ran
+        from petctl.agent.outage import describe
+
+        EventLog("agent", stream=sys.stdout, job=config.job.name, node=config.node_id).emit(
+            "agent.crashed", error=describe(e))
+        traceback.print_exc()
+        return EXIT_CRASHED
+
+
+def run(config: AgentConfig) -> int:
+    """Run the agent for `config`, its output shipped to the job's prefix if it has one."""
     from petctl.agent.agent import Agent
 
     if not config.status_url:
@@ -61,8 +86,8 @@ def _regular_file(stream) -> Path | None:
         fd = stream.fileno()
         if stat.S_ISREG(os.fstat(fd).st_mode):
             return Path(os.readlink(f"/proc/self/fd/{fd}"))
-    except (OSError, ValueError, AttributeError):
-        pass
+    except (OSError, ValueError, AttributeError):  # not a real file (a pipe, a test's StringIO)
+        return None
     return None
 
 

@@ -37,7 +37,7 @@ def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
     for name, call in steps:
         try:
             call()
-        except Exception as e:  # a missing hook is fine; a denied call is worth a line, not a crash
+        except Exception as e:  # noqa: BLE001 - a missing hook is fine; a denied call is a line, not a crash
             ok = False
             log.emit("release.step_failed", step=name, error=f"{type(e).__name__}: {e}"[:300])
     log.emit("release.done" if ok else "release.partial", asg=asg_name)

@@ -1,18 +1,20 @@
-"""The etcd key layout of a job, in one place.
+"""The etcd key layout of a job, in one place (docs/ARCHITECTURE.md has it with each value's record).
 
-Everything a job writes lives under `/petctl/jobs/<job>/`. Keys that agents watch for membership
-(`live/`) are kept apart from keys written often (status is the heartbeat value itself, refreshed with
-`refresh=True`, which etcd does not report to watchers), so a watch wakes only on events that matter.
+Everything a job writes lives under `/petctl/jobs/<job>/`. Agents watch `live/` (see agent/watcher.py), so
+only what changes membership or the round lives there: a heartbeat is refreshed with `refresh=True`, which
+etcd does not report to watchers, and the keys written often (status, join records, events) live outside
+`live/`, so a watch wakes only on events that matter.
 
     spec                    JobSpec JSON, written once by the provider
     desired                 desired node count (the provider's view; informational for agents)
-    live/nodes/<node_id>    heartbeat, TTL, refreshed silently; value = {node_id, host_addr, pid}
-    live/round              the current rendezvous round (JSON), changed only by compare-and-swap
-    live/done/<n>/<node_id> node finished round n with all workers exiting 0
-    rounds/<n>/<node_id>    join records of round n (TTL'd; outside live/ so joins wake only the closer)
-    status/<node_id>        the node's published state (rank, round, step, ...), TTL'd; outside live/
-                            so frequent updates never wake the agents' watches
-    result                  final job state {state, reason, ts}; its presence ends the job
+    live/nodes/<node_id>    heartbeat (NodeRecord), TTL'd, refreshed silently: its presence means alive
+    live/round              the current round (Round), changed only by compare-and-swap
+    live/done/<n>/<node_id> DoneRecord: the node finished round n with all workers exiting 0
+    rounds/<n>/<node_id>    JoinRecord of round n (TTL'd; outside live/ so joins wake nobody: the
+                            closer polls for them)
+    status/<node_id>        NodeStatus (rank, round, step, failures, ...), TTL'd, rewritten every few
+                            seconds: outside live/ so it never wakes a watch
+    result                  JobResult; its presence ends the job (`live/round` goes final with it)
     events/                 append-only structured events (in-order keys, TTL'd)
 """
 

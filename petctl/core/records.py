@@ -109,6 +109,9 @@ class Round(WireRecord):
     restarts: int = 0  # worker failures so far (max_restarts bounds it)
     cause: str = ""  # why this round was opened
     preempt: Preempt | None = None
+    # The ranks of the round this one replaced, less a node that opened it to leave: its members that are
+    # still alive are expected to join this one (the closer waits for them; see agent/decisions.py).
+    prev_ranks: dict[str, int] = field(default_factory=dict)
     # Set when frozen:
     ranks: dict[str, int] = field(default_factory=dict)  # node_id -> node rank
     world_size: int = 0
@@ -122,6 +125,8 @@ class Round(WireRecord):
     def __post_init__(self) -> None:
         object.__setattr__(self, "phase", Phase(self.phase))
         object.__setattr__(self, "ranks", {str(k): int(v) for k, v in (self.ranks or {}).items()})
+        object.__setattr__(self, "prev_ranks",
+                           {str(k): int(v) for k, v in (self.prev_ranks or {}).items()})
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,8 @@ class DoneRecord(WireRecord):
 
 @dataclass(frozen=True)
 class Checkpoint(WireRecord):
+    """A node's newest saved checkpoint, as its workers reported it (`NodeStatus.last_checkpoint`)."""
+
     step: int | None
     url: str | None = None
 
@@ -187,4 +194,4 @@ class JobResult(WireRecord):
     ts: float
     round: int | None = None
     job: str = ""
-    node: str = ""  # the agent (or "cli") that wrote it
+    node: str = ""  # the agent that wrote it ("" when a provider did: kill_job, the local reconciler)

@@ -57,7 +57,7 @@ class JobLink:
         """Record the job's end (as an agent would); False when etcd refused or another writer was first."""
         import etcd
 
-        from petctl.jobstate import write_result
+        from petctl.io.jobresult import write_result
 
         try:
             return write_result(self.client, self.job, state, reason)

@@ -158,7 +158,7 @@ class LocalProvider(Provider):
     def kill_job(self, name: str) -> None:
         import etcd
 
-        from petctl.jobstate import write_result
+        from petctl.io.jobresult import write_result
 
         job, meta = self._job_dir(name)
         reason = "killed by the user (petctl kill_job)"

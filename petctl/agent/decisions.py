@@ -1,0 +1,283 @@
+"""The rendezvous' decisions as one pure function: given what etcd holds, what this node does next.
+
+Split as torch's `dynamic_rendezvous.py` splits it: `decide(snapshot, state, settings, now)` reads typed
+records and returns one `Action` and this node's updated `RendezvousState`; rendezvous.py performs the
+action (etcd compare-and-swap) and calls `decide` again on a fresh snapshot. Nothing here does I/O, reads a
+clock or keeps state between calls, so every rule is a row in tests/test_round_decisions.py.
+
+The rules (docs/ARCHITECTURE.md has the whole protocol):
+- No round yet: open round 1. A `final` round: the job is over.
+- Fewer than `min` nodes alive for `join_timeout`: end the job `failed`.
+- Joining: write our join record once per round. The *closer* is the first live joiner in (previous rank,
+  join order), so rank 0 stays rank 0 and old members keep their order; only it decides, the others wait.
+  It freezes the round once >= `min` have joined and every live node has joined, or `max` is reached, or
+  `last_call` has passed since `min` was reached; in round 1 it first waits `initial_wait` for `size`.
+- Expected members: live members of the round this one replaced (`Round.prev_ranks`) are still stopping
+  their workers. The closer waits for them up to `stop_grace` + `EXPECT_MARGIN`, and for the previous
+  rank 0 as long as it is alive (bounded only by `join_timeout`, so no single node can wedge the job).
+  Without this, a node joining a running job froze a round alone while the members' workers were still
+  handling SIGTERM (1-2 s with Lightning): an extra restart, and rank 0 moved to the newcomer.
+- Frozen: a member is admitted. A live node outside it waits; if every member is gone it opens the next
+  round itself, since nobody else will.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from petctl.agent.view import Member, Members, RoundInfo, Snapshot
+from petctl.core.records import Phase, Round
+from petctl.core.spec import JobSpec
+
+EXPECT_MARGIN = 3.0  # beyond stop_grace: seeing the new round (a periodic snapshot at worst) and joining it
+POLL_FAST = 0.05  # the closer's poll while a live node has not joined (join records are not watched)
+POLL_SLOW = 0.5  # ... once an expected member has been slow for EXPECT_FAST_FOR
+EXPECT_FAST_FOR = 0.5
+IDLE = 1.0  # a wait with nothing due: the watch wakes us sooner for anything that matters
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job's knobs, as the decisions need them."""
+
+    node_id: str
+    min_nodes: int
+    max_nodes: int
+    initial_size: int
+    last_call: float
+    initial_wait: float
+    join_timeout: float
+    stop_grace: float
+    max_restarts: int = 3
+
+    @classmethod
+    def of(cls, node_id: str, spec: JobSpec) -> Settings:
+        t = spec.timeouts
+        return cls(node_id=node_id, min_nodes=spec.min_size, max_nodes=spec.max_size,
+                   initial_size=min(spec.max_size, max(spec.min_size, spec.size or spec.min_size)),
+                   last_call=t.last_call, initial_wait=t.initial_wait, join_timeout=t.join_timeout,
+                   stop_grace=t.stop_grace, max_restarts=spec.max_restarts)
+
+    @property
+    def expect_for(self) -> float:
+        """How long a closer waits for a live member of the previous round (other than its rank 0)."""
+        return self.stop_grace + EXPECT_MARGIN
+
+
+@dataclass(frozen=True)
+class Now:
+    mono: float  # time.monotonic(): intervals this node measures itself
+    wall: float  # time.time(): only to compare with timestamps other nodes wrote (`Round.ts`)
+
+
+@dataclass(frozen=True)
+class RendezvousState:
+    """What one node remembers between two decisions of one rendezvous."""
+
+    started: float  # monotonic start of this rendezvous (reported in `rendezvous.complete`)
+    prev_rank: int | None = None  # our rank in the round before, written into our join record
+    joined_round: int | None = None  # the round our join record is for
+    joined_at: float | None = None  # monotonic: when we joined it (expected members are waited from here)
+    members: Members | None = None  # join records of the joining round, as last read
+    ahead: frozenset[str] = frozenset()  # live joiners sorted before us at that read
+    below_min_since: float | None = None
+    min_reached_at: float | None = None  # the closer: when >= min had joined (last_call runs from here)
+    waiting_reported: bool = False
+
+
+# --- actions -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpenFirstRound:
+    """Create round 1 (`prevExist=False`: one creator wins)."""
+
+
+@dataclass(frozen=True)
+class Join:
+    round: int
+    prev_rank: int | None
+
+
+@dataclass(frozen=True)
+class ReadMembers:
+    round: int
+
+
+@dataclass(frozen=True)
+class Freeze:
+    """CAS `live/round` from `index` to `value` (the frozen round); then forget the round before."""
+
+    value: Round
+    index: int
+
+
+@dataclass(frozen=True)
+class StartNextRound:
+    cause: str
+    failure: bool = False
+
+
+@dataclass(frozen=True)
+class EndJob:
+    state: str
+    reason: str
+    round: int | None
+
+
+@dataclass(frozen=True)
+class Wait:
+    timeout: float
+    watch_membership: bool = True  # False: pause the `live/` watch (only round changes wake us)
+    waiting_for_world: int | None = None  # report once: alive, outside a frozen round of this size
+
+
+@dataclass(frozen=True)
+class Admitted:
+    info: RoundInfo
+
+
+@dataclass(frozen=True)
+class Ended:
+    state: str
+    reason: str
+
+
+Action = OpenFirstRound | Join | ReadMembers | Freeze | StartNextRound | EndJob | Wait | Admitted | Ended
+
+
+# --- the decision ----------------------------------------------------------------------------------
+def decide(snap: Snapshot, state: RendezvousState, s: Settings,
+           now: Now) -> tuple[Action, RendezvousState]:
+    """What to do next, and the state to pass to the next call once it is done."""
+    rnd = snap.round
+    if rnd is None:
+        return OpenFirstRound(), state
+    if rnd.phase is Phase.FINAL:
+        return Ended(rnd.state or "unknown", rnd.reason), state
+    round_no = rnd.round or 0
+    if len(snap.alive) < s.min_nodes:
+        since = state.below_min_since if state.below_min_since is not None else now.mono
+        state = dataclasses.replace(state, below_min_since=since)
+        if now.mono - since > s.join_timeout:
+            return EndJob("failed", f"fewer than min={s.min_nodes} nodes for {s.join_timeout:.0f}s",
+                          round_no), state
+    elif state.below_min_since is not None:
+        state = dataclasses.replace(state, below_min_since=None)
+    if rnd.phase is Phase.JOINING:
+        return _joining(snap, rnd, round_no, state, s, now)
+    return _frozen(snap, rnd, state, s)
+
+
+def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
+             now: Now) -> tuple[Action, RendezvousState]:
+    if state.joined_round != round_no:
+        return Join(round_no, state.prev_rank), dataclasses.replace(
+            state, joined_round=round_no, joined_at=now.mono, min_reached_at=None, members=None,
+            ahead=frozenset())
+    known = state.ahead and state.ahead <= snap.alive
+    if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
+        return Wait(IDLE, watch_membership=False), state
+    members = state.members
+    if members is None or members.round != round_no or members.read_at != snap.etcd_index:
+        return ReadMembers(round_no), state
+    live = {n: m for n, m in members.records.items() if n in snap.alive}
+    if s.node_id not in live:  # our record vanished (should not happen): write it again
+        return Join(round_no, state.prev_rank), dataclasses.replace(state, members=None, ahead=frozenset())
+    order = closing_order(live, rnd.prev_ranks)
+    state = dataclasses.replace(state, ahead=frozenset(order[: order.index(s.node_id)]))
+    if state.ahead:
+        return Wait(IDLE, watch_membership=False), state
+    return _close(snap, rnd, live, order, state, s, now)
+
+
+def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None = None) -> list[str]:
+    """Joiners in rank order: previous ranks first (rank 0 stays rank 0), then newcomers by arrival.
+
+    A previous rank is the one in the join record, else the one in the round's `prev_ranks` (a member
+    that lost its heartbeat and came back rejoins without one).
+    """
+    prev_ranks = prev_ranks or {}
+
+    def key(node: str) -> tuple[int, int, int]:
+        m = live[node]
+        prev = m.record.prev_rank if m.record.prev_rank is not None else prev_ranks.get(node)
+        return (0 if prev is not None else 1, prev if prev is not None else 0, m.created)
+    return sorted(live, key=key)
+
+
+def _close(snap: Snapshot, rnd: Round, live: dict[str, Member], order: list[str],
+           state: RendezvousState, s: Settings, now: Now) -> tuple[Action, RendezvousState]:
+    """The closer's turn: freeze the round if it is ready, else wait (polling only while a live node
+    has not joined: its join write follows its heartbeat within milliseconds, and join records are not
+    watched; otherwise until the next arrival or the end of a wait)."""
+    admitted = order[: s.max_nodes]
+    pending = snap.alive - live.keys()
+    poll = POLL_FAST if pending else IDLE
+    if len(admitted) < s.min_nodes:
+        return Wait(poll), state
+    if state.min_reached_at is None:
+        state = dataclasses.replace(state, min_reached_at=now.mono)
+    waited = now.mono - (state.min_reached_at or now.mono)
+    expected = expected_members(rnd, snap.alive, live)
+    if expected:
+        joined_for = now.mono - (state.joined_at if state.joined_at is not None else now.mono)
+        rank0 = previous_rank0(rnd)
+        if (rank0 in expected and joined_for < s.join_timeout) or joined_for < s.expect_for:
+            return Wait(POLL_FAST if joined_for < EXPECT_FAST_FOR else POLL_SLOW), state
+    if rnd.round == 1 and len(live) < s.initial_size:
+        # Job start: the other instances are still booting; wait for them (bounded) rather than start
+        # small and restart as each one arrives.
+        left = s.initial_wait - (now.wall - rnd.ts)
+        if left > 0:
+            return Wait(POLL_FAST if pending else min(IDLE, left)), state
+    elif pending and len(live) < s.max_nodes and waited < s.last_call:
+        return Wait(min(POLL_FAST, s.last_call - waited)), state
+    if snap.round_index is None:
+        return Wait(POLL_FAST), state
+    return Freeze(frozen(rnd, admitted, live, now.wall), snap.round_index), state
+
+
+def expected_members(rnd: Round, alive: frozenset[str], live: dict[str, Member]) -> set[str]:
+    """Live members of the previous round that have not joined this one yet."""
+    return {n for n in rnd.prev_ranks if n in alive and n not in live}
+
+
+def previous_rank0(rnd: Round) -> str | None:
+    return next((n for n, r in rnd.prev_ranks.items() if r == 0), None)
+
+
+def frozen(rnd: Round, admitted: list[str], live: dict[str, Member], wall: float) -> Round:
+    """`rnd` frozen with `admitted` in rank order; rank 0's join record names the master address."""
+    master = live[admitted[0]].record
+    ranks = {n: i for i, n in enumerate(admitted)}
+    return dataclasses.replace(rnd, phase=Phase.FROZEN, ranks=ranks, world_size=len(ranks),
+                               master_addr=master.addr, master_port=int(master.port), frozen_ts=wall)
+
+
+def _frozen(snap: Snapshot, rnd: Round, state: RendezvousState,
+            s: Settings) -> tuple[Action, RendezvousState]:
+    if s.node_id in rnd.ranks:
+        return Admitted(RoundInfo.of(rnd, s.node_id)), state
+    # A round formed without us: our old rank now belongs to someone else, so we come back as new.
+    state = dataclasses.replace(state, prev_rank=None)
+    if not any(n in snap.alive for n in rnd.ranks):  # nobody else will open the next round
+        return StartNextRound("all members of the previous round lost"), state
+    if state.waiting_reported:
+        return Wait(IDLE), state
+    return Wait(IDLE, waiting_for_world=len(rnd.ranks)), dataclasses.replace(state, waiting_reported=True)
+
+
+def next_round(current: Round, cause: str, failure: bool, max_restarts: int, wall: float,
+               leaving: str = "") -> Round | EndJob:
+    """The round that replaces `current` (joining), or the job's end if a failure exhausts max_restarts.
+
+    Its `prev_ranks` are `current`'s members (or, if it never froze, the members it expected), less
+    `leaving`, the node that opens it to leave: nobody waits for a node on its way out.
+    """
+    restarts = current.restarts + (1 if failure else 0)
+    if failure and restarts > max_restarts:
+        return EndJob("failed", f"{cause}; max_restarts={max_restarts} exhausted", current.round)
+    prev = current.ranks if current.phase is Phase.FROZEN else current.prev_ranks
+    return Round(round=(current.round or 0) + 1, phase=Phase.JOINING, ts=wall, restarts=restarts,
+                 cause=cause, preempt=None, prev_ranks={n: r for n, r in prev.items() if n != leaving})

@@ -1,0 +1,169 @@
+"""What a running round's events mean, as pure functions: the round runner (roundrunner.py) acts on them.
+
+Two judges, both tested by tables (tests/test_round_decisions.py):
+- `judge(snapshot, info, settings)`: what `live/` says about the round (over, a member lost, a node
+  waiting that can be admitted, every member done).
+- `judge_workers(watch, workers, now, timing)`: what this node's workers say (succeeded, failed, stuck
+  at exit), with the little the node remembers between two looks in `WorkerWatch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from petctl.agent.decisions import EndJob, Settings
+from petctl.agent.view import RoundInfo, Snapshot
+from petctl.core.records import Phase
+
+
+class RoundOutcome(enum.Enum):
+    """How one round ended for this node."""
+
+    NEXT_ROUND = "next round"  # the round was replaced: rendezvous again (as the same member)
+    JOB_ENDED = "job ended"  # the round went final
+    LEAVE = "agent asked to leave"  # SIGTERM: leave gracefully
+    PREEMPTED = "preemption checkpoint done"  # noticed, saved: leave before the reclaim
+    LOST = "heartbeat lost"  # we were frozen past our TTL: the others dropped us; rejoin as new
+
+
+# --- what live/ says --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Continue:
+    """Nothing to do: the round goes on."""
+
+
+@dataclass(frozen=True)
+class Over:
+    outcome: RoundOutcome  # NEXT_ROUND or JOB_ENDED
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Open the next round: a member is gone, or a waiting node can be admitted."""
+
+    event: str  # membership.lost | membership.waiting
+    nodes: tuple[str, ...]
+    cause: str
+
+
+Verdict = Continue | Over | MembershipChange | EndJob
+
+
+def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
+    """What the snapshot means for the round `info` describes.
+
+    A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
+    exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
+    so one node pays for the CAS. Every member done ends the job `succeeded`.
+    """
+    rnd = snap.round
+    if rnd is not None and rnd.phase is Phase.FINAL:
+        return Over(RoundOutcome.JOB_ENDED)
+    if rnd is None or rnd.round != info.round:
+        return Over(RoundOutcome.NEXT_ROUND)
+    done = snap.done_in(info.round)
+    lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
+    if lost:
+        return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
+    waiting = tuple(sorted(snap.alive - info.ranks.keys()))
+    if waiting and len(info.ranks) < s.max_nodes and is_lowest_live_rank(info, snap.alive):
+        return MembershipChange("membership.waiting", waiting, f"scale-up: {','.join(waiting)}")
+    if done >= info.ranks.keys():
+        return EndJob("succeeded", "all workers exited 0", info.round)
+    return Continue()
+
+
+def is_lowest_live_rank(info: RoundInfo, alive: frozenset[str]) -> bool:
+    live_ranks = [r for n, r in info.ranks.items() if n in alive]
+    return bool(live_ranks) and info.rank == min(live_ranks)
+
+
+# --- what the workers say ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workers:
+    """One look at the node's workers."""
+
+    exited: bool  # all exited, or one failed (its peers are likely blocked in a collective)
+    succeeded: bool  # ... and every one exited 0
+    first_failure: tuple[int, int] | None  # (local rank, exit code)
+    some_succeeded: bool  # at least one exited 0 (others may run)
+    running: bool
+    round_done_elsewhere: bool  # another member of the round is done
+    preempting: bool  # the round carries a preemption notice: exits are neither success nor failure
+
+
+@dataclass(frozen=True)
+class WorkerWatch:
+    """What this node remembers about its workers during one round."""
+
+    failure: str = ""  # the first failure, described
+    failed_at: float | None = None
+    restart_asked: bool = False  # we asked for the next round once; the snapshot will show it
+    finishing_since: float | None = None
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class Timing:
+    finish_grace: float  # once a rank exited 0, how long the others get to exit too
+    fail_grace: float  # how long a failure waits for a vanished peer's heartbeat to expire
+
+
+@dataclass(frozen=True)
+class Idle:
+    pass
+
+
+@dataclass(frozen=True)
+class StopLingering:
+    """A rank exited 0 finish_grace ago and ours still run: stop them and count the node done."""
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    pass
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    local_rank: int
+    code: int
+
+
+@dataclass(frozen=True)
+class AskRestart:
+    cause: str
+
+
+WorkerStep = Idle | StopLingering | Succeeded | ReportFailure | AskRestart
+
+
+def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
+                  node_id: str) -> tuple[WorkerStep, WorkerWatch]:
+    """The next step for this node's workers, and what to remember.
+
+    All ranks of a data-parallel job end together: once one exited 0, a worker still running after
+    finish_grace is stuck at exit (seen in destroy_process_group once its peers had gone), so it is
+    stopped and the node counts as done rather than hang the job. A failure waits fail_grace before it
+    asks for a restart: a peer that vanished makes our workers fail too, and its heartbeat expiring
+    first makes that a membership change, not a failure.
+    """
+    if watch.finished or w.preempting:
+        return Idle(), watch
+    if watch.finishing_since is None and (w.some_succeeded or w.round_done_elsewhere):
+        watch = dataclasses.replace(watch, finishing_since=now)
+    if watch.finishing_since is not None and now - watch.finishing_since > t.finish_grace and w.running:
+        return StopLingering(), dataclasses.replace(watch, finished=True)
+    if not w.exited:
+        return Idle(), watch
+    if w.succeeded:
+        return Succeeded(), dataclasses.replace(watch, finished=True)
+    if watch.failed_at is None:
+        local_rank, code = w.first_failure or (0, -1)
+        failure = f"worker failure on {node_id} (local rank {local_rank}, exit code {code})"
+        return ReportFailure(local_rank, code), dataclasses.replace(watch, failure=failure, failed_at=now)
+    if not watch.restart_asked and now - watch.failed_at > t.fail_grace:
+        return AskRestart(watch.failure), dataclasses.replace(watch, restart_asked=True)
+    return Idle(), watch

@@ -1,0 +1,225 @@
+"""One round on one node: start the workers, watch them and `live/`, act on what the judges say, stop.
+
+The decisions are roundjudge.py's pure functions; this module only looks (snapshots, worker polls,
+flags) and acts (CAS, events, signals). `run` returns how the round ended, as a `RoundOutcome`.
+Every look at `live/` is a fresh snapshot, taken on a watch event or every `SNAPSHOT_EVERY` seconds, so
+a missed watch event costs latency, never correctness.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from petctl.agent.decisions import EndJob, Settings
+from petctl.agent.heartbeat import Heartbeat
+from petctl.agent.preemption import PreemptionHandler
+from petctl.agent.rendezvous import EtcdRendezvous
+from petctl.agent.roundjudge import (
+    AskRestart,
+    MembershipChange,
+    Over,
+    ReportFailure,
+    RoundOutcome,
+    StopLingering,
+    Succeeded,
+    Timing,
+    Workers,
+    WorkerWatch,
+    judge,
+    judge_workers,
+)
+from petctl.agent.status import Progress, StatusPublisher
+from petctl.agent.view import RoundInfo, Snapshot
+from petctl.agent.warm_pool import WarmPool
+from petctl.agent.watcher import LiveWatcher
+from petctl.agent.workers import WorkerGroup
+from petctl.agent.workerspec import WorkerSpec
+from petctl.core import controlfiles
+from petctl.core.eventlog import EventLog
+from petctl.core.records import Phase
+from petctl.core.spec import JobSpec
+
+SNAPSHOT_EVERY = 2.0  # a fresh look at live/ even without a watch event
+PUBLISH_EVERY = 5.0
+WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
+REFILL_AFTER = 10.0  # refill the warm pool after the round's first step, or this long into the round
+
+
+@dataclass
+class RoundParts:
+    """The agent's long-lived parts a round uses (built and started by Agent)."""
+
+    spec: JobSpec
+    node_id: str
+    settings: Settings
+    events: EventLog
+    rdzv: EtcdRendezvous
+    watcher: LiveWatcher
+    heartbeat: Heartbeat
+    preemption: PreemptionHandler
+    status: StatusPublisher
+    progress: Progress
+    leave: threading.Event
+    control_dir: Path
+    work_dir: Path
+    out: IO[str]
+    worker_spec: WorkerSpec
+    pool: WarmPool | None
+
+
+class RoundRunner:
+    def __init__(self, parts: RoundParts) -> None:
+        self.p = parts
+        t = parts.spec.timeouts
+        self.timing = Timing(finish_grace=t.finish_grace, fail_grace=t.heartbeat_ttl + t.heartbeat_interval)
+
+    def run(self, info: RoundInfo) -> RoundOutcome:
+        p = self.p
+        p.status.round = info
+        p.progress.begin_round()
+        controlfiles.clear(p.control_dir, markers=True)
+        workers = WorkerGroup(p.worker_spec, p.out, on_event=p.progress.on_worker_event, pool=p.pool)
+        workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
+                      master_port=info.master_port, restart_count=info.round - 1,
+                      max_restarts=p.spec.max_restarts, run_id=p.spec.name, extra_env=self._extra_env(info))
+        p.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
+                      nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready)
+        p.status.set_state("running")
+        watch = WorkerWatch()
+        flagged = False
+        started = last_snapshot = last_publish = time.monotonic()
+        snap = p.rdzv.snapshot()
+        while True:
+            if p.leave.is_set():
+                return self._stop(workers, info, RoundOutcome.LEAVE)
+            if p.heartbeat.lost.is_set():
+                return self._stop(workers, info, RoundOutcome.LOST)
+            if p.preemption.notice is not None and not p.preemption.announced:
+                p.preemption.announce(self._announce_preemption)
+            woke = p.watcher.wait(0.1)
+            now = time.monotonic()
+            if woke or now - last_snapshot > SNAPSHOT_EVERY:
+                snap, last_snapshot = p.rdzv.snapshot(), now
+                outcome = self._act(snap, info)
+                if outcome is not None:
+                    return self._end(workers, info, snap, outcome)
+                flagged = flagged or self._flag_preemption(snap, info, workers)
+            if p.preemption.announced and p.preemption.save_finished(workers, p.control_dir):
+                return self._stop(workers, info, RoundOutcome.PREEMPTED)
+            watch = self._watch_workers(watch, workers, snap, info, now)
+            if now - last_publish > PUBLISH_EVERY:
+                last_publish = now
+                p.status.publish()
+            self._refill_pool(info, now - started)
+
+    # --- live/ ---------------------------------------------------------------------------------------
+    def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
+        """Act on what the snapshot means; the outcome if the round is over for us."""
+        p = self.p
+        verdict = judge(snap, info, p.settings)
+        if isinstance(verdict, Over):
+            return verdict.outcome
+        if isinstance(verdict, MembershipChange):
+            p.events.emit(verdict.event, round=info.round, nodes=list(verdict.nodes))
+            p.rdzv.start_round(snap, cause=verdict.cause)
+        elif isinstance(verdict, EndJob):
+            p.rdzv.end_job(verdict.state, verdict.reason, verdict.round)
+        return None
+
+    def _flag_preemption(self, snap: Snapshot, info: RoundInfo, workers: WorkerGroup) -> bool:
+        """Tell our workers a member is preempted (every rank then saves the same step); once."""
+        p = self.p
+        preempt = snap.round.preempt if snap.round is not None else None
+        if preempt is None:
+            return False
+        controlfiles.write_preempt(p.control_dir, preempt.node_id, preempt.deadline)
+        p.events.emit("preemption.flagged", round=info.round, noticed=preempt.node_id)
+        if preempt.node_id == p.node_id and not controlfiles.speaks_protocol(p.control_dir,
+                                                                             p.spec.nproc_per_node):
+            workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
+        return True
+
+    def _announce_preemption(self) -> bool:
+        p = self.p
+        return p.rdzv.set_preempt(p.rdzv.snapshot(), p.preemption.notice.deadline)
+
+    # --- the workers ---------------------------------------------------------------------------------
+    def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, snap: Snapshot, info: RoundInfo,
+                       now: float) -> WorkerWatch:
+        p = self.p
+        preempting = snap.round is not None and snap.round.preempt is not None
+        result = None if watch.finished or preempting else workers.poll()
+        look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),
+                       first_failure=result.first_failure() if result else None,
+                       some_succeeded=workers.some_succeeded(), running=workers.running,
+                       round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting)
+        step, watch = judge_workers(watch, look, now, self.timing, p.node_id)
+        if isinstance(step, StopLingering):
+            p.events.emit("workers.lingered", round=info.round, seconds=self.timing.finish_grace)
+            workers.stop(p.spec.timeouts.stop_grace)
+            p.rdzv.mark_done(info.round)
+            p.status.set_state("succeeded")
+        elif isinstance(step, Succeeded):
+            p.rdzv.mark_done(info.round)
+            p.events.emit("workers.succeeded", round=info.round)
+            p.status.set_state("succeeded")
+        elif isinstance(step, ReportFailure):
+            p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code)
+        elif isinstance(step, AskRestart):
+            p.rdzv.start_round(p.rdzv.snapshot(), cause=step.cause, failure=True)
+        return watch
+
+    def _refill_pool(self, info: RoundInfo, into_round: float) -> None:
+        """After the first step (off the restart's critical path), or REFILL_AFTER into the round. One
+        report per refill, never one per loop pass (a pool that cannot fill starts nothing)."""
+        pool = self.p.pool
+        if pool is None or pool.full or not (self.p.progress.round_step_seen or into_round > REFILL_AFTER):
+            return
+        if pool.fill():
+            threading.Thread(target=self._report_warm, args=(pool, info.round), daemon=True).start()
+
+    def _report_warm(self, pool: WarmPool, round_no: int) -> None:
+        """One line when the refilled pool is ready: from then on a restart skips every import."""
+        t0 = time.monotonic()
+        ready = pool.wait_ready(WARM_WAIT)
+        self.p.events.emit("workers.warm_ready", count=ready, round=round_no,
+                           seconds=round(time.monotonic() - t0, 3))
+
+    def _end(self, workers: WorkerGroup, info: RoundInfo, snap: Snapshot,
+             outcome: RoundOutcome) -> RoundOutcome:
+        """The round was replaced: join the new one before our workers stop (they may take seconds to
+        handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting.
+        Not a node on its way out (asked to leave, or preempted): the closer should not count on it."""
+        p, rnd = self.p, snap.round
+        staying = not p.leave.is_set() and p.preemption.notice is None and not p.heartbeat.lost.is_set()
+        if (outcome is RoundOutcome.NEXT_ROUND and staying and rnd is not None and rnd.phase is Phase.JOINING
+                and rnd.round is not None and p.node_id in snap.alive):
+            p.rdzv.prejoin(rnd.round, info.rank)
+        return self._stop(workers, info, outcome)
+
+    def _stop(self, workers: WorkerGroup, info: RoundInfo, outcome: RoundOutcome) -> RoundOutcome:
+        p = self.p
+        t0 = time.monotonic()
+        p.status.set_state("stopping")
+        codes = workers.stop(p.spec.timeouts.stop_grace)
+        why = outcome.value
+        p.events.emit("workers.stopped", round=info.round, why=why, codes=codes,
+                      seconds=round(time.monotonic() - t0, 3))
+        span = p.progress.span
+        # One line per round with its step span: enough for goodput (kept vs lost steps) later.
+        p.events.emit("round.summary", round=info.round, rank=info.rank, world_size=info.world_size,
+                      started=round(workers.started_at, 3), ended=round(time.time(), 3), why=why,
+                      first_step=span.get("first"), last_step=span.get("last"),
+                      first_step_ts=span.get("first_ts"), last_step_ts=span.get("last_ts"))
+        return outcome
+
+    def _extra_env(self, info: RoundInfo) -> dict[str, str]:
+        p = self.p
+        return {"PETCTL_JOB": p.spec.name, "PETCTL_NODE_ID": p.node_id, "PETCTL_ROUND": str(info.round),
+                "PETCTL_CHECKPOINT_URL": p.spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(p.control_dir),
+                "PETCTL_CACHE_DIR": str(p.work_dir / "cache")}

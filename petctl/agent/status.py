@@ -1,0 +1,101 @@
+"""What a node tells the world about itself: its `NodeStatus`, in etcd and in the mirror.
+
+`petctl status` shows it per node: state, round, rank, the newest step and checkpoint, the etcd requests
+the agent made and the failures its services counted. It is informational: a failed publication is
+counted and reported once per outage (outage.py), never allowed to stop training.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import etcd
+
+from petctl.agent.outage import OutageReporter
+from petctl.agent.view import RoundInfo
+from petctl.agent.watcher import RequestStats
+from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
+from petctl.core.records import Checkpoint, NodeStatus
+
+STATUS_TTL = 120
+FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed")
+
+
+class Progress:
+    """Follows the workers' progress lines (local rank 0 speaks for the node); no torch needed."""
+
+    def __init__(self, nproc: int, events: EventLog) -> None:
+        self.nproc = nproc
+        self.events = events
+        self.step: int | None = None
+        self.last_checkpoint: Checkpoint | None = None
+        self.round_step_seen = False  # a step was logged in the current round
+        self.span: dict[str, Any] = {}  # first/last step of the current round (goodput)
+
+    def begin_round(self) -> None:
+        self.span = {}
+        self.round_step_seen = False
+
+    def on_worker_event(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if int(record.get("local_rank", record.get("rank", 0)) or 0) % self.nproc != 0:
+            return
+        if event == "train.step":
+            step, ts = record.get("step"), record.get("ts")
+            self.step = step
+            self.round_step_seen = True
+            if "first" not in self.span:
+                self.span.update(first=step, first_ts=ts)
+            self.span.update(last=step, last_ts=ts)
+        elif event in FORWARDED:
+            if event == "checkpoint.saved":
+                self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"))
+            self.events.forward(record)
+
+
+class StatusPublisher:
+    """Publishes the node's status at each state change and whenever `publish()` is called."""
+
+    def __init__(self, client: etcd.Client, keys: JobKeys, node_id: str, host_addr: str, stats: RequestStats,
+                 progress: Progress, outage: OutageReporter,
+                 failures: Callable[[], dict[str, int]] = dict, mirror: Any = None) -> None:
+        self.client = client
+        self.key = keys.node_status(node_id)
+        self.node_id = node_id
+        self.host_addr = host_addr
+        self.stats = stats
+        self.progress = progress
+        self.outage = outage
+        self.failures = failures
+        self.mirror = mirror
+        self.state = "starting"
+        self.round: RoundInfo | None = None
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.publish()
+
+    def status(self) -> NodeStatus:
+        info = self.round if self.state not in ("joining", "waiting") else None
+        return NodeStatus(node_id=self.node_id, state=self.state, updated=time.time(),
+                          host_addr=self.host_addr, pid=os.getpid(),
+                          round=self.round.round if self.round else None,
+                          rank=info.rank if info else None, world_size=info.world_size if info else None,
+                          restarts=info.restarts if info else None, step=self.progress.step,
+                          last_checkpoint=self.progress.last_checkpoint,
+                          etcd_requests=self.stats.as_dict(), failures=self.failures())
+
+    def publish(self) -> None:
+        status = self.status()
+        if self.mirror is not None:
+            self.mirror.set_status(status.to_dict())
+        try:
+            self.client.write(self.key, status.to_json(), ttl=STATUS_TTL)
+        except etcd.EtcdException as e:
+            self.outage.failed(e)
+            return
+        self.outage.succeeded()
