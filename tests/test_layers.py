@@ -50,3 +50,20 @@ def test_plain_install_does_not_pull_torch() -> None:
     assert torch, requires
     assert all("extra ==" in r for r in torch), torch
     assert any('extra == "elastic"' in r for r in torch), torch
+
+
+def test_modules_and_classes_stay_small() -> None:
+    """One job per module: none over 300 lines, no class over 200 (docs/ARCHITECTURE.md's rule)."""
+    import ast
+
+    too_big = []
+    for path in sorted((REPO / "petctl").rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > 300:
+            too_big.append(f"{path.relative_to(REPO)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200:
+                too_big.append(f"{path.relative_to(REPO)}: class {node.name} "
+                               f"{node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, too_big
