@@ -88,3 +88,12 @@ def test_each_provider_accepts_its_own_options(script: Path) -> None:
     aws = JobSubmission(spec(instance_types=["g5.xlarge"], on_demand=True, on_demand_base=1,
                              spot_strategy="capacity-optimized", multi_az=True), script)
     aws.validate("aws", AwsProvider.run_options)
+
+
+def test_local_provider_warns_when_torch_is_missing() -> None:
+    """`pip install petctl` has no torch; the local provider runs the script here, so it says so."""
+    from petctl.providers.local.provider import torch_warning
+
+    assert torch_warning(lambda name: object()) is None
+    warning = torch_warning(lambda name: None)
+    assert warning is not None and "petctl[elastic]" in warning and "\n" not in warning

@@ -12,9 +12,12 @@ or the agent under a profiler or a wrapper. An empty value restores petctl's own
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -152,6 +155,8 @@ class LocalProvider(Provider):
         if not etcdhost.healthy(self.settings):
             raise NotSetUp(f"etcd at {endpoint} is not running: run `petctl setup` again")
         delay = DEFAULT_REPLACE_DELAY if job.replace_delay is None else job.replace_delay
+        if (warning := torch_warning()) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
         jobstart.start(job_dir, job, endpoint, self._client(), delay, self.settings.get("agent_command"))
         return self.job(spec.name)
 
@@ -216,3 +221,13 @@ class LocalProvider(Provider):
         except etcd.EtcdException as e:
             raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
         return chaos.take_away(JobDir.of(self.config.home, name), ranks_of(current), host_id, mode, grace)
+
+
+def torch_warning(find_spec: Callable[[str], object] = importlib.util.find_spec) -> str | None:
+    """The local provider runs the user's script on this machine, and `pip install petctl` (CLI and
+    agent) has no torch: say so before the workers fail on `import torch`, not after."""
+    if find_spec("torch") is not None:
+        return None
+    return ("torch is not installed here, and the local provider runs your script on this machine: "
+            "pip install 'petctl[elastic]'")
+
