@@ -30,7 +30,7 @@ def test_import_rules_catch_a_wrong_import(tmp_path: Path) -> None:
     """The checker is live: a core module importing the agent is reported (so a pass above means it)."""
     pytest.importorskip("importlinter", reason="import-linter comes with the test extra")
     pkg = tmp_path / "petctl"
-    for sub in ("core", "io", "agent", "elastic", "providers", "cli"):
+    for sub in ("core", "io", "agent", "elastic", "jobview", "providers", "cli"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
