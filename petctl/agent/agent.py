@@ -89,10 +89,9 @@ class Agent:
         """Failed attempts per service since the agent started (published in `NodeStatus.failures`)."""
         counts = {"watch": self.watcher.outage.failures, "heartbeat": self.heartbeat.outage.failures,
                   "events": self.event_sink.dropped, "status": self.status.outage.failures,
-                  "records": self.rdzv.reader.corrupt_records}
+                  "records": self.rdzv.reader.corrupt_records, "sinks": self.events.sink_failures}
         if self.mirror is not None:  # the mirror counts its own (petctl/agent/mirror.py)
-            mirror = self.mirror
-            counts["mirror"] = mirror.failures
+            counts["mirror"] = self.mirror.failures
         return counts
 
     # --- lifecycle ---------------------------------------------------------------------------------
