@@ -13,7 +13,7 @@ import pytest
 
 from petctl.cli.context import CliContext
 from petctl.cli.main import main
-from petctl.core.config import PetctlConfig
+from petctl.io.config import PetctlConfig
 from petctl.jobview.prefix import file_prefix
 from petctl.jobview.view import JobSources
 from petctl.providers.aws.provider import AwsProvider

@@ -49,8 +49,8 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     # etcd forgets (TTL, a new etcd): the mirror in the job's prefix still tells the story.
     import etcd
 
-    from petctl.core.config import PetctlConfig
     from petctl.core.keys import JobKeys
+    from petctl.io.config import PetctlConfig
     from petctl.io.etcd import etcd_client
 
     endpoint = PetctlConfig.load(local.home).section("local")["etcd_endpoint"]

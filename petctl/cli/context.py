@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from petctl.core.config import PetctlConfig
+    from petctl.io.config import PetctlConfig
     from petctl.jobview.view import JobView
     from petctl.providers.base import Provider
 
@@ -26,7 +26,7 @@ class CliContext:
 
     def load_config(self) -> PetctlConfig:
         if self.config is None:
-            from petctl.core.config import PetctlConfig
+            from petctl.io.config import PetctlConfig
 
             self.config = PetctlConfig.load()
         return self.config

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from petctl.core.config import PetctlConfig
 from petctl.core.errors import PetctlError
+from petctl.io.config import PetctlConfig
 from petctl.providers.base import Provider
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from petctl.core.config import PetctlConfig
 from petctl.core.spec import JobSubmission, Timeouts
+from petctl.io.config import PetctlConfig
 
 if TYPE_CHECKING:
     from petctl.jobview.view import JobSources

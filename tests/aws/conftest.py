@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from petctl.core.config import PetctlConfig
 from petctl.core.spec import JobSpec, JobSubmission
+from petctl.io.config import PetctlConfig
 from tests.aws.moto_patches import patch_moto_stack_deletion
 from tests.conftest import serve_moto
 

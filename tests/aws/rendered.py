@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from petctl.core.config import PetctlConfig
 from petctl.core.spec import AgentConfig, JobSpec
+from petctl.io.config import PetctlConfig
 from petctl.providers.aws.launch import LIFECYCLE_HOOK
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import AwsProvider

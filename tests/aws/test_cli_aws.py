@@ -8,8 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from petctl.core.config import PetctlConfig
 from petctl.core.errors import PetctlError
+from petctl.io.config import PetctlConfig
 from tests.aws.conftest import REGION, boto, push_worker_image, write_script
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from petctl.core.config import PetctlConfig
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import JobSpec
+from petctl.io.config import PetctlConfig
 from tests.aws.conftest import REGION, boto, submit, view, write_script
 
 

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from petctl.core.config import atomic_write
+from petctl.io.files import atomic_write
 from petctl.jobview.cost import Quote, UsageKey
 
 CACHE_TTL = 24 * 3600

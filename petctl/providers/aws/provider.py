@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from petctl.core.config import PetctlConfig
 from petctl.core.errors import NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission, Timeouts
 from petctl.io.aws import AwsSession, aws_errors
+from petctl.io.config import PetctlConfig
 from petctl.jobview.logs import follow_chunks, log_nodes
 from petctl.jobview.view import JobSources
 from petctl.providers.aws import azfallback, basestack, inventory, jobrecords, launch

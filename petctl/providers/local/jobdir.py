@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.core.config import atomic_write
+from petctl.io.files import atomic_write
 
 
 def local_root(home: Path) -> Path:

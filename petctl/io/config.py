@@ -14,19 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from petctl.core.errors import NotSetUp
+from petctl.io.files import atomic_write
 
 PROVIDERS = ("local", "aws")
 
 
 def petctl_home() -> Path:
     return Path(os.environ.get("PETCTL_HOME") or Path.home() / ".petctl")
-
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @dataclass
