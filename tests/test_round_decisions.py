@@ -1,8 +1,9 @@
-"""The round decisions as tables: no etcd, no torch, no clock (petctl/agent/decisions.py, roundjudge.py).
+"""The rendezvous decisions as tables: no etcd, no torch, no clock (petctl/agent/decisions.py).
 
 Each case builds what etcd would hold (heartbeats, `live/round`, join records) as typed records, asks the
 pure decision what one node does, and checks the action. The generated cases check properties over every
 combination: rank 0 stays rank 0, old members keep their order, a live previous rank 0 is never left out.
+A running round's judges are in tests/test_round_judge.py.
 """
 
 from __future__ import annotations
@@ -19,84 +20,30 @@ from petctl.agent.decisions import (
     EndJob,
     Freeze,
     Join,
-    Now,
     OpenFirstRound,
     ReadMembers,
     RendezvousState,
-    Settings,
     StartNextRound,
     Wait,
     closing_order,
     decide,
     next_round,
 )
-from petctl.agent.roundjudge import (
-    AskRestart,
-    Continue,
-    Idle,
-    MembershipChange,
-    Over,
-    ReportFailure,
-    RoundOutcome,
-    StopLingering,
-    Succeeded,
-    Timing,
-    Workers,
-    WorkerWatch,
-    judge,
-    judge_workers,
+from petctl.agent.view import RoundInfo, Snapshot
+from petctl.core.records import Phase, Preempt, Round
+from tests.round_cases import (
+    INDEX,
+    T0,
+    WALL,
+    act,
+    frozen_round,
+    joined_state,
+    joining,
+    members,
+    now,
+    settings,
+    snapshot,
 )
-from petctl.agent.view import Member, Members, RoundInfo, Snapshot
-from petctl.core.records import JoinRecord, Phase, Preempt, Round
-
-T0 = 1000.0  # monotonic "now" of the cases: joined_at, min_reached_at... are relative to it
-WALL = 5000.0  # wall clock of the cases (round timestamps)
-INDEX = 77  # the snapshot's etcd index
-
-
-def settings(me: str = "me", **kw) -> Settings:
-    base = dict(node_id=me, min_nodes=1, max_nodes=4, initial_size=1, last_call=1.0, initial_wait=30.0,
-                join_timeout=600.0, stop_grace=5.0, max_restarts=3)
-    base.update(kw)
-    return Settings(**base)
-
-
-def joining(n: int = 2, prev: dict[str, int] | None = None, ts: float = WALL) -> Round:
-    return Round(round=n, phase=Phase.JOINING, ts=ts, prev_ranks=prev or {})
-
-
-def frozen_round(n: int, ranks: dict[str, int], **kw) -> Round:
-    return Round(round=n, phase=Phase.FROZEN, ts=WALL, ranks=ranks, world_size=len(ranks),
-                 master_addr="10.0.0.1", master_port=29500, **kw)
-
-
-def snapshot(alive, rnd: Round | None, done: dict[int, set[str]] | None = None) -> Snapshot:
-    return Snapshot(alive=frozenset(alive), round=rnd, round_index=5 if rnd else None,
-                    done={k: frozenset(v) for k, v in (done or {}).items()}, etcd_index=INDEX)
-
-
-def members(round_no: int, joins: list[tuple[str, int | None]]) -> Members:
-    """Join records in arrival order: (node, prev_rank)."""
-    recs = {node: Member(JoinRecord(node_id=node, addr=f"addr-{node}", port=1000 + i, ts=WALL,
-                                    prev_rank=prev), created=100 + i)
-            for i, (node, prev) in enumerate(joins)}
-    return Members(round=round_no, records=recs, read_at=INDEX)
-
-
-def joined_state(round_no: int, joins: list[tuple[str, int | None]], joined_for: float = 0.0,
-                 min_waited: float | None = None, **kw) -> RendezvousState:
-    """The state of a node that joined `round_no` `joined_for` seconds ago and has read `joins`."""
-    return RendezvousState(started=T0 - joined_for, joined_round=round_no, joined_at=T0 - joined_for,
-                           members=members(round_no, joins),
-                           min_reached_at=None if min_waited is None else T0 - min_waited, **kw)
-
-
-def now(dt: float = 0.0, wall: float = WALL) -> Now:
-    return Now(mono=T0 + dt, wall=wall + dt)
-
-
-def act(snap, state, s, at=None):
-    return decide(snap, state, s, at or now())[0]
 
 
 # --- no round, a final round, joining for the first time -----------------------------------------------
@@ -427,115 +374,6 @@ def test_next_round_counts_failures_against_max_restarts(restarts, failure, max_
 def test_replacing_a_joining_round_keeps_the_members_it_expected():
     nxt = next_round(joining(4, {"a": 0, "b": 1}), "again", False, 3, WALL)
     assert isinstance(nxt, Round) and nxt.round == 5 and nxt.prev_ranks == {"a": 0, "b": 1}
-
-
-# --- a running round: what live/ says -----------------------------------------------------------------
-def info_of(ranks: dict[str, int], me: str, round_no: int = 4) -> RoundInfo:
-    return RoundInfo(round=round_no, rank=ranks[me], world_size=len(ranks), master_addr="m", master_port=1,
-                     ranks=ranks, restarts=0, cause="", started=WALL)
-
-
-RANKS = {"a": 0, "b": 1, "c": 2}
-
-
-def _live_cases():
-    """Every subset of members alive x every subset done, plus a waiting node or not, for each member."""
-    cases = []
-    for alive_k in itertools.product([True, False], repeat=3):
-        for done_k in itertools.product([True, False], repeat=3):
-            for waiting in (False, True):
-                alive = {n for n, up in zip("abc", alive_k, strict=True) if up}
-                alive |= {"w"} if waiting else set()
-                done = {n for n, d in zip("abc", done_k, strict=True) if d}
-                cases.append((frozenset(alive), frozenset(done)))
-    return cases
-
-
-@pytest.mark.parametrize("alive,done", _live_cases())
-@pytest.mark.parametrize("max_nodes", [3, 4])
-def test_lost_versus_done_versus_waiting(alive, done, max_nodes):
-    snap = snapshot(alive, frozen_round(4, RANKS), done={4: set(done)})
-    for me in sorted(set(RANKS) & alive):
-        verdict = judge(snap, info_of(RANKS, me), settings(me=me, max_nodes=max_nodes))
-        lost = sorted(n for n in RANKS if n not in alive and n not in done)
-        lowest = min(RANKS[n] for n in RANKS if n in alive) == RANKS[me]
-        if lost:
-            assert verdict == MembershipChange("membership.lost", tuple(lost), f"node lost: {','.join(lost)}")
-        elif "w" in alive and max_nodes > 3 and lowest:
-            assert verdict == MembershipChange("membership.waiting", ("w",), "scale-up: w")
-        elif done >= set(RANKS):
-            assert verdict == EndJob("succeeded", "all workers exited 0", 4)
-        else:
-            assert verdict == Continue()
-
-
-@pytest.mark.parametrize("rnd,outcome", [
-    (Round(round=None, phase=Phase.FINAL, ts=WALL, state="killed"), RoundOutcome.JOB_ENDED),
-    (Round(round=4, phase=Phase.FINAL, ts=WALL, state="failed"), RoundOutcome.JOB_ENDED),
-    (joining(5), RoundOutcome.NEXT_ROUND),
-    (frozen_round(5, RANKS), RoundOutcome.NEXT_ROUND),
-    (None, RoundOutcome.NEXT_ROUND),
-])
-def test_a_replaced_or_final_round_is_over(rnd, outcome):
-    assert judge(snapshot(set(RANKS), rnd), info_of(RANKS, "a"), settings(me="a")) == Over(outcome)
-
-
-def test_a_preempted_round_goes_on_until_the_noticed_node_leaves():
-    rnd = frozen_round(4, RANKS, preempt=Preempt(node_id="c", deadline=WALL + 100))
-    assert judge(snapshot(set(RANKS), rnd), info_of(RANKS, "a"), settings(me="a")) == Continue()
-
-
-# --- a running round: what the workers say -------------------------------------------------------------
-TIMING = Timing(finish_grace=60.0, fail_grace=3.0)
-
-
-def workers(**kw) -> Workers:
-    base = dict(exited=False, succeeded=False, first_failure=None, some_succeeded=False, running=True,
-                round_done_elsewhere=False, preempting=False)
-    base.update(kw)
-    return Workers(**base)
-
-
-EXITED_OK = dict(exited=True, succeeded=True, some_succeeded=True, running=False)
-FAILED = dict(exited=True, first_failure=(1, 7), running=False)
-
-
-@pytest.mark.parametrize("look,watch,t,step", [
-    (workers(), WorkerWatch(), 0.0, Idle()),
-    (workers(**EXITED_OK), WorkerWatch(), 0.0, Succeeded()),
-    (workers(**FAILED), WorkerWatch(), 0.0, ReportFailure(1, 7)),
-    (workers(**FAILED), WorkerWatch(failure="f", failed_at=T0), 2.9, Idle()),
-    (workers(**FAILED), WorkerWatch(failure="f", failed_at=T0), 3.1, AskRestart("f")),
-    (workers(**FAILED), WorkerWatch(failure="f", failed_at=T0, restart_asked=True), 99.0, Idle()),
-    (workers(some_succeeded=True), WorkerWatch(), 0.0, Idle()),
-    (workers(some_succeeded=True), WorkerWatch(finishing_since=T0), 59.0, Idle()),
-    (workers(some_succeeded=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering()),
-    (workers(round_done_elsewhere=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering()),
-    (workers(**EXITED_OK), WorkerWatch(finished=True), 0.0, Idle()),
-    (workers(**FAILED, preempting=True), WorkerWatch(), 0.0, Idle()),
-    (workers(**EXITED_OK, preempting=True), WorkerWatch(), 0.0, Idle()),
-    (workers(some_succeeded=True, preempting=True), WorkerWatch(finishing_since=T0), 99.0, Idle()),
-])
-def test_worker_steps(look, watch, t, step):
-    got, _ = judge_workers(watch, look, T0 + t, TIMING, "n1")
-    assert got == step
-
-
-def test_a_failure_is_described_once_and_restarted_once():
-    watch = WorkerWatch()
-    steps = []
-    for t in (0.0, 1.0, 3.5, 4.0, 10.0):
-        step, watch = judge_workers(watch, workers(**FAILED), T0 + t, TIMING, "n1")
-        steps.append(step)
-    cause = "worker failure on n1 (local rank 1, exit code 7)"
-    assert steps == [ReportFailure(1, 7), Idle(), AskRestart(cause), Idle(), Idle()]
-
-
-def test_the_first_success_anywhere_starts_the_finish_grace():
-    _, watch = judge_workers(WorkerWatch(), workers(round_done_elsewhere=True), T0, TIMING, "n1")
-    assert watch.finishing_since == T0
-    _, watch = judge_workers(watch, workers(some_succeeded=True), T0 + 5, TIMING, "n1")
-    assert watch.finishing_since == T0
 
 
 def test_the_decisions_need_neither_etcd_nor_torch():
