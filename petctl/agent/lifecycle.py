@@ -35,12 +35,6 @@ def make_client(region: str, endpoint_url: str | None = None) -> LifecycleClient
     return client("autoscaling", profile="agent", region=region, endpoint_url=endpoint_url or "")
 
 
-def _describe(error: Exception) -> str:
-    """One short line: botocore may quote a whole HTML error page."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def _args(asg_name: str, hook_name: str, instance_id: str) -> dict[str, str]:
     return {"AutoScalingGroupName": asg_name, "LifecycleHookName": hook_name, "InstanceId": instance_id}
 

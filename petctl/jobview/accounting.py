@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from petctl.core.eventlog import dedupe
+from petctl.jobview.events import merge
 
 
 @dataclass
@@ -90,7 +90,7 @@ NO_STEPS = ("the script reports no training steps (print train.step lines, see R
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
     """Accounting for one job from all its nodes' events (any order; duplicates harmless)."""
-    records = sorted(dedupe(events), key=lambda e: float(e.get("ts", 0.0)))
+    records = merge(events)
     acc = Accounting()
     acc.rounds = _rounds(records)
     _attribute_losses(acc.rounds)
@@ -165,7 +165,7 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
     (killed, frozen); one still running counts to `now` when given. Instance time and cost use this."""
     spans: list[NodeSpan] = []
     current: dict[str, NodeSpan] = {}
-    for e in sorted(dedupe(events), key=lambda e: float(e.get("ts", 0.0))):
+    for e in merge(events):
         node = e.get("node")
         if not node:
             continue

@@ -15,6 +15,7 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import JobSpec
+from petctl.io.wait import wait_until
 from petctl.providers.local import instances as inst_mod
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
@@ -94,18 +95,15 @@ class Fleet:
     def stop_all(self, job_state: str, self_exit_grace: float, hurry: Callable[[], bool]) -> None:
         """Stop every instance: a short wait for agents that exit by themselves (the job is over), cut
         short once `hurry()`; then SIGTERM; after `stop_grace`, SIGKILL what is left. Records each end."""
-        deadline = time.monotonic() + self_exit_grace
-        while self.procs and time.monotonic() < deadline and not hurry():
-            if all(p.poll() is not None for p in self.procs.values()):
-                break
-            time.sleep(0.1)
+        def all_exited() -> bool:
+            return all(p.poll() is not None for p in self.procs.values())
+
+        wait_until(lambda: hurry() or all_exited(), self_exit_grace, 0.1)
         for iid, proc in self.procs.items():
             if proc.poll() is None:
                 self.instances[iid].ref.signal_group(signal.SIGCONT)
                 self.instances[iid].ref.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
-            time.sleep(0.1)
+        wait_until(all_exited, self.stop_grace, 0.1)
         now = time.time()
         for iid, proc in self.procs.items():
             inst = self.instances[iid]
