@@ -7,6 +7,9 @@ workers), so the two sides cannot drift apart. The directory is local to the nod
     <control>/saved.<LOCAL_RANK>  written by each worker after its preemption save: {"step": n}
     <control>/elastic.<LOCAL_RANK>  written by each worker using petctl.elastic when it starts: {"pid": n};
                                workers without it get SIGTERM at a notice instead (torchrun's way)
+    <control>/fenced           written by the agent when this node may no longer belong to the running
+                               round (cut off from etcd, its workers stalled): {"round": n, "reason": ...};
+                               a worker never commits a checkpoint while it exists
 
 Files are written to a temporary name and renamed, so a reader never sees half a JSON document.
 Stdlib only.
@@ -24,6 +27,7 @@ ENV_CONTROL_DIR = "PETCTL_CONTROL_DIR"
 PREEMPT_FILE = "preempt"
 SAVED_PREFIX = "saved."
 ELASTIC_PREFIX = "elastic."
+FENCE_FILE = "fenced"
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -119,6 +123,23 @@ def all_saved(control_dir: Path | str, local_world_size: int) -> bool:
     return all(rank in saved for rank in range(local_world_size))
 
 
+def fence_path(control_dir: Path | str) -> Path:
+    return Path(control_dir) / FENCE_FILE
+
+
+def write_fence(control_dir: Path | str, round_no: int, reason: str) -> Path:
+    """Agent side: this node may have been dropped from round `round_no` (see agent/fencing.py); its
+    workers must not commit another checkpoint. Removed by `clear` when the next round starts."""
+    path = fence_path(control_dir)
+    _write_json(path, {"round": int(round_no), "reason": reason})
+    return path
+
+
+def fenced(control_dir: Path | str | None) -> bool:
+    """Worker side, just before a checkpoint is committed: a stat, so it costs next to nothing."""
+    return control_dir is not None and fence_path(control_dir).exists()
+
+
 def clear(control_dir: Path | str, markers: bool = False) -> None:
     """Agent side, before starting a round's workers: no stale flag from an earlier round.
 
@@ -127,7 +148,7 @@ def clear(control_dir: Path | str, markers: bool = False) -> None:
     directory = Path(control_dir)
     if not directory.is_dir():
         return
-    paths = [preempt_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]
+    paths = [preempt_path(directory), fence_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]
     if markers:
         paths += list(directory.glob(f"{ELASTIC_PREFIX}*"))
     for path in paths:

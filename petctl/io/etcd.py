@@ -150,3 +150,15 @@ def etcd_client(endpoint: str, read_timeout: float = 5.0):
     u = urlparse(endpoint)
     return etcd.Client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
                        read_timeout=read_timeout, allow_reconnect=False)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What an etcd call raises when the store cannot answer (down, frozen, restarting, replaced, a
+    partition, no leader): every python-etcd error, and the socket and urllib3 errors it lets through.
+    `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
+    callers handle those by name, in an `except` before this tuple. Imported lazily (python-etcd stays
+    out of the CLI's import)."""
+    import etcd
+    import urllib3.exceptions
+
+    return (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)
