@@ -87,7 +87,7 @@ def test_heartbeat_refresh_failures_are_counted_and_reported_once():
     beat.stop(delete=True)
     beat.stop(delete=True)  # idempotent: one delete
     assert rec.names() == ["heartbeat.failing", "heartbeat.recovered"]
-    assert beat.outage.failures == 4 and client.calls.count("delete") == 1 and not beat.lost.is_set()
+    assert beat.outage.failures == 4 and client.calls.count("delete") == 1 and beat.reasserted == 0
 
 
 def test_event_sink_counts_what_it_could_not_write():

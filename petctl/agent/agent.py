@@ -10,6 +10,11 @@ checkpoint is the one robust answer, and it is what torchrun does.
 The agent's services (event sink, mirror, preemption watcher, warm pool, heartbeat, `live/` watcher)
 start inside one `ExitStack`, so whatever happens after one of them started (an early error included)
 they all stop, and the mirror's final flush runs. A crash is reported as one `agent.crashed` event.
+
+etcd is needed only to change membership: every etcd-facing service reports to one `StoreHealth`
+(storehealth.py), which reports an outage once and tells the decisions when membership can be trusted
+again. An agent that starts while etcd is away waits for it; one whose etcd was replaced by an empty store
+writes the job's state back (`rebuild_store`) from what it holds.
 """
 
 from __future__ import annotations
@@ -30,20 +35,25 @@ from petctl.agent.heartbeat import Heartbeat
 from petctl.agent.mirror import Mirror
 from petctl.agent.outage import OutageReporter, describe
 from petctl.agent.preemption import PreemptionHandler
+from petctl.agent.rebuild import StoreRebuilder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
 from petctl.agent.roundjudge import RoundOutcome
-from petctl.agent.roundrunner import WARM_WAIT, RoundParts, RoundRunner
+from petctl.agent.roundrunner import RoundParts, RoundRunner
 from petctl.agent.status import Progress, StatusPublisher
+from petctl.agent.storehealth import StoreHealth
 from petctl.agent.view import RoundInfo
-from petctl.agent.warm_pool import WarmPool
+from petctl.agent.warm_pool import WARM_WAIT, WarmPool
 from petctl.agent.watcher import LiveWatcher, RequestStats
 from petctl.agent.workerspec import WorkerSpec
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase
 from petctl.core.spec import AgentConfig
-from petctl.io.etcd import etcd_client
+from petctl.io.etcd import etcd_client, store_errors
 from petctl.io.procs import die_with_parent
+
+STORE_MARGIN = 1.0  # beyond one TTL and one refresh: the others' heartbeats re-asserted after an outage
+START_RETRY_MAX = 5.0  # the longest pause between two tries to reach etcd at start
 
 
 class AgentCrashed(Exception):
@@ -64,17 +74,24 @@ class Agent:
         self.stats = RequestStats()
         self.leave = threading.Event()
         t, endpoint, emit = spec.timeouts, spec.etcd_endpoint, self.events.emit
-        self.client = etcd_client(endpoint)
-        self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats, OutageReporter("watch", emit))
+        ttl, interval = t.heartbeat_ttl, t.heartbeat_interval
+        # A call etcd has not answered within a TTL is a failure (counted, reported) rather than a hang.
+        timeout = min(5.0, max(1.0, ttl - interval))
+        self.store = store = StoreHealth(emit, grace=ttl + interval + STORE_MARGIN,
+                                         slow=max(ttl - interval, ttl / 2), straggle=timeout)
+        self.client = etcd_client(endpoint, read_timeout=timeout)
+        self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
+                                   OutageReporter("watch", emit, parent=store))
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
-        self.heartbeat = Heartbeat(etcd_client(endpoint), self.keys, beat, t.heartbeat_interval,
-                                   t.heartbeat_ttl, OutageReporter("heartbeat", emit))
+        self.heartbeat = Heartbeat(etcd_client(endpoint, read_timeout=timeout), self.keys, beat, interval,
+                                   ttl, OutageReporter("heartbeat", emit, parent=store), store,
+                                   self.events)
         self.rdzv = EtcdRendezvous(self.client, spec.name, self.node_id, config.host_addr, self.settings,
-                                   self.events, self.watcher, self.stats)
+                                   self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
-        self.event_sink = EtcdEventSink(etcd_client(endpoint), self.keys.events,
-                                        OutageReporter("events", emit))
+        self.event_sink = EtcdEventSink(etcd_client(endpoint, read_timeout=timeout), self.keys.events,
+                                        OutageReporter("events", emit, parent=store))
         self.events.add_sink(self.event_sink)
         self.mirror = (Mirror(config.status_url, self.node_id, log_path, log=self.events)
                        if config.status_url else None)
@@ -82,14 +99,15 @@ class Agent:
             self.events.add_sink(self.mirror.add_event)
         self.progress = Progress(spec.nproc_per_node, self.events)
         self.status = StatusPublisher(self.client, self.keys, self.node_id, config.host_addr, self.stats,
-                                      self.progress, OutageReporter("status", emit), self.failures,
-                                      self.mirror)
+                                      self.progress, OutageReporter("status", emit, parent=store),
+                                      self.failures, self.mirror)
 
     def failures(self) -> dict[str, int]:
         """Failed attempts per service since the agent started (published in `NodeStatus.failures`)."""
         counts = {"watch": self.watcher.outage.failures, "heartbeat": self.heartbeat.outage.failures,
                   "events": self.event_sink.dropped, "status": self.status.outage.failures,
-                  "records": self.rdzv.reader.corrupt_records, "sinks": self.events.sink_failures}
+                  "records": self.rdzv.reader.corrupt_records, "sinks": self.events.sink_failures,
+                  "rendezvous": self.rdzv.outage.failures, "store_outages": self.store.outages}
         if self.mirror is not None:  # the mirror counts its own (petctl/agent/mirror.py)
             counts["mirror"] = self.mirror.failures
         return counts
@@ -127,7 +145,8 @@ class Agent:
             pool.fill()
             ready = pool.wait_ready(WARM_WAIT)
             self.events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
-        self.heartbeat.start()
+        if not self._until_store_answers(self.heartbeat.start):
+            return self._leave(None)
         services.callback(self.heartbeat.stop, delete=True)  # a no-op after a leave or the job's end
         self.watcher.start()
         services.callback(self.watcher.stop)
@@ -135,7 +154,8 @@ class Agent:
             spec=self.spec, node_id=self.node_id, settings=self.settings, events=self.events, rdzv=self.rdzv,
             watcher=self.watcher, heartbeat=self.heartbeat, preemption=self.preemption, status=self.status,
             progress=self.progress, leave=self.leave, control_dir=self.control_dir, work_dir=self.work_dir,
-            out=self.out, worker_spec=worker_spec, pool=pool))
+            out=self.out, worker_spec=worker_spec, pool=pool,
+            rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild))
         return self._loop(runner)
 
     def _worker_spec(self) -> WorkerSpec:
@@ -156,13 +176,9 @@ class Agent:
             try:
                 info = self.rdzv.next_rendezvous(prev_rank, abort, self.status.set_state)
             except RendezvousAborted:
-                if self.leave.is_set():
-                    return self._leave(None)
                 if self.preemption.notice is not None:
                     return self._leave(None, cause="preemption")
-                self._rejoin_as_new()
-                prev_rank = None
-                continue
+                return self._leave(None)
             except JobEnded as ended:
                 return self._finish(ended)
             prev_rank = info.rank
@@ -171,19 +187,27 @@ class Agent:
                 return self._leave(info)
             if outcome is RoundOutcome.PREEMPTED:
                 return self._leave(info, cause="preemption")
-            if outcome is RoundOutcome.LOST:
-                self._rejoin_as_new()
-                prev_rank = None
             # JOB_ENDED: the rendezvous reads the final round and raises JobEnded, whatever the flags say.
             abort = self._abort_rendezvous if outcome is not RoundOutcome.JOB_ENDED else (lambda: False)
 
     def _abort_rendezvous(self) -> bool:
-        return self.leave.is_set() or self.heartbeat.lost.is_set() or self.preemption.notice is not None
+        return self.leave.is_set() or self.preemption.notice is not None
 
-    def _rejoin_as_new(self) -> None:
-        """Our heartbeat expired (we were frozen): the others dropped us; come back as a new node."""
-        self.events.emit("heartbeat.lost")
-        self.heartbeat.register()
+    def _until_store_answers(self, call) -> bool:
+        """Run `call` (an etcd write) until etcd answers, with backoff: an agent that boots while etcd is
+        away (being replaced, say) waits for it. False if the agent was asked to leave meanwhile."""
+        pause = 0.5
+        while not self.leave.is_set():
+            try:
+                call()
+            except store_errors() as e:
+                self.store.failed(e, "start")
+                self.leave.wait(pause)
+                pause = min(2 * pause, START_RETRY_MAX)
+                continue
+            self.store.succeeded(service="start")
+            return True
+        return False
 
     # --- leaving -----------------------------------------------------------------------------------
     def _leave(self, info: RoundInfo | None, cause: str = "leave") -> int:
@@ -192,10 +216,13 @@ class Agent:
         # Open the next round first (it carries the real cause), then drop the heartbeat: its delete
         # event wakes the new round's closer, which then stops waiting for us.
         self.heartbeat.stop(delete=False)
-        snap = self.rdzv.snapshot()
-        rnd = snap.round
-        if rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks:
-            self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}", leaving=self.node_id)
+        try:
+            snap = self.rdzv.snapshot()
+            rnd = snap.round
+            if rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks:
+                self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}", leaving=self.node_id)
+        except store_errors() as e:  # the others see our heartbeat expire instead
+            self.store.failed(e, "leave")
         self.heartbeat.stop(delete=True)
         self.events.emit("agent.left", cause=cause, round=info.round if info else None)
         if cause == "preemption":

@@ -6,7 +6,10 @@ action (etcd compare-and-swap) and calls `decide` again on a fresh snapshot. Not
 clock or keeps state between calls, so every rule is a row in tests/test_round_decisions.py.
 
 The rules (docs/ARCHITECTURE.md has the whole protocol):
-- No round yet: open round 1. A `final` round: the job is over.
+- No round yet: open round 1 (or, if this node saw a round before, the store was wiped: open the next
+  one, keeping the restart count: `opening_round`). A `final` round: the job is over.
+- While the snapshot is not `settled` (etcd just failed or stalled: agent/storehealth.py), absences are
+  not trusted: no round is frozen and no job fails below `min` until it settles.
 - Fewer than `min` nodes alive for `join_timeout`: end the job `failed`.
 - Joining: write our join record once per round. The *closer* is the first live joiner in (previous rank,
   join order), so rank 0 stays rank 0 and old members keep their order; only it decides, the others wait.
@@ -159,7 +162,7 @@ def decide(snap: Snapshot, state: RendezvousState, s: Settings,
     if len(snap.alive) < s.min_nodes:
         since = state.below_min_since if state.below_min_since is not None else now.mono
         state = dataclasses.replace(state, below_min_since=since)
-        if now.mono - since > s.join_timeout:
+        if now.mono - since > s.join_timeout and snap.settled:
             return EndJob("failed", f"fewer than min={s.min_nodes} nodes for {s.join_timeout:.0f}s",
                           round_no), state
     elif state.below_min_since is not None:
@@ -181,6 +184,8 @@ def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, 
     members = state.members
     if members is None or members.round != round_no or members.read_at != snap.etcd_index:
         return ReadMembers(round_no), state
+    if s.node_id not in snap.alive:  # our heartbeat expired (a store outage): wait until it is re-asserted
+        return Wait(POLL_SLOW), state
     live = {n: m for n, m in members.records.items() if n in snap.alive}
     if s.node_id not in live:  # our record vanished (should not happen): write it again
         return Join(round_no, state.prev_rank), dataclasses.replace(state, members=None, ahead=frozenset())
@@ -235,6 +240,8 @@ def _close(snap: Snapshot, rnd: Round, live: dict[str, Member], order: list[str]
         return Wait(min(POLL_FAST, s.last_call - waited)), state
     if snap.round_index is None:
         return Wait(POLL_FAST), state
+    if not snap.settled:  # live nodes may not have re-asserted their heartbeats yet: don't leave them out
+        return Wait(POLL_SLOW), state
     return Freeze(frozen(rnd, admitted, live, now.wall), snap.round_index), state
 
 
@@ -266,6 +273,16 @@ def _frozen(snap: Snapshot, rnd: Round, state: RendezvousState,
     if state.waiting_reported:
         return Wait(IDLE), state
     return Wait(IDLE, waiting_for_world=len(rnd.ranks)), dataclasses.replace(state, waiting_reported=True)
+
+
+def opening_round(last: Round | None, wall: float) -> Round:
+    """The round a node opens when etcd holds none: round 1 at the job's start; after the store was wiped
+    (this node saw round `last`), the one after it, with `last`'s restarts and members expected."""
+    if last is None or last.round is None:
+        return Round(round=1, phase=Phase.JOINING, ts=wall, cause="job start")
+    prev = last.ranks if last.phase is Phase.FROZEN else last.prev_ranks
+    return Round(round=last.round + 1, phase=Phase.JOINING, ts=wall, restarts=last.restarts,
+                 cause="store rebuilt: etcd held no round", prev_ranks=dict(prev))
 
 
 def next_round(current: Round, cause: str, failure: bool, max_restarts: int, wall: float,

@@ -1,43 +1,54 @@
-"""The node's liveness key: created on join, refreshed silently, deleted on a graceful leave.
+"""The node's liveness key: created on join, refreshed silently, re-asserted if it vanished, deleted on leave.
 
 Refreshes use etcd's `refresh=True`, which renews the TTL without notifying watchers, so a healthy job
 produces no watch traffic at all. A node that stops refreshing (dead, or frozen with its sockets still
 open) has its key expire after `ttl`; etcd then emits `expire` and every agent wakes within the TTL.
-A node that finds its own key gone (it was frozen past the TTL) must treat itself as a new node.
-Failed refreshes (etcd briefly unreachable) are retried until the TTL decides, and reported once per
-outage (outage.py).
+
+A node that finds its own key gone while it kept refreshing was not lost: etcd stalled past the TTL (every
+key expired together when it resumed), or it was replaced by an empty one, or this process was frozen.
+It writes the key again at once (`heartbeat.lost`, then `heartbeat.reasserted`) and tells the store health
+(storehealth.py), so membership is not judged until every live node had time to do the same. If the others
+did drop this node meanwhile (it was frozen), the round has changed and the round runner rejoins.
+Failed refreshes (etcd unreachable) are retried until etcd answers, counted, and reported once per outage
+by the store health.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import etcd
 
 from petctl.agent.outage import OutageReporter
+from petctl.agent.storehealth import StoreHealth
+from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
+from petctl.io.etcd import store_errors
 
 
 class Heartbeat:
     def __init__(self, client: etcd.Client, keys: JobKeys, record: NodeRecord, interval: float, ttl: float,
-                 outage: OutageReporter) -> None:
+                 outage: OutageReporter, store: StoreHealth | None = None,
+                 events: EventLog | None = None) -> None:
         self.client = client
         self.key = keys.node(record.node_id)
         self.value = record.to_json()
         self.interval = interval
         self.ttl = max(1, int(round(ttl)))
         self.outage = outage
-        self.lost = threading.Event()  # set when our key vanished under us
+        self.store = store
+        self.events = events
+        self.reasserted = 0  # times our key had vanished and was written again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deleted = False
 
     def register(self) -> None:
-        """(Re)create the key; clears `lost`. Safe to call when it already exists. Raises
-        etcd.EtcdException if etcd cannot be reached."""
+        """(Re)create the key. Safe to call when it already exists. Raises one of
+        `store_errors()` if etcd cannot be reached."""
         self.client.write(self.key, self.value, ttl=self.ttl)
-        self.lost.clear()
         self._deleted = False
 
     def start(self) -> None:
@@ -47,30 +58,46 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        errors = store_errors()
         while not self._stop.wait(self.interval):
-            if self.lost.is_set():
-                continue
+            t0 = time.monotonic()
             try:
                 self.client.refresh(self.key, ttl=self.ttl)
             except etcd.EtcdKeyNotFound:
-                self.lost.set()
-            except Exception as e:  # noqa: BLE001 - etcd unreachable (any form): retry until the TTL decides
+                self._reassert(errors)
+            except errors as e:  # etcd unreachable (any form): retry until it answers
                 self.outage.failed(e)
                 self._stop.wait(min(self.interval, 0.2))
             else:
-                self.outage.succeeded()
+                self.outage.succeeded(time.monotonic() - t0)
+
+    def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
+        """Our key vanished while we kept refreshing it: say so, then write it again."""
+        if self.store is not None:
+            self.store.own_key_missing()
+        if self.events is not None:
+            self.events.emit("heartbeat.lost", reasserting=True)
+        try:
+            self.register()
+        except errors as e:
+            self.outage.failed(e)
+            return
+        self.reasserted += 1
+        self.outage.succeeded()
+        if self.events is not None:
+            self.events.emit("heartbeat.reasserted", times=self.reasserted)
 
     def stop(self, delete: bool) -> None:
         """Stop refreshing; `delete` = leaving (others see a `delete` event at once). Idempotent."""
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2 * self.interval + 1)
+            thread.join(timeout=2 * self.interval + 6)
         if delete and not self._deleted:
             self._deleted = True
             try:
                 self.client.delete(self.key)
             except etcd.EtcdKeyNotFound:
                 return  # expired already: the others have seen it go
-            except etcd.EtcdException as e:  # the key expires by its TTL anyway
+            except store_errors() as e:  # the key expires by its TTL anyway
                 self.outage.failed(e)

@@ -32,8 +32,9 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.mirrorchunks import chunk_name
+from petctl.core.records import JobResult
 from petctl.io.files import atomic_write
-from petctl.io.objstore import ObjectStore, open_store
+from petctl.io.objstore import ObjectNotFound, ObjectStore, open_store
 
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one PUT at most; a larger backlog goes as several chunks
 MAX_PENDING_EVENTS = 20000  # events kept for upload while the store is unreachable (oldest dropped)
@@ -98,6 +99,15 @@ class Mirror:
         with self._lock:
             self._result = dict(value)
         return self.flush() and self._result is None
+
+    def read_result(self) -> JobResult | None:
+        """The job's result as stored in its prefix (by whichever agent ended it), or None if it has
+        none. Raises OSError when the store cannot be read, WireFormatError when the record is not one."""
+        try:
+            data = self.store.get_bytes("result.json")
+        except ObjectNotFound:
+            return None
+        return JobResult.from_json(data)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -5,6 +5,10 @@ publication) retries on its own schedule; what a person needs is one event when 
 one when they work again, and a count. That is the pattern imds.py started with; every service uses this
 class for it, and the counts are published in the node's status (`NodeStatus.failures`), where
 `petctl status` shows them.
+
+The services that talk to etcd share one parent, the agent's `StoreHealth` (storehealth.py): they still
+count their own failures, but forward every call's outcome to it and stay quiet, so an etcd outage is
+reported once for the agent, not once per service.
 """
 
 from __future__ import annotations
@@ -12,17 +16,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 Emit = Callable[..., Any]  # EventLog.emit's shape: emit(event, **fields)
+
+
+class Parent(Protocol):
+    """Where a quiet reporter forwards its calls' outcomes (StoreHealth)."""
+
+    def failed(self, error: BaseException | str, service: str = "") -> None: ...
+
+    def succeeded(self, seconds: float = 0.0, service: str = "") -> None: ...
 
 
 class OutageReporter:
     """Counts failed attempts of one service and reports each outage twice (start and end)."""
 
     def __init__(self, service: str, emit: Emit, down_event: str = "", up_event: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, parent: Parent | None = None) -> None:
         self.service = service
+        self.parent = parent  # set: forward every outcome there and report nothing here
         self.failures = 0  # failed attempts since the agent started
         self._emit = emit
         self._down = down_event or f"{service}.failing"
@@ -44,15 +57,20 @@ class OutageReporter:
             first = self._since is None
             if first:
                 self._since = self._clock()
-        if first:
+        if self.parent is not None:
+            self.parent.failed(error, self.service)
+        elif first:
             self._emit(self._down, service=self.service, error=describe(error), **fields)
 
-    def succeeded(self, **fields: Any) -> None:
-        """One successful attempt; ends the outage (reported) if there was one."""
+    def succeeded(self, seconds: float = 0.0, **fields: Any) -> None:
+        """One successful attempt (that took `seconds`, when the caller timed it); ends the outage
+        (reported) if there was one."""
         with self._lock:
             since, count = self._since, self._in_outage
             self._since, self._in_outage = None, 0
-        if since is not None:
+        if self.parent is not None:
+            self.parent.succeeded(seconds, self.service)
+        elif since is not None:
             self._emit(self._up, service=self.service, failures=count,
                        seconds=round(self._clock() - since, 3), **fields)
 

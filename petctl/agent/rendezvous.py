@@ -8,6 +8,11 @@ compare-and-swap, and a round can always be replaced by the next one, so no sing
 This module is the executor: it reads etcd into typed snapshots (livereader.py), asks `decisions.decide`
 what to do, and does it. The rules (closer, last call, expected members, admission) live in decisions.py.
 
+Store outages: a failed etcd call ends nothing. The step is retried with backoff (counted, and reported
+once per outage by the agent's `StoreHealth`), and while the store is unsettled no round is frozen (see
+decisions.py). A store found empty (wiped, then restarted on the same address) gets the round after the
+last one this node saw (`decisions.opening_round`), so restarts and ranks carry on.
+
 etcd requests per node per round are bounded: one join write, at most one CAS to open a round, the
 closer's CAS to freeze it (and two deletes of the round before), plus reads on wake-ups. Only the closer
 wakes for each arrival; the other joiners pause their membership watch (see watcher.py), so what a node
@@ -37,8 +42,11 @@ from petctl.agent.decisions import (
     Wait,
     decide,
     next_round,
+    opening_round,
 )
 from petctl.agent.livereader import LiveReader
+from petctl.agent.outage import OutageReporter
+from petctl.agent.storehealth import StoreHealth
 from petctl.agent.view import Members, RoundInfo, Snapshot
 from petctl.agent.watcher import LiveWatcher, RequestStats
 from petctl.core.eventlog import EventLog
@@ -51,10 +59,11 @@ from petctl.core.records import (
     Preempt,
     Round,
 )
-from petctl.io.etcd import free_port
+from petctl.io.etcd import free_port, store_errors
 from petctl.io.jobresult import record_result
 
 JOIN_RECORD_TTL = 3600  # join records outlive any round; old round dirs are also deleted by closers
+RETRY_MIN, RETRY_MAX = 0.2, 2.0  # backoff between rendezvous steps while etcd fails
 
 
 class JobEnded(Exception):
@@ -72,7 +81,7 @@ class RendezvousAborted(Exception):
 
 class EtcdRendezvous:
     def __init__(self, client: etcd.Client, job: str, node_id: str, host_addr: str, settings: Settings,
-                 events: EventLog, watcher: LiveWatcher, stats: RequestStats) -> None:
+                 events: EventLog, watcher: LiveWatcher, stats: RequestStats, store: StoreHealth) -> None:
         self.client = client
         self.keys = JobKeys(job)
         self.job = job
@@ -83,11 +92,21 @@ class EtcdRendezvous:
         self.watcher = watcher
         self.stats = stats
         self.reader = LiveReader(client, self.keys, stats, events)
+        self.store = store
+        self.outage = OutageReporter("rendezvous", events.emit, parent=store)
         self.on_result: Callable[[JobResult], None] | None = None
         self._prejoined: tuple[int, float] | None = None  # (round, monotonic time) of an early join
+        self.last_round: Round | None = None  # the newest non-final round seen: rebuilt if etcd loses it
 
     def snapshot(self) -> Snapshot:
-        return self.reader.snapshot()
+        """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
+        `store_errors()` (the caller counts it, carries on) or WireFormatError (livereader.py)."""
+        t0 = time.monotonic()
+        snap = self.reader.snapshot()
+        self.store.succeeded(time.monotonic() - t0, "snapshot")
+        if snap.round is not None and snap.round.phase is not Phase.FINAL:
+            self.last_round = snap.round
+        return dataclasses.replace(snap, settled=self.store.settled())
 
     # --- writing -----------------------------------------------------------------------------------
     def _cas_round(self, value: Round, prev_index: int) -> bool:
@@ -99,12 +118,20 @@ class EtcdRendezvous:
             return False
 
     def open_first_round(self) -> None:
+        """Round 1, or after a wiped store the round after the last one we saw (one creator wins)."""
+        value = opening_round(self.last_round, time.time())
+        if self.create_round(value) and value.round != 1:
+            self.events.emit("store.rebuilt", round=value.round, phase=value.phase.value,
+                             restarts=value.restarts)
+
+    def create_round(self, value: Round) -> bool:
+        """Write `live/round` where etcd holds none (`prevExist=False`); False if another node did first."""
         self.stats.writes += 1
-        value = Round(round=1, phase=Phase.JOINING, ts=time.time(), cause="job start")
         try:
             self.client.write(self.keys.round, value.to_json(), prevExist=False)
         except etcd.EtcdAlreadyExist:
-            return  # another node opened it first: the next snapshot shows it
+            return False  # another node wrote it first: the next snapshot shows it
+        return True
 
     def start_round(self, snap: Snapshot, cause: str, failure: bool = False, leaving: str = "") -> bool:
         """Replace the current round with round n+1 (joining). False if someone else moved it first.
@@ -126,10 +153,9 @@ class EtcdRendezvous:
         return ok
 
     def set_preempt(self, snap: Snapshot, deadline: float) -> bool:
-        if snap.round is None or snap.round_index is None:
-            return False
-        value = dataclasses.replace(snap.round, preempt=Preempt(node_id=self.node_id, deadline=deadline))
-        return self._cas_round(value, snap.round_index)
+        rnd, index = snap.round, snap.round_index
+        return rnd is not None and index is not None and self._cas_round(
+            dataclasses.replace(rnd, preempt=Preempt(node_id=self.node_id, deadline=deadline)), index)
 
     def mark_done(self, round_no: int) -> None:
         self.stats.writes += 1
@@ -163,33 +189,17 @@ class EtcdRendezvous:
         self.join(round_no, prev_rank)
         self._prejoined = (round_no, time.monotonic())
 
-    def _freeze(self, action: Freeze) -> bool:
-        if not self._cas_round(action.value, action.index):
-            return False
-        self._forget_round((action.value.round or 0) - 1)
-        return True
-
-    def _forget_round(self, round_no: int) -> None:
-        """Old join and done records are no longer read; drop them so `live/` stays small. Best effort:
-        a failed delete leaves records that expire with their TTL."""
-        if round_no < 1:
-            return
-        for key in (self.keys.round_members(round_no), self.keys.done(round_no)):
-            self.stats.writes += 1
-            try:
-                self.client.delete(key, recursive=True)
-            except etcd.EtcdKeyNotFound:
-                continue  # nothing was recorded in that round
-            except etcd.EtcdException as e:
-                self.events.emit("rendezvous.cleanup_failed", key=key, error=str(e))
+    def _freeze(self, action: Freeze) -> None:
+        if self._cas_round(action.value, action.index):
+            forget_round(self.client, self.keys, (action.value.round or 0) - 1, self.stats, self.events)
 
     # --- the rendezvous ----------------------------------------------------------------------------
     def next_rendezvous(self, prev_rank: int | None, should_abort: Callable[[], bool],
                         on_state: Callable[[str], None] | None = None) -> RoundInfo:
         """Block until a round that includes this node is frozen; return our place in it.
 
-        Raises JobEnded when the job is over, RendezvousAborted when `should_abort()` says so, and
-        etcd.EtcdException when etcd cannot be reached (the agent cannot go on without it).
+        Raises JobEnded when the job is over, RendezvousAborted when `should_abort()` says so. While etcd
+        cannot be reached it waits (and retries) as long as it takes.
         """
         state = RendezvousState(started=time.monotonic(), prev_rank=prev_rank)
         if self._prejoined is not None:
@@ -205,39 +215,58 @@ class EtcdRendezvous:
 
     def _run(self, state: RendezvousState, should_abort: Callable[[], bool],
              on_state: Callable[[str], None]) -> RoundInfo:
+        errors = store_errors()
+        pause = RETRY_MIN
         while True:
             if should_abort():
                 raise RendezvousAborted()
-            snap = self.snapshot()
-            while True:  # Join and ReadMembers act on this snapshot; every other action needs a new one
-                action, state = decide(snap, state, self.settings, Now(time.monotonic(), time.time()))
-                if isinstance(action, ReadMembers):
-                    members = Members(action.round, self.reader.members(action.round), snap.etcd_index)
-                    state = dataclasses.replace(state, members=members)
-                elif isinstance(action, Join):
-                    self.join(action.round, action.prev_rank)
-                    on_state("joining")
-                else:
-                    break
-            if isinstance(action, Admitted):
-                info = action.info
-                seconds = round(time.monotonic() - state.started, 3)
-                self.events.emit("rendezvous.complete", round=info.round, rank=info.rank,
-                                 world_size=info.world_size, seconds=seconds, cause=info.cause,
-                                 requests=self.stats.as_dict())
+            try:
+                info, state = self._step(state, on_state)
+            except errors as e:  # etcd unreachable: counted, reported once per outage; retried
+                self.outage.failed(e)
+                self.watcher.wait(pause)
+                pause = min(2 * pause, RETRY_MAX)
+                continue
+            self.outage.succeeded()
+            pause = RETRY_MIN
+            if info is not None:
                 return info
-            if isinstance(action, Ended):
-                raise JobEnded(action.state, action.reason)
-            if isinstance(action, OpenFirstRound):
-                self.open_first_round()
-            elif isinstance(action, Freeze):
-                self._freeze(action)
-            elif isinstance(action, StartNextRound):
-                self.start_round(snap, action.cause, action.failure)
-            elif isinstance(action, EndJob):
-                self.end_job(action.state, action.reason, action.round)
-            elif isinstance(action, Wait):
-                self._wait(action, snap, on_state)
+
+    def _step(self, state: RendezvousState,
+              on_state: Callable[[str], None]) -> tuple[RoundInfo | None, RendezvousState]:
+        """One decision on a fresh snapshot, carried out: our place once admitted, else None. Raises
+        JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with)."""
+        snap = self.snapshot()
+        while True:  # Join and ReadMembers act on this snapshot; every other action needs a new one
+            action, state = decide(snap, state, self.settings, Now(time.monotonic(), time.time()))
+            if isinstance(action, ReadMembers):
+                members = Members(action.round, self.reader.members(action.round), snap.etcd_index)
+                state = dataclasses.replace(state, members=members)
+            elif isinstance(action, Join):
+                self.join(action.round, action.prev_rank)
+                on_state("joining")
+            else:
+                break
+        if isinstance(action, Admitted):
+            info = action.info
+            seconds = round(time.monotonic() - state.started, 3)
+            self.events.emit("rendezvous.complete", round=info.round, rank=info.rank,
+                             world_size=info.world_size, seconds=seconds, cause=info.cause,
+                             requests=self.stats.as_dict())
+            return info, state
+        if isinstance(action, Ended):
+            raise JobEnded(action.state, action.reason)
+        if isinstance(action, OpenFirstRound):
+            self.open_first_round()
+        elif isinstance(action, Freeze):
+            self._freeze(action)
+        elif isinstance(action, StartNextRound):
+            self.start_round(snap, action.cause, action.failure)
+        elif isinstance(action, EndJob):
+            self.end_job(action.state, action.reason, action.round)
+        elif isinstance(action, Wait):
+            self._wait(action, snap, on_state)
+        return None, state
 
     def _wait(self, action: Wait, snap: Snapshot, on_state: Callable[[str], None]) -> None:
         if action.watch_membership:
@@ -249,3 +278,19 @@ class EtcdRendezvous:
                              world_size=action.waiting_for_world)
             on_state("waiting")
         self.watcher.wait(action.timeout)
+
+
+def forget_round(client: etcd.Client, keys: JobKeys, round_no: int, stats: RequestStats,
+                 events: EventLog) -> None:
+    """Old join and done records are no longer read; drop them so `live/` stays small. Best effort:
+    a failed delete leaves records that expire with their TTL."""
+    if round_no < 1:
+        return
+    for key in (keys.round_members(round_no), keys.done(round_no)):
+        stats.writes += 1
+        try:
+            client.delete(key, recursive=True)
+        except etcd.EtcdKeyNotFound:
+            continue  # nothing was recorded in that round
+        except store_errors() as e:
+            events.emit("rendezvous.cleanup_failed", key=key, error=str(e))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from petctl.agent.decisions import EndJob, Settings
 from petctl.agent.view import RoundInfo, Snapshot
-from petctl.core.records import Phase
+from petctl.core.records import Phase, Round
 
 
 class RoundOutcome(enum.Enum):
@@ -25,7 +25,7 @@ class RoundOutcome(enum.Enum):
     JOB_ENDED = "job ended"  # the round went final
     LEAVE = "agent asked to leave"  # SIGTERM: leave gracefully
     PREEMPTED = "preemption checkpoint done"  # noticed, saved: leave before the reclaim
-    LOST = "heartbeat lost"  # we were frozen past our TTL: the others dropped us; rejoin as new
+    FENCED = "fenced"  # cut off from etcd while our workers stalled: they were stopped; rejoin
 
 
 # --- what live/ says --------------------------------------------------------------------------------
@@ -48,7 +48,15 @@ class MembershipChange:
     cause: str
 
 
-Verdict = Continue | Over | MembershipChange | EndJob
+@dataclass(frozen=True)
+class Rebuild:
+    """etcd answers but holds no round while we run one: it was replaced by an empty store on the same
+    address (what replacing the etcd host does). Write our round back; the job carries on in it."""
+
+    round: Round
+
+
+Verdict = Continue | Over | MembershipChange | EndJob | Rebuild
 
 
 def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
@@ -57,20 +65,29 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
     exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
     so one node pays for the CAS. Every member done ends the job `succeeded`.
+    While the snapshot is not `settled` (etcd just failed, stalled or lost our own key: see
+    agent/storehealth.py), or our own heartbeat is missing from it (every key expired together),
+    nobody is judged lost or admitted: absences then are the outage's expiries.
+    A snapshot with no round at all, while we run one, means the store was wiped: rebuild it.
     """
     rnd = snap.round
     if rnd is not None and rnd.phase is Phase.FINAL:
         return Over(RoundOutcome.JOB_ENDED)
+    if rnd is None and info.record is not None:
+        return Rebuild(info.record)
     if rnd is None or rnd.round != info.round:
         return Over(RoundOutcome.NEXT_ROUND)
     done = snap.done_in(info.round)
+    all_done = done >= info.ranks.keys()
+    if not snap.settled or s.node_id not in snap.alive:  # our own key gone too: the store's doing
+        return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
     lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
     waiting = tuple(sorted(snap.alive - info.ranks.keys()))
     if waiting and len(info.ranks) < s.max_nodes and is_lowest_live_rank(info, snap.alive):
         return MembershipChange("membership.waiting", waiting, f"scale-up: {','.join(waiting)}")
-    if done >= info.ranks.keys():
+    if all_done:
         return EndJob("succeeded", "all workers exited 0", info.round)
     return Continue()
 

@@ -4,6 +4,14 @@ The decisions are roundjudge.py's pure functions; this module only looks (snapsh
 flags) and acts (CAS, events, signals). `run` returns how the round ended, as a `RoundOutcome`.
 Every look at `live/` is a fresh snapshot, taken on a watch event or every `SNAPSHOT_EVERY` seconds, so
 a missed watch event costs latency, never correctness.
+
+etcd is needed only to change membership, so a failed etcd call ends nothing here: the workers keep
+training, the look or the write is tried again on the next pass (a node's `done` mark and a restart
+request are kept until they are stored), and the failures are counted and reported once per outage by
+the agent's `StoreHealth`. Two things happen only because of the store:
+- a snapshot without any round while we run one (etcd replaced by an empty one): we write our round back
+  (the agent's `rebuild`), and the job carries on in it;
+- cut off from etcd past the heartbeat TTL while our workers stalled: we fence (fencing.py).
 """
 
 from __future__ import annotations
@@ -11,18 +19,22 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from petctl.agent.decisions import EndJob, Settings
+from petctl.agent.fencing import FenceLook, fence, should_fence
 from petctl.agent.heartbeat import Heartbeat
+from petctl.agent.outage import OutageReporter
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
     AskRestart,
     MembershipChange,
     Over,
+    Rebuild,
     ReportFailure,
     RoundOutcome,
     StopLingering,
@@ -35,18 +47,18 @@ from petctl.agent.roundjudge import (
 )
 from petctl.agent.status import Progress, StatusPublisher
 from petctl.agent.view import RoundInfo, Snapshot
-from petctl.agent.warm_pool import WarmPool
+from petctl.agent.warm_pool import WarmPool, refill
 from petctl.agent.watcher import LiveWatcher
 from petctl.agent.workers import WorkerGroup
 from petctl.agent.workerspec import WorkerSpec
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
-from petctl.core.records import Phase
+from petctl.core.records import Phase, Round
 from petctl.core.spec import JobSpec
+from petctl.io.etcd import store_errors
 
 SNAPSHOT_EVERY = 2.0  # a fresh look at live/ even without a watch event
 PUBLISH_EVERY = 5.0
-WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
 REFILL_AFTER = 10.0  # refill the warm pool after the round's first step, or this long into the round
 
 
@@ -70,6 +82,7 @@ class RoundParts:
     out: IO[str]
     worker_spec: WorkerSpec
     pool: WarmPool | None
+    rebuild: Callable[[Round], None]  # write a round etcd lost back (Agent.rebuild_store)
 
 
 class RoundRunner:
@@ -77,6 +90,10 @@ class RoundRunner:
         self.p = parts
         t = parts.spec.timeouts
         self.timing = Timing(finish_grace=t.finish_grace, fail_grace=t.heartbeat_ttl + t.heartbeat_interval)
+        self.outage = OutageReporter("round", parts.events.emit, parent=parts.rdzv.store)
+        self.errors = store_errors()
+        self._done_pending: int | None = None  # a round we finished whose `done` mark is not stored yet
+        self._fenced = False
 
     def run(self, info: RoundInfo) -> RoundOutcome:
         p = self.p
@@ -92,30 +109,77 @@ class RoundRunner:
         p.status.set_state("running")
         watch = WorkerWatch()
         flagged = False
-        started = last_snapshot = last_publish = time.monotonic()
-        snap = p.rdzv.snapshot()
+        self._fenced = False
+        started = last_publish = time.monotonic()
+        last_snapshot = 0.0  # look at once
+        snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
             if p.leave.is_set():
                 return self._stop(workers, info, RoundOutcome.LEAVE)
-            if p.heartbeat.lost.is_set():
-                return self._stop(workers, info, RoundOutcome.LOST)
             if p.preemption.notice is not None and not p.preemption.announced:
-                p.preemption.announce(self._announce_preemption)
+                self._store_call(p.preemption.announce, self._announce_preemption)
             woke = p.watcher.wait(0.1)
             now = time.monotonic()
             if woke or now - last_snapshot > SNAPSHOT_EVERY:
-                snap, last_snapshot = p.rdzv.snapshot(), now
-                outcome = self._act(snap, info)
-                if outcome is not None:
-                    return self._end(workers, info, snap, outcome)
-                flagged = flagged or self._flag_preemption(snap, info, workers)
+                last_snapshot = now
+                looked = self._look(info)
+                if looked is not None:
+                    snap, outcome = looked
+                    if outcome is not None:
+                        return self._end(workers, info, snap, outcome)
+                    flagged = flagged or self._flag_preemption(snap, info, workers)
             if p.preemption.announced and p.preemption.save_finished(workers, p.control_dir):
                 return self._stop(workers, info, RoundOutcome.PREEMPTED)
-            watch = self._watch_workers(watch, workers, snap, info, now)
+            if not self._fenced:
+                self._fence_if_cut_off(workers, info, watch, now)
+                watch = self._watch_workers(watch, workers, snap, info, now)
+            if self._done_pending is not None:
+                self._store_call(self._mark_done)
             if now - last_publish > PUBLISH_EVERY:
                 last_publish = now
                 p.status.publish()
-            self._refill_pool(info, now - started)
+            refill(p.pool, p.progress.round_step_seen or now - started > REFILL_AFTER, info.round, p.events)
+
+    def _store_call(self, fn: Callable[..., object], *args: object) -> bool:
+        """Run an etcd call of the round; False (counted, reported once per outage) if etcd failed."""
+        try:
+            fn(*args)
+        except self.errors as e:
+            self.outage.failed(e)
+            return False
+        self.outage.succeeded()
+        return True
+
+    def _look(self, info: RoundInfo) -> tuple[Snapshot, RoundOutcome | None] | None:
+        """A fresh snapshot and what it means for us; None when etcd did not answer (try again later)."""
+        try:
+            snap = self.p.rdzv.snapshot()
+            outcome = self._act(snap, info)
+        except self.errors as e:
+            self.outage.failed(e)
+            return None
+        self.outage.succeeded()
+        if outcome is None and self._fenced:
+            # Our workers are stopped but the round is still ours: etcd answers again; open the next.
+            self.p.rdzv.start_round(snap, cause=f"{self.p.node_id} fenced while cut off from etcd")
+            return snap, RoundOutcome.FENCED
+        return snap, outcome
+
+    def _fence_if_cut_off(self, workers: WorkerGroup, info: RoundInfo, watch: WorkerWatch,
+                          now: float) -> None:
+        p = self.p
+        look = FenceLook(unreachable_for=p.rdzv.store.unreachable_for(),
+                         stalled_for=p.progress.stalled_for(now), longest_gap=p.progress.longest_gap,
+                         workers_running=workers.running and not watch.finished)
+        if should_fence(look, p.spec.timeouts.heartbeat_ttl):
+            self._fenced = True
+            p.status.set_state("fenced")
+            fence(look, info.round, p.control_dir, p.events, lambda: workers.stop(p.spec.timeouts.stop_grace))
+
+    def _mark_done(self) -> None:
+        if self._done_pending is not None:
+            self.p.rdzv.mark_done(self._done_pending)
+            self._done_pending = None
 
     # --- live/ ---------------------------------------------------------------------------------------
     def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
@@ -129,6 +193,8 @@ class RoundRunner:
             p.rdzv.start_round(snap, cause=verdict.cause)
         elif isinstance(verdict, EndJob):
             p.rdzv.end_job(verdict.state, verdict.reason, verdict.round)
+        elif isinstance(verdict, Rebuild):
+            p.rebuild(verdict.round)
         return None
 
     def _flag_preemption(self, snap: Snapshot, info: RoundInfo, workers: WorkerGroup) -> bool:
@@ -158,37 +224,22 @@ class RoundRunner:
                        first_failure=result.first_failure() if result else None,
                        some_succeeded=workers.some_succeeded(), running=workers.running,
                        round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting)
-        step, watch = judge_workers(watch, look, now, self.timing, p.node_id)
+        step, new = judge_workers(watch, look, now, self.timing, p.node_id)
         if isinstance(step, StopLingering):
             p.events.emit("workers.lingered", round=info.round, seconds=self.timing.finish_grace)
             workers.stop(p.spec.timeouts.stop_grace)
-            p.rdzv.mark_done(info.round)
+            self._done_pending = info.round  # stored by the loop, however long etcd takes to answer
             p.status.set_state("succeeded")
         elif isinstance(step, Succeeded):
-            p.rdzv.mark_done(info.round)
+            self._done_pending = info.round
             p.events.emit("workers.succeeded", round=info.round)
             p.status.set_state("succeeded")
         elif isinstance(step, ReportFailure):
             p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code)
         elif isinstance(step, AskRestart):
-            p.rdzv.start_round(p.rdzv.snapshot(), cause=step.cause, failure=True)
-        return watch
-
-    def _refill_pool(self, info: RoundInfo, into_round: float) -> None:
-        """After the first step (off the restart's critical path), or REFILL_AFTER into the round. One
-        report per refill, never one per loop pass (a pool that cannot fill starts nothing)."""
-        pool = self.p.pool
-        if pool is None or pool.full or not (self.p.progress.round_step_seen or into_round > REFILL_AFTER):
-            return
-        if pool.fill():
-            threading.Thread(target=self._report_warm, args=(pool, info.round), daemon=True).start()
-
-    def _report_warm(self, pool: WarmPool, round_no: int) -> None:
-        """One line when the refilled pool is ready: from then on a restart skips every import."""
-        t0 = time.monotonic()
-        ready = pool.wait_ready(WARM_WAIT)
-        self.p.events.emit("workers.warm_ready", count=ready, round=round_no,
-                           seconds=round(time.monotonic() - t0, 3))
+            if not self._store_call(lambda: p.rdzv.start_round(p.rdzv.snapshot(), step.cause, failure=True)):
+                return watch  # not asked yet: the next pass asks again
+        return new
 
     def _end(self, workers: WorkerGroup, info: RoundInfo, snap: Snapshot,
              outcome: RoundOutcome) -> RoundOutcome:
@@ -196,10 +247,10 @@ class RoundRunner:
         handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting.
         Not a node on its way out (asked to leave, or preempted): the closer should not count on it."""
         p, rnd = self.p, snap.round
-        staying = not p.leave.is_set() and p.preemption.notice is None and not p.heartbeat.lost.is_set()
-        if (outcome is RoundOutcome.NEXT_ROUND and staying and rnd is not None and rnd.phase is Phase.JOINING
-                and rnd.round is not None and p.node_id in snap.alive):
-            p.rdzv.prejoin(rnd.round, info.rank)
+        staying = not p.leave.is_set() and p.preemption.notice is None
+        if (outcome in (RoundOutcome.NEXT_ROUND, RoundOutcome.FENCED) and staying and rnd is not None
+                and rnd.phase is Phase.JOINING and rnd.round is not None and p.node_id in snap.alive):
+            self._store_call(p.rdzv.prejoin, rnd.round, info.rank)  # else the rendezvous joins
         return self._stop(workers, info, outcome)
 
     def _stop(self, workers: WorkerGroup, info: RoundInfo, outcome: RoundOutcome) -> RoundOutcome:

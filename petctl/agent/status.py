@@ -20,6 +20,7 @@ from petctl.agent.watcher import RequestStats
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import Checkpoint, NodeStatus
+from petctl.io.etcd import store_errors
 
 STATUS_TTL = 120
 FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed")
@@ -35,10 +36,18 @@ class Progress:
         self.last_checkpoint: Checkpoint | None = None
         self.round_step_seen = False  # a step was logged in the current round
         self.span: dict[str, Any] = {}  # first/last step of the current round (goodput)
+        self.last_step_at: float | None = None  # monotonic: the round's latest step (fencing.py)
+        self.longest_gap = 0.0  # the round's longest time between two steps
 
     def begin_round(self) -> None:
         self.span = {}
         self.round_step_seen = False
+        self.last_step_at = None
+        self.longest_gap = 0.0
+
+    def stalled_for(self, now: float) -> float | None:
+        """Seconds since the round's latest step; None when the workers reported none this round."""
+        return None if self.last_step_at is None else now - self.last_step_at
 
     def on_worker_event(self, record: dict[str, Any]) -> None:
         event = record.get("event")
@@ -48,6 +57,10 @@ class Progress:
             step, ts = record.get("step"), record.get("ts")
             self.step = step
             self.round_step_seen = True
+            now = time.monotonic()
+            if self.last_step_at is not None:
+                self.longest_gap = max(self.longest_gap, now - self.last_step_at)
+            self.last_step_at = now
             if "first" not in self.span:
                 self.span.update(first=step, first_ts=ts)
             self.span.update(last=step, last_ts=ts)
@@ -93,9 +106,10 @@ class StatusPublisher:
         status = self.status()
         if self.mirror is not None:
             self.mirror.set_status(status.to_dict())
+        t0 = time.monotonic()
         try:
             self.client.write(self.key, status.to_json(), ttl=STATUS_TTL)
-        except etcd.EtcdException as e:
+        except store_errors() as e:
             self.outage.failed(e)
             return
-        self.outage.succeeded()
+        self.outage.succeeded(time.monotonic() - t0)

@@ -22,6 +22,9 @@ class Snapshot:
     round_index: int | None = None  # the modifiedIndex of `live/round`: what a CAS on it compares
     done: Mapping[int, frozenset[str]] = field(default_factory=dict)  # round -> nodes done in it
     etcd_index: int = 0
+    # False while etcd recently failed, stalled or lost our own heartbeat (agent/storehealth.py): a node
+    # missing from `alive` may then be an expiry of the outage, not a loss, so nobody is judged by it.
+    settled: bool = True
 
     def done_in(self, round_no: int) -> frozenset[str]:
         return self.done.get(round_no, frozenset())
@@ -60,6 +63,8 @@ class RoundInfo:
     restarts: int
     cause: str
     started: float  # when this round was opened (for recovery timing)
+    # The frozen round as read: what a node writes back if etcd lost it (not part of a RoundInfo's identity).
+    record: Round | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, rnd: Round, node_id: str) -> RoundInfo:
@@ -68,4 +73,4 @@ class RoundInfo:
             raise ValueError(f"{node_id} is not a member of round {rnd.round} ({rnd.phase.value})")
         return cls(round=rnd.round, rank=rnd.ranks[node_id], world_size=len(rnd.ranks),
                    master_addr=rnd.master_addr, master_port=rnd.master_port, ranks=dict(rnd.ranks),
-                   restarts=rnd.restarts, cause=rnd.cause, started=rnd.ts)
+                   restarts=rnd.restarts, cause=rnd.cause, started=rnd.ts, record=rnd)

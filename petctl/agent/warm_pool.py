@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from petctl.agent.warm_worker import READY
 from petctl.agent.workerspec import WorkerSpec, worker_base_env
+from petctl.core.eventlog import EventLog
+
+WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
 
 
 class WarmPool:
@@ -32,6 +35,7 @@ class WarmPool:
         self.preexec = preexec
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
+        self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
 
     @property
     def usable(self) -> bool:
@@ -41,7 +45,8 @@ class WarmPool:
     @property
     def full(self) -> bool:
         """Every slot holds a live worker (or the pool cannot be used at all): nothing to refill."""
-        return not self.usable or sum(1 for p in self.ready if p.poll() is None) >= self.spec.nproc
+        return (not self.usable or self.given_up
+                or sum(1 for p in self.ready if p.poll() is None) >= self.spec.nproc)
 
     def fill(self) -> int:
         """Start workers until `nproc` wait in the pool; returns how many were started now."""
@@ -125,3 +130,24 @@ class _Readiness:
 
     settled: threading.Event = field(default_factory=threading.Event)
     ready: bool = False
+
+
+def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) -> None:
+    """Refill the pool once `due` (the round's first step was seen: off the restart's critical path, or
+    some seconds into the round). One report per refill, never one per call (a pool that cannot fill
+    starts nothing)."""
+    if pool is None or pool.full or not due:
+        return
+    if pool.fill():
+        threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
+
+
+def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
+    """One line when the refilled pool is ready: from then on a restart skips every import."""
+    t0 = time.monotonic()
+    ready = pool.wait_ready(WARM_WAIT)
+    events.emit("workers.warm_ready", count=ready, round=round_no, seconds=round(time.monotonic() - t0, 3))
+    if ready == 0:  # every one died importing: refilling again would only start more that die
+        pool.given_up = True
+        events.emit("workers.warm_given_up", round=round_no,
+                    reason="no warm worker became ready; restarts start cold workers")

@@ -74,13 +74,14 @@ class EtcdServer:
 
     @classmethod
     def start(cls, data_dir: str | Path, log_path: str | Path | None = None, detach: bool = False,
-              timeout: float = 20.0) -> EtcdServer:
-        """Start etcd and wait until it answers. `detach` puts it in its own session (outlives the CLI)."""
+              timeout: float = 20.0, ports: tuple[int, int] | None = None) -> EtcdServer:
+        """Start etcd and wait until it answers. `detach` puts it in its own session (outlives the CLI).
+        `ports` (client, peer): the same address again, as a replaced etcd host keeps its address."""
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         last_error = ""
         for _ in range(3):  # a free port can be taken between probing and binding; retry on that race
-            client_port, peer_port = free_port(), free_port()
+            client_port, peer_port = ports or (free_port(), free_port())
             url_c = f"http://127.0.0.1:{client_port}"
             url_p = f"http://127.0.0.1:{peer_port}"
             cmd = [
@@ -144,12 +145,19 @@ def _up_or_exited(server: EtcdServer, proc: subprocess.Popen) -> bool:
 
 
 def etcd_client(endpoint: str, read_timeout: float = 5.0):
-    """A python-etcd client for an `http://host:port` endpoint (imported lazily: the CLI stays light)."""
+    """A python-etcd client for an `http://host:port` endpoint (imported lazily: the CLI stays light).
+    A call fails after `read_timeout` seconds, never retried inside (see below)."""
     import etcd
+    import urllib3
 
     u = urlparse(endpoint)
-    return etcd.Client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
-                       read_timeout=read_timeout, allow_reconnect=False)
+    client = etcd.Client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
+                         read_timeout=read_timeout, allow_reconnect=False)
+    # urllib3 retries a timed-out GET 3 times by default: a read would then hang 4 x `read_timeout` before
+    # failing. A call etcd does not answer in time fails once; the callers retry on their own schedule.
+    client.http = urllib3.PoolManager(num_pools=10, retries=urllib3.Retry(connect=0, read=0, status=0,
+                                                                          other=0, redirect=3))
+    return client
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
