@@ -224,7 +224,8 @@ def test_the_heartbeat_writes_its_vanished_key_again_and_disturbs_the_store():
     events.add_sink(lambda record: rec(record["event"]))
     health = StoreHealth(rec, grace=60.0, slow=60.0)
     beat = Heartbeat(client, JobKeys("j"), NodeRecord(node_id="n1", host_addr="h", pid=1), interval=0.02,
-                     ttl=3, outage=OutageReporter("heartbeat", rec, parent=health), store=health, events=events)
+                     ttl=3, outage=OutageReporter("heartbeat", rec, parent=health), store=health,
+                     events=events)
     beat.start()
     assert health.settled()
     client.gone = True
