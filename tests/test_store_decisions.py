@@ -291,3 +291,19 @@ def test_a_wiped_store_of_an_ended_job_gets_its_result_back_not_its_round():
     assert JobResult.from_json(rdzv.written["/petctl/jobs/j/result"]) == result
     final = Round.from_json(rdzv.written["/petctl/jobs/j/live/round"])
     assert final.phase is Phase.FINAL and final.state == "succeeded"
+
+
+# --- a result written by an agent that lost etcd before flipping the round --------------------------------
+def test_a_result_without_a_final_round_gets_one_from_the_next_writer(etcd_server):
+    from petctl.io.etcd import etcd_client
+    from petctl.io.jobresult import record_result
+
+    client, keys = etcd_client(etcd_server.endpoint), JobKeys("half-ended")
+    first = JobResult(state="succeeded", reason="all workers exited 0", ts=WALL, round=3, job="half-ended")
+    client.write(keys.result, first.to_json())  # the first writer's second write never happened
+    client.write(keys.round, frozen_round(3, RANKS, restarts=1).to_json())
+    second = dataclasses.replace(first, state="failed", reason="a later verdict")
+    assert record_result(client, second) is False  # the first result stands ...
+    final = Round.from_json(client.read(keys.round).value)
+    assert (final.phase, final.state, final.restarts) == (Phase.FINAL, "succeeded", 1)  # ... and ends the job
+    assert JobResult.from_json(client.read(keys.result).value) == first
