@@ -163,6 +163,9 @@ def test_an_early_crash_is_one_event_everywhere_and_exit_70(cluster, tmp_path):
     assert node.proc.wait(timeout=60) == 70
     (crash,) = node.events("agent.crashed")
     assert crash["error"].startswith("FileNotFoundError:") and "\n" not in crash["error"]
+    # The traceback travels with the event (its last lines), so the cause outlives the instance's log.
+    assert crash["traceback"][-1].startswith("FileNotFoundError:") and len(crash["traceback"]) <= 20
+    assert any("fetch_code" in line for line in crash["traceback"])
     # The services started before the crash were stopped properly: the event sink drained into etcd and
     # the mirror's final flush ran.
     listing = etcd_client(c.endpoint).read(JobKeys(c.spec.name).events, recursive=True, sorted=True)

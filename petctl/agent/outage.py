@@ -80,3 +80,12 @@ def describe(error: BaseException | str, limit: int = 300) -> str:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def last_lines(error: BaseException, lines: int = 20) -> list[str]:
+    """The last `lines` lines of `error`'s formatted traceback: what `agent.crashed` carries, so the cause
+    is in the job's events (and the mirror) even when the node's log is gone with its instance."""
+    import traceback
+
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return text.rstrip("\n").splitlines()[-lines:]
