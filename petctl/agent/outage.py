@@ -62,3 +62,13 @@ def describe(error: BaseException | str, limit: int = 300) -> str:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def traceback_tail(error: BaseException, lines: int = 20) -> str:
+    """The last `lines` lines of `error`'s formatted traceback (the raising frames and the exception):
+    what `agent.crashed` carries, so the cause of a crash is in the job's events, not only in one node's
+    log."""
+    import traceback
+
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])

@@ -87,6 +87,35 @@ def test_worker_script_logs_in_to_ecr_without_a_cli_and_runs_the_agent_container
     assert IMAGE in text
 
 
+def unit_section(text: str, unit: str) -> dict[str, list[str]]:
+    """KEY -> values of one systemd unit the worker script writes (`cat > .../UNIT <<UNIT ... UNIT`)."""
+    body = text.split(f"/etc/systemd/system/{unit}\" <<UNIT\n", 1)[1].split("\nUNIT\n", 1)[0]
+    found: dict[str, list[str]] = {}
+    for line in body.replace("\\\\\n", " ").splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def test_a_crashed_agent_is_not_restarted_and_its_instance_is_replaced_at_once():
+    """The contract between the agent and systemd: exit 70 (EXIT_CRASHED, after `agent.crashed`) is never
+    restarted, so the unit enters "failed" at once and OnFailure marks the instance Unhealthy; any other
+    failure is restarted, and reaches OnFailure only after 3 failures in 10 minutes."""
+    from petctl.agent.main import EXIT_CRASHED
+
+    text = worker()
+    agent = unit_section(text, "petctl-agent.service")
+    assert agent["Restart"] == ["on-failure"] and agent["RestartSec"] == ["10"]
+    assert agent["RestartPreventExitStatus"] == [str(EXIT_CRASHED)] == ["70"]
+    assert agent["OnFailure"] == ["petctl-unhealthy.service"]
+    assert (agent["StartLimitIntervalSec"], agent["StartLimitBurst"]) == (["600"], ["3"])
+    assert agent["ExecStart"][0].startswith("/usr/bin/docker run --rm")  # exits with the container's code
+    unhealthy = unit_section(text, "petctl-unhealthy.service")
+    assert unhealthy["Type"] == ["oneshot"]
+    assert unhealthy["ExecStart"][0].startswith("/usr/local/bin/petctl-mark-unhealthy ")
+
+
 def test_worker_script_installs_nothing():
     text = worker()
     assert "pip install" not in text and "apt-get" not in text
