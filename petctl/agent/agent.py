@@ -33,7 +33,7 @@ from petctl.agent.decisions import Settings
 from petctl.agent.eventsink import EtcdEventSink
 from petctl.agent.heartbeat import Heartbeat
 from petctl.agent.mirror import Mirror
-from petctl.agent.outage import OutageReporter, describe, last_lines
+from petctl.agent.outage import OutageReporter, describe, traceback_tail
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rebuild import StoreRebuilder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
@@ -122,7 +122,7 @@ class Agent:
             try:
                 return self._run(services)
             except Exception as e:  # noqa: BLE001 - the last line of defence: reported while the sinks run
-                self.events.emit("agent.crashed", error=describe(e), traceback=last_lines(e))
+                self.events.emit("agent.crashed", error=describe(e), traceback=traceback_tail(e))
                 raise AgentCrashed(describe(e)) from e
 
     def _run(self, services: contextlib.ExitStack) -> int:

@@ -3,8 +3,10 @@
 Kept on argparse and the stdlib so it starts fast and carries nothing it does not need; the config is a
 file path or an s3:// URL (the job's S3 prefix on AWS), never values baked into the image.
 
-Never a silent death: an unexpected error emits one `agent.crashed` event (one line; the traceback goes
-to the node log) and the process exits with `EXIT_CRASHED`, so the provider sees the instance fail.
+Never a silent death: an unexpected error emits one `agent.crashed` event (its `error` one line, its
+`traceback` the last lines of the formatted exception; the whole traceback also goes to the node log) and
+the process exits with `EXIT_CRASHED`. On AWS systemd does not restart an agent that exited with it
+(RestartPreventExitStatus, worker_boot.sh.j2): the instance is marked unhealthy at once and replaced.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
 from petctl.io.objstore import read_url
 
-EXIT_CRASHED = 70  # EX_SOFTWARE: the agent itself failed (0 ok or killed, 1 job failed, 2 bad config)
+# EX_SOFTWARE: the agent itself failed (0 ok or killed, 1 job failed, 2 bad config). worker_boot.sh.j2
+# names it in RestartPreventExitStatus: keep the two equal (tests/aws/test_boot_scripts.py checks).
+EXIT_CRASHED = 70
 
 
 def load_config(location: str) -> AgentConfig:
@@ -55,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return EXIT_CRASHED
     except Exception as e:  # noqa: BLE001 - the last line of defence: a crash before the agent ran
-        from petctl.agent.outage import describe
+        from petctl.agent.outage import describe, traceback_tail
 
         EventLog("agent", stream=sys.stdout, job=config.job.name, node=config.node_id).emit(
-            "agent.crashed", error=describe(e))
+            "agent.crashed", error=describe(e), traceback=traceback_tail(e))
         traceback.print_exc()
         return EXIT_CRASHED
 

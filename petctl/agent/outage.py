@@ -82,9 +82,10 @@ def describe(error: BaseException | str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def last_lines(error: BaseException, lines: int = 20) -> list[str]:
-    """The last `lines` lines of `error`'s formatted traceback: what `agent.crashed` carries, so the cause
-    is in the job's events (and the mirror) even when the node's log is gone with its instance."""
+def traceback_tail(error: BaseException, lines: int = 20) -> list[str]:
+    """The last `lines` lines of `error`'s formatted traceback (the raising frames and the exception):
+    what `agent.crashed` carries, so the cause of a crash is in the job's events (and the mirror), not
+    only in the log of an instance that may be gone."""
     import traceback
 
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))

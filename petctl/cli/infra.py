@@ -18,18 +18,24 @@ class ChecksFailed(PetctlError):
 @click.option("--region", help="aws: region (default: the AWS CLI's, e.g. AWS_REGION or the profile's).")
 @click.option("--profile", help="aws: named profile from your AWS config.")
 @click.option("--endpoint-url", help="aws: an emulator's endpoint (e.g. http://127.0.0.1:5000).")
+@click.option("--etcd-nodes", metavar="N", help="aws: etcd members, 1 (default: one host that heals itself, "
+              "etcd away while it is replaced) or 3 (one per AZ: any one can be lost without an outage; "
+              "3x the etcd instances' cost).")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Provider-specific setup option (repeatable), e.g. stack_name=petctl, max_azs=3 (aws) or "
                    "agent_command='python my_agent.py {config}' (local).")
 def setup(provider_name: str, region: str | None, profile: str | None, endpoint_url: str | None,
-          options: tuple[str, ...]) -> None:
+          etcd_nodes: str | None, options: tuple[str, ...]) -> None:
     """Create what all jobs share (local: an embedded etcd; aws: the CloudFormation stack)."""
     from petctl.cli.parse import key_values
     from petctl.core.errors import ValidationError
 
-    flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url)) if v}
+    flags = {k: v for k, v in (("region", region), ("profile", profile), ("endpoint_url", endpoint_url),
+                                ("etcd_nodes", etcd_nodes)) if v is not None and v != ""}
     if flags and provider_name != "aws":
         raise ValidationError(f"--{next(iter(flags)).replace('_', '-')} is for `--provider aws`")
+    if etcd_nodes is not None and etcd_nodes.strip() not in ("1", "3"):
+        raise ValidationError(f"--etcd-nodes must be 1 or 3 (got {etcd_nodes!r})")
     config = load_config()
     provider = provider_for(provider_name)
     result = provider.setup(**{**key_values(options, "--option"), **flags})

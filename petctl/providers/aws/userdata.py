@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from petctl.core.spec import AgentConfig
+
+if TYPE_CHECKING:
+    from petctl.providers.aws.etcdbin import BootScript, EtcdArtifact
+    from petctl.providers.aws.network import EtcdMember, NetworkPlan
 
 CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
 # Keep the user data below EC2's 16 KB limit (with room to spare) so a long argument list is refused here
@@ -42,7 +48,48 @@ def etcd_user_data(stack_name: str, etcd_ip: str, etcd_key: str, etcd_sha256: st
     from petctl.providers.aws.templates import render_boot
 
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
-                       etcd_sha256=etcd_sha256, etcd_key=etcd_key, bucket=BUCKET_PLACEHOLDER)
+                       etcd_sha256=etcd_sha256, etcd_key=etcd_key, bucket=BUCKET_PLACEHOLDER, members=[])
+
+
+def etcd_hosts(stack_name: str, plan: NetworkPlan,
+               etcd: EtcdArtifact) -> tuple[list[dict], BootScript | None]:
+    """What the base template needs per etcd member (logical-id suffix, name, address, subnet, group name,
+    user data), and for a cluster the members' boot script that setup must ship to the bucket. Member 0
+    keeps the single host's logical ids and group name, so the template of a 1-node stack is unchanged."""
+    from petctl.providers.aws.etcdbin import BootScript
+
+    members = plan.etcd_members
+    script = BootScript(etcd_member_script(stack_name, members, etcd)) if plan.etcd_cluster else None
+    hosts = []
+    for i, m in enumerate(members):
+        if script is None:
+            data = etcd_user_data(stack_name, m.ip, etcd.key, etcd.sha256, etcd.version)
+        else:
+            data = etcd_member_stub(i, script)
+        hosts.append({"suffix": str(i) if i else "", "name": m.name, "ip": m.ip, "subnet": m.subnet,
+                      "group": f"{stack_name}-etcd" + (f"-{i}" if i else ""), "user_data": data})
+    return hosts, script
+
+
+def etcd_member_script(stack_name: str, members: Sequence[EtcdMember], etcd: EtcdArtifact) -> str:
+    """The boot script shared by the members of a 3-member etcd cluster (shipped through the bucket, see
+    etcdbin.py): the member's user data says which member it is (PETCTL_ETCD_MEMBER) and where the
+    bucket is (PETCTL_BUCKET)."""
+    from petctl.providers.aws.templates import render_boot
+
+    cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    return render_boot("etcd_boot.sh.j2", stack_name=stack_name, members=list(members), etcd_cluster=cluster,
+                       etcd_version=etcd.version, etcd_sha256=etcd.sha256, etcd_key=etcd.key,
+                       etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256)
+
+
+def etcd_member_stub(index: int, script: BootScript) -> str:
+    """Member `index`'s user data: fetch the members' boot script from the bucket, check its pinned
+    checksum, run it. BUCKET_PLACEHOLDER stands where the template joins in the bucket's name."""
+    from petctl.providers.aws.templates import render_boot
+
+    return render_boot("etcd_member_stub.sh.j2", member=index, script_key=script.key,
+                       script_sha256=script.sha256, bucket=BUCKET_PLACEHOLDER)
 
 
 def agent_config_from_user_data(text: str) -> AgentConfig:
