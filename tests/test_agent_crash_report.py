@@ -39,4 +39,4 @@ def test_traceback_tail_keeps_the_last_lines():
         tail = traceback_tail(e, lines=20)
     lines = tail
     assert len(lines) == 20 and lines[-1] == "KeyError: 'bottom'" and "in ping" in lines[-3]
-    assert not tail.startswith("Traceback")  # 30 frames: the head was cut, the raising end kept
+    assert not tail[0].startswith("Traceback")  # 30 frames: the head was cut, the raising end kept

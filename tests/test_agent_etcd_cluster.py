@@ -22,9 +22,6 @@ def etcd3(tmp_path: Path):
     c.stop()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the agent's long poll (petctl/agent/watcher.py LongPoll, owned by the lead) talks to one endpoint: "
-    "it must parse the list with petctl.io.etcd.parse_endpoints and move to the next member when one fails"))
 def test_losing_the_etcd_member_in_use_restarts_nothing(etcd3, tmp_path):
     spec = make_spec("etcd3", etcd3.endpoints, min_size=2, max_size=2,
                      env={"STEPS": str(STEPS), "STEP_TIME": "0.1"})

@@ -20,9 +20,10 @@ import json
 import socket
 import threading
 from dataclasses import dataclass
-from urllib.parse import quote, urlencode, urlparse
+from urllib.parse import quote, urlencode
 
 from petctl.agent.outage import OutageReporter
+from petctl.io.etcd import parse_endpoints
 
 JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a cut poll returns within milliseconds)
 
@@ -48,11 +49,15 @@ class IndexCleared(WatchError):
 
 
 class LongPoll:
-    """etcd v2 GETs over one HTTP connection that another thread can cut (`cut()`)."""
+    """etcd v2 GETs over one HTTP connection that another thread can cut (`cut()`).
+
+    With several etcd members (`http://a:2379,http://b:2379,...`) a poll that fails to connect or breaks
+    moves to the next member; a v2 index is the same on every member, so a watch resumes where it was."""
 
     def __init__(self, endpoint: str, timeout: float) -> None:
-        u = urlparse(endpoint)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 2379
+        self._members = parse_endpoints(endpoint)
+        self._member = 0
+        self.host, self.port = self._members[0]
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
         self._cut = False
@@ -89,6 +94,7 @@ class LongPoll:
         raise WatchError(f"watch on {key}: HTTP {status}: {doc.get('message', '')}")
 
     def _get(self, key: str, params: dict[str, str]) -> tuple[int, bytes, http.client.HTTPMessage]:
+        waiting = params.get("wait") == "true"
         with self._lock:
             if self._cut:
                 raise OSError("watch stopped")
@@ -100,9 +106,16 @@ class LongPoll:
             conn.request("GET", url)
             resp = conn.getresponse()
             return resp.status, resp.read(), resp.headers
-        except BaseException:
+        except BaseException as e:
             self._drop(conn)  # a timed-out or broken connection cannot be reused
+            if not (waiting and isinstance(e, TimeoutError)):  # a quiet poll is not a failed member
+                self._next_member()
             raise
+
+    def _next_member(self) -> None:
+        with self._lock:
+            self._member = (self._member + 1) % len(self._members)
+            self.host, self.port = self._members[self._member]
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -185,9 +198,12 @@ class LiveWatcher:
                     continue
                 self.stats.watches += 1
                 modified = poll.watch(key, recursive, index)
-                self.outage.succeeded()
-                if modified is None:
+                if modified is None:  # a quiet poll, or a frozen member: one cheap read tells them apart
+                    self.stats.reads += 1
+                    poll.current_index(self.prefix)
+                    self.outage.succeeded()
                     continue
+                self.outage.succeeded()
                 index = max(index, modified + 1)
                 if gate is None or gate.is_set():
                     self.changed.set()
