@@ -146,6 +146,12 @@ def late_manifests(job: PartitionJob, node: AgentProc, since: float) -> list[int
     return [m.step for m in job.manifests() if m.meta["node_id"] == node.node_id and m.created >= since]
 
 
+def data_written_since(job: PartitionJob, since: float) -> set[int]:
+    """Steps whose data objects (committed or not) were written at or after `since` (file mtimes)."""
+    return {int(m.group(1)) for path in job.ckpt_dir.rglob("*") if path.is_file()
+            and path.stat().st_mtime >= since and (m := mf.DATA_RE.match(f"{path.parent.name}/"))}
+
+
 def assert_exact_weights(job: PartitionJob) -> dict[str, Any]:
     final = job.weights()
     assert final["weights"] == reference_weights(STEPS), "final weights differ from STEPS steps applied once"
@@ -204,12 +210,22 @@ def test_partitioned_node_is_dropped_and_fences_itself(job: PartitionJob) -> Non
     (resumed,) = [r for r in resumes if r["ts"] > t_cut]
     assert resumed["node"] == a.node_id and resumed["world_size"] == 2 and 0 < resumed["step"] < STEPS
     assert assert_exact_weights(job)["node"] == a.node_id
+    before_cut = [e["step"] for e in rank0_ledger(job) if e["event"] == "train.step" and e["ts"] < t_cut]
+    (job.results.parent / "measured.json").write_text(json.dumps({  # for the record, read by nobody here
+        "detection_s": round(detection, 3), "resumed_at": resumed["step"],
+        "steps_redone": max(before_cut) + 1 - resumed["step"],
+        "resumed_after_cut_s": round(resumed["ts"] - t_cut, 3)}))
 
     # Nothing the cut-off node wrote became visible after it was dropped.
     t_lost = min(e["ts"] for e in lost)
     late = late_manifests(job, ns_node, t_lost)
     assert late == [], f"the partitioned node committed checkpoints {late} after it was dropped"
     assert [e["step"] for e in ns_node.events("checkpoint.saved") if e["ts"] >= t_lost] == []
+    survivors_steps = {m.step for m in job.manifests() if m.meta["node_id"] in (a.node_id, b.node_id)}
+    written_late = data_written_since(job, t_lost)
+    assert written_late, "the survivors' own checkpoints should show up as written after the drop"
+    assert written_late <= survivors_steps, f"data of steps {sorted(written_late - survivors_steps)} " \
+        "written after the drop by someone other than the survivors"
 
     if not FENCING:
         pytest.xfail("needs the agent's fencing (lead): petctl/agent/fencing.py is not there yet")
