@@ -12,8 +12,10 @@ process, the rank sets in etcd, the detection time (`membership.lost` minus the 
 the store (who wrote each, when), and the partitioned agent's own events.
 
 The sanity variant never cuts the link: it proves the namespaces, the addresses and gloo's interfaces
-work. The cut variant needs the agent's fencing (petctl/agent/fencing.py); until that exists, the
-assertions about the partitioned node are an expected failure, and only those.
+work, and, with a fence file written by hand midway on rank 0's node, that real workers commit no
+checkpoint while it exists (training goes on) and commit again once it is removed. The cut variant needs
+the agent's fencing (petctl/agent/fencing.py); until that exists, the assertions about the partitioned
+node are an expected failure, and only those.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from petctl.core import controlfiles
 from tests.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
 from tests.netns import NetLab, Slot, netns_available
 from tests.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
@@ -100,6 +103,16 @@ def test_sanity_three_nodes_one_namespaced_train_to_exact_weights(job: Partition
     ns_node, a, b = job.start_three()
     st = wait_for(lambda: (s := job.cluster.state()).world_size == 3 and s, 60, what="a world of 3")
     assert st.ranks[ns_node.node_id] == 0 and {st.ranks[a.node_id], st.ranks[b.node_id]} == {1, 2}
+    # Midway, a fence as the agent writes it on rank 0's node: commits stop (training does not), and
+    # start again once it is lifted.
+    wait_for(lambda: len(ns_node.events("checkpoint.saved")) >= 3, 90, what="3 checkpoints")
+    control = job.cluster.root / ns_node.node_id / "control"
+    controlfiles.write_fence(control, round_no=1, reason="test: a fence mid-run")
+    (fenced,) = wait_for(lambda: ns_node.events("checkpoint.fenced"), 30, what="checkpoint.fenced")
+    later = fenced["step"] + 2 * CKPT_EVERY
+    wait_for(lambda: [e for e in ns_node.events("train.step") if e["step"] >= later], 30,
+             what="two more saves due under the fence")
+    controlfiles.fence_path(control).unlink()
     for agent in (ns_node, a, b):
         assert agent.proc.wait(timeout=180) == 0, agent.log.read_text()[-3000:]
     final = job.cluster.state()
@@ -113,8 +126,13 @@ def test_sanity_three_nodes_one_namespaced_train_to_exact_weights(job: Partition
         assert {s["world_size"] for s in steps} == {3}
     assert job.outcome.assert_exact_weights() == ns_node.node_id
     manifests = job.outcome.manifests()
-    assert [m.step for m in manifests] == list(range(STEPS - 1, -1, -CKPT_EVERY))
     assert {m.meta["node_id"] for m in manifests} == {ns_node.node_id}
+    due = list(range(CKPT_EVERY - 1, STEPS, CKPT_EVERY))
+    missing = sorted(set(due) - {m.step for m in manifests})
+    (unfenced,) = ns_node.events("checkpoint.unfenced")
+    assert len(missing) == unfenced["skipped"] >= 2 and missing[0] == fenced["step"]
+    assert missing == due[due.index(missing[0]):due.index(missing[0]) + len(missing)]  # one run of saves
+    assert unfenced["step"] == missing[-1] + CKPT_EVERY  # the first save after the lift commits
 
 
 @pytest.mark.timeout(420)

@@ -117,6 +117,10 @@ def test_local_provider_partition_of_rank0(lab_cli: tuple[Petctl, NetLab, Path])
                and e["step"] % 10 == 9]:
         assert time.monotonic() < deadline, "the survivors did not train at world size 2"
         time.sleep(0.5)
+    deadline = time.monotonic() + 30  # the agent fences itself while cut off: the heal waits for that
+    while FENCING and not [e for e in cli.events(JOB, "agent.fenced") if e["node"] == victim]:
+        assert time.monotonic() < deadline, "the cut-off agent did not fence itself within 30 s"
+        time.sleep(0.5)
     t_heal = time.time()
     lab.heal(slot_of[victim])
     info = cli.wait_finished(JOB, 300)
