@@ -40,7 +40,10 @@ def ip(*args: str, netns: str = "") -> None:
 
 
 def netns_available() -> str:
-    """"" when this machine can build the lab (root, `ip netns`), else why not (a skip reason)."""
+    """"" when this machine can build the lab (root, `ip netns`), else why not (a skip reason). Called
+    by the fixtures, not at import: collecting the fast tests creates no namespace."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
     if shutil.which("ip") is None:
         return "no `ip` command (iproute2)"
     name = f"ptchk{secrets.token_hex(3)}"

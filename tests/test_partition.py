@@ -21,7 +21,6 @@ node are an expected failure, and only those.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,8 +34,7 @@ from tests.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_f
 from tests.netns import NetLab, Slot, netns_available
 from tests.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
 
-_NETNS = netns_available() if os.geteuid() == 0 else "needs root (network namespaces)"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_NETNS), reason=_NETNS or "ok")]
+pytestmark = pytest.mark.slow
 _names = itertools.count()
 
 TTL = 2.0
@@ -77,6 +75,8 @@ class PartitionJob:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[PartitionJob]:
+    if reason := netns_available():
+        pytest.skip(reason)
     lab = NetLab(tmp_path)
     cluster: AgentCluster | None = None
     try:
