@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,20 +54,30 @@ class AgentCluster:
     status_url: str = ""
     _count: int = 0
 
-    def start(self, node_id: str | None = None, imds: Callable[[str], str] | None = None) -> AgentProc:
-        """Start one agent; `imds(node_id)` gives its metadata endpoint (preemption notices)."""
+    def start(self, node_id: str | None = None, imds: Callable[[str], str] | None = None, *,
+              prefix: Sequence[str] = (), host_addr: str = "",
+              env: dict[str, str] | None = None) -> AgentProc:
+        """Start one agent; `imds(node_id)` gives its metadata endpoint (preemption notices).
+
+        `prefix` goes before the command (`ip netns exec NS`: the agent and its workers in a network
+        namespace; it execs, so the pid is still the agent's), `host_addr` is the address its peers use
+        (default the config's 127.0.0.1), `env` adds to its environment and its workers' (e.g.
+        GLOO_SOCKET_IFNAME)."""
         self._count += 1
         node_id = node_id or f"n{self._count}"
         work = self.root / node_id
         work.mkdir(parents=True, exist_ok=True)
         cfg = work / "agent.json"
-        cfg.write_text(AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work),
-                                   imds_endpoint=imds(node_id) if imds else "",
-                                   status_url=self.status_url).to_json())
+        config = AgentConfig(job=self.spec, node_id=node_id, work_dir=str(work),
+                             imds_endpoint=imds(node_id) if imds else "", status_url=self.status_url)
+        if host_addr:
+            config.host_addr = host_addr
+        cfg.write_text(config.to_json())
         log = work / "agent.log"
-        proc = subprocess.Popen([sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
+        with open(log, "ab") as out:
+            cmd = [*prefix, sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)]
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True, env={**os.environ, **env} if env else None)
         agent = AgentProc(node_id, proc, log)
         self.agents[node_id] = agent
         return agent

@@ -22,6 +22,7 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.background import BackgroundUploader
 from petctl.elastic.dist import Comm
+from petctl.elastic.fence import CommitFence
 from petctl.elastic.preemption import PreemptionMonitor
 from petctl.io.objstore import ObjectStore, open_store
 from petctl.io.s3store import S3Options
@@ -58,6 +59,7 @@ class BaseCheckpointer:
         self.preemption = PreemptionMonitor(comm=self.comm, check_every=check_every,
                                             **({"control_dir": Path(control_dir)} if control_dir else {}))
         self.preemption.announce()
+        self.fence = CommitFence(self.preemption.control_dir, self.log, self.url)  # see fence.py
         self._store = store
         self._s3 = s3
         self._uploader = BackgroundUploader(on_error=self._on_save_error)

@@ -167,7 +167,7 @@ class Checkpointer(BaseCheckpointer):
 
         The state is copied to CPU here, on the calling thread; serialising and uploading happen in
         the background unless `block`. A save waits only for the previous upload still in flight.
-        Returns the manifest when `block` and the save succeeded.
+        Returns the manifest when `block` and the save succeeded (None when it failed or was fenced).
         """
         if not self.comm.is_writer:
             return None
@@ -186,19 +186,26 @@ class Checkpointer(BaseCheckpointer):
         self._uploader.submit(lambda: self._write(step, snapshot))
         return self._uploader.wait() if block else None
 
-    def _write(self, step: int, snapshot: dict[str, Any]) -> mf.Manifest:
-        """Background thread: serialise to the node-local staging dir, upload data, then manifest."""
+    def _write(self, step: int, snapshot: dict[str, Any]) -> mf.Manifest | None:
+        """Background thread: serialise to the node-local staging dir, upload data, then manifest. None
+        when fenced (fence.py): nothing made visible. Raises what serialising or the store raises."""
         t0 = time.monotonic()
+        if self.fence.blocks(step, "upload"):
+            return None
         cache = self.cache or LocalCache(self.url)
         staging = cache.staging(step)
         try:
             files, entries = save_snapshot(snapshot, step, staging)
             meta = {"world_size": self.comm.world_size, "torch": torch.__version__,
                     "node_id": os.environ.get("PETCTL_NODE_ID", "")}
-            manifest = mf.write_checkpoint(self.store, step, files, meta, entries=entries)
+            manifest = mf.write_checkpoint(self.store, step, files, meta, entries=entries,
+                                           may_commit=lambda: not self.fence.blocks(step, "commit"))
         except BaseException:
             cache.discard(staging)
             raise
+        if manifest is None:  # fenced between upload and commit: the data stays unnamed, never loaded
+            cache.discard(staging)
+            return None
         # The checkpoint is complete and visible now; what follows is housekeeping whose failure must
         # not turn a good save (say, the preemption save) into a reported failure.
         try:

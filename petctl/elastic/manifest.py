@@ -108,11 +108,18 @@ def verify_file(path: Path, entry: ObjectEntry) -> bool:
 
 def write_checkpoint(store: CheckpointStore, step: int, files: dict[str, Path],
                      meta: dict[str, Any] | None = None,
-                     entries: list[ObjectEntry] | None = None) -> Manifest:
-    """Upload the data objects, then the manifest. Only the last PUT makes the checkpoint visible."""
+                     entries: list[ObjectEntry] | None = None,
+                     may_commit: Callable[[], bool] | None = None) -> Manifest | None:
+    """Upload the data objects, then the manifest. Only the last PUT makes the checkpoint visible.
+
+    `may_commit()` is asked between the two (a fence, see fence.py): False leaves the data without a
+    manifest (never loaded, pruned later) and returns None. Raises what the store raises.
+    """
     manifest = Manifest(step=step, objects=entries or describe_files(files), meta=dict(meta or {}))
     for entry in manifest.objects:
         store.put_file(manifest.key_of(entry), files[entry.name])
+    if may_commit is not None and not may_commit():
+        return None
     store.put_bytes(manifest_key(step), manifest.to_json().encode())
     return manifest
 

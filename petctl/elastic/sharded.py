@@ -187,23 +187,34 @@ class ShardedCheckpointer(BaseCheckpointer):
         return self._uploader.wait() is True if block else True
 
     def _upload(self, step: int, local: Path, files: dict[str, Path]) -> bool:
+        """Background thread: this rank's shards and entries, then (rank 0) the manifest. False when
+        this node is fenced (fence.py): a fenced rank uploads nothing, and rank 0 fenced at the commit
+        writes no manifest (a fenced other rank leaves rank 0 waiting for its entries until
+        `entries_timeout`: that round is being replaced anyway). Raises what the store raises."""
         t0 = time.monotonic()
-        entries = mf.describe_files(files)
-        for entry in entries:
-            self.store.put_file(mf.data_prefix(step) + entry.name, files[entry.name])
-        self.store.put_bytes(f"{entries_prefix(step)}{self.comm.rank}.json",
-                             json.dumps([[e.name, e.size, e.sha256] for e in entries]).encode())
-        if self.comm.is_writer:
-            manifest = self._write_manifest(step)
-            pruned = self._prune(step)
-            self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes, url=self.url,
-                          seconds=round(time.monotonic() - t0, 3), format=DCP_FORMAT, pruned=pruned)
-        for path in files.values():  # only our own files: other local ranks may still be uploading
-            path.unlink(missing_ok=True)
-        return True
+        try:
+            if self.fence.blocks(step, "upload"):
+                return False
+            entries = mf.describe_files(files)
+            for entry in entries:
+                self.store.put_file(mf.data_prefix(step) + entry.name, files[entry.name])
+            self.store.put_bytes(f"{entries_prefix(step)}{self.comm.rank}.json",
+                                 json.dumps([[e.name, e.size, e.sha256] for e in entries]).encode())
+            if self.comm.is_writer:
+                manifest = self._write_manifest(step)
+                if manifest is None:
+                    return False
+                pruned = self._prune(step)
+                self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes, url=self.url,
+                              seconds=round(time.monotonic() - t0, 3), format=DCP_FORMAT, pruned=pruned)
+            return True
+        finally:
+            for path in files.values():  # only our own files: other local ranks may still be uploading
+                path.unlink(missing_ok=True)
 
-    def _write_manifest(self, step: int) -> mf.Manifest:
-        """Rank 0's uploader: wait for every rank's entries, then make the checkpoint visible."""
+    def _write_manifest(self, step: int) -> mf.Manifest | None:
+        """Rank 0's uploader: wait for every rank's entries, then make the checkpoint visible (None:
+        fenced at the last moment, nothing visible). Raises TimeoutError when a rank's part is missing."""
         timeout = self.entries_timeout
         preempt_deadline = self.preemption.deadline() if self.preemption.fired_at is not None else None
         if preempt_deadline is not None:  # past the notice's deadline the instance is gone anyway
@@ -218,6 +229,8 @@ class ShardedCheckpointer(BaseCheckpointer):
             objects += [mf.ObjectEntry(n, int(s), h) for n, s, h in json.loads(self.store.get_bytes(key))]
         manifest = mf.Manifest(step=step, objects=objects,
                                meta={"format": DCP_FORMAT, "world_size": self.comm.world_size})
+        if self.fence.blocks(step, "commit"):
+            return None
         self.store.put_bytes(mf.manifest_key(step), manifest.to_json().encode())
         return manifest
 
