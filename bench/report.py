@@ -15,6 +15,8 @@ GOALS = {
     "P4": "<= 1 % (petctl)",
     "P5": "<= 2 s at N=64, requests/node flat in N",
     "P6": "<= 0.3 s",
+    "P7a": "0 restarts, 0 steps lost",
+    "P7b": "0 restarts, 0 steps lost",
 }
 TORCHRUNS = ("torchrun-c10d", "torchrun-etcd-v2")
 
@@ -126,6 +128,33 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         for label, r in p6.get("commands", {}).items():
             system = "petctl" if "petctl" in label else "reference"
             rows.append(_row("P6", label, system, r.get("seconds"), "s", note=r.get("error", "")))
+    rows.extend(store_rows(results.get("P7") or {}))
+    return rows
+
+
+def store_rows(p7: dict[str, Any]) -> list[dict[str, Any]]:
+    """P7's rows: per fault and system, restarts, steps lost, the longest pause, and two run counts."""
+    rows: list[dict[str, Any]] = []
+    check, end = p7.get("check_after_s"), p7.get("observed_s")
+    for fid, res in (p7.get("faults") or {}).items():
+        for system, s in res.get("summary", {}).items():
+            n = s.get("runs", 0)
+            errors = "; ".join(s.get("errors", []))
+            rows.append(_row(fid, "restarts after the fault", system, s.get("restarts"), "",
+                             note=f"{res.get('title')}" + (f"; errors: {errors}" if errors else "")))
+            stopped = s.get("stopped_runs")
+            rows.append(_row(fid, "steps lost", system, s.get("steps_lost"), "steps",
+                             note=f"{stopped} run(s) stopped training and never resumed" if stopped else ""))
+            rows.append(_row(fid, "longest pause in training", system, s.get("longest_pause_s"), "s",
+                             note=f"window: the fault -> fault + {end:.0f} s" if end else ""))
+            rows.append(_row(fid, f"runs training at world 3, fault + {check:.0f} s", system,
+                             {"median": f"{s.get('training_runs')}/{n}", "n": n}))
+            exits = s.get("exited_after_s") or {}
+            died = (f"{exits['n']} node(s) exited at fault + {exits['min']:.1f} to {exits['max']:.1f} s: "
+                    if exits.get("n") else "")
+            rows.append(_row(fid, f"runs with every node process alive, fault + {end:.0f} s", system,
+                             {"median": f"{s.get('all_alive_runs')}/{n}", "n": n},
+                             note=died + " | ".join(s.get("last_errors", []))))
     return rows
 
 
