@@ -43,7 +43,8 @@ SAMPLES: dict[type[WireRecord], WireRecord] = {
                            pid=4242, round=7, rank=2, world_size=3, restarts=2, step=130,
                            last_checkpoint=Checkpoint(step=120, url="file:///c/120"),
                            etcd_requests={"reads": 9, "writes": 4, "watches": 3},
-                           failures={"watch": 1, "mirror": 2}),
+                           failures={"watch": 1, "mirror": 2},
+                           last_error=["Traceback (most recent call last):", "RuntimeError: boom"]),
     JobResult: JobResult(state="failed", reason="max_restarts=3 exhausted", ts=1700000020.0, round=9, job="j",
                          node="n1"),
 }

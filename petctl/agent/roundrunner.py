@@ -235,7 +235,9 @@ class RoundRunner:
             p.events.emit("workers.succeeded", round=info.round)
             p.status.set_state("succeeded")
         elif isinstance(step, ReportFailure):
-            p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code)
+            p.status.last_error = workers.error_tail(step.local_rank)
+            p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code,
+                          last_error=p.status.last_error)
         elif isinstance(step, AskRestart):
             if not self._store_call(lambda: p.rdzv.start_round(p.rdzv.snapshot(), step.cause, failure=True)):
                 return watch  # not asked yet: the next pass asks again

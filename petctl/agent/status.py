@@ -1,8 +1,9 @@
 """What a node tells the world about itself: its `NodeStatus`, in etcd and in the mirror.
 
 `petctl status` shows it per node: state, round, rank, the newest step and checkpoint, the etcd requests
-the agent made and the failures its services counted. It is informational: a failed publication is
-counted and reported once per outage (outage.py), never allowed to stop training.
+the agent made, the failures its services counted, and the last failed worker's error lines. It is
+informational: a failed publication is counted and reported once per outage (outage.py), never allowed
+to stop training.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class StatusPublisher:
         self.mirror = mirror
         self.state = "starting"
         self.round: RoundInfo | None = None
+        self.last_error: list[str] = []  # the last failed worker's error lines (NodeStatus.last_error)
 
     def set_state(self, state: str) -> None:
         self.state = state
@@ -100,7 +102,8 @@ class StatusPublisher:
                           rank=info.rank if info else None, world_size=info.world_size if info else None,
                           restarts=info.restarts if info else None, step=self.progress.step,
                           last_checkpoint=self.progress.last_checkpoint,
-                          etcd_requests=self.stats.as_dict(), failures=self.failures())
+                          etcd_requests=self.stats.as_dict(), failures=self.failures(),
+                          last_error=list(self.last_error))
 
     def publish(self) -> None:
         status = self.status()

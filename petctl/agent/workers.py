@@ -5,8 +5,9 @@ takes its workers with it, exactly as a vanished host would. They also die with 
 (PR_SET_PDEATHSIG, `petctl.io.procs.die_with_parent`) so no orphan keeps a GPU or a gloo socket busy
 after the agent is gone. Their output is piped through one reader thread each, so lines from several
 workers never interleave mid-line and the agent can follow progress events (steps, checkpoints) without
-touching torch. What they run and their environment: `workerspec.py`; workers started ahead of time:
-`warm_pool.py`.
+touching torch. Each worker's last lines that are not events (its stderr is merged into its stdout: a
+traceback, a `RuntimeError: ...`) are kept too, so a failure can say why (`error_tail`). What they run
+and their environment: `workerspec.py`; workers started ahead of time: `warm_pool.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
@@ -28,6 +30,9 @@ from petctl.io.wait import wait_until
 
 __all__ = ["GroupResult", "WorkerGroup", "WorkerSpec"]
 
+ERROR_TAIL_LINES = 20  # the failing worker's last lines kept for `workers.failed` and `petctl status`
+ERROR_LINE_CHARS = 400  # ... each cut to this length, so the status record stays small
+TAIL_DRAIN = 1.0  # how long `error_tail` waits for an exited worker's last lines to be read
 STOP_POLL = 0.02  # how often a stopping group is checked (a restart waits on it: keep it short)
 EXIT_POLL = 0.05
 
@@ -61,7 +66,8 @@ class WorkerGroup:
         self.out = out
         self.on_event = on_event
         self.procs: dict[int, subprocess.Popen] = {}
-        self._readers: list[threading.Thread] = []
+        self._readers: dict[int, threading.Thread] = {}  # local rank -> its output reader
+        self._tails: dict[int, deque[str]] = {}  # local rank -> its last lines that are not events
         self._out_lock = threading.Lock()
         self._preexec = die_with_parent(signal.SIGKILL)
         self.started_at = 0.0
@@ -80,10 +86,11 @@ class WorkerGroup:
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=self._preexec,
                 )
             self.procs[local_rank] = proc
-            reader = threading.Thread(target=self._pump, args=(proc,), name=f"worker-out-{local_rank}",
-                                      daemon=True)
+            self._tails[local_rank] = deque(maxlen=ERROR_TAIL_LINES)
+            reader = threading.Thread(target=self._pump, args=(proc, self._tails[local_rank]),
+                                      name=f"worker-out-{local_rank}", daemon=True)
             reader.start()
-            self._readers.append(reader)
+            self._readers[local_rank] = reader
 
     def _hand_to_warm(self, env: dict[str, str]) -> subprocess.Popen | None:
         """Give a pooled worker its orders (env, cwd, argv); None when the pool has none to give."""
@@ -104,21 +111,34 @@ class WorkerGroup:
         self.warm_ready += int(ready)
         return proc
 
-    def _pump(self, proc: subprocess.Popen) -> None:
+    def _pump(self, proc: subprocess.Popen, tail: deque[str]) -> None:
         assert proc.stdout is not None
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace")
+            record = parse_line(line)
             with self._out_lock:
+                if record is None and line.strip():
+                    tail.append(line.rstrip()[:ERROR_LINE_CHARS])
                 try:
                     self.out.write(line if line.endswith("\n") else line + "\n")
                     self.out.flush()
                 except (ValueError, OSError):  # our stream is closed (shutting down): drop the line, but
                     pass  # keep draining the pipe so the worker never blocks on a full one
-            if self.on_event is not None:
-                record = parse_line(line)
-                if record is not None:
-                    self.on_event(record)
+            if record is not None and self.on_event is not None:
+                self.on_event(record)
         proc.stdout.close()
+
+    def error_tail(self, local_rank: int) -> list[str]:
+        """The last lines (at most ERROR_TAIL_LINES) worker `local_rank` printed that are not events.
+
+        Called once the worker has exited: its reader gets up to TAIL_DRAIN seconds to read what was
+        still in the pipe (the traceback is written last), so the lines are complete; a reader still
+        busy after that (a grandchild holding the pipe open) yields what was read by then."""
+        reader = self._readers.get(local_rank)
+        if reader is not None:
+            reader.join(timeout=TAIL_DRAIN)
+        with self._out_lock:
+            return list(self._tails.get(local_rank, ()))
 
     def poll(self) -> GroupResult | None:
         """None while any worker runs (or none were started); the result once all have exited.
@@ -158,7 +178,7 @@ class WorkerGroup:
         wait_until(lambda: not self.running, grace, STOP_POLL)
         self.signal_all(signal.SIGKILL)
         codes = {lr: p.wait() for lr, p in self.procs.items()}
-        for reader in self._readers:
+        for reader in self._readers.values():
             reader.join(timeout=1.0)
         return codes
 

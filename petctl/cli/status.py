@@ -47,6 +47,30 @@ def echo_activities(lines: list[str]) -> None:
             click.echo(f"  {line}")
 
 
+def worker_failure(view, state: str) -> dict[str, Any] | None:
+    """For a failed job, the failing worker's last error lines (`petctl.jobview.failure`); None for any
+    other job, or when the timeline cannot be read (the summary already says why)."""
+    from petctl.core.errors import PetctlError
+    from petctl.jobview.failure import last_failure
+
+    if state != "failed":
+        return None
+    try:
+        failure = last_failure(view.events())
+    except PetctlError:
+        return None
+    return failure.to_dict() if failure is not None else None
+
+
+def echo_failure(failure: dict[str, Any] | None) -> None:
+    """The failing worker's error lines, as one indented block."""
+    from petctl.jobview.failure import WorkerFailure
+
+    if failure:
+        for line in WorkerFailure(**failure).block():
+            click.echo(line)
+
+
 def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """The node table, rank order; a `failures` column only when some node counted failures."""
     ranks = data["ranks"]
@@ -71,7 +95,8 @@ def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 @output_option
 def status(name: str, output: str) -> None:
     """A job's state and its nodes: rank, world size, round, restarts, state, step, and each node's
-    counted failures (etcd, mirror, heartbeat, ...) when it has any."""
+    counted failures (etcd, mirror, heartbeat, ...) when it has any. For a failed job, the failing
+    worker's last error lines."""
     from petctl.jobview.summary import one_line, summarize
     from petctl.providers.capabilities import CapacityInsight
 
@@ -83,6 +108,7 @@ def status(name: str, output: str) -> None:
     data["scaling_activities"] = (provider.scaling_activities(name) if isinstance(provider, CapacityInsight)
                                   else [])
     data["corrupt_records"] = view.corrupt.to_dict()
+    data["last_error"] = worker_failure(view, data["state"])
     data["notes"] = view.notes()
     if output == "json":
         print_json(data)
@@ -90,6 +116,7 @@ def status(name: str, output: str) -> None:
     click.echo(status_summary(data))
     click.echo(one_line(data["accounting"]))
     echo_activities(data["scaling_activities"])
+    echo_failure(data["last_error"])
     for note in data["notes"]:
         click.echo(f"note: {note}")
     if data["source"] == "mirror":

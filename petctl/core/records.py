@@ -183,6 +183,8 @@ class NodeStatus(WireRecord):
     last_checkpoint: Checkpoint | None = None
     etcd_requests: dict[str, int] = field(default_factory=dict)  # reads/writes/watches so far
     failures: dict[str, int] = field(default_factory=dict)  # service -> failed attempts so far
+    # The last lines (bounded) a failed worker of this node printed that were not events: why it failed.
+    last_error: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

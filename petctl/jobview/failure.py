@@ -1,0 +1,63 @@
+"""Why a job failed, in its failing worker's own words: the error lines its agent captured.
+
+When a worker exits non-zero, its agent emits `workers.failed` with the worker's last lines that were not
+events (`last_error`: its traceback, its `RuntimeError: ...`). `petctl status` shows them for a failed job,
+so "max_restarts=3 exhausted" comes with the reason the restarts were spent, without opening the logs.
+
+Which failure: the last round that had one (the failure that used up the restarts), and in that round the
+first node to report: when one rank dies, its peers fail next in their collectives ("Connection closed by
+peer"), so the first report is the cause and the later ones are its echo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAX_LINES = 20  # what status prints at most (the agent keeps no more either)
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    node: str
+    round: int | None
+    local_rank: int | None
+    code: int | None
+    ts: float
+    lines: list[str] = field(default_factory=list)  # the worker's last error lines, oldest first
+    others: int = 0  # other nodes whose workers failed in the same round after this one
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def heading(self) -> str:
+        echo = f"; {self.others} other node(s) failed after it" if self.others else ""
+        return (f"last worker error (node {self.node}, round {self.round}, local rank {self.local_rank}, "
+                f"exit code {self.code}{echo}):")
+
+    def block(self, indent: str = "    ") -> list[str]:
+        """The heading and the error lines, indented, at most MAX_LINES of them."""
+        body = self.lines[-MAX_LINES:] or ["(the worker printed nothing but events)"]
+        return [self.heading(), *(indent + line for line in body)]
+
+
+def last_failure(events: Iterable[dict[str, Any]]) -> WorkerFailure | None:
+    """The first `workers.failed` report of the last round that had one; None when no worker failed."""
+    failed = [e for e in events if e.get("event") == "workers.failed"]
+    if not failed:
+        return None
+    last_round = max(_round(e) for e in failed)
+    in_round = sorted((e for e in failed if _round(e) == last_round), key=lambda e: float(e.get("ts", 0.0)))
+    first = in_round[0]
+    lines = first.get("last_error")
+    return WorkerFailure(node=str(first.get("node", "")), round=first.get("round"),
+                         local_rank=first.get("local_rank"), code=first.get("code"),
+                         ts=float(first.get("ts", 0.0)),
+                         lines=[str(line) for line in lines][-MAX_LINES:] if isinstance(lines, list) else [],
+                         others=len({e.get("node") for e in in_round} - {first.get("node")}))
+
+
+def _round(event: dict[str, Any]) -> int:
+    value = event.get("round")
+    return value if isinstance(value, int) else -1

@@ -1,0 +1,108 @@
+"""Fault matrix, issue 13 item 2: a spot notice arrives while a checkpoint upload is in flight, and the
+preemption save that follows does not finish in time. No torn checkpoint is ever loaded: the job resumes
+from the newest complete one, with the exact weights.
+
+The upload is slow the way a congested link (or a big state) makes it slow: rank 0's store takes UPLOAD s
+per state object (tests/workloads/ledger_train.py, `ThrottledStore`), and writes straight to the
+object's key, so a save cut off leaves a truncated object behind with no manifest (harsher than S3,
+where an object appears whole). The agent gives the preemption save until SAFETY_MARGIN (15 s) before
+the reclaim; the notice to rank 0 (the writer) gives GRACE = 15 + UPLOAD + 1.5 s, so the save has
+UPLOAD + 1.5 s:
+
+    the periodic save of step 49 starts uploading (UPLOAD s)
+    -> the notice lands (`petctl chaos --notice`) while that upload is in flight
+    -> every rank sees the preemption flag at the same step j; rank 0's preemption save of j waits for
+       the upload of 49 to finish, then uploads j (another UPLOAD s)
+    -> UPLOAD + 1.5 s after the notice the agent's save deadline passes: it stops its workers (the
+       upload of j is cut off: data, no manifest) and leaves; the instance is reclaimed at its deadline
+    -> the survivor re-forms alone and resumes from 49 (complete), not from j (torn)
+
+That is a 2-minute AWS notice scaled down: 90 s for the save (`preempt_deadline`), a state that needs
+more. Real etcd,
+agents and gloo workers on the local provider; the replacement is held back (`--replace-delay`) so the
+survivor's round is the one that finishes the job.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Petctl
+from tests.ledger import Ledger, data_steps, manifests
+from tests.matrix import run_ledger_job, wait_until
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 150, 50
+SAFETY_MARGIN = 15.0  # petctl/agent/preemption.py
+UPLOAD = 6.0
+# The save gets UPLOAD + 1.5 s: enough for the upload in flight to finish (it started before the notice;
+# IMDS times have whole seconds, so the agent's deadline may come up to 1 s early), not for a second one.
+GRACE = SAFETY_MARGIN + UPLOAD + 1.5
+
+
+def uploads(ledger: Ledger, node: str) -> dict[int, dict[str, float]]:
+    """step -> {"upload_started": ts, "upload_done": ts} of the state objects `node` uploaded."""
+    out: dict[int, dict[str, float]] = {}
+    for e in ledger.entries:
+        if e["node"] == node and e["event"] in ("upload_started", "upload_done") and e["step"] is not None:
+            out.setdefault(e["step"], {})[e["event"]] = e["ts"]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, tmp_path: Path):
+    ledger_dir = tmp_path / "ledger"
+    run_ledger_job(local, ledger_dir, "torn", "--min", "1", "--max", "2", "--size", "2",
+                   "--replace-delay", "600", "--wait", "--wait-timeout", "120", STEPS=STEPS,
+                   CKPT_EVERY=EVERY, STEP_TIME=0.1, UPLOAD_SECONDS=UPLOAD)
+    checkpoints = local.job_dir("torn") / "checkpoints"
+    started = wait_until(lambda: Ledger.read(ledger_dir).of("upload_started"), 90, "the first upload")
+    writer = started[0]["node"]
+    assert started[0]["step"] == EVERY - 1 and started[0]["rank"] == 0
+
+    local.run("chaos", "torn", "--node", writer, "--notice", "--grace", str(GRACE))
+    reclaim_at = json.loads((local.job_dir("torn") / "notices" / f"{writer}.json").read_text())["time"]
+    info = local.wait_finished("torn", timeout=200)
+    assert info["state"] == "succeeded", info
+
+    ledger = Ledger.read(ledger_dir)
+    up = uploads(ledger, writer)
+    t_notice = reclaim_at - GRACE
+    (timeout,) = [e for e in local.events("torn", "preemption.save_timeout") if e["node"] == writer]
+    save_deadline = timeout["save_deadline"]  # the notice's time in whole seconds, less SAFETY_MARGIN
+    assert reclaim_at - SAFETY_MARGIN - 1 < save_deadline <= reclaim_at - SAFETY_MARGIN
+    assert save_deadline <= timeout["ts"] < reclaim_at
+    # The notice landed mid-upload: the upload of step 49 was in flight when it was written, and it
+    # completed before the save deadline.
+    assert up[EVERY - 1]["upload_started"] < t_notice < up[EVERY - 1]["upload_done"] < save_deadline, up
+    # Every rank saw the flag at the same step j; rank 0's preemption save of j was cut off at the deadline.
+    torn = max(up)
+    assert torn > EVERY - 1 and "upload_done" not in up[torn] and up[torn]["upload_started"] < save_deadline
+    ran = {e["step"] for e in ledger.of("step") if e["node"] == writer}
+    assert max(ran) == torn  # it was saving the step it had just run, and ran no further
+    assert torn in data_steps(checkpoints) and torn not in manifests(checkpoints)  # data, no manifest
+    assert not ledger.of("preempt_saved")  # no rank got to report the save done
+
+    # The survivor resumed alone from the newest complete checkpoint, step 49, never from the torn one.
+    runs = ledger.training_rounds()
+    (survivor,) = set(runs[0].ranks) - {writer}
+    assert [(sorted(r.ranks), r.worlds) for r in runs] == [(sorted([writer, survivor]), {2}),
+                                                           ([survivor], {1})]
+    assert {ran[-1] for ran in runs[0].steps.values()} == {torn}  # both ranks stopped at the flagged step
+    assert runs[1].loaded == {EVERY - 1} and runs[1].first == EVERY
+    assert ledger.redone() == [torn - (EVERY - 1)]  # the steps since the complete checkpoint, no more
+    ledger.assert_exact(STEPS, ledger_dir / "final.json")  # every step, and the end, bit for bit
+    loaded = [e for e in local.events("torn", "checkpoint.loaded") if e["node"] == survivor]
+    assert [e["step"] for e in loaded] == [EVERY - 1]
+
+    # The noticed node left on its own once the save deadline passed, and was reclaimed at its deadline.
+    (left,) = [e for e in local.events("torn", "agent.left") if e["node"] == writer]
+    assert left["cause"] == "preemption" and save_deadline <= left["ts"] < reclaim_at
+    timeline = local.json("events", "torn", "--all")
+    (reclaimed,) = [e for e in timeline if e["event"] == "instance.reclaimed"]
+    assert reclaimed["instance"] == writer and reclaimed["ts"] >= reclaim_at
+    assert len(local.processes()) == 1  # etcd only
