@@ -188,3 +188,16 @@ def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
     # Its heartbeat (TTL 30 s) was deleted on the way out, so the others would not wait for it.
     with pytest.raises(etcd.EtcdKeyNotFound):
         client.read(keys.node(node.node_id))
+
+
+@pytest.mark.parametrize("left,budget", [
+    (120.0, 100.0),  # a spot notice: the full 15 s margin, capped by preempt_deadline (100 s here)
+    (60.0, 45.0),
+    (30.0, 22.5),  # from here on a quarter of the time left is the margin
+    (6.0, 4.5),  # a short local notice: the save gets 4.5 s, not 1 s
+    (0.5, 1.0),  # (almost) no time: 1 s, whatever happens
+])
+def test_a_short_notice_keeps_most_of_its_time_for_the_save(left, budget):
+    from petctl.agent.preemption import save_budget
+
+    assert save_budget(left, preempt_deadline=100.0) == pytest.approx(budget)
