@@ -5,9 +5,9 @@ from the newest complete one, with the exact weights.
 The upload is slow the way a congested link (or a big state) makes it slow: rank 0's store takes UPLOAD s
 per state object (tests/workloads/ledger_train.py, `ThrottledStore`), and writes straight to the
 object's key, so a save cut off leaves a truncated object behind with no manifest (harsher than S3,
-where an object appears whole). The agent gives the preemption save until SAFETY_MARGIN (15 s) before
-the reclaim; the notice to rank 0 (the writer) gives GRACE = 15 + UPLOAD + 1.5 s, so the save has
-UPLOAD + 1.5 s:
+where an object appears whole). The agent gives the preemption save all but a margin before the reclaim
+(a quarter of a short notice: `save_budget`); the notice to rank 0 (the writer) gives GRACE s, so that
+the save has UPLOAD + 1.5 s:
 
     the periodic save of step 49 starts uploading (UPLOAD s)
     -> the notice lands (`petctl chaos --notice`) while that upload is in flight
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from petctl.agent.preemption import SHORT_NOTICE_SHARE, save_budget
 from tests.conftest import Petctl
 from tests.ledger import Ledger, data_steps, manifests
 from tests.matrix import run_ledger_job, wait_until
@@ -37,11 +38,12 @@ from tests.matrix import run_ledger_job, wait_until
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 150, 50
-SAFETY_MARGIN = 15.0  # petctl/agent/preemption.py
 UPLOAD = 6.0
 # The save gets UPLOAD + 1.5 s: enough for the upload in flight to finish (it started before the notice;
 # IMDS times have whole seconds, so the agent's deadline may come up to 1 s early), not for a second one.
-GRACE = SAFETY_MARGIN + UPLOAD + 1.5
+# A notice this short keeps a quarter of its time as the margin (petctl/agent/preemption.py save_budget).
+GRACE = (UPLOAD + 1.5) / (1 - SHORT_NOTICE_SHARE)
+assert save_budget(GRACE, preempt_deadline=90.0) == pytest.approx(UPLOAD + 1.5)
 
 
 def uploads(ledger: Ledger, node: str) -> dict[int, dict[str, float]]:
@@ -73,8 +75,9 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
     up = uploads(ledger, writer)
     t_notice = reclaim_at - GRACE
     (timeout,) = [e for e in local.events("torn", "preemption.save_timeout") if e["node"] == writer]
-    save_deadline = timeout["save_deadline"]  # the notice's time in whole seconds, less SAFETY_MARGIN
-    assert reclaim_at - SAFETY_MARGIN - 1 < save_deadline <= reclaim_at - SAFETY_MARGIN
+    # The notice's time (in whole seconds, seen a moment after it was written), less a quarter of it.
+    save_deadline, margin = timeout["save_deadline"], GRACE * SHORT_NOTICE_SHARE
+    assert reclaim_at - margin - 1 < save_deadline <= reclaim_at - margin + 0.5
     assert save_deadline <= timeout["ts"] < reclaim_at
     # The notice landed mid-upload: the upload of step 49 was in flight when it was written, and it
     # completed before the save deadline.
