@@ -61,6 +61,22 @@ def test_a_long_line_is_cut_and_a_short_tail_is_whole(tmp_path: Path) -> None:
     assert group.error_tail(7) == []  # no such worker: nothing, not an error
 
 
+def test_the_launchers_frames_leave_room_for_the_scripts_own(tmp_path: Path) -> None:
+    """A warm worker runs the script through runpy: those frames say nothing about the user's error."""
+    source = """import sys
+sys.stderr.write('Traceback (most recent call last):\\n')
+sys.stderr.write('  File "/x/petctl/agent/warm_worker.py", line 60, in main\\n    runpy.run_path(path)\\n')
+sys.stderr.write('  File "/usr/lib/python3.11/runpy.py", line 291, in run_path\\n    return run(code)\\n')
+sys.stderr.write('  File "train.py", line 9, in <module>\\n    step()\\n')
+sys.stderr.write('    ^^^^^^\\nValueError: bad batch\\n')
+sys.exit(3)
+"""
+    group = run_group(tmp_path, source, nproc=1)
+    assert group.error_tail(0) == ["Traceback (most recent call last):",
+                                   '  File "train.py", line 9, in <module>', "    step()", "    ^^^^^^",
+                                   "ValueError: bad batch"]
+
+
 def failed(node: str, round_no: int, ts: float, lines: list[str] | None = None) -> dict:
     event = {"ts": ts, "event": "workers.failed", "node": node, "round": round_no, "local_rank": 0, "code": 1}
     return event if lines is None else {**event, "last_error": lines}

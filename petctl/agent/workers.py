@@ -113,11 +113,14 @@ class WorkerGroup:
 
     def _pump(self, proc: subprocess.Popen, tail: deque[str]) -> None:
         assert proc.stdout is not None
+        in_launcher = False  # the line after a launcher frame is that frame's source line
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace")
             record = parse_line(line)
             with self._out_lock:
-                if record is None and line.strip():
+                keep = record is None and line.strip() and not (in_launcher and line.startswith("    "))
+                in_launcher = launcher_frame(line)
+                if keep and not in_launcher:
                     tail.append(line.rstrip()[:ERROR_LINE_CHARS])
                 try:
                     self.out.write(line if line.endswith("\n") else line + "\n")
@@ -185,3 +188,13 @@ class WorkerGroup:
     def wait_exit(self, timeout: float) -> bool:
         """Wait up to `timeout` for every worker to exit on its own; True if they all did."""
         return wait_until(lambda: not self.running, timeout, EXIT_POLL)
+
+
+LAUNCHER_FILES = ("/runpy.py", "/petctl/agent/warm_worker.py")
+
+
+def launcher_frame(line: str) -> bool:
+    """A traceback frame of the machinery that started the script (runpy, the warm worker), not of the
+    script: left out of the error tail, so its 20 lines are the user's."""
+    text = line.strip()
+    return text.startswith('File "') and any(f'{name}"' in text for name in LAUNCHER_FILES)
