@@ -22,19 +22,9 @@ from petctl.agent.view import RoundInfo
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round
 from tests.round_cases import T0, WALL, act, frozen_round, joined_state, joining, now, settings, snapshot
+from tests.test_agent_services import Recorder
 
 RANKS = {"a": 0, "b": 1, "c": 2}
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def __call__(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
-
-    def names(self) -> list[str]:
-        return [e for e, _ in self.events]
 
 
 class Clock:
