@@ -51,10 +51,16 @@ class EtcdCluster:
     def create(cls, root: Path, size: int = 3) -> EtcdCluster:
         root.mkdir(parents=True, exist_ok=True)
         cluster = cls(root=root)
+        ports = distinct_ports(2 * size)
         for i in range(size):
-            cluster.members.append(Member(f"m{i}", free_port(), free_port(), root / f"m{i}",
+            cluster.members.append(Member(f"m{i}", ports[2 * i], ports[2 * i + 1], root / f"m{i}",
                                           root / f"m{i}.log"))
         return cluster
+
+    def _new_ports(self) -> None:
+        ports = distinct_ports(2 * len(self.members))
+        for i, m in enumerate(self.members):
+            m.client_port, m.peer_port = ports[2 * i], ports[2 * i + 1]
 
     @property
     def initial_cluster(self) -> str:
@@ -67,10 +73,26 @@ class EtcdCluster:
     def others(self, member: Member) -> str:
         return ",".join(m.client_url for m in self.members if m is not member)
 
-    def start_all(self, timeout: float = 30.0) -> None:
-        for m in self.members:
-            self.start(m, "new", self.initial_cluster)
-        self.wait_healthy(self.members, timeout)
+    def start_all(self, timeout: float = 30.0, attempts: int = 3) -> None:
+        """Start a new cluster and wait until every member is healthy. A port probed free can be taken
+        before etcd binds it (another test, another process): then the whole cluster starts again on
+        new ports. Raises AssertionError (with the members' logs) after `attempts`, every member
+        stopped: a fixture that fails here leaves nothing running."""
+        for attempt in range(attempts):
+            for m in self.members:
+                self.start(m, "new", self.initial_cluster)
+            try:
+                self.wait_healthy(self.members, timeout)
+                return
+            except AssertionError:
+                self.stop()
+                bind_race = "address already in use" in self.logs()
+                if not bind_race or attempt == attempts - 1:
+                    raise
+                for m in self.members:
+                    self.wipe(m)
+                    m.log.unlink(missing_ok=True)
+                self._new_ports()
 
     def start(self, member: Member, state: str, initial_cluster: str) -> None:
         cmd = [etcd_binary(), "--enable-v2", "--name", member.name, "--data-dir", str(member.data_dir),
@@ -118,3 +140,13 @@ class EtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             self.kill(m)
+
+
+def distinct_ports(n: int) -> list[int]:
+    """`n` different free ports (free_port may hand out the same port twice in a row)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports

@@ -114,7 +114,7 @@ class EtcdServer:
         data_dir.mkdir(parents=True, exist_ok=True)
         last_error = ""
         for _ in range(3):  # a free port can be taken between probing and binding; retry on that race
-            client_port, peer_port = ports or (free_port(), free_port())
+            client_port, peer_port = ports or _two_ports()
             url_c = f"http://127.0.0.1:{client_port}"
             url_p = f"http://127.0.0.1:{peer_port}"
             cmd = [
@@ -170,6 +170,15 @@ class EtcdServer:
 
     def _alive(self, proc: subprocess.Popen | None) -> bool:
         return proc.poll() is None if proc is not None else procs.alive(self.pid)
+
+
+def _two_ports() -> tuple[int, int]:
+    """Two different free ports (the OS may hand the same free port out twice in a row)."""
+    client = free_port()
+    peer = free_port()
+    while peer == client:
+        peer = free_port()
+    return client, peer
 
 
 def _up_or_exited(server: EtcdServer, proc: subprocess.Popen) -> bool:
