@@ -109,7 +109,7 @@ class RoundRunner:
         p.status.set_state("running")
         watch = WorkerWatch()
         flagged = False
-        self._fenced = False
+        self._fenced, self._done_pending = False, None
         started = last_publish = time.monotonic()
         last_snapshot = 0.0  # look at once
         snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
@@ -155,14 +155,14 @@ class RoundRunner:
         try:
             snap = self.p.rdzv.snapshot()
             outcome = self._act(snap, info)
+            if outcome is None and self._fenced:
+                # Our workers are stopped but the round is still ours: etcd answers again; open the next.
+                self.p.rdzv.start_round(snap, cause=f"{self.p.node_id} fenced while cut off from etcd")
+                outcome = RoundOutcome.FENCED
         except self.errors as e:
             self.outage.failed(e)
             return None
         self.outage.succeeded()
-        if outcome is None and self._fenced:
-            # Our workers are stopped but the round is still ours: etcd answers again; open the next.
-            self.p.rdzv.start_round(snap, cause=f"{self.p.node_id} fenced while cut off from etcd")
-            return snap, RoundOutcome.FENCED
         return snap, outcome
 
     def _fence_if_cut_off(self, workers: WorkerGroup, info: RoundInfo, watch: WorkerWatch,
