@@ -110,6 +110,13 @@ def boto(moto: str, service: str):
     return boto3.client(service, region_name=REGION, endpoint_url=moto)
 
 
+def all_stacks(moto: str) -> list[dict]:
+    """Every stack in the emulator, all pages: the module's tests share one emulator, and DescribeStacks
+    returns 50 stacks a page (moto, like AWS, paginates), so one call misses stacks once there are more."""
+    pages = boto(moto, "cloudformation").get_paginator("describe_stacks").paginate()
+    return [stack for page in pages for stack in page["Stacks"]]
+
+
 def write_script(directory: Path, name: str = "train.py", text: str = "print('hello')\n") -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name

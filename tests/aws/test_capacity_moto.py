@@ -18,7 +18,7 @@ from petctl.core.records import JobResult
 from petctl.core.spec import JobSpec
 from petctl.providers.aws import inventory
 from petctl.providers.base import JobInfo
-from tests.aws.conftest import boto, submit, write_script
+from tests.aws.conftest import all_stacks, boto, submit, write_script
 from tests.aws.rendered import parse
 
 
@@ -32,7 +32,7 @@ def group(moto: str, name: str) -> dict:
 
 
 def live_stack(moto: str, name: str) -> dict | None:
-    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    stacks = all_stacks(moto)
     found = [s for s in stacks if s["StackName"] == name and s["StackStatus"] != "DELETE_COMPLETE"]
     return found[0] if found else None
 

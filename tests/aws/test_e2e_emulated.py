@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.spec import JobSpec, Timeouts
-from tests.aws.conftest import REGION, boto, submit, view
+from tests.aws.conftest import REGION, all_stacks, boto, submit, view
 from tests.aws.instance_emulator import InstanceEmulator
 
 HERE = Path(__file__).resolve().parent
@@ -68,7 +68,7 @@ def finished(provider, name: str):
 
 
 def stack_gone(moto: str, name: str) -> bool:
-    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    stacks = all_stacks(moto)
     return not [s for s in stacks if s["StackName"] == name and s["StackStatus"] != "DELETE_COMPLETE"]
 
 

@@ -22,7 +22,7 @@ from petctl.providers.aws.placement import (
     plan_placement,
     rank_azs,
 )
-from tests.aws.conftest import boto, submit, write_script
+from tests.aws.conftest import all_stacks, boto, submit, write_script
 
 SUBNETS = {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b", "us-east-1c": "subnet-c"}
 NO_CAPACITY = Activity("Failed", "We currently do not have sufficient g5.xlarge capacity in the Availability "
@@ -154,7 +154,7 @@ def test_run_job_refuses_mixed_gpus_before_any_aws_change(ready, moto, tmp_path,
     with pytest.raises(ValidationError, match="same GPU count and model"):
         ready.create_job(submit(job(instance_types=["g5.xlarge", "g6.xlarge"]),
                                 write_script(tmp_path / "src")))
-    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    stacks = all_stacks(moto)
     assert not [s for s in stacks if s["StackName"] == f"{stack_name}-job-demo"]
 
 

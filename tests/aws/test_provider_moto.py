@@ -16,7 +16,7 @@ import pytest
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import JobSpec
 from petctl.io.config import PetctlConfig
-from tests.aws.conftest import REGION, boto, submit, view, write_script
+from tests.aws.conftest import REGION, all_stacks, boto, submit, view, write_script
 
 
 def spec(name: str = "demo", min_size: int = 1, max_size: int = 4, size: int = 2, **kw) -> JobSpec:
@@ -35,7 +35,7 @@ def keys(moto: str, bucket: str, prefix: str) -> list[str]:
 
 def stack_names(moto: str, base: str) -> set[str]:
     """Live stacks of one base stack (other tests' stacks share the emulator)."""
-    stacks = boto(moto, "cloudformation").describe_stacks()["Stacks"]
+    stacks = all_stacks(moto)
     return {s["StackName"] for s in stacks if s["StackStatus"] != "DELETE_COMPLETE"
             and (s["StackName"] == base or s["StackName"].startswith(base + "-"))}
 
