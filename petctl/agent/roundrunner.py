@@ -176,6 +176,13 @@ class RoundRunner:
             p.status.set_state("fenced")
             fence(look, info.round, p.control_dir, p.events, lambda: workers.stop(p.spec.timeouts.stop_grace))
 
+    def _ask_restart(self, info: RoundInfo, cause: str) -> None:
+        """Replace our round after a worker failure; a round already replaced (another member asked
+        first, or a membership change) is left alone: its restart covers ours."""
+        snap = self.p.rdzv.snapshot()
+        if snap.round is not None and snap.round.round == info.round:
+            self.p.rdzv.start_round(snap, cause, failure=True)
+
     def _mark_done(self) -> None:
         if self._done_pending is not None:
             self.p.rdzv.mark_done(self._done_pending)
@@ -239,7 +246,10 @@ class RoundRunner:
             p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code,
                           last_error=p.status.last_error)
         elif isinstance(step, AskRestart):
-            if not self._store_call(lambda: p.rdzv.start_round(p.rdzv.snapshot(), step.cause, failure=True)):
+            # Only once a settled snapshot was judged: a peer lost during a store outage (which made our
+            # workers fail) is then a membership change, not a failure counted against max_restarts.
+            settled = snap.settled and p.rdzv.store.settled()
+            if not settled or not self._store_call(self._ask_restart, info, step.cause):
                 return watch  # not asked yet: the next pass asks again
         return new
 

@@ -36,6 +36,7 @@ class WarmPool:
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
+        self.closed = False
 
     @property
     def usable(self) -> bool:
@@ -117,6 +118,7 @@ class WarmPool:
         return None
 
     def close(self) -> None:
+        self.closed = True
         for proc in self.ready:
             if proc.poll() is None:
                 proc.kill()
@@ -147,7 +149,8 @@ def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
     t0 = time.monotonic()
     ready = pool.wait_ready(WARM_WAIT)
     events.emit("workers.warm_ready", count=ready, round=round_no, seconds=round(time.monotonic() - t0, 3))
-    if ready == 0:  # every one died importing: refilling again would only start more that die
+    died = not pool.closed and not any(p.poll() is None for p in pool.ready)
+    if ready == 0 and died:  # every one died importing: refilling again would only start more that die
         pool.given_up = True
         events.emit("workers.warm_given_up", round=round_no,
                     reason="no warm worker became ready; restarts start cold workers")
