@@ -177,8 +177,7 @@ class RoundRunner:
             fence(look, info.round, p.control_dir, p.events, lambda: workers.stop(p.spec.timeouts.stop_grace))
 
     def _ask_restart(self, info: RoundInfo, cause: str) -> None:
-        """Replace our round after a worker failure; a round already replaced (another member asked
-        first, or a membership change) is left alone: its restart covers ours."""
+        """Replace our round after a worker failure; one already replaced covers ours (left alone)."""
         snap = self.p.rdzv.snapshot()
         if snap.round is not None and snap.round.round == info.round:
             self.p.rdzv.start_round(snap, cause, failure=True)
@@ -186,7 +185,7 @@ class RoundRunner:
     def _mark_done(self) -> None:
         if self._done_pending is not None:
             self.p.rdzv.mark_done(self._done_pending)
-            self._done_pending = None
+        self._done_pending = None
 
     # --- live/ ---------------------------------------------------------------------------------------
     def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
