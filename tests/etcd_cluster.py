@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,3 +152,14 @@ def distinct_ports(n: int) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+@contextmanager
+def running(root: Path) -> Iterator[EtcdCluster]:
+    """A started 3-member cluster under `root`, stopped on the way out (what the tests' fixtures yield)."""
+    cluster = EtcdCluster.create(root)
+    cluster.start_all()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent_harness import AgentCluster, dump, make_spec, wait_for
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import running
 
 pytestmark = pytest.mark.slow
 STEPS = 80
@@ -16,10 +16,8 @@ STEPS = 80
 
 @pytest.fixture
 def etcd3(tmp_path: Path):
-    c = EtcdCluster.create(tmp_path / "etcd")
-    c.start_all()
-    yield c
-    c.stop()
+    with running(tmp_path / "etcd") as c:
+        yield c
 
 
 def test_losing_the_etcd_member_in_use_restarts_nothing(etcd3, tmp_path):

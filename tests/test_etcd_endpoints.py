@@ -11,7 +11,7 @@ import pytest
 
 from petctl.io.etcd import etcd_client, etcd_healthy, parse_endpoints
 from petctl.io.net import free_port
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import EtcdCluster, running
 
 
 def test_parse_endpoints():
@@ -36,10 +36,8 @@ def test_a_client_for_one_endpoint_is_python_etcds_own():
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    c = EtcdCluster.create(tmp_path / "etcd")
-    c.start_all()
-    yield c
-    c.stop()
+    with running(tmp_path / "etcd") as c:
+        yield c
 
 
 def member_at(cluster: EtcdCluster, uri: str):
