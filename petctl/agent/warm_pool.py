@@ -95,6 +95,10 @@ class WarmPool:
                 readiness.settled.wait(max(0.0, deadline - time.monotonic()))
         return sum(1 for p in self.ready if self._is_ready(p))
 
+    def readiness(self, proc: subprocess.Popen) -> _Readiness | None:
+        """The handshake of a pooled worker (None once handed out)."""
+        return self._warm.get(proc.pid)
+
     def _is_ready(self, proc: subprocess.Popen) -> bool:
         readiness = self._warm.get(proc.pid)
         return readiness is not None and readiness.ready and proc.poll() is None
@@ -147,10 +151,13 @@ def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) ->
 def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
     """One line when the refilled pool is ready: from then on a restart skips every import."""
     t0 = time.monotonic()
+    # The handshakes of the workers this refill started: a round may take one from the pool meanwhile
+    # (it then waits for its imports itself), which is not a death.
+    watched = [w for w in (pool.readiness(p) for p in pool.ready) if w is not None]
     ready = pool.wait_ready(WARM_WAIT)
     events.emit("workers.warm_ready", count=ready, round=round_no, seconds=round(time.monotonic() - t0, 3))
-    died = not pool.closed and not any(p.poll() is None for p in pool.ready)
-    if ready == 0 and died:  # every one died importing: refilling again would only start more that die
+    died = bool(watched) and all(w.settled.is_set() and not w.ready for w in watched)
+    if died and not pool.closed:  # every one died importing: refilling again would only start more that die
         pool.given_up = True
         events.emit("workers.warm_given_up", round=round_no,
                     reason="no warm worker became ready; restarts start cold workers")
