@@ -155,7 +155,8 @@ class Agent:
             watcher=self.watcher, heartbeat=self.heartbeat, preemption=self.preemption, status=self.status,
             progress=self.progress, leave=self.leave, control_dir=self.control_dir, work_dir=self.work_dir,
             out=self.out, worker_spec=worker_spec, pool=pool,
-            rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild))
+            rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild,
+            depart=self._depart))
         return self._loop(runner)
 
     def _worker_spec(self) -> WorkerSpec:
@@ -176,7 +177,7 @@ class Agent:
             try:
                 info = self.rdzv.next_rendezvous(prev_rank, abort, self.status.set_state)
             except RendezvousAborted:
-                if self.preemption.notice is not None:
+                if self.preemption.notice is not None and not self.preemption.leaving:
                     return self._leave(None, cause="preemption")
                 return self._leave(None)
             except JobEnded as ended:
@@ -210,11 +211,14 @@ class Agent:
         return False
 
     # --- leaving -----------------------------------------------------------------------------------
-    def _leave(self, info: RoundInfo | None, cause: str = "leave") -> int:
-        """Graceful leave: heartbeat gone and the next round opened now, so nobody waits for a TTL."""
+    def _depart(self, cause: str) -> None:
+        """Out of the job in etcd: the next round opened (it carries the real cause), then our heartbeat
+        dropped; its delete event wakes the new round's closer, which then stops waiting for us. Called
+        by the round runner as soon as our save is done (the others need not wait for our workers to
+        exit), else by `_leave`; the second call finds nothing left to do."""
         self.status.set_state("leaving")
-        # Open the next round first (it carries the real cause), then drop the heartbeat: its delete
-        # event wakes the new round's closer, which then stops waiting for us.
+        if self.heartbeat.deleted:
+            return
         self.heartbeat.stop(delete=False)
         try:
             snap = self.rdzv.snapshot()
@@ -224,6 +228,10 @@ class Agent:
         except store_errors() as e:  # the others see our heartbeat expire instead
             self.store.failed(e, "leave")
         self.heartbeat.stop(delete=True)
+
+    def _leave(self, info: RoundInfo | None, cause: str = "leave") -> int:
+        """Graceful leave: heartbeat gone and the next round opened now, so nobody waits for a TTL."""
+        self._depart(cause)
         self.events.emit("agent.left", cause=cause, round=info.round if info else None)
         if cause == "preemption":
             self.preemption.complete_lifecycle()

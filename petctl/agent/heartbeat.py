@@ -87,6 +87,11 @@ class Heartbeat:
         if self.events is not None:
             self.events.emit("heartbeat.reasserted", times=self.reasserted)
 
+    @property
+    def deleted(self) -> bool:
+        """Our key was deleted (a leave, the job's end): this node is out of the job."""
+        return self._deleted
+
     def stop(self, delete: bool) -> None:
         """Stop refreshing; `delete` = leaving (others see a `delete` event at once). Idempotent."""
         self._stop.set()

@@ -1,9 +1,13 @@
-"""What the agent does with a preemption notice (spot interruption or ASG scale-in).
+"""What the agent does with a preemption notice (spot interruption or ASG scale-in), or a graceful leave.
 
 EC2 gives two minutes; we spend them like this: announce the preemption in the round (so every node
 flags its workers and all ranks save the same step), wait for the local workers' save with a deadline well
 inside the notice, leave the rendezvous so the others re-form at once, and complete the ASG lifecycle
 action so the instance can go. The metadata watcher and lifecycle client live in imds.py/lifecycle.py.
+
+A graceful leave (`petctl scale` down, SIGTERM to the agent) takes the same path when the workers speak
+the protocol (agent/planned.py): `plan_leave` records it as a notice of kind `leave`, which saves first
+but completes no lifecycle action and waits for no reclaim.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from typing import Any
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
+from petctl.core.records import Preempt
 from petctl.core.spec import AgentConfig
 
 SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
 SHORT_NOTICE_SHARE = 0.25  # ... or, on a notice shorter than 4 x that, this share of the time left
+LEAVE = "leave"  # the kind of a planned leave's notice (spot and asg come from the metadata service)
 
 
 def save_budget(left: float, preempt_deadline: float) -> float:
@@ -69,6 +75,29 @@ class PreemptionHandler:
         self.events.emit("preemption.notice", kind=notice.kind, action=notice.action,
                          deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
 
+    def plan_leave(self, budget: float) -> None:
+        """A graceful leave that saves first: a notice of kind `leave`, due in `budget` seconds. A notice
+        already pending (a spot notice, say) is kept: it saves first too."""
+        from petctl.agent.imds import Notice
+
+        with self._lock:
+            if self.notice is not None:
+                return
+            now = time.time()
+            self.save_deadline = now + budget
+            self.notice = Notice(LEAVE, LEAVE, now + budget)
+        self.events.emit("leave.saving", save_deadline=round(self.save_deadline, 3))
+
+    @property
+    def leaving(self) -> bool:
+        """The pending notice is our own graceful leave (not a reclaim of the instance)."""
+        return self.notice is not None and self.notice.kind == LEAVE
+
+    def request(self, node_id: str) -> Preempt:
+        """The save-now request this notice puts on the round."""
+        return Preempt(node_id=node_id, deadline=self.notice.deadline,
+                       reason=LEAVE if self.leaving else "preemption", leaves=True)
+
     def announce(self, cas: Callable[[], bool]) -> None:
         """Put the preemption into the current round (retried by the caller's loop until it sticks).
 
@@ -77,8 +106,9 @@ class PreemptionHandler:
         """
         if cas():
             self.announced = True
-            self.events.emit("preemption.announced", deadline=self.notice.deadline)
-            if self.config.asg_name and self.config.lifecycle_hook and self._heartbeat is None:
+            self.events.emit("preemption.announced", deadline=self.notice.deadline, kind=self.notice.kind)
+            if (self.config.asg_name and self.config.lifecycle_hook and self._heartbeat is None
+                    and not self.leaving):
                 from petctl.agent.lifecycle import LifecycleHeartbeat
 
                 self._heartbeat = LifecycleHeartbeat(self.config.asg_name, self.config.lifecycle_hook,

@@ -152,10 +152,12 @@ class EtcdRendezvous:
                              restarts=value.restarts)
         return ok
 
-    def set_preempt(self, snap: Snapshot, deadline: float) -> bool:
+    def set_preempt(self, snap: Snapshot, request: Preempt) -> bool:
+        """Put a save-now request on our running round (CAS); False if the round moved meanwhile."""
         rnd, index = snap.round, snap.round_index
-        return rnd is not None and index is not None and self._cas_round(
-            dataclasses.replace(rnd, preempt=Preempt(node_id=self.node_id, deadline=deadline)), index)
+        ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
+        return ours and index is not None and self._cas_round(dataclasses.replace(rnd, preempt=request),
+                                                              index)
 
     def mark_done(self, round_no: int) -> None:
         self.stats.writes += 1
@@ -184,8 +186,7 @@ class EtcdRendezvous:
         self.events.emit("rendezvous.joined", round=round_no, prev_rank=prev_rank)
 
     def prejoin(self, round_no: int, prev_rank: int) -> None:
-        """Join the round that replaced ours before our workers stop, so its closer, which waits for the
-        previous round's live members, waits only as long as it takes us to see the new round."""
+        """Join the round that replaced ours before our workers stop: its closer waits for us meanwhile."""
         self.join(round_no, prev_rank)
         self._prejoined = (round_no, time.monotonic())
 

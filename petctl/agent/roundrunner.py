@@ -16,7 +16,6 @@ the agent's `StoreHealth`. Two things happen only because of the store:
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
     AskRestart,
+    Continue,
     MembershipChange,
     Over,
     Rebuild,
@@ -45,6 +45,7 @@ from petctl.agent.roundjudge import (
     judge,
     judge_workers,
 )
+from petctl.agent.savefirst import SaveFirst
 from petctl.agent.status import Progress, StatusPublisher
 from petctl.agent.view import RoundInfo, Snapshot
 from petctl.agent.warm_pool import WarmPool, refill
@@ -83,6 +84,7 @@ class RoundParts:
     worker_spec: WorkerSpec
     pool: WarmPool | None
     rebuild: Callable[[Round], None]  # write a round etcd lost back (Agent.rebuild_store)
+    depart: Callable[[str], None]  # leave the job in etcd (Agent._depart), our workers may still exit
 
 
 class RoundRunner:
@@ -94,6 +96,8 @@ class RoundRunner:
         self.errors = store_errors()
         self._done_pending: int | None = None  # a round we finished whose `done` mark is not stored yet
         self._fenced = False
+        self.saves = SaveFirst(parts.spec, parts.node_id, parts.rdzv, parts.preemption, parts.events,
+                               parts.control_dir)
 
     def run(self, info: RoundInfo) -> RoundOutcome:
         p = self.p
@@ -107,29 +111,31 @@ class RoundRunner:
         p.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
                       nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready)
         p.status.set_state("running")
+        self.saves.begin(workers)
         watch = WorkerWatch()
-        flagged = False
         self._fenced, self._done_pending = False, None
         started = last_publish = time.monotonic()
         last_snapshot = 0.0  # look at once
         snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
-            if p.leave.is_set():
+            if p.leave.is_set() and not self.saves.leaving_later(snap):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
             if p.preemption.notice is not None and not p.preemption.announced:
-                self._store_call(p.preemption.announce, self._announce_preemption)
+                self._store_call(p.preemption.announce, self.saves.announce)
             woke = p.watcher.wait(0.1)
             now = time.monotonic()
-            if woke or now - last_snapshot > SNAPSHOT_EVERY:
+            if woke or now - last_snapshot > SNAPSHOT_EVERY or self.saves.admission_saved():
                 last_snapshot = now
                 looked = self._look(info)
                 if looked is not None:
                     snap, outcome = looked
                     if outcome is not None:
                         return self._end(workers, info, snap, outcome)
-                    flagged = flagged or self._flag_preemption(snap, info, workers)
+                    self.saves.flag(snap, info)
             if p.preemption.announced and p.preemption.save_finished(workers, p.control_dir):
-                return self._stop(workers, info, RoundOutcome.PREEMPTED)
+                left = RoundOutcome.LEAVE if p.preemption.leaving else RoundOutcome.PREEMPTED
+                p.depart("leave" if left is RoundOutcome.LEAVE else "preemption")  # before they exit
+                return self._stop(workers, info, left)
             if not self._fenced:
                 self._fence_if_cut_off(workers, info, watch, now)
                 watch = self._watch_workers(watch, workers, snap, info, now)
@@ -194,31 +200,18 @@ class RoundRunner:
         verdict = judge(snap, info, p.settings)
         if isinstance(verdict, Over):
             return verdict.outcome
-        if isinstance(verdict, MembershipChange):
+        if isinstance(verdict, MembershipChange) and verdict.event == "membership.waiting":
+            self.saves.admit(snap, info, verdict.cause, verdict.nodes)  # planned: save first
+        elif isinstance(verdict, MembershipChange):
             p.events.emit(verdict.event, round=info.round, nodes=list(verdict.nodes))
             p.rdzv.start_round(snap, cause=verdict.cause)
+        elif isinstance(verdict, Continue):
+            self.saves.admit(snap, info, None, ())  # our admission's save may be done
         elif isinstance(verdict, EndJob):
             p.rdzv.end_job(verdict.state, verdict.reason, verdict.round)
         elif isinstance(verdict, Rebuild):
             p.rebuild(verdict.round)
         return None
-
-    def _flag_preemption(self, snap: Snapshot, info: RoundInfo, workers: WorkerGroup) -> bool:
-        """Tell our workers a member is preempted (every rank then saves the same step); once."""
-        p = self.p
-        preempt = snap.round.preempt if snap.round is not None else None
-        if preempt is None:
-            return False
-        controlfiles.write_preempt(p.control_dir, preempt.node_id, preempt.deadline)
-        p.events.emit("preemption.flagged", round=info.round, noticed=preempt.node_id)
-        if preempt.node_id == p.node_id and not controlfiles.speaks_protocol(p.control_dir,
-                                                                             p.spec.nproc_per_node):
-            workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
-        return True
-
-    def _announce_preemption(self) -> bool:
-        p = self.p
-        return p.rdzv.set_preempt(p.rdzv.snapshot(), p.preemption.notice.deadline)
 
     # --- the workers ---------------------------------------------------------------------------------
     def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, snap: Snapshot, info: RoundInfo,

@@ -91,10 +91,14 @@ class WireRecord:
 
 @dataclass(frozen=True)
 class Preempt(WireRecord):
-    """A spot interruption notice, carried on the running round so every member's workers can save."""
+    """A save-now request carried on the running round, so every member's workers save the same step
+    and exit before the round re-forms: a spot or scale-in notice, a graceful leave, or a planned
+    admission of a waiting node (agent/planned.py). The wire key stays `preempt`."""
 
-    node_id: str
-    deadline: float  # epoch seconds when the noticed instance is taken
+    node_id: str  # the node that asked
+    deadline: float  # epoch seconds: the save must be done by then (a noticed instance is taken)
+    reason: str = "preemption"  # preemption | leave | scale-up: ... (for events and docs)
+    leaves: bool = True  # the asking node leaves after the save; False: nobody leaves (an admission)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""The round runner's save-now requests, acted on: flag our workers, put ours on the round, say when done.
+
+Three things ask every member's workers to save the same step and exit before the round re-forms: a
+preemption notice of this instance, a graceful leave of this node, and this node admitting a waiting
+node (agent/planned.py decides the last two). All three travel as the round's `preempt` record and the
+node-local `<control>/preempt` flag (core/controlfiles.py), which `petctl.elastic` reads at every step
+boundary. This module does the I/O around those decisions; roundrunner.py calls it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from petctl.agent.planned import Reform, RequestSave, SaveLook, admission, leave_saves_first
+from petctl.agent.preemption import PreemptionHandler
+from petctl.agent.rendezvous import EtcdRendezvous
+from petctl.agent.view import RoundInfo, Snapshot
+from petctl.agent.workers import WorkerGroup
+from petctl.core import controlfiles
+from petctl.core.eventlog import EventLog
+from petctl.core.spec import JobSpec
+
+
+class SaveFirst:
+    """One node's part in save-now requests, for one round at a time (`begin` resets it)."""
+
+    def __init__(self, spec: JobSpec, node_id: str, rdzv: EtcdRendezvous, preemption: PreemptionHandler,
+                 events: EventLog, control_dir: Path) -> None:
+        self.spec = spec
+        self.node_id = node_id
+        self.rdzv = rdzv
+        self.preemption = preemption
+        self.events = events
+        self.control_dir = control_dir
+        self.workers: WorkerGroup | None = None
+        self.flagged = False
+
+    def begin(self, workers: WorkerGroup) -> None:
+        self.workers = workers
+        self.flagged = False
+
+    def _look(self, snap: Snapshot) -> SaveLook:
+        workers = self.workers
+        request = snap.round.preempt if snap.round is not None else None
+        running = workers is not None and workers.running
+        saved = not running or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node) or (
+            request is not None and time.time() >= request.deadline)
+        return SaveLook(node_id=self.node_id, request=request, running=running, saved=saved,
+                        protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node))
+
+    # --- a request on the round: flag our workers ---------------------------------------------------
+    def flag(self, snap: Snapshot, info: RoundInfo) -> None:
+        """Tell our workers the round carries a save-now request (every rank then saves the same step);
+        once per round."""
+        request = snap.round.preempt if snap.round is not None else None
+        if self.flagged or request is None:
+            return
+        controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
+        self.flagged = True
+        event = "preemption.flagged" if request.reason == "preemption" else "save.flagged"
+        self.events.emit(event, round=info.round, noticed=request.node_id, reason=request.reason)
+        if (request.node_id == self.node_id and request.leaves and self.workers is not None
+                and not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
+            self.workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
+
+    # --- our notice or leave ------------------------------------------------------------------------
+    def announce(self) -> bool:
+        """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
+        return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.request(self.node_id))
+
+    def leaving_later(self, snap: Snapshot) -> bool:
+        """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
+        already under way), False when it is time to stop them and go (nothing to save, or too late)."""
+        if self.preemption.notice is None:
+            if not leave_saves_first(self._look(snap)):
+                return False
+            self.preemption.plan_leave(self.spec.timeouts.stop_grace)
+        return time.time() < self.preemption.save_deadline
+
+    # --- admitting a waiting node -------------------------------------------------------------------
+    def admit(self, snap: Snapshot, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
+        """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
+        is done. Raises what the etcd calls raise (the round runner counts and retries)."""
+        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
+        request = snap.round.preempt if snap.round is not None else None
+        if cause is not None and request is None and isinstance(step, RequestSave | Reform):
+            self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
+        if isinstance(step, RequestSave):
+            if self.rdzv.set_preempt(snap, step.request):
+                self.events.emit("save.requested", round=info.round, reason=step.request.reason,
+                                 deadline=round(step.request.deadline, 3))
+        elif isinstance(step, Reform):
+            self.rdzv.start_round(snap, cause=request.reason if request is not None else (cause or ""))
+
+    def admission_saved(self) -> bool:
+        """Our admission's save looks done: the round runner takes a fresh look at once."""
+        return (self.flagged and self.workers is not None and self.preemption.notice is None
+                and (not self.workers.running
+                     or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node)))
