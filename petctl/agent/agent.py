@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import IO
 
@@ -35,6 +34,7 @@ from petctl.agent.heartbeat import Heartbeat
 from petctl.agent.mirror import Mirror
 from petctl.agent.outage import OutageReporter, describe, traceback_tail
 from petctl.agent.preemption import PreemptionHandler
+from petctl.agent.readiness import get_ready
 from petctl.agent.rebuild import StoreRebuilder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
 from petctl.agent.roundjudge import RoundOutcome
@@ -42,7 +42,6 @@ from petctl.agent.roundrunner import RoundParts, RoundRunner
 from petctl.agent.status import Progress, StatusPublisher
 from petctl.agent.storehealth import StoreHealth
 from petctl.agent.view import RoundInfo
-from petctl.agent.warm_pool import WARM_WAIT, WarmPool
 from petctl.agent.watcher import LiveWatcher, RequestStats
 from petctl.agent.workerspec import WorkerSpec
 from petctl.core.eventlog import EventLog
@@ -50,7 +49,6 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
-from petctl.io.procs import die_with_parent
 
 STORE_MARGIN = 1.0  # beyond one TTL and one refresh: the others' heartbeats re-asserted after an outage
 START_RETRY_MAX = 5.0  # the longest pause between two tries to reach etcd at start
@@ -136,15 +134,7 @@ class Agent:
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(), min=self.spec.min_size,
                          max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity())
         worker_spec = self._worker_spec()
-        pool = WarmPool(worker_spec, die_with_parent()) if self.spec.warm_workers else None
-        if pool is not None:
-            services.callback(pool.close)
-            # Join only once our workers have torch imported: a new node would otherwise restart a
-            # running job and then make everyone wait for its imports (bounded: never wait forever).
-            t0 = time.monotonic()
-            pool.fill()
-            ready = pool.wait_ready(WARM_WAIT)
-            self.events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
+        pool = get_ready(self.spec, worker_spec, self.work_dir, self.events, self.out, services)
         if not self._until_store_answers(self.heartbeat.start):
             return self._leave(None)
         services.callback(self.heartbeat.stop, delete=True)  # a no-op after a leave or the job's end
@@ -195,8 +185,8 @@ class Agent:
         return self.leave.is_set() or self.preemption.notice is not None
 
     def _until_store_answers(self, call) -> bool:
-        """Run `call` (an etcd write) until etcd answers, with backoff: an agent that boots while etcd is
-        away (being replaced, say) waits for it. False if the agent was asked to leave meanwhile."""
+        """Run `call` (an etcd write) until etcd answers (it may be being replaced), with backoff; False
+        if the agent was asked to leave meanwhile."""
         pause = 0.5
         while not self.leave.is_set():
             try:
@@ -212,10 +202,9 @@ class Agent:
 
     # --- leaving -----------------------------------------------------------------------------------
     def _depart(self, cause: str) -> None:
-        """Out of the job in etcd: the next round opened (it carries the real cause), then our heartbeat
-        dropped; its delete event wakes the new round's closer, which then stops waiting for us. Called
-        by the round runner as soon as our save is done (the others need not wait for our workers to
-        exit), else by `_leave`; the second call finds nothing left to do."""
+        """Out of the job in etcd: the next round opened (with the real cause), then our heartbeat deleted
+        (which wakes its closer). The round runner calls it once our save is done, before our workers
+        exit; `_leave` calls it again (a no-op then)."""
         self.status.set_state("leaving")
         if self.heartbeat.deleted:
             return

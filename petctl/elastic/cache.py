@@ -14,9 +14,11 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from petctl.elastic.manifest import Manifest, verify_file
+from petctl.elastic.store import CheckpointStore, ObjectNotFound
 from petctl.io import procs
 
 ENV_CACHE_DIR = "PETCTL_CACHE_DIR"
@@ -79,3 +81,30 @@ class LocalCache:
                 return None
         return path
 
+
+    def fetch(self, store: CheckpointStore, manifest: Manifest,
+              on_corrupt: Callable[[int, str], None]) -> tuple[Path, str] | None:
+        """A local directory holding the manifest's verified objects, and where they came from: this
+        cache (`cache`), else a download into it (`store`). None when an object is missing or does not
+        verify (reported to `on_corrupt(step, reason)`, the partial download discarded). Raises what the
+        store raises for anything else (StoreError, OSError)."""
+        cached = self.lookup(manifest)
+        if cached is not None:
+            return cached, "cache"
+        staging = self.staging(manifest.step)
+        try:
+            for entry in manifest.objects:
+                target = staging / entry.name
+                store.get_file(manifest.key_of(entry), target)
+                if not verify_file(target, entry):
+                    on_corrupt(manifest.step, f"{entry.name}: size or sha256 mismatch")
+                    self.discard(staging)
+                    return None
+        except ObjectNotFound as e:
+            on_corrupt(manifest.step, f"missing object {e}")
+            self.discard(staging)
+            return None
+        except BaseException:
+            self.discard(staging)
+            raise
+        return self.commit(staging, manifest.step), "store"

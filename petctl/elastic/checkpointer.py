@@ -28,7 +28,7 @@ from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
-from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options
+from petctl.elastic.store import CheckpointStore, S3Options
 
 __all__ = ["ENV_CHECKPOINT_URL", "Checkpointer"]
 
@@ -136,30 +136,7 @@ class Checkpointer(BaseCheckpointer):
 
     def _fetch(self, manifest: mf.Manifest) -> tuple[Path, str] | None:
         """A local directory holding the manifest's verified objects: the cache, else a download."""
-        if self.cache is not None:
-            cached = self.cache.lookup(manifest)
-            if cached is not None:
-                return cached, "cache"
-        cache = self.cache or LocalCache(self.url)
-        staging = cache.staging(manifest.step)
-        try:
-            for entry in manifest.objects:
-                target = staging / entry.name
-                self.store.get_file(manifest.key_of(entry), target)
-                if not mf.verify_file(target, entry):
-                    self.log.emit("checkpoint.skipped_corrupt", step=manifest.step, object=entry.name,
-                                  reason="size or sha256 mismatch", url=self.url)
-                    cache.discard(staging)
-                    return None
-        except ObjectNotFound as e:
-            self.log.emit("checkpoint.skipped_corrupt", step=manifest.step, reason=f"missing object {e}",
-                          url=self.url)
-            cache.discard(staging)
-            return None
-        except BaseException:
-            cache.discard(staging)
-            raise
-        return cache.commit(staging, manifest.step), "store"
+        return (self.cache or LocalCache(self.url)).fetch(self.store, manifest, self._report_corrupt)
 
     # --- saving ----------------------------------------------------------------------------------
     def save(self, step: int, state: State, block: bool = False) -> mf.Manifest | None:
