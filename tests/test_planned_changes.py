@@ -10,6 +10,7 @@ checkpoints (7 steps after one), so a round that resumes from the periodic check
 Each test checks, from the ledger: every step done, the world size of each round, the final weights equal
 to an uninterrupted run's (max |dw| <= 1e-9: DDP's average of two shards rounds differently from one
 process), and, last, that no step was redone. Real etcd, agents and gloo workers on the local provider.
+A spot notice, which already saves first, passes the same check (test_a_spot_notice_loses_no_step).
 
 A plain torchrun script (no petctl.elastic) keeps today's behaviour at a planned change: its workers get
 SIGTERM, as torchrun would send (the last test).
@@ -29,16 +30,21 @@ from tests.userledger import USER_SCRIPT, UserLedger, replay
 
 pytestmark = pytest.mark.slow
 
-STEPS, EVERY = 400, 20
-SCRIPT_ARGS = ("--steps", str(STEPS), "--ckpt-every", str(EVERY))
-STEP_TIME = 0.05  # ~20 s of training: room for a node to start and join on a loaded 2-core machine
+EVERY = 20
+STEPS = 400  # ~20 s of training at STEP_TIME: room for a node to leave and the job to re-form
+GROW_STEPS = 600  # a scale-up needs more: a new agent starts and imports torch (~10 s on a loaded machine)
+STEP_TIME = 0.05
 TOLERANCE = 1e-9
 
 
-def run_user_job(cli: Petctl, ledger_dir: Path, name: str, *options: str) -> None:
+def script_args(steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--ckpt-every", str(EVERY))
+
+
+def run_user_job(cli: Petctl, ledger_dir: Path, name: str, steps: int, *options: str) -> None:
     ledger_dir.mkdir(parents=True, exist_ok=True)
     cli.run("run_job", "--name", name, *FAST, "--env", f"LEDGER_DIR={ledger_dir}", *options,
-            "--wait", "--wait-timeout", "120", str(USER_SCRIPT), "--", *SCRIPT_ARGS,
+            "--wait", "--wait-timeout", "120", str(USER_SCRIPT), "--", *script_args(steps),
             "--step-time", str(STEP_TIME))
 
 
@@ -50,15 +56,16 @@ def mid_period(ledger_dir: Path, world: int) -> int:
     return wait_until(between, 120, f"a step 5-9 past a periodic checkpoint at world {world}", every=0.05)
 
 
-def check_lossless(cli: Petctl, job: str, ledger_dir: Path, worlds: list[int], acted_at: int) -> None:
+def check_lossless(cli: Petctl, job: str, ledger_dir: Path, steps: int, worlds: list[int],
+                   acted_at: int) -> None:
     """The job succeeded, ran every step at `worlds` (one round each), ends with the uninterrupted run's
     weights, and computed no step twice."""
     info = cli.wait_finished(job, timeout=240)
     ledger = UserLedger.read(ledger_dir)
     assert info["state"] == "succeeded", (info, ledger.story())
-    assert not ledger.missing(STEPS), f"steps never done: {ledger.missing(STEPS)[:10]}; {ledger.story()}"
+    assert not ledger.missing(steps), f"steps never done: {ledger.missing(steps)[:10]}; {ledger.story()}"
     assert ledger.worlds() == worlds, f"expected one round at each world size of {worlds}: {ledger.story()}"
-    expected, final = replay(*SCRIPT_ARGS), ledger.final_weights()
+    expected, final = replay(*script_args(steps)), ledger.final_weights()
     dw = max(abs(a - b) for a, b in zip(expected, final, strict=True))
     assert dw <= TOLERANCE, f"final weights differ from an uninterrupted run: max |dw| = {dw:.3g}"
     redone = sorted(ledger.redone())
@@ -68,21 +75,21 @@ def check_lossless(cli: Petctl, job: str, ledger_dir: Path, worlds: list[int], a
 @pytest.mark.timeout(360)
 def test_planned_scale_up_loses_no_step(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "grow", "--min", "1", "--max", "2", "--size", "1")
+    run_user_job(local, ledger_dir, "grow", GROW_STEPS, "--min", "1", "--max", "2", "--size", "1")
     acted_at = mid_period(ledger_dir, world=1)
     local.run("scale", "grow", "--size", "2")
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=2) is not None, 120, "a step at world 2")
-    check_lossless(local, "grow", ledger_dir, [1, 2], acted_at)
+    check_lossless(local, "grow", ledger_dir, GROW_STEPS, [1, 2], acted_at)
 
 
 @pytest.mark.timeout(360)
 def test_planned_scale_in_loses_no_step(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "shrink", "--min", "1", "--max", "2", "--size", "2")
+    run_user_job(local, ledger_dir, "shrink", STEPS, "--min", "1", "--max", "2", "--size", "2")
     acted_at = mid_period(ledger_dir, world=2)
     local.run("scale", "shrink", "--size", "1")
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
-    check_lossless(local, "shrink", ledger_dir, [2, 1], acted_at)
+    check_lossless(local, "shrink", ledger_dir, STEPS, [2, 1], acted_at)
 
 
 @pytest.mark.timeout(360)
@@ -90,16 +97,34 @@ def test_a_graceful_leave_loses_no_step(local: Petctl, tmp_path: Path):
     """`petctl chaos --term`: the agent of rank 1 is asked to leave (SIGTERM), as a drained host is. The
     replacement is held back, so the survivor alone finishes the job."""
     ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "leave", "--min", "1", "--max", "2", "--size", "2",
+    run_user_job(local, ledger_dir, "leave", STEPS, "--min", "1", "--max", "2", "--size", "2",
                  "--replace-delay", "600")
     acted_at = mid_period(ledger_dir, world=2)
     ranks = local.status("leave")["ranks"]
     (leaver,) = [node for node, rank in ranks.items() if rank == 1]
     local.run("chaos", "leave", "--node", leaver, "--term")
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
-    check_lossless(local, "leave", ledger_dir, [2, 1], acted_at)
     assert leaver not in {e["node"] for e in UserLedger.read(ledger_dir).of("step")}  # rank 0 stayed put
+    check_lossless(local, "leave", ledger_dir, STEPS, [2, 1], acted_at)
 
+
+
+@pytest.mark.timeout(360)
+def test_a_spot_notice_loses_no_step(local: Petctl, tmp_path: Path):
+    """What already holds (issue 14: "keep this"), and the check the tests above use, passing: a spot
+    notice to rank 1 has every rank save the same step; the survivor resumes at the next one."""
+    ledger_dir = tmp_path / "ledger"
+    run_user_job(local, ledger_dir, "notice", STEPS, "--min", "1", "--max", "2", "--size", "2",
+                 "--replace-delay", "600")
+    acted_at = mid_period(ledger_dir, world=2)
+    ranks = local.status("notice")["ranks"]
+    (noticed,) = [node for node, rank in ranks.items() if rank == 1]
+    local.run("chaos", "notice", "--node", noticed, "--notice", "--grace", "30")
+    wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
+    check_lossless(local, "notice", ledger_dir, STEPS, [2, 1], acted_at)
+    ledger = UserLedger.read(ledger_dir)
+    first_round = ledger.training_rounds()[0][0]
+    assert [e["round"] for e in ledger.of("left")] == [first_round], ledger.story()  # saved, then left
 
 PLAIN = '''\
 """A plain torchrun script (no petctl.elastic): gloo all-reduces, no checkpoint, no SIGTERM handling of
