@@ -35,6 +35,7 @@ from petctl.agent.mirror import Mirror
 from petctl.agent.outage import OutageReporter, describe, traceback_tail
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.readiness import get_ready
+from petctl.agent.rebalance import RebalanceResponder
 from petctl.agent.rebuild import StoreRebuilder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
 from petctl.agent.roundjudge import RoundOutcome
@@ -88,6 +89,7 @@ class Agent:
                                    self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
+        self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)
         self.event_sink = EtcdEventSink(etcd_client(endpoint, read_timeout=timeout), self.keys.events,
                                         OutageReporter("events", emit, parent=store))
         self.events.add_sink(self.event_sink)

@@ -3,6 +3,11 @@
 EC2 announces a spot reclamation two minutes ahead at `meta-data/spot/instance-action` (404 until then),
 and an Auto Scaling scale-in of an instance held by a lifecycle hook at
 `meta-data/autoscaling/target-lifecycle-state` (`Terminated`). AWS advises polling every few seconds.
+A rebalance recommendation (`meta-data/events/recommendations/rebalance`, 404 until issued, then
+`{"noticeTime": ...}`) says the instance is at elevated risk of interruption; it may come before the
+two-minute notice or without one. It is not a preemption: the watcher reports it once per recommendation
+to its own callback and keeps watching for the real notice.
+
 Launch templates require IMDSv2, so every GET carries a session token from `PUT api/token`; the token is
 re-fetched shortly before it expires and whenever a GET answers 401.
 
@@ -28,6 +33,7 @@ from petctl.core.eventlog import EventLog
 TOKEN_PATH = "/latest/api/token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
 ASG_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
@@ -45,6 +51,14 @@ class Notice:
     raw: Any = field(default=None)  # the document the metadata service returned
 
 
+@dataclass
+class Recommendation:
+    """A rebalance recommendation for this instance: elevated risk of interruption, no deadline."""
+
+    notice_time: float  # unix ts EC2 issued it at
+    raw: Any = field(default=None)
+
+
 class IMDSError(Exception):
     """The metadata service did not answer usefully (connection refused, 5xx, bad token)."""
 
@@ -58,8 +72,9 @@ def parse_time(text: str) -> float:
 
 
 class IMDSWatcher:
-    """Polls both notice paths. `poll()` is one check; `start(callback)` polls on a daemon thread and
-    calls `callback(notice)` once, when a notice first appears."""
+    """Polls both notice paths (and the rebalance path when asked). `poll()` is one check;
+    `start(callback, on_rebalance)` polls on a daemon thread, calls `on_rebalance(recommendation)` once
+    per recommendation and `callback(notice)` once, when a notice first appears (then it stops)."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, interval: float = 2.0, token_ttl: int = 21600,
                  timeout: float = 2.0, asg_grace: float = ASG_GRACE, log: EventLog | None = None,
@@ -78,6 +93,7 @@ class IMDSWatcher:
                                      up_event="imds.reachable")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.rebalance_seen: float | None = None  # noticeTime of the last recommendation reported
 
     # --- HTTP ------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -136,19 +152,40 @@ class IMDSWatcher:
             return Notice("asg", state, self.clock() + self.asg_grace, state)
         return None
 
+    def _rebalance(self) -> Recommendation | None:
+        status, body = self._get(REBALANCE_PATH)
+        if status == 404:  # none issued (the usual answer)
+            return None
+        if status != 200:
+            raise IMDSError(f"GET {REBALANCE_PATH}: HTTP {status}")
+        try:
+            doc = json.loads(body)
+            return Recommendation(parse_time(doc["noticeTime"]), doc)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise IMDSError(f"GET {REBALANCE_PATH}: unreadable recommendation {body!r}") from e
+
     def poll(self) -> Notice | None:
-        """One check of both paths; the notice with the earliest deadline, or None. Never raises."""
+        """One check of both notice paths; the notice with the earliest deadline, or None. Never raises."""
+        return self.check(rebalance=False)[0]
+
+    def check(self, rebalance: bool = True) -> tuple[Notice | None, Recommendation | None]:
+        """One check of the notice paths and (when `rebalance`) the recommendation path: (the notice with
+        the earliest deadline or None, the recommendation or None). A path that does not answer counts
+        for all of them (one outage, reported once) and reads as "nothing there". Never raises."""
         notices: list[Notice] = []
+        found: Recommendation | None = None
         try:
             for check in (self._spot, self._asg):
                 notice = check()
                 if notice is not None:
                     notices.append(notice)
+            if rebalance:
+                found = self._rebalance()
         except IMDSError as e:
             self.outage.failed(e, endpoint=self.endpoint)  # one line per outage, not one per poll
-            return min(notices, key=lambda n: n.deadline) if notices else None
-        self.outage.succeeded(endpoint=self.endpoint)
-        return min(notices, key=lambda n: n.deadline) if notices else None
+        else:
+            self.outage.succeeded(endpoint=self.endpoint)
+        return (min(notices, key=lambda n: n.deadline) if notices else None), found
 
     def instance_id(self) -> str | None:
         return self.metadata(INSTANCE_ID_PATH)
@@ -170,26 +207,43 @@ class IMDSWatcher:
         return {k: v for k, v in found.items() if v}
 
     # --- background ------------------------------------------------------------------------------
-    def start(self, callback: Callable[[Notice], None]) -> None:
-        """Poll every `interval` seconds on a daemon thread; call `callback` once, then stop polling."""
+    def start(self, callback: Callable[[Notice], None],
+              on_rebalance: Callable[[Recommendation], None] | None = None) -> None:
+        """Poll every `interval` seconds on a daemon thread: `callback` once at the first notice, then
+        stop polling; `on_rebalance` (when given) once per rebalance recommendation, polling on."""
         if self._thread is not None:
             raise RuntimeError("watcher already started")
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(callback,), name="petctl-imds-watch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(callback, on_rebalance),
+                                        name="petctl-imds-watch", daemon=True)
         self._thread.start()
 
-    def _run(self, callback: Callable[[Notice], None]) -> None:
+    def _run(self, callback: Callable[[Notice], None],
+             on_rebalance: Callable[[Recommendation], None] | None) -> None:
         while not self._stop.is_set():
-            notice = self.poll()
+            notice, recommendation = self.check(rebalance=on_rebalance is not None)
+            if recommendation is not None and on_rebalance is not None:
+                self._report_rebalance(recommendation, on_rebalance)
             if notice is not None:
                 self.log.emit("imds.notice", kind=notice.kind, action=notice.action, deadline=notice.deadline)
-                try:
-                    callback(notice)
-                except Exception as e:  # noqa: BLE001 - the agent's bug must not kill the watcher silently
-                    self.log.emit("imds.callback_failed", error=repr(e))
+                self._call("callback", callback, notice)
                 return
             self._stop.wait(self.interval)
+
+    def _report_rebalance(self, found: Recommendation,
+                          on_rebalance: Callable[[Recommendation], None]) -> None:
+        """A recommendation not reported yet (EC2 keeps answering the same one): say it, hand it on."""
+        if found.notice_time == self.rebalance_seen:
+            return
+        self.rebalance_seen = found.notice_time
+        self.log.emit("rebalance.recommended", notice_time=found.notice_time)
+        self._call("on_rebalance", on_rebalance, found)
+
+    def _call(self, name: str, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as e:  # noqa: BLE001 - the agent's bug must not kill the watcher silently
+            self.log.emit("imds.callback_failed", callback=name, error=repr(e))
 
     def stop(self) -> None:
         self._stop.set()

@@ -47,6 +47,7 @@ class PreemptionHandler:
         self._watcher: Any = None
         self._heartbeat: Any = None
         self._lock = threading.Lock()
+        self.on_rebalance: Callable[[Any], None] | None = None  # set by the agent (agent/rebalance.py)
 
     def start(self) -> None:
         if not self.config.imds_endpoint:
@@ -55,7 +56,7 @@ class PreemptionHandler:
 
         self._watcher = IMDSWatcher(self.config.imds_endpoint,
                                     interval=self.config.job.timeouts.imds_interval, log=self.events)
-        self._watcher.start(self._on_notice)
+        self._watcher.start(self._on_notice, on_rebalance=self.on_rebalance)
 
     def stop(self) -> None:
         if self._watcher is not None:

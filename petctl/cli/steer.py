@@ -77,14 +77,18 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
 @click.option("--term", "mode", flag_value="term", help="SIGTERM the agent (a graceful leave).")
 @click.option("--notice", "mode", flag_value="notice",
               help="A spot interruption notice; the instance is reclaimed after --grace.")
+@click.option("--rebalance", "mode", flag_value="rebalance",
+              help="A rebalance recommendation: the job checkpoints at once; a replacement is launched, "
+                   "and once it is in service the instance gets a scale-in notice (reclaimed after "
+                   "--grace).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
-              help="Seconds between a --notice and the reclaim.")
+              help="Seconds between a --notice (or --rebalance's scale-in notice) and the reclaim.")
 def chaos(name: str, node: str | None, mode: str | None, grace: float) -> None:
     """Take one instance of a job away, to see it recover (tests, demos, benchmarks)."""
     from petctl.providers.capabilities import check_chaos_mode
 
     if mode is None:
-        raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice")
+        raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice, --rebalance")
     host = check_chaos_mode(provider_for(), mode).terminate_host(name, node, mode=mode, grace=grace)
     click.echo(f"{mode}: {host}")
 

@@ -1,4 +1,5 @@
-"""The files through which an agent and its workers talk about a preemption (`PETCTL_CONTROL_DIR`).
+"""The files through which an agent and its workers talk about a preemption or a checkpoint request
+(`PETCTL_CONTROL_DIR`).
 
 One definition shared by the agent (which never imports torch) and `petctl.elastic` (which runs inside the
 workers), so the two sides cannot drift apart. The directory is local to the node:
@@ -10,6 +11,13 @@ workers), so the two sides cannot drift apart. The directory is local to the nod
     <control>/fenced           written by the agent when this node may no longer belong to the running
                                round (cut off from etcd, its workers stalled): {"round": n, "reason": ...};
                                a worker never commits a checkpoint while it exists
+    <control>/checkpoint       written by the agent to ask for a checkpoint now, training going on (a
+                               rebalance recommendation): {"seq": n, "reason": ...}; n grows by one per
+                               request
+    <control>/checkpointed.<LOCAL_RANK>  written by each worker that answered request n: {"seq": n,
+                               "step": s}, so a request is answered once, also by the workers of a later
+                               round (both files outlive `clear`: a request is about the job's state, not
+                               about one round's workers)
 
 Files are written to a temporary name and renamed, so a reader never sees half a JSON document.
 Stdlib only.
@@ -28,6 +36,8 @@ PREEMPT_FILE = "preempt"
 SAVED_PREFIX = "saved."
 ELASTIC_PREFIX = "elastic."
 FENCE_FILE = "fenced"
+CHECKPOINT_FILE = "checkpoint"
+CHECKPOINTED_PREFIX = "checkpointed."
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -140,10 +150,59 @@ def fenced(control_dir: Path | str | None) -> bool:
     return control_dir is not None and fence_path(control_dir).exists()
 
 
+def checkpoint_request_path(control_dir: Path | str) -> Path:
+    return Path(control_dir) / CHECKPOINT_FILE
+
+
+def checkpointed_path(control_dir: Path | str, local_rank: int) -> Path:
+    return Path(control_dir) / f"{CHECKPOINTED_PREFIX}{int(local_rank)}"
+
+
+def _seq(data: dict[str, Any] | None) -> int:
+    value = (data or {}).get("seq")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def request_checkpoint(control_dir: Path | str, reason: str) -> int:
+    """Agent side: ask this node's workers for a checkpoint at their next check step, training going on.
+
+    Returns the request's sequence number (one more than the last request's). One writer per node (the
+    agent), so the read-then-write needs no lock. Raises OSError when the control dir is unwritable.
+    """
+    path = checkpoint_request_path(control_dir)
+    seq = _seq(_read_json(path)) + 1
+    _write_json(path, {"seq": seq, "reason": str(reason)})
+    return seq
+
+
+def read_checkpoint_request(control_dir: Path | str | None) -> tuple[int, str]:
+    """Worker side: (seq, reason) of the newest request, (0, "") when there is none (or it is unreadable)."""
+    if control_dir is None:
+        return 0, ""
+    data = _read_json(checkpoint_request_path(control_dir))
+    return _seq(data), str((data or {}).get("reason", ""))
+
+
+def write_checkpointed(control_dir: Path | str, local_rank: int, seq: int, step: int) -> Path:
+    """Worker side: request `seq` was answered with the checkpoint of `step`."""
+    path = checkpointed_path(control_dir, local_rank)
+    _write_json(path, {"seq": int(seq), "step": int(step)})
+    return path
+
+
+def answered_checkpoint(control_dir: Path | str | None, local_rank: int) -> int:
+    """Worker side, at start: the newest request this local rank (in this round or an earlier one)
+    answered; 0 when none."""
+    if control_dir is None:
+        return 0
+    return _seq(_read_json(checkpointed_path(control_dir, local_rank)))
+
+
 def clear(control_dir: Path | str, markers: bool = False) -> None:
     """Agent side, before starting a round's workers: no stale flag from an earlier round.
 
-    `markers=True` also removes the workers' `elastic.*` markers (only while no worker runs).
+    `markers=True` also removes the workers' `elastic.*` markers (only while no worker runs). A
+    checkpoint request and its answers stay: the next round's workers must neither miss nor repeat it.
     """
     directory = Path(control_dir)
     if not directory.is_dir():

@@ -1,5 +1,6 @@
 """What `Checkpointer` and `ShardedCheckpointer` share: the URL and store, when to save (every N steps,
-every T seconds, at a preemption), the preemption save's protocol and events, and a clean end.
+every T seconds, at a preemption, at the agent's request), the preemption save's protocol and events, and
+a clean end.
 
 A subclass says how a state is saved and loaded (`save`, `resume`, `_save_for_preemption`); the skeleton
 around them is written once here, so the two checkpointers cannot drift apart (the sharded one once
@@ -92,21 +93,49 @@ class BaseCheckpointer:
         done and this worker should leave its training loop and exit 0."""
         if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
             return True
-        preempt, time_due = self._poll(step)
+        preempt, time_due, requested = self._poll(step)
         if preempt:
             self._preemption_save(step, state)
             self.preempted_at = step
+            self._answered(step)  # the preemption save answers a request too
             return True
-        if time_due or (self.every > 0 and (step + 1) % self.every == 0):
+        if requested:
+            self._requested_save(step, state)
+        elif time_due or (self.every > 0 and (step + 1) % self.every == 0):
             self.save(step, state, block=not self.background)
         return False
 
-    def _poll(self, step: int) -> tuple[bool, bool]:
-        """(preemption pending, a time-based save due), the same on every rank where that matters."""
+    def _poll(self, step: int) -> tuple[bool, bool, bool]:
+        """(preemption pending, a time-based save due, a checkpoint requested), the same on every rank
+        where that matters; the request always is (the ranks save it together, whoever writes)."""
         time_due = self.every_seconds > 0 and time.monotonic() - self._last_save_at >= self.every_seconds
+        verdict = self.preemption.check(step, also=time_due and self.AGREE_ON_TIME)
         if self.AGREE_ON_TIME:
-            return self.preemption.poll(step, also=time_due)
-        return self.preemption.poll(step)[0], time_due and self.comm.is_writer
+            return verdict
+        return verdict.preempt, time_due and self.comm.is_writer, verdict.checkpoint
+
+    # --- a checkpoint asked for by the agent (a rebalance recommendation) ------------------------------
+    def _requested_save(self, step: int, state: Any) -> None:
+        """Every rank agreed a node asked for a checkpoint now: save `step` (in the background when the
+        checkpointer does), unless it is saved already, and train on."""
+        if step != self._submitted_step:
+            self.save(step, state, block=not self.background)
+        self._answered(step, requested=True)
+
+    def _answered(self, step: int, requested: bool = False) -> None:
+        """Record the request this node had pending (if any) as answered by `step`. Said once by rank 0
+        (`checkpoint.request_answered`, the step saved) and once by each node that asked (its seq and
+        reason). An unwritable control dir is reported: the request would be answered again next round."""
+        seq, reason = self.preemption.asked, self.preemption.request()[1]
+        try:
+            answered = self.preemption.report_checkpointed(step)
+        except OSError as e:
+            self.log.emit("checkpoint.request_unrecorded", step=step, seq=seq, error=repr(e))
+            answered = None
+        mine = answered is not None and self.comm.local_rank == 0
+        if mine or (requested and self.comm.is_writer):
+            self.log.emit("checkpoint.request_answered", step=step, preempted=not requested,
+                          **({"seq": seq, "reason": reason} if mine else {}))
 
     def _saved_now(self, step: int) -> None:
         """A save of `step` was handed over: it is not saved again, and the clock restarts."""

@@ -22,7 +22,7 @@ C = TypeVar("C")
 class Chaos(Protocol):
     """Taking an instance away on purpose, to see the job recover (tests, demos, benchmarks)."""
 
-    chaos_modes: tuple[str, ...]  # of: kill | freeze | unfreeze | term | notice
+    chaos_modes: tuple[str, ...]  # of: kill | freeze | unfreeze | term | notice | rebalance
 
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
         """Take one instance of job `name` away (`host_id`, or the provider's default pick); return its id.

@@ -5,6 +5,8 @@
     unfreeze  SIGCONT the whole process group   (the hung host comes back)
     term      SIGTERM the agent                 (a clean scale-in: the agent leaves gracefully)
     notice    a spot notice at now, reclaimed (SIGKILL) at now + grace by the reconciler
+    rebalance a rebalance recommendation at now; the reconciler launches a replacement, and once it is in
+              service gives this one an ASG scale-in notice, reclaimed at grace later (see rebalance.py)
 
 The mode is written next to the instance first, so the reconciler can say why the instance went.
 """
@@ -20,7 +22,8 @@ from petctl.providers.base import HostInfo
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef
 
-MODES = ("kill", "freeze", "unfreeze", "term", "notice")
+MODES = ("kill", "freeze", "unfreeze", "term", "notice", "rebalance")
+NOTICES = ("notice", "rebalance")  # modes that leave a notice (one per instance)
 
 
 def host_info(row: dict[str, Any]) -> HostInfo:
@@ -61,11 +64,9 @@ def choose_target(job: str, hosts: list[HostInfo], ranks: dict[str, int], notice
             if h.host_id == host_id:
                 if h.state not in wanted:
                     raise PetctlError(f"instance {host_id} of job {job!r} is {h.state}: cannot {mode} it")
-                if mode == "notice" and host_id in noticed:
-                    when = noticed[host_id].get("time")
-                    at = time.strftime("%H:%M:%S", time.localtime(float(when))) if when else "soon"
-                    raise PetctlError(f"instance {host_id} of job {job!r} already has a notice "
-                                      f"(reclaimed at {at}): it is leaving")
+                if mode in NOTICES and host_id in noticed:
+                    raise PetctlError(f"instance {host_id} of job {job!r} already has "
+                                      f"{_describe_notice(noticed[host_id])}: it is leaving")
                 return h
         raise PetctlError(f"no instance {host_id!r} in job {job!r} (see `petctl hosts {job}`)")
     candidates = [h for h in hosts if h.state in wanted and (mode == "unfreeze" or h.host_id not in noticed)]
@@ -78,10 +79,18 @@ def choose_target(job: str, hosts: list[HostInfo], ranks: dict[str, int], notice
                       + (" (the others have a pending notice)" if noticed else ""))
 
 
+def _describe_notice(notice: dict[str, Any]) -> str:
+    if notice.get("kind") == "rebalance":
+        return "a rebalance recommendation"
+    when = notice.get("time")
+    at = time.strftime("%H:%M:%S", time.localtime(float(when))) if when else "soon"
+    return f"a notice (reclaimed at {at})"
+
+
 def take_away(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str, grace: float = 0.0) -> str:
     if mode not in MODES:
         raise ValidationError(f"unknown chaos mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "notice" and grace < 0:
+    if mode in NOTICES and grace < 0:
         raise ValidationError(f"--grace must be >= 0 (got {grace})")
     host = pick(job, ranks, host_id, mode)
     row = next(r for r in job.read_instances() if r["id"] == host.host_id)
@@ -96,6 +105,8 @@ def take_away(job: JobDir, ranks: dict[str, int], host_id: str | None, mode: str
         ref.signal_group(signal.SIGCONT)
     elif mode == "term":
         ref.signal(signal.SIGTERM)
+    elif mode == "rebalance":  # the grace is for the scale-in notice that follows the replacement
+        job.write_notice(host.host_id, "rebalance", time.time(), grace=grace)
     else:
         job.write_notice(host.host_id, "spot", time.time() + grace)
     return host.host_id

@@ -6,14 +6,16 @@
         code/                        the uploaded script (a file or a copied directory)
         checkpoints/                 spec.checkpoint_url points here
         desired                      desired instance count (the reconciler's input, like an ASG's)
-        notices/<iid>.json           preemption notices served by the local metadata endpoint
+        notices/<iid>.json           preemption notices and rebalance recommendations served by the local
+                                     metadata endpoint
         reconciler.log               the reconciler's events
         instances.json               the reconciler's view of its instances (written atomically)
         instances/<iid>/             agent.json, agent.log, work/, and `chaos` (why chaos took it)
 
 Files are the interface between the short-lived CLI and the long-lived reconciler: each has one writer
-(`desired` and notices: the CLI; instances.json: the reconciler; job.json: whoever holds the job at the
-time) and every write is atomic, so a reader never sees half a file.
+(`desired` and notices: the CLI, except that the reconciler carries a rebalance recommendation on;
+instances.json: the reconciler; job.json: whoever holds the job at the time) and every write is atomic,
+so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -122,9 +124,10 @@ class JobDir:
         atomic_write(self.instances_path, json.dumps(instances, indent=2, sort_keys=True))
 
     # --- notices ---------------------------------------------------------------------------------
-    def write_notice(self, iid: str, kind: str, when: float) -> Path:
+    def write_notice(self, iid: str, kind: str, when: float, **extra: Any) -> Path:
+        """`extra`: what a rebalance adds (its grace, the replacement, when it was recommended)."""
         path = self.notices / f"{iid}.json"
-        atomic_write(path, json.dumps({"kind": kind, "time": when}))
+        atomic_write(path, json.dumps({**extra, "kind": kind, "time": when}))
         return path
 
     def read_notice(self, iid: str) -> dict[str, Any] | None:

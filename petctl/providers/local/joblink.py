@@ -1,4 +1,5 @@
-"""The reconciler's link to its job in etcd: whether the job has ended, the current round's ranks, and
+"""The reconciler's link to its job in etcd: whether the job has ended, the current round's ranks, which
+nodes have a heartbeat, and
 recording the end when the reconciler is the one that ends it.
 
 etcd being slow or down must not stop the instances (they may be training fine): a read that fails is
@@ -52,6 +53,23 @@ class JobLink:
             return {}
         self._answered()
         return ranks_of(current)
+
+    def alive(self) -> set[str]:
+        """Nodes whose agent has a heartbeat in etcd (empty while etcd does not answer)."""
+        import etcd
+
+        from petctl.core.keys import JobKeys
+
+        try:
+            nodes = self.client.read(JobKeys(self.job).nodes, recursive=True)
+        except etcd.EtcdKeyNotFound:
+            self._answered()
+            return set()
+        except etcd.EtcdException as e:
+            self._failed(e)
+            return set()
+        self._answered()
+        return {leaf.key.rsplit("/", 1)[1] for leaf in nodes.leaves if not leaf.dir and leaf.key != nodes.key}
 
     def end(self, state: str, reason: str) -> bool:
         """Record the job's end (as an agent would); False when etcd refused or another writer was first."""

@@ -7,9 +7,14 @@ and the tests run. Per instance `<iid>`, under `http://127.0.0.1:<port>/<iid>`:
     GET latest/meta-data/instance-id                (every GET needs X-aws-ec2-metadata-token, else 401)
     GET latest/meta-data/spot/instance-action       404 until a "spot" notice; then {"action","time"}
     GET latest/meta-data/autoscaling/target-lifecycle-state    InService, or Terminated on an "asg" notice
+    GET latest/meta-data/events/recommendations/rebalance      404 until a rebalance recommendation; then
+                                                    {"noticeTime"}, also once the "asg" notice followed it
 
 Notices are files `<notices_dir>/<iid>.json` = {"kind": "spot"|"asg", "time": <unix ts of the kill>},
-written by the chaos command; the reconciler enforces the kill. The server only reads them.
+written by the chaos command; the reconciler enforces the kill. A rebalance recommendation is
+{"kind": "rebalance", "time": <unix ts it was issued>}; when the reconciler later scales that instance in
+it writes {"kind": "asg", ..., "rebalance": <that ts>} (providers/local/rebalance.py). The server only
+reads them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ MAX_TTL = 21600
 def iso8601(ts: float) -> str:
     """The format EC2 uses for instance-action times: 2026-11-21T06:13:00Z."""
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rebalance_time(notice: dict[str, Any] | None) -> float | None:
+    """When a rebalance recommendation was issued for the instance with `notice`, or None (none was)."""
+    if notice is None:
+        return None
+    if notice.get("kind") == "rebalance":
+        return float(notice["time"])
+    issued = notice.get("rebalance")
+    return float(issued) if isinstance(issued, (int, float)) else None
 
 
 class _Tokens:
@@ -112,7 +127,7 @@ class LocalMetadataServer:
             data = json.loads((self.notices_dir / f"{instance_id}.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(data, dict) or data.get("kind") not in ("spot", "asg"):
+        if not isinstance(data, dict) or data.get("kind") not in ("spot", "asg", "rebalance"):
             return None
         if not isinstance(data.get("time"), (int, float)):
             return None
@@ -184,4 +199,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "meta-data/autoscaling/target-lifecycle-state":
             state = "Terminated" if notice is not None and notice["kind"] == "asg" else "InService"
             return self._reply(200, state)
+        if path == "meta-data/events/recommendations/rebalance":
+            issued = rebalance_time(notice)
+            if issued is None:
+                return self._reply(404, "Not Found")
+            return self._reply(200, json.dumps({"noticeTime": iso8601(issued)}), "application/json")
         return self._reply(404, "Not Found")

@@ -4,7 +4,9 @@ Run detached by `run_job` as `python -m petctl.providers.local.reconciler --job-
 Like an ASG it knows nothing about ranks or rounds beyond choosing scale-in victims: it launches agents,
 replaces the ones that die (after `replace_delay`, so the shrunken world is observable before the
 replacement joins), SIGTERMs the surplus on scale-in, and turns a preemption notice whose time has come
-into a SIGKILL of the instance's process group (AWS reclaiming a spot instance). The job ends when the
+into a SIGKILL of the instance's process group (AWS reclaiming a spot instance). A rebalance
+recommendation is answered as Capacity Rebalancing does (rebalance.py): replacement first, then the
+at-risk instance's scale-in notice. The job ends when the
 etcd `result` key appears (written by an agent, or by `kill_job`); SIGTERM to the reconciler ends it as
 killed. Either way every instance is stopped before the reconciler exits: it never leaves orphans.
 """
@@ -28,6 +30,7 @@ from petctl.providers.local.fleet import Fleet
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.joblink import JobLink
+from petctl.providers.local.rebalance import CapacityRebalancer
 
 QUICK_EXIT_S = 10.0  # an instance that fails faster than this after launch is crash-looping
 MAX_QUICK_FAILURES = 5  # ... and this many in a row end the job (a broken agent, not bad luck)
@@ -82,6 +85,8 @@ class Reconciler:
         self.failure = ""  # why the reconciler itself ends the job as failed ("" while it does not)
         self.stop_requested = False
         self.metadata = None
+        self.rebalancer = CapacityRebalancer(self.job, events, spec.max_size, self._launch, self.link.ranks,
+                                             self.link.alive)
 
     # --- the loop --------------------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -114,6 +119,7 @@ class Reconciler:
     def tick(self, now: float) -> None:
         self.reap(now)
         self.enforce_notices(now)
+        self.rebalancer.tick(self.fleet.live(), self.desired, now)
         self.scale(now)
         self.fleet.escalate(now)
         self.fleet.refresh_frozen()
@@ -152,9 +158,9 @@ class Reconciler:
     def enforce_notices(self, now: float) -> None:
         for inst in self.fleet.live():
             notice = self.job.read_notice(inst.id)
-            if not notice or inst.id in self.reclaimed or float(notice["time"]) > now:
+            kind = str((notice or {}).get("kind", "spot"))
+            if not notice or kind == "rebalance" or inst.id in self.reclaimed or float(notice["time"]) > now:
                 continue
-            kind = str(notice.get("kind", "spot"))
             self.reclaimed[inst.id] = f"{kind}-reclaimed"
             self.events.emit("instance.reclaimed", instance=inst.id, kind=kind)
             inst.ref.signal_group(signal.SIGKILL)
@@ -165,16 +171,23 @@ class Reconciler:
             self.events.emit("scale.changed", previous=self.desired, desired=desired)
             self.desired = desired
         live = self.fleet.live()
+        leaving = self.rebalancer.leaving(live)  # replaced already: the replacement counts instead
+        live = [i for i in live if i.id not in leaving]
         if len(live) > desired:
             for victim in self._victims(live, len(live) - desired):
                 self.fleet.terminate(victim, "scale-in", now)
         elif len(live) < desired and now >= self.not_before:
-            if self.link.result():  # the agents may have ended the job between our checks
-                return
             for _ in range(desired - len(live)):
-                iid = inst_mod.new_instance_id()
-                imds = self.metadata.endpoint_for(iid) if self.metadata else ""
-                self.fleet.launch(imds, iid, self.desired)
+                if self._launch() is None:
+                    return
+
+    def _launch(self) -> Instance | None:
+        """One new instance with its metadata endpoint; None when the job has ended meanwhile."""
+        if self.link.result():  # the agents may have ended the job between our checks
+            return None
+        iid = inst_mod.new_instance_id()
+        imds = self.metadata.endpoint_for(iid) if self.metadata else ""
+        return self.fleet.launch(imds, iid, self.desired)
 
     def _victims(self, live: list[Instance], count: int) -> list[Instance]:
         """Instances without a rank first (newest first), then the highest ranks: rank 0 stays."""

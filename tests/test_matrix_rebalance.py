@@ -1,0 +1,112 @@
+"""Fault matrix, issue 14 item 3: a rebalance recommendation on one of two nodes (max 3), end to end on the
+local provider with the ledger workload.
+
+    `petctl chaos --rebalance`  -> the at-risk node's agent asks for a checkpoint (<control>/checkpoint);
+                                   every rank saves the step it is at, and training goes on, no restart
+    Capacity Rebalancing         -> the reconciler launches a replacement; the job grows onto it (3 nodes)
+    the replacement in service   -> the at-risk node gets the ASG scale-in notice (Terminated): it saves
+                                   through the preemption protocol and leaves (2 nodes), and is reclaimed
+
+Asserted from the ledger the workload writes (not from petctl's events alone): the requested checkpoint
+holds the step the ranks were at, the round it was taken in trained on past it, the grow and the shrink
+happened in that order, no step was lost at the scale-in notice, and the final weights are the replay's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Petctl
+from tests.ledger import Ledger, manifests
+from tests.matrix import ledger_steps, run_ledger_job, wait_until
+
+pytestmark = pytest.mark.slow
+
+STEPS = 400
+GRACE = 8.0  # the scale-in notice's time to the reclaim
+
+
+@pytest.mark.timeout(300)
+def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, tmp_path: Path):
+    ledger_dir = tmp_path / "ledger"
+    # No periodic saves: every checkpoint is the request's or a preemption save, so each is accounted for.
+    run_ledger_job(local, ledger_dir, "rebal", "--min", "1", "--max", "3", "--size", "2",
+                   "--wait", "--wait-timeout", "120", STEPS=STEPS, CKPT_EVERY=100000, STEP_TIME=0.1)
+    checkpoints = local.job_dir("rebal") / "checkpoints"
+    wait_until(lambda: ledger_steps(ledger_dir, world=2) >= 2 * 20, 90, "20 steps at world size 2")
+
+    at_risk = local.run("chaos", "rebal", "--rebalance", "--grace", str(GRACE)).stdout.split()[-1]
+    info = local.wait_finished("rebal", timeout=240)
+    assert info["state"] == "succeeded", info
+    ledger = Ledger.read(ledger_dir)
+    ledger.assert_exact(STEPS, ledger_dir / "final.json")  # every step, and the end, bit for bit
+
+    # The at-risk node's agent saw the recommendation once and asked once.
+    (recommended,) = [e for e in local.events("rebal", "rebalance.recommended") if e["node"] == at_risk]
+    (requested,) = [e for e in local.events("rebal", "checkpoint.requested") if e["node"] == at_risk]
+    assert requested["seq"] == 1 and requested["reason"] == "rebalance"
+    assert requested["notice_time"] == recommended["notice_time"]
+    # Every rank saved the step it was at, at once: rank 0 says which step, the at-risk node's workers
+    # answered the same one, and that checkpoint is in the store.
+    answered = local.events("rebal", "checkpoint.request_answered")
+    steps = {e["step"] for e in answered if not e["preempted"]}
+    assert len(steps) == 1, answered
+    (asked,) = steps
+    assert any(e["node"] == at_risk and e.get("seq") == 1 for e in answered), answered
+    assert asked in manifests(checkpoints)
+    before = [e["step"] for e in ledger.of("step") if e["ts"] < requested["ts"]]
+    assert max(before) <= asked <= max(before) + 2  # the next check step after the request
+    saved = [e for e in local.events("rebal", "checkpoint.saved") if e["step"] == asked]
+    assert len(saved) == 1  # saved once
+
+    # Training went on in the round the request came in: no restart for the checkpoint itself.
+    runs = ledger.training_rounds()
+    first = runs[0]
+    assert first.worlds == {2} and at_risk in first.ranks
+    assert first.first < asked < max(s[-1] for s in first.steps.values())
+
+    # Then the job grew onto the replacement (3 nodes) and shrank without the at-risk node (2 nodes), in
+    # that order. The grown round may train no step: the scale-in notice can come while its workers start.
+    worlds = {e["round"]: (e["world_size"], set()) for e in local.events("rebal", "rendezvous.complete")}
+    for e in local.events("rebal", "rendezvous.complete"):
+        worlds[e["round"]][1].add(e["node"])
+    timeline = local.json("events", "rebal", "--all")
+    (replacing,) = [e for e in timeline if e["event"] == "rebalance.replacing"]
+    (scale_in,) = [e for e in timeline if e["event"] == "rebalance.scale_in"]
+    replacement = replacing["replacement"]
+    assert replacing["instance"] == at_risk and scale_in["instance"] == at_risk
+    assert replacing["ts"] < scale_in["ts"]
+    assert [(w, nodes) for w, nodes in worlds.values()] == [
+        (2, set(first.ranks)), (3, set(first.ranks) | {replacement}),
+        (2, set(first.ranks) - {at_risk} | {replacement})], worlds
+    (notice,) = [e for e in local.events("rebal", "preemption.notice") if e["node"] == at_risk]
+    assert notice["kind"] == "asg" and notice["action"] == "Terminated" and notice["ts"] > scale_in["ts"]
+    (reclaimed,) = [e for e in timeline if e["event"] == "instance.reclaimed"]
+    assert reclaimed["instance"] == at_risk and reclaimed["kind"] == "asg"
+    assert reclaimed["ts"] >= scale_in["reclaim_at"]
+    notice_file = json.loads((local.job_dir("rebal") / "notices" / f"{at_risk}.json").read_text())
+    assert notice_file["kind"] == "asg" and notice_file["replacement"] == replacement
+
+    # No step lost at the scale-in notice: the shrunken round resumed from the last step the grown round
+    # completed (its preemption save), or, had it trained none, from the newest checkpoint before it.
+    grown_round, shrunk_round = sorted(worlds)[1:]
+    rounds = ledger.rounds()
+    shrunk = rounds[shrunk_round]
+    grown = rounds.get(grown_round)
+    if grown is not None and grown.last is not None:
+        assert shrunk.loaded == {grown.last}
+    else:
+        saved = [e["step"] for e in local.events("rebal", "checkpoint.saved") if e["ts"] < notice["ts"]]
+        assert shrunk.loaded == {max(saved)}
+    assert runs[-1].round == shrunk_round and set(shrunk.ranks) == worlds[shrunk_round][1]
+
+    # The whole sequence redoes nothing once the grow saves first, too.
+    redone = ledger.redone()
+    if redone != [0] * len(redone):
+        # Flip at merge (delete these two lines): on this branch the grow restarts the workers from the
+        # newest checkpoint (the rebalance one), so the steps since are run twice.
+        pytest.xfail(f"needs the lead's save-first scale-up: the grow redid {redone} steps")
+    assert len(local.processes()) == 1  # etcd only
