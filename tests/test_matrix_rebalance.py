@@ -9,7 +9,8 @@ local provider with the ledger workload.
 
 Asserted from the ledger the workload writes (not from petctl's events alone): the requested checkpoint
 holds the step the ranks were at, the round it was taken in trained on past it, the grow and the shrink
-happened in that order, no step was lost at the scale-in notice, and the final weights are the replay's.
+happened in that order, no step was redone by any re-form (the grow and the scale-in both save first),
+and the final weights are the replay's.
 """
 
 from __future__ import annotations
@@ -105,8 +106,5 @@ def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, t
 
     # The whole sequence redoes nothing once the grow saves first, too.
     redone = ledger.redone()
-    if redone != [0] * len(redone):
-        # Flip at merge (delete these two lines): on this branch the grow restarts the workers from the
-        # newest checkpoint (the rebalance one), so the steps since are run twice.
-        pytest.xfail(f"needs the lead's save-first scale-up: the grow redid {redone} steps")
+    assert redone == [0] * len(redone), f"steps redone per re-form: {redone}"
     assert len(local.processes()) == 1  # etcd only
