@@ -27,10 +27,13 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
+from petctl.elastic.startup import worker_started_at
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.store import CheckpointStore, ObjectNotFound, S3Options
 
 __all__ = ["ENV_CHECKPOINT_URL", "Checkpointer"]
+
+IMPORTED_AT = time.time()  # `from petctl.elastic import Checkpointer` is done (the recovery timeline)
 
 
 class Checkpointer(BaseCheckpointer):
@@ -73,7 +76,18 @@ class Checkpointer(BaseCheckpointer):
         """Load the newest complete checkpoint into `state`; returns the next step to run (0 if none).
 
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
+        Emits `checkpoint.resumed` on every rank: the step, and when this worker started, imported
+        petctl.elastic, made its `Comm` and began resuming (a recovery's phases, see bench/phases.py).
         """
+        resume_started = time.time()
+        step = self._resume(state)
+        self.log.emit("checkpoint.resumed", step=step, world_size=self.comm.world_size,
+                      seconds=round(time.time() - resume_started, 4),
+                      worker_started=_ts(worker_started_at()), elastic_imported=_ts(IMPORTED_AT),
+                      comm_ready=_ts(self.comm.created_at), resume_started=_ts(resume_started))
+        return step
+
+    def _resume(self, state: State) -> int:
         t0 = time.monotonic()
         found: tuple[int, Path, dict[str, Any], str] | None = None
         failure: str | None = None
@@ -233,6 +247,10 @@ class Checkpointer(BaseCheckpointer):
                 self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
                 ok = False
         return bool(self.comm.broadcast_object(ok))
+
+def _ts(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
 
 def _state_name(manifest: mf.Manifest) -> str:
     """The object holding the serialised state (one today; the manifest allows more, e.g. DCP shards)."""
