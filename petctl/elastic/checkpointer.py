@@ -74,18 +74,10 @@ class Checkpointer(BaseCheckpointer):
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, state: State) -> int:
         """Load the newest complete checkpoint into `state`; returns the next step to run (0 if none).
-
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
-        Emits `checkpoint.resumed` on every rank: the step, and when this worker started, imported
-        petctl.elastic, made its `Comm` and began resuming (a recovery's phases, see bench/phases.py).
-        """
-        resume_started = time.time()
-        step = self._resume(state)
-        self.log.emit("checkpoint.resumed", step=step, world_size=self.comm.world_size,
-                      seconds=round(time.time() - resume_started, 4),
-                      worker_started=_ts(worker_started_at()), elastic_imported=_ts(IMPORTED_AT),
-                      comm_ready=_ts(self.comm.created_at), resume_started=_ts(resume_started))
-        return step
+        Emits `checkpoint.resumed` on every rank (see `report_resumed`)."""
+        started = time.time()
+        return report_resumed(self.log, self.comm, self._resume(state), started)
 
     def _resume(self, state: State) -> int:
         t0 = time.monotonic()
@@ -99,12 +91,7 @@ class Checkpointer(BaseCheckpointer):
                     raise
                 failure = f"{type(e).__name__}: {e}"  # tell the other ranks instead of leaving them hanging
         if not self.comm.distributed:
-            if found is None:
-                return 0
-            step, _path, snapshot, _source = found
-            state.load_state_dict(snapshot)
-            self._submitted_step = step
-            return step + 1
+            return 0 if found is None else _adopt(self, state, found[0], found[2])
         message: Any = ("error", failure) if failure is not None else (
             None if found is None else ("ok", found[0], found[1].read_bytes()))
         shared = self.comm.broadcast_object(message)
@@ -120,9 +107,7 @@ class Checkpointer(BaseCheckpointer):
             _step, snapshot = load_payload(data, self.weights_only)
             self.log.emit("checkpoint.loaded", step=step, source="broadcast", bytes=len(data),
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
-        state.load_state_dict(snapshot)
-        self._submitted_step = step
-        return step + 1
+        return _adopt(self, state, step, snapshot)
 
     def _load_newest(self) -> tuple[int, Path, dict[str, Any], str] | None:
         """Newest manifest whose objects verify and load; corrupt ones are reported and skipped."""
@@ -247,6 +232,22 @@ class Checkpointer(BaseCheckpointer):
                 self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
                 ok = False
         return bool(self.comm.broadcast_object(ok))
+
+def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]) -> int:
+    """Load the snapshot of checkpoint `step` into `state` (never saved again); the next step to run."""
+    state.load_state_dict(snapshot)
+    ckpt._submitted_step = step
+    return step + 1
+
+
+def report_resumed(log: EventLog, comm: Any, step: int, started: float) -> int:
+    """Emit `checkpoint.resumed`: the next step, and when this worker started, imported petctl.elastic,
+    made its `Comm` and began resuming (a recovery's phases, bench/phases.py). Returns `step`."""
+    log.emit("checkpoint.resumed", step=step, world_size=comm.world_size,
+             seconds=round(time.time() - started, 4), worker_started=_ts(worker_started_at()),
+             elastic_imported=_ts(IMPORTED_AT), comm_ready=_ts(comm.created_at), resume_started=_ts(started))
+    return step
+
 
 def _ts(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
