@@ -24,26 +24,47 @@ MILESTONES: list[tuple[str, tuple[str, ...], str]] = [
     ("torch_imported", ("worker.imported",), "max"),
     ("process_group", ("worker.pg_ready",), "max"),
     ("model_ready", ("worker.setup",), "max"),
-    ("checkpoint_loaded", ("train.resume",), "max"),
+    ("elastic_imported", ("elastic.imported",), "max"),
+    ("checkpointer_ready", ("elastic.comm_ready",), "max"),
+    ("checkpoint_loaded", ("checkpoint.resumed", "train.resume"), "max"),
     ("first_step", ("train.step",), "max"),
 ]
+LABELS = [label for label, _names, _agg in MILESTONES]
+# petctl.elastic's `checkpoint.resumed` carries the worker's own start-up moments as fields (a user's
+# script prints none of its own): field -> the event it stands for.
+RESUMED_FIELDS = {"worker_started": "worker.proc_start", "elastic_imported": "elastic.imported",
+                  "comm_ready": "elastic.comm_ready"}
 # The issue's five phases, and which measured milestones each one spans.
 PHASES = {
     "detect": ["detect"],
     "rendezvous": ["workers_stopped", "rendezvous"],
-    "workers_started": ["workers_started", "torch_imported", "process_group", "model_ready"],
+    "workers_started": ["workers_started", "torch_imported", "process_group", "model_ready",
+                        "elastic_imported", "checkpointer_ready"],
     "checkpoint_loaded": ["checkpoint_loaded"],
     "first_step": ["first_step"],
 }
 
 
-def _events(node: Node, after: float) -> list[dict[str, Any]]:
+def expand(events: list[dict[str, Any]], after: float) -> list[dict[str, Any]]:
+    """The events at or after `after`, plus the start-up moments some events carry as fields: a
+    `worker.imported`'s process start (ts - seconds) and `checkpoint.resumed`'s timeline fields, each
+    as an event of its own (same rank and world size)."""
     out = []
-    for e in node.events(after=after):
+    for e in events:
         if e["event"] == "worker.imported" and "seconds" in e:  # the worker process's own start time
             out.append({**e, "event": "worker.proc_start", "ts": float(e["ts"]) - float(e["seconds"])})
+        elif e["event"] == "checkpoint.resumed":
+            # A moment before the worker started (petctl.elastic preloaded by a warm worker) is reached
+            # when it starts: that phase cost this recovery nothing.
+            floor = e.get("worker_started") if isinstance(e.get("worker_started"), (int, float)) else 0.0
+            out.extend({**e, "event": name, "ts": max(float(e[key]), float(floor))}
+                       for key, name in RESUMED_FIELDS.items() if isinstance(e.get(key), (int, float)))
         out.append(e)
     return [e for e in out if float(e["ts"]) >= after]
+
+
+def _events(node: Node, after: float) -> list[dict[str, Any]]:
+    return expand(node.events(), after)
 
 
 def first_step_at(node: Node, world: int, after: float) -> float | None:

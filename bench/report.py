@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench import phases
+
 GOALS = {
     "P1": "<= 3 s median, 0 steps lost",
     "P2": "<= 10 s",
@@ -19,6 +21,9 @@ GOALS = {
     "P7b": "0 restarts, 0 steps lost",
 }
 TORCHRUNS = ("torchrun-c10d", "torchrun-etcd-v2")
+# P1-P3 result keys, in table order: the bench's workload, then the user-style script (recovery.result_key).
+RECOVERY_KEYS = ("P1", "P1-user", "P2", "P2-user", "P3", "P3-user")
+WORKLOAD_LABEL = {"": "", "user": " (user script)"}
 
 
 def _fmt(v: Any, unit: str = "") -> str:
@@ -44,20 +49,22 @@ def _row(sid: str, metric: str, system: str, s: dict[str, Any] | None, unit: str
     s = s or {}
     return {"scenario": sid, "metric": metric, "system": system, "min": s.get("min"),
             "median": s.get("median"), "max": s.get("max"), "n": s.get("n"), "unit": unit,
-            "goal": GOALS.get(sid, "") if system == "petctl" else "", "ratios": ratios or {}, "note": note}
+            "goal": GOALS.get(sid.split("-")[0], "") if system == "petctl" else "", "ratios": ratios or {},
+            "note": note}
 
 
 def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for sid in ("P1", "P2", "P3"):
+    for sid in RECOVERY_KEYS:
         res = results.get(sid)
         if not res:
             continue
         summ = res.get("summary", {})
         p = summ.get("petctl", {})
         pmed = (p.get("seconds") or {}).get("median")
+        base, _, workload = sid.partition("-")
         metric = {"P1": "notice -> step again", "P2": "freeze -> step again",
-                  "P3": "4th node launched -> step at world 4"}[sid]
+                  "P3": "4th node launched -> step at world 4"}[base] + WORKLOAD_LABEL.get(workload, "")
         for system, s in summ.items():
             note = ""
             if s.get("capped_runs"):
@@ -78,7 +85,8 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                        "n": 0}
             rows.append(_row(sid, metric, system, sec, "s", ratios, note.strip()))
             if "steps_lost" in s:
-                rows.append(_row(sid, "steps lost", system, s["steps_lost"], "steps"))
+                lost = "steps lost" + WORKLOAD_LABEL.get(workload, "")
+                rows.append(_row(sid, lost, system, s["steps_lost"], "steps"))
     p4 = results.get("P4")
     if p4:
         cfg = p4.get("config", {})
@@ -160,7 +168,7 @@ def store_rows(p7: dict[str, Any]) -> list[dict[str, Any]]:
 
 def phase_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
-    for sid in ("P1", "P2", "P3"):
+    for sid in RECOVERY_KEYS:
         res = results.get(sid)
         if not res:
             continue
@@ -178,8 +186,7 @@ def print_table(rows: list[dict[str, Any]], phase: list[dict[str, Any]]) -> None
     body = [[r["scenario"], r["metric"], r["system"], _fmt(r["min"]), _fmt(r["median"]), _fmt(r["max"]),
              _fmt(r["n"]), r["goal"], r["ratios"].get("torchrun-c10d", ""),
              r["ratios"].get("torchrun-etcd-v2", ""), r["note"]] for r in rows]
-    labels = ["detect", "workers_stopped", "rendezvous", "workers_started", "torch_imported", "process_group",
-              "model_ready", "checkpoint_loaded", "first_step"]
+    labels = phases.LABELS
     pbody = [[p["scenario"], p["system"], *[_fmt(p["sub_phases"].get(k)) for k in labels], p["slowest"]]
              for p in phase]
     try:
@@ -219,8 +226,7 @@ def markdown(rows: list[dict[str, Any]], phase: list[dict[str, Any]]) -> str:
     body = [[r["scenario"], r["metric"], r["system"], _fmt(r["min"]), _fmt(r["median"]), _fmt(r["max"]),
              r["goal"], r["ratios"].get("torchrun-c10d", ""), r["ratios"].get("torchrun-etcd-v2", ""),
              r["note"]] for r in rows]
-    labels = ["detect", "workers_stopped", "rendezvous", "workers_started", "torch_imported", "process_group",
-              "model_ready", "checkpoint_loaded", "first_step"]
+    labels = phases.LABELS
     pbody = [[p["scenario"], p["system"], *[_fmt(p["sub_phases"].get(k)) for k in labels], p["slowest"]]
              for p in phase]
     text = markdown_table(headers, body)

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
     parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (node logs)")
+    parser.add_argument("--workload", default="bench",
+                        help="P1-P3: bench (workload.py), user (user_train.py, README-style) or both "
+                             "(comma-separated)")
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
@@ -95,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {ALL}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
+    workloads = ["bench", "user"] if workloads == ["both"] else workloads
+    if not workloads or set(workloads) - {"bench", "user"}:
+        parser.error(f"--workload: choose bench, user or both, not {args.workload!r}")
     reps = 1 if args.quick else max(1, args.reps)
     default_sizes = [8] if args.quick else [8, 32, 64]
     try:
@@ -118,14 +125,21 @@ def main(argv: list[str] | None = None) -> int:
             etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
             imds = LocalMetadataServer(scratch / "notices").start()
         ctx = Context(root=scratch, reps=reps, quick=args.quick, etcd=etcd, imds=imds, systems=systems,
-                      hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace, sizes=sizes)
+                      hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace, sizes=sizes,
+                      workloads=workloads)
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
         for sid in scenarios:
             t0 = time.time()
             if sid in ("P1", "P2", "P3"):
                 from bench.scenarios import recovery
 
-                results[sid] = recovery.run(ctx, sid)
+                for workload in workloads:
+                    key = recovery.result_key(sid, workload)
+                    t_w = time.time()
+                    results[key] = recovery.run(ctx, sid, workload)
+                    results[key]["wall_s"] = round(time.time() - t_w, 1)
+                    _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))  # partial
+                continue
             elif sid == "P4":
                 from bench.scenarios import checkpoint
 

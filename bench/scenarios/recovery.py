@@ -1,5 +1,9 @@
 """P1 announced preemption, P2 silent host loss, P3 scale-up: petctl and torchrun on the same workload.
 
+Two workloads (`--workload`): "bench" (workload.py, which prints its own start-up milestones) and "user"
+(user_train.py, a script written the way README shows, whose start-up is timed from petctl.elastic's
+`checkpoint.resumed` event). Results of the user workload are stored under "<sid>-user".
+
 Each repetition starts a fresh 3-node job (1 worker per node), lets it train past a checkpoint, disrupts
 it, and times the survivors (or the grown job) until they run a training step at the new world size.
 The removed node is petctl's highest rank and torchrun's last-started node (never the c10d store host).
@@ -12,7 +16,7 @@ import time
 from typing import Any
 
 from bench import phases
-from bench.petctl_runner import PetctlJob
+from bench.petctl_runner import BENCH, PetctlJob
 from bench.procs import Node, wait_for
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
@@ -31,9 +35,19 @@ SCENARIOS = {
 }
 
 
+# Workload name -> its script. user_train.py's defaults are the bench's (a checkpoint every 10 steps, at
+# least 50 ms per step): it runs with no arguments, as a user would start it.
+WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py"}
+
+
 def workload_env() -> dict[str, str]:
     return {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
             "BENCH_CKPT": "elastic"}
+
+
+def result_key(sid: str, workload: str) -> str:
+    """Where a scenario's results live in the JSON: "P1" for the bench workload, "P1-user" for the user's."""
+    return sid if workload == "bench" else f"{sid}-{workload}"
 
 
 def _trained(nodes: list[Node], world: int, steps: int) -> bool:
@@ -44,19 +58,21 @@ def _trained(nodes: list[Node], world: int, steps: int) -> bool:
     return True
 
 
-def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]):
-    name = f"{sid.lower()}-{system.split('-')[-1]}-{rep}-{int(time.time()) % 100000}"
-    root = ctx.dir(sid, system, f"rep{rep}")
-    ckpt = f"file://{ctx.dir(sid, system, f'rep{rep}', 'checkpoints')}"
+def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any], workload: str):
+    key = result_key(sid, workload)
+    name = f"{key.lower()}-{system.split('-')[-1]}-{rep}-{int(time.time()) % 100000}"
+    root = ctx.dir(key, system, f"rep{rep}")
+    ckpt = f"file://{ctx.dir(key, system, f'rep{rep}', 'checkpoints')}"
+    script = WORKLOADS[workload]
     if system == "petctl":
         job = PetctlJob.create(root, ctx.etcd.endpoint, name, min_size=sc["min"], max_size=sc["max"],
                                size=sc["nodes"], env=workload_env(), checkpoint_url=ckpt, imds=ctx.imds,
-                               initial_wait=60.0)
+                               script=script, initial_wait=60.0)
         nodes = [job.start() for _ in range(sc["nodes"])]
     else:
         backend = system.removeprefix("torchrun-")
         job = TorchrunJob.create(root, backend, sc["min"], sc["max"], name, etcd_port=ctx.etcd.client_port,
-                                 env={**workload_env(), "PETCTL_CHECKPOINT_URL": ckpt})
+                                 env={**workload_env(), "PETCTL_CHECKPOINT_URL": ckpt}, script=script)
         nodes = []
         for _ in range(sc["nodes"]):
             nodes.append(job.start())
@@ -72,10 +88,10 @@ def _victim(job: Any, system: str, nodes: list[Node], world: int) -> Node:
     return nodes[-1]
 
 
-def run_once(ctx: Context, sid: str, system: str, rep: int) -> dict[str, Any]:
+def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "bench") -> dict[str, Any]:
     sc = SCENARIOS[sid]
-    job, nodes = _start_job(ctx, system, sid, rep, sc)
-    result: dict[str, Any] = {"system": system, "rep": rep}
+    job, nodes = _start_job(ctx, system, sid, rep, sc, workload)
+    result: dict[str, Any] = {"system": system, "rep": rep, "workload": workload}
     try:
         if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
@@ -133,7 +149,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int) -> dict[str, Any]:
         result["phases"] = phases.phase_durations(marks)
         result["sub_phases"] = phases.sub_phases(marks)
         if sid in ("P1", "P2"):
-            _keep_timeline(ctx, sid, system, rep, nodes, t_event, result)
+            _keep_timeline(ctx, result_key(sid, workload), system, rep, nodes, t_event, result)
         return result
     finally:
         job.stop()
@@ -154,15 +170,15 @@ def _keep_timeline(ctx: Context, sid: str, system: str, rep: int, nodes: list[No
                          "seconds": result.get("seconds"), "capped": result.get("capped")}
 
 
-def run(ctx: Context, sid: str) -> dict[str, Any]:
+def run(ctx: Context, sid: str, workload: str = "bench") -> dict[str, Any]:
     sc = SCENARIOS[sid]
-    out: dict[str, Any] = {"title": sc["title"], "runs": {}}
+    out: dict[str, Any] = {"title": sc["title"], "workload": workload, "runs": {}}
     for system in ctx.systems:
         runs = []
         for rep in range(ctx.reps):
-            ctx.log(f"{sid} {system} rep {rep + 1}/{ctx.reps}")
-            r = run_once(ctx, sid, system, rep)
-            ctx.log(f"{sid} {system} rep {rep + 1}: {r.get('seconds')} s "
+            ctx.log(f"{sid} ({workload}) {system} rep {rep + 1}/{ctx.reps}")
+            r = run_once(ctx, sid, system, rep, workload)
+            ctx.log(f"{sid} ({workload}) {system} rep {rep + 1}: {r.get('seconds')} s "
                     f"(lost {r.get('steps_lost')}, capped {r.get('capped')}, error {r.get('error')})")
             runs.append(r)
         out["runs"][system] = runs

@@ -61,7 +61,7 @@ class WarmPool:
             try:
                 proc = subprocess.Popen(
                     [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload),
-                     str(write_fd)],
+                     str(write_fd), os.path.join(self.spec.cwd, self.spec.cmd[2])],
                     cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, preexec_fn=self.preexec, pass_fds=(write_fd,))
             except BaseException:

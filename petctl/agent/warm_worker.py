@@ -15,8 +15,14 @@ import json
 import os
 import runpy
 import sys
+import time
+
+from petctl.agent.warmstart import host_store_early, preload, script_preloads
 
 READY = b"petctl-warm-worker-ready\n"
+# When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.startup`
+# reads it under the same name; a cold worker's process start time is the same moment).
+ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"
 
 
 def signal_ready(fd: int) -> None:
@@ -31,14 +37,28 @@ def signal_ready(fd: int) -> None:
         os.close(fd)
 
 
+def _script_source(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):  # the script is read (and fails) when it runs; nothing to preload
+        return ""
+
+
 def main() -> None:
-    preload = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
+    names = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
     ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-    for name in preload:
+    script = sys.argv[3] if len(sys.argv) > 3 else ""
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:
             pass  # the script will import (and fail on) what it really needs
+    for name in script_preloads(_script_source(script)) if script else []:
+        try:
+            preload(name)
+        except Exception:  # noqa: BLE001, S110 - any import error is the script's to raise, when it runs
+            pass
     # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
     if ready_fd >= 0:
         signal_ready(ready_fd)
@@ -48,11 +68,19 @@ def main() -> None:
     order = json.loads(line)
     os.environ.clear()
     os.environ.update(order["env"])
+    os.environ[ENV_ORDER_TS] = f"{time.time():.6f}"
+    try:
+        store = host_store_early(order["env"])  # kept alive (referenced) while the script runs
+    except Exception as e:  # noqa: BLE001 - torch starts its own server in init_process_group then
+        store = None
+        print(f"petctl warm worker: the rendezvous store was not started early ({e}); torch starts it",
+              file=sys.stderr, flush=True)
     os.chdir(order["cwd"])
     argv = order["argv"]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")
+    del store
 
 
 if __name__ == "__main__":

@@ -27,10 +27,13 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
+from petctl.elastic.startup import worker_started_at
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.store import CheckpointStore, S3Options
 
 __all__ = ["ENV_CHECKPOINT_URL", "Checkpointer"]
+
+IMPORTED_AT = time.time()  # `from petctl.elastic import Checkpointer` is done (the recovery timeline)
 
 
 class Checkpointer(BaseCheckpointer):
@@ -71,9 +74,12 @@ class Checkpointer(BaseCheckpointer):
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, state: State) -> int:
         """Load the newest complete checkpoint into `state`; returns the next step to run (0 if none).
-
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
-        """
+        Emits `checkpoint.resumed` on every rank (see `report_resumed`)."""
+        started = time.time()
+        return report_resumed(self.log, self.comm, self._resume(state), started)
+
+    def _resume(self, state: State) -> int:
         t0 = time.monotonic()
         found: tuple[int, Path, dict[str, Any], str] | None = None
         failure: str | None = None
@@ -85,12 +91,7 @@ class Checkpointer(BaseCheckpointer):
                     raise
                 failure = f"{type(e).__name__}: {e}"  # tell the other ranks instead of leaving them hanging
         if not self.comm.distributed:
-            if found is None:
-                return 0
-            step, _path, snapshot, _source = found
-            state.load_state_dict(snapshot)
-            self._submitted_step = step
-            return step + 1
+            return 0 if found is None else _adopt(self, state, found[0], found[2])
         message: Any = ("error", failure) if failure is not None else (
             None if found is None else ("ok", found[0], found[1].read_bytes()))
         shared = self.comm.broadcast_object(message)
@@ -106,9 +107,7 @@ class Checkpointer(BaseCheckpointer):
             _step, snapshot = load_payload(data, self.weights_only)
             self.log.emit("checkpoint.loaded", step=step, source="broadcast", bytes=len(data),
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
-        state.load_state_dict(snapshot)
-        self._submitted_step = step
-        return step + 1
+        return _adopt(self, state, step, snapshot)
 
     def _load_newest(self) -> tuple[int, Path, dict[str, Any], str] | None:
         """Newest manifest whose objects verify and load; corrupt ones are reported and skipped."""
@@ -210,6 +209,26 @@ class Checkpointer(BaseCheckpointer):
                 self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
                 ok = False
         return bool(self.comm.broadcast_object(ok))
+
+def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]) -> int:
+    """Load the snapshot of checkpoint `step` into `state` (never saved again); the next step to run."""
+    state.load_state_dict(snapshot)
+    ckpt._submitted_step = step
+    return step + 1
+
+
+def report_resumed(log: EventLog, comm: Any, step: int, started: float) -> int:
+    """Emit `checkpoint.resumed`: the next step, and when this worker started, imported petctl.elastic,
+    made its `Comm` and began resuming (a recovery's phases, bench/phases.py). Returns `step`."""
+    log.emit("checkpoint.resumed", step=step, world_size=comm.world_size,
+             seconds=round(time.time() - started, 4), worker_started=_ts(worker_started_at()),
+             elastic_imported=_ts(IMPORTED_AT), comm_ready=_ts(comm.created_at), resume_started=_ts(started))
+    return step
+
+
+def _ts(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
 
 def _state_name(manifest: mf.Manifest) -> str:
     """The object holding the serialised state (one today; the manifest allows more, e.g. DCP shards)."""

@@ -50,6 +50,7 @@ class Comm:
     local_rank: int = 0
     group: Any = None  # the gloo process group (None: the default group, or no dist at all)
     distributed: bool = False
+    created_at: float = field(default_factory=time.time)  # for the recovery timeline (checkpoint.resumed)
     _owns_group: bool = field(default=False, repr=False)
 
     @classmethod

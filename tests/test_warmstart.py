@@ -1,0 +1,61 @@
+"""What a warm worker does ahead of its script: which imports it preloads, and the early store on rank 0."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+
+from petctl.agent.warmstart import host_store_early, preload, script_preloads
+from petctl.io.net import free_port
+
+SCRIPT = '''
+import argparse, json
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from petctl.elastic import Checkpointer, State
+from . import sibling
+import mylib.data
+
+def main():
+    from torch.utils.data import DataLoader
+'''
+
+
+def test_only_torch_and_petctl_elastic_imports_are_preloaded() -> None:
+    assert script_preloads(SCRIPT) == ["torch", "torch.distributed", "torch:nn",
+                                       "torch.nn.parallel:DistributedDataParallel",
+                                       "petctl.elastic:Checkpointer", "petctl.elastic:State",
+                                       "torch.utils.data:DataLoader"]
+    assert script_preloads("import numpy\nfrom mylib import torch\n") == []  # the user's modules: never
+    assert script_preloads("def broken(:\n") == []
+
+
+def test_preload_loads_lazily_exported_names_and_submodules() -> None:
+    preload("petctl.elastic:Checkpointer")
+    import petctl.elastic
+
+    assert "Checkpointer" in vars(petctl.elastic)  # the lazy export was resolved
+    preload("torch:nn")
+    with pytest.raises(ImportError):
+        preload("petctl.elastic:NoSuchName")
+
+
+def test_rank_zero_hosts_the_store_and_torch_adopts_it() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    port = free_port()
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert host_store_early({**env, "RANK": "1"}) is None
+    assert host_store_early({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
+    store = host_store_early(env)
+    assert store is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass  # listening before the script runs
+    # What init_process_group's env:// rendezvous does on rank 0: it shares the running server.
+    again = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=5), wait_for_workers=False,
+                          multi_tenant=True)
+    again.set("k", "v")
+    assert store.get("k") == b"v"
