@@ -94,6 +94,20 @@ def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:
     return max(0, max(last) - int(resumed["step"]) + 1)
 
 
+def stall(nodes: list[Node], world: int, after: float) -> float | None:
+    """The old members' pause: per node, from its last step before its first step at `world` (after
+    `after`) to that first step; the longest over `nodes`. None while a node has not stepped at `world`."""
+    gaps = []
+    for node in nodes:
+        first = first_step_at(node, world, after)
+        if first is None:
+            return None
+        before = [float(e["ts"]) for e in node.events("train.step") if float(e["ts"]) < first]
+        if before:
+            gaps.append(first - max(before))
+    return round(max(gaps), 4) if gaps else None
+
+
 def milestones(nodes: list[Node], world: int, t_event: float,
                detect_nodes: list[Node] | None = None) -> dict[str, float]:
     """Seconds after `t_event` at which each milestone was reached (missing ones are left out)."""

@@ -77,3 +77,16 @@ def test_the_warm_worker_and_petctl_elastic_agree_on_the_order_variable() -> Non
     assert startup.worker_started_at({startup.ENV_ORDER_TS: "123.5"}) == 123.5
     started = startup.worker_started_at({})  # no order: this process's own start, from /proc
     assert started is None or 0 < started <= __import__("time").time()
+
+
+def test_the_old_members_stall_is_the_longest_pause_between_two_worlds(tmp_path: Path) -> None:
+    """P3: a node at world 3 steps until T+0.3 and again at world 4 at T+1.0; another pauses longer."""
+    def member(name: str, last: float, first: float) -> Node:
+        return _node(tmp_path, name, [
+            {"ts": T - 0.1, "event": "train.step", "step": 40, "world_size": 3},
+            {"ts": T + last, "event": "train.step", "step": 41, "world_size": 3},
+            {"ts": T + first, "event": "train.step", "step": 42, "world_size": 4},
+        ])
+    nodes = [member("a", 0.3, 1.0), member("b", 0.2, 1.1)]
+    assert phases.stall(nodes, 4, T) == 0.9
+    assert phases.stall([*nodes, _node(tmp_path, "c", [])], 4, T) is None  # c not at world 4 yet

@@ -142,8 +142,10 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             result["seconds"] = None
         else:
             result["seconds"] = round(t_ok - t_event, 4)
-        if sid in ("P1", "P2"):
+        if sid in ("P1", "P2", "P3"):
             result["steps_lost"] = phases.steps_lost(watch, world, t_event)
+        if sid == "P3":  # the old members' pause: the newcomer must not make them wait for its start-up
+            result["stall"] = phases.stall(nodes, world, t_event)
         marks = phases.milestones(watch, world, t_event, detect_nodes=detect_nodes)
         result["milestones"] = marks
         result["phases"] = phases.phase_durations(marks)
@@ -195,6 +197,9 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     lost = [r.get("steps_lost") for r in runs if r.get("steps_lost") is not None]
     if lost:
         out["steps_lost"] = phases.summarize(lost)
+    stalls = [r.get("stall") for r in runs if r.get("stall") is not None]
+    if stalls:
+        out["stall"] = phases.summarize(stalls)
     names = {k for r in runs for k in r.get("phases", {})}
     out["phases_median"] = {k: phases.summarize([r.get("phases", {}).get(k) for r in runs])["median"]
                             for k in phases.PHASES if k in names}

@@ -89,6 +89,7 @@ class Agent:
                                    self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
+        self.preemption.wake = self.watcher.nudge
         self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)
         self.event_sink = EtcdEventSink(etcd_client(endpoint, read_timeout=timeout), self.keys.events,
                                         OutageReporter("events", emit, parent=store))

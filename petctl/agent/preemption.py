@@ -47,6 +47,7 @@ class PreemptionHandler:
         self._watcher: Any = None
         self._heartbeat: Any = None
         self._lock = threading.Lock()
+        self.wake: Callable[[], None] | None = None  # the round runner's wake-up (LiveWatcher.nudge)
         self.on_rebalance: Callable[[Any], None] | None = None  # set by the agent (agent/rebalance.py)
 
     def start(self) -> None:
@@ -75,6 +76,8 @@ class PreemptionHandler:
             self.notice = notice
         self.events.emit("preemption.notice", kind=notice.kind, action=notice.action,
                          deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
+        if self.wake is not None:
+            self.wake()  # announce it now, not at the round runner's next pass
 
     def plan_leave(self, budget: float) -> None:
         """A graceful leave that saves first: a notice of kind `leave`, due in `budget` seconds. A notice

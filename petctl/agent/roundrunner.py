@@ -59,6 +59,8 @@ from petctl.core.spec import JobSpec
 from petctl.io.etcd import store_errors
 
 SNAPSHOT_EVERY = 2.0  # a fresh look at live/ even without a watch event
+PASS = 0.1  # the round loop's pass when nothing wakes it
+SAVING_PASS = 0.02  # ... while our workers save for a re-form: its end is seen by polling their files
 PUBLISH_EVERY = 5.0
 REFILL_AFTER = 10.0  # refill the warm pool after the round's first step, or this long into the round
 
@@ -122,7 +124,7 @@ class RoundRunner:
                 return self._stop(workers, info, RoundOutcome.LEAVE)
             if p.preemption.notice is not None and not p.preemption.announced:
                 self._store_call(p.preemption.announce, self.saves.announce)
-            woke = p.watcher.wait(0.1)
+            woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
             if woke or now - last_snapshot > SNAPSHOT_EVERY or self.saves.admission_saved():
                 last_snapshot = now

@@ -177,6 +177,10 @@ class LiveWatcher:
         if not self._active.is_set():
             self._active.set()
 
+    def nudge(self) -> None:
+        """Wake `wait` now, as a change would (a preemption notice arrived: act on it at once)."""
+        self.changed.set()
+
     def wait(self, timeout: float) -> bool:
         fired = self.changed.wait(timeout)
         self.changed.clear()

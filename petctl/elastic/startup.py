@@ -1,6 +1,6 @@
 """When this worker started, for the recovery timeline `Checkpointer.resume` reports (`checkpoint.resumed`).
 
-A warm worker (petctl.agent.warm_worker) was started long before its round: it writes the moment it got
+A warm worker (the agent's warm_worker module) was started long before its round: it writes the moment it got
 its orders into its environment (`PETCTL_WORKER_ORDER_TS`, the agent's side of this contract). A worker
 started cold (petctl without warm workers, torchrun) has no such variable: its process start time, from
 /proc, is the same moment. Stdlib only, cheap: read once per `resume`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"  # written by petctl.agent.warm_worker (tests check both agree)
+ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"  # written by the agent's warm worker (a test checks both agree)
 
 
 def process_start_time(pid: int | None = None) -> float | None:
