@@ -17,7 +17,7 @@ import runpy
 import sys
 import time
 
-from petctl.agent.warmstart import host_store_early, preload, script_preloads
+from petctl.agent.warmstart import await_store, host_store_early, preload, script_preloads
 
 READY = b"petctl-warm-worker-ready\n"
 # When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.startup`
@@ -75,6 +75,8 @@ def main() -> None:
         store = None
         print(f"petctl warm worker: the rendezvous store was not started early ({e}); torch starts it",
               file=sys.stderr, flush=True)
+    if store is None:
+        await_store(order["env"])  # rank 0's store: connect at the first try, not after torch's backoff
     os.chdir(order["cwd"])
     argv = order["argv"]
     sys.argv = list(argv)
