@@ -73,23 +73,19 @@ def check_lossless(cli: Petctl, job: str, ledger_dir: Path, steps: int, worlds: 
 
 
 @pytest.mark.timeout(360)
-def test_planned_scale_up_loses_no_step(local: Petctl, tmp_path: Path):
+@pytest.mark.parametrize(("job", "steps", "size", "new_size"), [
+    ("grow", GROW_STEPS, 1, 2),  # a planned scale-up: the joiner is admitted after every rank saved
+    ("shrink", STEPS, 2, 1),  # a planned scale-in: the leaving node saves first
+], ids=["scale_up", "scale_in"])
+def test_planned_scale_loses_no_step(local: Petctl, tmp_path: Path, job: str, steps: int, size: int,
+                                     new_size: int):
     ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "grow", GROW_STEPS, "--min", "1", "--max", "2", "--size", "1")
-    acted_at = mid_period(ledger_dir, world=1)
-    local.run("scale", "grow", "--size", "2")
-    wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=2) is not None, 120, "a step at world 2")
-    check_lossless(local, "grow", ledger_dir, GROW_STEPS, [1, 2], acted_at)
-
-
-@pytest.mark.timeout(360)
-def test_planned_scale_in_loses_no_step(local: Petctl, tmp_path: Path):
-    ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "shrink", STEPS, "--min", "1", "--max", "2", "--size", "2")
-    acted_at = mid_period(ledger_dir, world=2)
-    local.run("scale", "shrink", "--size", "1")
-    wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
-    check_lossless(local, "shrink", ledger_dir, STEPS, [2, 1], acted_at)
+    run_user_job(local, ledger_dir, job, steps, "--min", "1", "--max", "2", "--size", str(size))
+    acted_at = mid_period(ledger_dir, world=size)
+    local.run("scale", job, "--size", str(new_size))
+    wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=new_size) is not None, 120,
+               f"a step at world {new_size}")
+    check_lossless(local, job, ledger_dir, steps, [size, new_size], acted_at)
 
 
 @pytest.mark.timeout(360)
