@@ -10,7 +10,7 @@ checkpoints (7 steps after one), so a round that resumes from the periodic check
 Each test checks, from the ledger: every step done, the world size of each round, the final weights equal
 to an uninterrupted run's (max |dw| <= 1e-9: DDP's average of two shards rounds differently from one
 process), and, last, that no step was redone. Real etcd, agents and gloo workers on the local provider.
-A spot notice, which already saves first, passes the same check (test_a_spot_notice_loses_no_step).
+A spot notice, which already saved first, passes the same check (test_rank1_leaving_loses_no_step).
 
 A plain torchrun script (no petctl.elastic) keeps today's behaviour at a planned change: its workers get
 SIGTERM, as torchrun would send (the last test).
@@ -89,38 +89,29 @@ def test_planned_scale_loses_no_step(local: Petctl, tmp_path: Path, job: str, st
 
 
 @pytest.mark.timeout(360)
-def test_a_graceful_leave_loses_no_step(local: Petctl, tmp_path: Path):
-    """`petctl chaos --term`: the agent of rank 1 is asked to leave (SIGTERM), as a drained host is. The
-    replacement is held back, so the survivor alone finishes the job."""
+@pytest.mark.parametrize(("job", "how"), [
+    # `petctl chaos --term`: the agent of rank 1 is asked to leave (SIGTERM), as a drained host is.
+    ("leave", ["--term"]),
+    # What already held (issue 14: "keep this"): a spot notice to rank 1 has every rank save the same step.
+    ("notice", ["--notice", "--grace", "30"]),
+], ids=["graceful_leave", "spot_notice"])
+def test_rank1_leaving_loses_no_step(local: Petctl, tmp_path: Path, job: str, how: list[str]):
+    """Rank 1 goes, saving first; the replacement is held back, so the survivor alone finishes the job
+    and resumes at the step after the saved one."""
     ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "leave", STEPS, "--min", "1", "--max", "2", "--size", "2",
+    run_user_job(local, ledger_dir, job, STEPS, "--min", "1", "--max", "2", "--size", "2",
                  "--replace-delay", "600")
     acted_at = mid_period(ledger_dir, world=2)
-    ranks = local.status("leave")["ranks"]
+    ranks = local.status(job)["ranks"]
     (leaver,) = [node for node, rank in ranks.items() if rank == 1]
-    local.run("chaos", "leave", "--node", leaver, "--term")
+    local.run("chaos", job, "--node", leaver, *how)
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
     assert leaver not in {e["node"] for e in UserLedger.read(ledger_dir).of("step")}  # rank 0 stayed put
-    check_lossless(local, "leave", ledger_dir, STEPS, [2, 1], acted_at)
-
-
-
-@pytest.mark.timeout(360)
-def test_a_spot_notice_loses_no_step(local: Petctl, tmp_path: Path):
-    """What already holds (issue 14: "keep this"), and the check the tests above use, passing: a spot
-    notice to rank 1 has every rank save the same step; the survivor resumes at the next one."""
-    ledger_dir = tmp_path / "ledger"
-    run_user_job(local, ledger_dir, "notice", STEPS, "--min", "1", "--max", "2", "--size", "2",
-                 "--replace-delay", "600")
-    acted_at = mid_period(ledger_dir, world=2)
-    ranks = local.status("notice")["ranks"]
-    (noticed,) = [node for node, rank in ranks.items() if rank == 1]
-    local.run("chaos", "notice", "--node", noticed, "--notice", "--grace", "30")
-    wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
-    check_lossless(local, "notice", ledger_dir, STEPS, [2, 1], acted_at)
+    check_lossless(local, job, ledger_dir, STEPS, [2, 1], acted_at)
     ledger = UserLedger.read(ledger_dir)
     first_round = ledger.training_rounds()[0][0]
     assert [e["round"] for e in ledger.of("left")] == [first_round], ledger.story()  # saved, then left
+
 
 PLAIN = '''\
 """A plain torchrun script (no petctl.elastic): gloo all-reduces, no checkpoint, no SIGTERM handling of

@@ -20,6 +20,7 @@ from petctl.agent.view import RoundInfo, Snapshot
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
+from petctl.core.records import Preempt
 from petctl.core.spec import JobSpec
 
 
@@ -36,18 +37,29 @@ class SaveFirst:
         self.control_dir = control_dir
         self.workers: WorkerGroup | None = None
         self.flagged = False
+        self.admitting = False  # the round carries our own admission's request (seen in `flag`)
+        self._request: Preempt | None = None  # the round's request, as last seen
 
     def begin(self, workers: WorkerGroup) -> None:
         self.workers = workers
-        self.flagged = False
+        self.flagged = self.admitting = False
+        self._request = None
+
+    def _ours(self, request: Preempt | None) -> bool:
+        """`request` is our own admission's (nobody leaves)."""
+        return request is not None and request.node_id == self.node_id and not request.leaves
+
+    def _saved(self, request: Preempt | None) -> bool:
+        """Our workers are done with the requested save: all reported it, exited, or its deadline passed."""
+        workers = self.workers
+        return (workers is None or not workers.running
+                or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node)
+                or (request is not None and time.time() >= request.deadline))
 
     def _look(self, snap: Snapshot) -> SaveLook:
-        workers = self.workers
         request = snap.round.preempt if snap.round is not None else None
-        running = workers is not None and workers.running
-        saved = not running or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node) or (
-            request is not None and time.time() >= request.deadline)
-        return SaveLook(node_id=self.node_id, request=request, running=running, saved=saved,
+        return SaveLook(node_id=self.node_id, request=request,
+                        running=self.workers is not None and self.workers.running, saved=self._saved(request),
                         protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node))
 
     # --- a request on the round: flag our workers ---------------------------------------------------
@@ -55,6 +67,7 @@ class SaveFirst:
         """Tell our workers the round carries a save-now request (every rank then saves the same step);
         once per round."""
         request = snap.round.preempt if snap.round is not None else None
+        self.admitting, self._request = self._ours(request), request
         if self.flagged or request is None:
             return
         controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
@@ -83,8 +96,10 @@ class SaveFirst:
     def admit(self, snap: Snapshot, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
         """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
         is done. Raises what the etcd calls raise (the round runner counts and retries)."""
-        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
         request = snap.round.preempt if snap.round is not None else None
+        if cause is None and not self._ours(request):
+            return  # nobody waiting and no admission of ours under way (the usual look): no file I/O
+        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
         if cause is not None and request is None and isinstance(step, RequestSave | Reform):
             self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
         if isinstance(step, RequestSave):
@@ -95,7 +110,6 @@ class SaveFirst:
             self.rdzv.start_round(snap, cause=request.reason if request is not None else (cause or ""))
 
     def admission_saved(self) -> bool:
-        """Our admission's save looks done: the round runner takes a fresh look at once."""
-        return (self.flagged and self.workers is not None and self.preemption.notice is None
-                and (not self.workers.running
-                     or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node)))
+        """Our own admission's save looks done: the round runner takes a fresh look at once (and re-forms).
+        False for every other request, so a node waiting on someone else's save polls no etcd for it."""
+        return self.admitting and self._saved(self._request)
