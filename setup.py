@@ -46,7 +46,16 @@ setup(
             "ruff>=0.5",
             "cfn-lint>=1.0",
             "matplotlib>=3.8",
+            # The framework callbacks (petctl.elastic.integrations) are tested against the real ones.
+            "transformers>=4.40",
+            "accelerate>=1.1",
+            "lightning>=2.2",
+            "pytorch-lightning>=2.2",
         ],
+        # Extras for users of the framework callbacks (petctl.elastic.integrations); the Trainer refuses
+        # to run without accelerate.
+        "transformers": ["torch>=2.1", "transformers>=4.40", "accelerate>=1.1"],
+        "lightning": ["torch>=2.1", "lightning>=2.2"],
         # `petctl report` draws its timeline chart with matplotlib; nothing else needs it.
         "report": ["matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],
