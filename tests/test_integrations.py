@@ -175,16 +175,19 @@ def test_the_trainer_saves_and_stops_at_the_flag_and_resumes_after_it(control: P
         args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=2,
                                  use_cpu=True, save_steps=100, report_to=[], disable_tqdm=True,
                                  logging_steps=100)
-        trainer = Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[Flag(), PetctlCallback()])
+        callback = PetctlCallback()
+        trainer = Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[Flag(), callback])
         trainer.train(resume_from_checkpoint=last_checkpoint(out))
+        stops.append(callback.stopped)
         return trainer.state.global_step
 
-    assert train() == 3  # stopped at the flag's step
+    stops: list[bool] = []
+    assert train() == 3 and stops == [True]  # stopped at the flag's step
     assert last_checkpoint(out) == str(out / "checkpoint-3")
     assert controlfiles.read_saved(control) == {0: 3}
     for name in os.listdir(control):
         (control / name).unlink()
-    assert train() == 6  # resumed at step 4, ran to the end
+    assert train() == 6 and stops == [True, False]  # resumed at step 4, ran to the end
     steps = [e["step"] for e in _stdout_events(capsys) if e["event"] == "train.step"]
     assert steps == [1, 2, 3, 4, 5, 6]  # no step twice: 0 redone
 
@@ -217,21 +220,24 @@ def test_lightning_saves_and_stops_at_the_flag_and_resumes_after_it(control: Pat
     root = tmp_path / "root"
 
     def fit() -> int:
+        callback = PetctlCallback()
         trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, default_root_dir=str(root),
                              logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False, callbacks=[Flag(), PetctlCallback()])
+                             enable_checkpointing=False, callbacks=[Flag(), callback])
         loader = torch.utils.data.DataLoader(data, batch_size=2)
         trainer.fit(Module(), loader, ckpt_path=last_checkpoint(root))
+        stops.append(callback.stopped)
         return trainer.global_step
 
+    stops: list[bool] = []
     assert last_checkpoint(root) is None
-    assert fit() == 3
+    assert fit() == 3 and stops == [True]
     assert last_checkpoint(root) == str(root / "checkpoints" / "last.ckpt")
     assert torch.load(last_checkpoint(root), weights_only=False)["global_step"] == 3
     assert controlfiles.read_saved(control) == {0: 3}
     for name in os.listdir(control):
         (control / name).unlink()
-    assert fit() == 6
+    assert fit() == 6 and stops == [True, False]
     steps = [e["step"] for e in _stdout_events(capsys) if e["event"] == "train.step"]
     assert steps == [1, 2, 3, 4, 5, 6]
 

@@ -1,8 +1,9 @@
 """Issue 15: Hugging Face Trainer and Lightning jobs lose no step at a spot notice, and their status is true.
 
-Each job runs a user's script written for its framework (tests/workloads/hf_train.py, lightning_train.py:
+Each job runs a framework example as README shows it (examples/hf_trainer.py, examples/lightning_ddp.py:
 a tiny model from a config, the framework's own periodic checkpoints every 20 steps, resumed from the
-newest one) with `callbacks=[PetctlCallback()]`, on the local provider: 2 nodes of max 2, real etcd,
+newest one, `callbacks=[PetctlCallback()]`), with a step ledger added (tests/workloads/), on the local
+provider: 2 nodes of max 2, real etcd,
 agents and gloo workers. Mid-way between two periodic checkpoints rank 1's node gets a spot notice; the
 replacement is held back, so the survivor finishes alone at world 1.
 

@@ -79,6 +79,12 @@ class PetctlCallback(Callback):
         self.dirpath = dirpath
         self.protocol: SaveNowProtocol | None = None
 
+    @property
+    def stopped(self) -> bool:
+        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
+        skip what it runs after training (a final evaluation, an export) when it did."""
+        return self.protocol is not None and self.protocol.stopped_at is not None
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning has restored `ckpt_path` by now: global_step is the resumed step.
         self.protocol = SaveNowProtocol.create(check_every=self.check_every)

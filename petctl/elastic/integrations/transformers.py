@@ -45,6 +45,12 @@ class PetctlCallback(TrainerCallback):
         self.check_every = check_every
         self.protocol: SaveNowProtocol | None = None
 
+    @property
+    def stopped(self) -> bool:
+        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
+        skip what it runs after training (a final evaluation, an export) when it did."""
+        return self.protocol is not None and self.protocol.stopped_at is not None
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer has loaded `resume_from_checkpoint` by now: global_step is the resumed step.
         self.protocol = SaveNowProtocol.create(check_every=self.check_every)
