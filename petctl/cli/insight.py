@@ -43,7 +43,7 @@ def _detail(event: dict) -> str:
 @click.option("--all", "show_all", is_flag=True, help="Every event, not just the headline ones.")
 @output_option
 def events_cmd(name: str, show_all: bool, output: str) -> None:
-    """The job's timeline: rounds, restarts and why, preemptions, checkpoints, scale changes."""
+    """The job's timeline: rounds, re-forms and why, preemptions, checkpoints, scale changes."""
     provider_for().job(name)  # unknown job -> one-line error
     view = job_view(name)
     events = view.events()
