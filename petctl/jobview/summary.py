@@ -55,7 +55,8 @@ def one_line(summary: dict[str, Any]) -> str:
              f"{summary['steps_lost']} steps lost" if summary.get("steps_lost") is not None else
              "steps lost n/a", reforms_text(summary.get("reforms", summary.get("restarts", 0)),
                                            summary.get("failure_restarts", 0)),
-             f"{summary['reform_seconds']:.1f}s re-forming",
+             f"{summary['reform_seconds']:.1f}s re-forming" + (
+                 " (until workers started)" if summary.get("reform_basis") == "rounds" else ""),
              f"{summary['instance_hours']:.2f} instance-hours"]
     parts.append(cost_text(summary.get("cost")))
     return ", ".join(parts)
