@@ -264,7 +264,8 @@ class RoundRunner:
         t0 = time.monotonic()
         p.status.set_state("stopping")
         codes = workers.stop(p.spec.timeouts.stop_grace)
-        why = outcome.value
+        why = (p.preemption.why_stopped(p.control_dir, p.spec.nproc_per_node)
+               if outcome is RoundOutcome.PREEMPTED else outcome.value)
         p.events.emit("workers.stopped", round=info.round, why=why, codes=codes,
                       seconds=round(time.monotonic() - t0, 3))
         span = p.progress.span
