@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from petctl.elastic.integrations.protocol import Action, SaveNowProtocol
+from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 from petctl.elastic.integrations.worldsize import devices_per_node, num_nodes
 
 if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
@@ -65,7 +65,7 @@ def last_checkpoint(root: str | os.PathLike[str] | None = None, *,
     return str(found[-1]) if found else None
 
 
-class PetctlCallback(Callback):
+class PetctlCallback(ProtocolCallback, Callback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off.
@@ -75,20 +75,12 @@ class PetctlCallback(Callback):
     """
 
     def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None) -> None:
-        self.check_every = check_every
+        super().__init__(check_every)
         self.dirpath = dirpath
-        self.protocol: SaveNowProtocol | None = None
-
-    @property
-    def stopped(self) -> bool:
-        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
-        skip what it runs after training (a final evaluation, an export) when it did."""
-        return self.protocol is not None and self.protocol.stopped_at is not None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning has restored `ckpt_path` by now: global_step is the resumed step.
-        self.protocol = SaveNowProtocol.create(check_every=self.check_every)
-        self.protocol.begin(trainer.global_step)
+        self.start(trainer.global_step)
 
     def path(self, trainer: Any) -> str:
         """The save-now checkpoint's path (the same on every rank)."""

@@ -105,3 +105,22 @@ class SaveNowProtocol:
             self.events.emit("preempt.saved", step=step)
         elif action is Action.SAVE:
             self.monitor.report_checkpointed(step)
+
+
+class ProtocolCallback:
+    """What both framework callbacks hold: the protocol, built when training begins."""
+
+    def __init__(self, check_every: int = 1) -> None:
+        self.check_every = check_every
+        self.protocol: SaveNowProtocol | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
+        skip what it runs after training (a final evaluation, an export) when it did."""
+        return self.protocol is not None and self.protocol.stopped_at is not None
+
+    def start(self, step: int) -> None:
+        """Training begins at `step` completed steps (after the framework restored its checkpoint)."""
+        self.protocol = SaveNowProtocol.create(check_every=self.check_every)
+        self.protocol.begin(step)

@@ -23,7 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from petctl.elastic.integrations.protocol import Action, SaveNowProtocol
+from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 
 __all__ = ["PetctlCallback", "last_checkpoint"]
 
@@ -34,27 +34,16 @@ def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
     return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
 
 
-class PetctlCallback(TrainerCallback):
+class PetctlCallback(ProtocolCallback, TrainerCallback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off
     (steps are still reported; at a notice the agent then SIGTERMs the workers, as for any script).
     """
 
-    def __init__(self, check_every: int = 1) -> None:
-        self.check_every = check_every
-        self.protocol: SaveNowProtocol | None = None
-
-    @property
-    def stopped(self) -> bool:
-        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
-        skip what it runs after training (a final evaluation, an export) when it did."""
-        return self.protocol is not None and self.protocol.stopped_at is not None
-
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer has loaded `resume_from_checkpoint` by now: global_step is the resumed step.
-        self.protocol = SaveNowProtocol.create(check_every=self.check_every)
-        self.protocol.begin(state.global_step)
+        self.start(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.protocol is None:
