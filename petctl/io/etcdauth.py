@@ -10,8 +10,9 @@ Everything here runs as root (a python-etcd client with root's certificate, see 
 - v3 auth on too, with root its only user: petctl never uses v3, and without auth etcd's v3 API (gRPC on
   the same port) would let any client certificate write keys, enable v3 auth under its own root user, or
   add and remove cluster members.
-Passwords are required by etcd's user API but never used (certificates authenticate): each is random and
-thrown away. Every function is idempotent, so a half-done call can simply be repeated.
+Passwords are required by etcd's v2 user API but never used (certificates authenticate): each is random
+and thrown away (v3's root has none: `--no-password`, certificate only). Every function is idempotent, so
+a half-done call can simply be repeated.
 """
 
 from __future__ import annotations
@@ -108,8 +109,7 @@ def _bootstrap_v3(etcdctl: str, endpoint: str, tls: EtcdTls) -> None:
 
     if "Authentication Status: true" in ctl("auth", "status"):
         return
-    if "already exists" not in ctl("user", "add", ROOT_USER, f"--new-user-password={secrets.token_hex(32)}",
-                                   check=False):
+    if "already exists" not in ctl("user", "add", ROOT_USER, "--no-password", check=False):  # CN auth only
         ctl("user", "get", ROOT_USER)  # raises with etcdctl's message when the add really failed
     ctl("user", "grant-role", ROOT_USER, "root")
     ctl("auth", "enable")

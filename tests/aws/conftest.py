@@ -83,6 +83,7 @@ def fake_etcd_binary(directory: Path) -> Path:
     header[18:20] = (0x3E).to_bytes(2, "little")
     path = directory / "fake-etcd"
     path.write_bytes(bytes(header) + b"fake etcd for tests\n")
+    path.with_name("etcdctl").write_bytes(bytes(header) + b"fake etcdctl for tests\n")  # shipped next to it
     return path
 
 

