@@ -272,7 +272,7 @@ def test_etcd_boot_fetches_the_verified_binary_from_the_bucket_and_starts_a_heal
     assert not [c for c in boot.calls("curl") if "github" in c["url"]]  # nothing from the internet
     # its certificates from Secrets Manager (retried), split into files etcd reads
     assert sum(1 for c in boot.calls("aws") if c["args"].startswith("secretsmanager get-secret-value")) == 3
-    assert sorted(p.name for p in (boot.root / "etc/petctl-etcd").iterdir()) == [
+    assert sorted(p.name for p in (boot.root / "etc/petctl-etcd").glob("*.pem")) == [
         "admin-ca.pem", "jobs-ca.pem", "root-key.pem", "root.pem", "server-key.pem", "server.pem",
         "trusted.pem"]
     systemctl = [c["args"] for c in boot.calls("systemctl")]
