@@ -406,3 +406,15 @@ def test_one_etcd_host_keeps_its_logical_ids_and_has_no_peer_rules(base):
     etcd = [n for n in base["Resources"] if n.startswith("Etcd")]
     assert sorted(etcd) == ["EtcdGroup", "EtcdInstanceProfile",
                             "EtcdLaunchTemplate", "EtcdNetworkInterface", "EtcdRole", "EtcdSecurityGroup"]
+
+
+def test_a_job_role_may_read_its_own_etcd_credentials_and_nothing_else_of_secrets_manager(tmp_path):
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:petctl/etcd/jobs/spot-single/0000000a-AbCdEf"
+    spec = rendered.job_spec("spot-single")
+    spec.etcd_credentials = arn
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    t = parse(rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json"))
+    statements = one(t, "AWS::IAM::Role")["Policies"][0]["PolicyDocument"]["Statement"]
+    secrets = [s for s in statements if "secretsmanager" in json.dumps(s["Action"])]
+    assert secrets == [{"Sid": "ReadOwnEtcdCredentials", "Effect": "Allow",
+                        "Action": "secretsmanager:GetSecretValue", "Resource": arn}]

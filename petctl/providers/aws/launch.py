@@ -61,10 +61,10 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                         asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
-    store.put_json("job.json", spec.to_dict())
-    store.put_json("agent.json", json.loads(agent.to_json()))
-    store.put_json("placement.json", json.loads(placement.to_json()))
-    try:
+    try:  # from here on a failure deletes the credentials again: no secret outlives a job not started
+        store.put_json("job.json", spec.to_dict())
+        store.put_json("agent.json", json.loads(agent.to_json()))
+        store.put_json("placement.json", json.loads(placement.to_json()))
         body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
         tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name}
         stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
