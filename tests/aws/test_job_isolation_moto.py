@@ -16,6 +16,8 @@ import ipaddress
 import json
 from urllib.parse import unquote
 
+import etcd
+import pytest
 from cryptography import x509
 
 from petctl.core.spec import JobSpec
@@ -127,3 +129,64 @@ def test_a_job_whose_stack_fails_leaves_no_credentials(ready, moto, tmp_path, st
     else:
         raise AssertionError("create_job should have failed")
     assert secret_names(moto, f"{stack_name}/etcd/jobs/") == []
+
+
+@pytest.mark.timeout(300)
+def test_two_jobs_side_by_side_job_a_cannot_reach_job_bs_rendezvous(ready, moto, tmp_path, stack_name):
+    """`ab` and `ab-c` (one name a prefix of the other) through run_job against moto. Job ab's role, as
+    moto's CloudFormation created it, may read its own run's certificate and not ab-c's, nor the
+    installation's secrets (judged with IAM's logic by tests/aws/policy_eval.py: moto authorises Secrets
+    Manager calls against "*" only, so it cannot judge a scoped grant). With the one certificate it can
+    read, on a real etcd run as the etcd host runs it (the installation's certificates from moto, auth on,
+    a user per job secret: tests/aws/instance_emulator.py), job ab reaches its own rendezvous keys and
+    none of ab-c's."""
+    from petctl.core.keys import JobKeys
+    from petctl.io.etcd import etcd_client
+    from petctl.io.etcdtls import write_credentials
+    from tests.aws.conftest import REGION
+    from tests.aws.instance_emulator import InstanceEmulator
+    from tests.aws.policy_eval import allowed
+    from tests.aws.test_isolation_moto import role_documents
+
+    script = write_script(tmp_path / "src")
+    for job in ("ab", "ab-c"):
+        ready.create_job(submit(spec(job), script))
+    sm = boto(moto, "secretsmanager")
+    arns = {job: sm.describe_secret(SecretId=name)["ARN"]
+            for job in ("ab", "ab-c") for name in secret_names(moto, f"{stack_name}/etcd/jobs/{job}/")}
+    installation = [sm.describe_secret(SecretId=f"{stack_name}/etcd/{name}")["ARN"]
+                    for name in ("operator", "host")]
+    _, statements = role_documents(moto, stack_name, "ab")
+    assert allowed(statements, "secretsmanager:GetSecretValue", arns["ab"])
+    for arn in (arns["ab-c"], *installation):
+        assert not allowed(statements, "secretsmanager:GetSecretValue", arn), arn
+    for action in ("ListSecrets", "CreateSecret", "PutSecretValue", "UpdateSecret", "TagResource",
+                   "DeleteSecret", "BatchGetSecretValue"):
+        assert not any(allowed(statements, f"secretsmanager:{action}", r) for r in ("*", *arns.values()))
+
+    emulator = InstanceEmulator(moto_url=moto, region=REGION, root=tmp_path / "instances")
+    try:
+        emulator.boot_etcd_host(ready.settings["outputs"]["EtcdGroupName"])
+        emulator.sync_etcd_users()
+        assert emulator.etcd is not None
+        root = etcd_client(emulator.etcd.endpoint, tls=emulator.etcd_admin)
+        root.write(JobKeys("ab-c").round, "ab-c's round")
+        doc = json.loads(sm.get_secret_value(SecretId=arns["ab"])["SecretString"])  # what ab's role reads
+        ab = etcd_client(emulator.etcd.endpoint, tls=write_credentials(tmp_path / "ab", **doc))
+        ab.write(JobKeys("ab").round, "ab's round")  # its own rendezvous works
+        b = JobKeys("ab-c")
+        attacks = {"read": lambda: ab.read(b.round), "list": lambda: ab.read(b.base, recursive=True),
+                   "write": lambda: ab.write(b.round, "hijacked"), "delete": lambda: ab.delete(b.round),
+                   "delete all": lambda: ab.delete(b.base, recursive=True, dir=True),
+                   "wipe": lambda: ab.delete("/", recursive=True, dir=True)}
+        succeeded = []
+        for name, attack in attacks.items():
+            try:
+                attack()
+                succeeded.append(name)
+            except etcd.EtcdInsufficientPermissions:
+                pass
+        assert succeeded == []
+        assert root.read(b.round).value == "ab-c's round"
+    finally:
+        emulator.stop()
