@@ -134,6 +134,17 @@ def test_lightnings_num_nodes_error_comes_with_a_one_line_hint():
     assert WorkerFailure(node="n1", round=3, local_rank=0, code=1, ts=0.0, lines=["boom"]).hint() is None
 
 
+def test_status_prints_a_failure_from_its_json_record_hint_and_all(capsys):
+    """`petctl status` renders the record `to_dict` wrote (hint key included) back into the block."""
+    from petctl.cli.status import echo_failure
+
+    lines = ["ValueError: ... does not match the world size (1)."]
+    failure = WorkerFailure(node="n1", round=3, local_rank=0, code=1, ts=0.0, lines=lines)
+    echo_failure(failure.to_dict())
+    assert capsys.readouterr().out.splitlines() == failure.block()
+    assert WorkerFailure.from_dict(failure.to_dict()) == failure
+
+
 # --- the callbacks inside the real frameworks (one process, world 1) ---------------------------------
 class FlagAt:
     """Raises the agent's save-now flag once `step` steps are done (as a notice would mid-run)."""

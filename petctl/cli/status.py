@@ -70,7 +70,7 @@ def echo_failure(failure: dict[str, Any] | None) -> None:
     from petctl.jobview.failure import WorkerFailure
 
     if failure:
-        for line in WorkerFailure(**failure).block():
+        for line in WorkerFailure.from_dict(failure).block():
             click.echo(line)
 
 

@@ -12,7 +12,7 @@ peer"), so the first report is the cause and the later ones are its echo.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_LINES = 20  # what status prints at most (the agent keeps no more either)
@@ -38,6 +38,11 @@ class WorkerFailure:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "hint": self.hint()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerFailure:
+        """The record `to_dict` wrote; its derived keys (`hint`) are recomputed, not read."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def heading(self) -> str:
         echo = f"; {self.others} other node(s) failed after it" if self.others else ""
