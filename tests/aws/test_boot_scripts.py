@@ -24,7 +24,7 @@ from petctl.providers.aws.userdata import (
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
 SECRET_MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws_secret_access_key", "AKIA", "BEGIN RSA",
-                  "BEGIN OPENSSH", "password=", "AWS_SESSION_TOKEN")
+                  "BEGIN OPENSSH", "PRIVATE KEY", "password=", "AWS_SESSION_TOKEN")
 
 
 def agent_config(**job) -> AgentConfig:

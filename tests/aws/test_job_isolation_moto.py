@@ -12,6 +12,7 @@ teardown create and delete (petctl/providers/aws/etcdsecrets.py, cfn/job.yaml.j2
 from __future__ import annotations
 
 import ast
+import base64
 import ipaddress
 import json
 from urllib.parse import unquote
@@ -49,6 +50,17 @@ def role_policy(iam, role: str) -> dict:
         return json.loads(unquote(doc))  # IAM returns it URL-encoded
     except ValueError:
         return ast.literal_eval(doc)  # moto, for a role its CloudFormation made: Python's repr
+
+
+def instance_user_data(moto: str, provider, job: str) -> str:
+    """The boot script one of the job's instances runs, as EC2 holds it."""
+    instance = provider.hosts(job)[0].host_id
+    data = boto(moto, "ec2").describe_instance_attribute(InstanceId=instance, Attribute="userData")
+    return base64.b64decode(data["UserData"]["Value"]).decode()
+
+
+def bucket_keys(s3, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
 
 
 def job_group(moto: str, stack: str) -> str:
@@ -92,6 +104,16 @@ def test_each_job_gets_its_own_credentials_group_and_etcd_rule_and_kill_job_remo
         agent = json.loads(s3.get_object(Bucket=bucket, Key=f"jobs/{job}/agent.json")["Body"].read())
         assert agent["job"]["etcd_credentials"] == arns[job]  # a reference, never the key itself
         assert agent["job"]["etcd_endpoint"].startswith("https://")
+        # Only the secret holds the run's key: not the instances' user data, the job's template, nor
+        # anything the run wrote to the bucket (records, code: what the job's logs and status show).
+        exposed = {"user data": instance_user_data(moto, ready, job),
+                   "template": json.dumps(boto(moto, "cloudformation").get_template(
+                       StackName=f"{stack_name}-job-{job}")["TemplateBody"]),
+                   **{key: s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(errors="replace")
+                      for key in bucket_keys(s3, bucket, f"jobs/{job}/")}}
+        assert len(exposed) > 3 and arns[job] in exposed["user data"]
+        key_body = doc["key"].split("-----")[2].strip()[:64]
+        assert not [where for where, text in exposed.items() if key_body in text or "PRIVATE KEY" in text]
         groups[job] = job_group(moto, f"{stack_name}-job-{job}")
     assert groups["one"] != groups["two"]
     assert {groups["one"], groups["two"]} <= etcd_group_sources(moto, etcd_sg)
