@@ -28,6 +28,7 @@ from petctl.io.etcdpki import EtcdPki
 from petctl.io.etcdtls import EtcdTls, write_credentials
 from petctl.providers.aws.etcdsecrets import host_bundle
 from petctl.providers.aws.userdata import etcd_user_data
+from tests.test_etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
 
@@ -121,14 +122,6 @@ def host(tmp_path: Path) -> Iterator[Host]:
     finally:
         if h.server is not None:
             h.server.stop(remove_data=True)
-
-
-def denied(call) -> bool:
-    try:
-        call()
-    except etcd.EtcdInsufficientPermissions:
-        return True
-    return False
 
 
 def test_the_certificates_come_split_out_of_the_hosts_secret(host: Host) -> None:
