@@ -90,6 +90,42 @@ def test_defaults_drop_within_the_goal_and_slow_heartbeats_stretch_the_limit():
     assert not watching_enabled(old)
 
 
+class StallingClient:
+    """Refreshes that answer at once, except the `stall_at`-th, which takes `stall` seconds."""
+
+    def __init__(self, stall_at: int, stall: float) -> None:
+        self.calls, self.stall_at, self.stall = 0, stall_at, stall
+
+    def write(self, key, value, **kw):
+        return None
+
+    def refresh(self, key, ttl=None):
+        self.calls += 1
+        if self.calls == self.stall_at:
+            time.sleep(self.stall)
+
+    def delete(self, key):
+        return None
+
+
+@pytest.mark.parametrize("stall, reported", [(0.0, False), (0.7, True)])
+def test_a_long_gap_between_applied_refreshes_is_reported_once_it_ends(stall, reported):
+    stream = io.StringIO()
+    events = EventLog("agent", stream=stream)
+    beat = Heartbeat(StallingClient(3, stall), JobKeys("j"), NodeRecord(node_id="n", host_addr="h", pid=1),
+                     0.05, 3, OutageReporter("heartbeat", events.emit), events=events)
+    beat.start()
+    time.sleep(1.2)
+    beat.stop(delete=False)
+    gaps = [e for e in map(parse_line, stream.getvalue().splitlines()) if e and e["event"] == "heartbeat.gap"]
+    assert bool(gaps) == reported, gaps
+    if reported:  # the stalled refresh was sent on time; the next one only after it returned
+        assert len(gaps) == 1 and 0.65 <= gaps[0]["seconds"] < 1.0
+        assert round(beat.longest_gap, 3) == gaps[0]["seconds"]
+    else:
+        assert beat.longest_gap < 0.5
+
+
 # --- against a real etcd ------------------------------------------------------------------------------
 class Node:
     """One node's heartbeat and peer watch, as the agent wires them (agent.py)."""

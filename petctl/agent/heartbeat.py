@@ -9,7 +9,9 @@ expires after `ttl`. Either way etcd emits an event under `live/` and every agen
 The refresher is its own thread doing nothing but the refresh: on a fixed monotonic schedule (a slow
 refresh does not push the next one back; missed beats are skipped, not sent in a burst), and it records
 when its latest applied refresh was sent (`last_ok`): the peer watch judges others only while its own
-refreshes get through.
+refreshes get through. A gap of GAP_REPORT seconds or more between two applied refreshes (this process
+was stalled or frozen, or etcd was out of reach) is reported once it ends (`heartbeat.gap`), and the
+longest gap is kept (`longest_gap`): it is how close this node came to being judged silent.
 
 A node that finds its own key gone while it kept refreshing was not lost: etcd stalled past the TTL (every
 key expired together when it resumed), or it was replaced by an empty one, or this process was frozen.
@@ -34,6 +36,8 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.io.etcd import store_errors
 
+GAP_REPORT = 0.5  # seconds between two applied refreshes that are worth an event (`heartbeat.gap`)
+
 
 class Heartbeat:
     def __init__(self, client: etcd.Client, keys: JobKeys, record: NodeRecord, interval: float, ttl: float,
@@ -49,6 +53,7 @@ class Heartbeat:
         self.events = events
         self.reasserted = 0  # times our key had vanished and was written again
         self.last_ok: float | None = None  # monotonic send time of our latest refresh etcd applied
+        self.longest_gap = 0.0  # the longest time between the sends of two applied refreshes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deleted = False
@@ -58,7 +63,7 @@ class Heartbeat:
         `store_errors()` if etcd cannot be reached."""
         sent = time.monotonic()
         self.client.write(self.key, self.value, ttl=self.ttl)
-        self.last_ok = sent
+        self._applied(sent)
         self._deleted = False
 
     def start(self) -> None:
@@ -83,8 +88,17 @@ class Heartbeat:
                 self.outage.failed(e)
                 due = min(due, time.monotonic() + min(self.interval, 0.2))
             else:
-                self.last_ok = t0
+                self._applied(t0)
                 self.outage.succeeded(time.monotonic() - t0)
+
+    def _applied(self, sent: float) -> None:
+        """A refresh (or write) sent at `sent` was applied: note it, and report a long gap before it."""
+        gap = None if self.last_ok is None else sent - self.last_ok
+        self.last_ok = sent
+        if gap is not None and gap > self.longest_gap:
+            self.longest_gap = gap
+        if gap is not None and gap >= GAP_REPORT and self.events is not None:
+            self.events.emit("heartbeat.gap", seconds=round(gap, 3))
 
     def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
         """Our key vanished while we kept refreshing it: say so, then write it again."""

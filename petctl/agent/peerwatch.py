@@ -31,6 +31,7 @@ from petctl.core.keys import JobKeys
 from petctl.io.etcd import store_errors
 
 JOIN_TIMEOUT = 2.0  # stop() waits at most this long for the thread (plus one read's timeout)
+RETRY_PAUSE = 0.5  # after a failed read: no verdict comes before the store settles again anyway
 
 
 class PeerWatch:
@@ -90,6 +91,7 @@ class PeerWatch:
             except errors as e:  # etcd unreachable or stalled: counted; judged again once settled
                 self.outage.failed(e)
                 seen = None
+                self._stop.wait(RETRY_PAUSE)
                 continue
             self.outage.succeeded(reading.received - reading.sent)
             seen, silent_for = observe(seen, reading, self.limit, self.heartbeat.interval)
