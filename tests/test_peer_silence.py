@@ -113,17 +113,17 @@ def test_a_long_gap_between_applied_refreshes_is_reported_once_it_ends(stall, re
     stream = io.StringIO()
     events = EventLog("agent", stream=stream)
     beat = Heartbeat(StallingClient(3, stall), JobKeys("j"), NodeRecord(node_id="n", host_addr="h", pid=1),
-                     0.05, 3, OutageReporter("heartbeat", events.emit), events=events)
+                     INTERVAL, 3, OutageReporter("heartbeat", events.emit), events=events)
     beat.start()
-    time.sleep(1.2)
+    time.sleep(2.0)  # the stalled refresh is the third, sent 0.6 s in; the gap ends at about 1.3 s
     beat.stop(delete=False)
     gaps = [e for e in map(parse_line, stream.getvalue().splitlines()) if e and e["event"] == "heartbeat.gap"]
     assert bool(gaps) == reported, gaps
     if reported:  # the stalled refresh was sent on time; the next one only after it returned
-        assert len(gaps) == 1 and 0.65 <= gaps[0]["seconds"] < 1.0
+        assert len(gaps) == 1 and 0.65 <= gaps[0]["seconds"] < 1.2
         assert round(beat.longest_gap, 3) == gaps[0]["seconds"]
-    else:
-        assert beat.longest_gap < 0.5
+    else:  # 2.5 intervals: what a live node's refreshes never came near under load (docs/reliability.md)
+        assert beat.longest_gap < 2.5 * INTERVAL
 
 
 # --- against a real etcd ------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ expires after `ttl`. Either way etcd emits an event under `live/` and every agen
 The refresher is its own thread doing nothing but the refresh: on a fixed monotonic schedule (a slow
 refresh does not push the next one back; missed beats are skipped, not sent in a burst), and it records
 when its latest applied refresh was sent (`last_ok`): the peer watch judges others only while its own
-refreshes get through. A gap of GAP_REPORT seconds or more between two applied refreshes (this process
-was stalled or frozen, or etcd was out of reach) is reported once it ends (`heartbeat.gap`), and the
-longest gap is kept (`longest_gap`): it is how close this node came to being judged silent.
+refreshes get through. A gap of GAP_BEATS refresh intervals or more between two applied refreshes (this
+process was stalled or frozen, or etcd was out of reach; 0.5 s with the default interval) is reported once
+it ends (`heartbeat.gap`), and the longest gap is kept (`longest_gap`): it is how close this node came to
+being judged silent.
 
 A node that finds its own key gone while it kept refreshing was not lost: etcd stalled past the TTL (every
 key expired together when it resumed), or it was replaced by an empty one, or this process was frozen.
@@ -36,7 +37,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.io.etcd import store_errors
 
-GAP_REPORT = 0.5  # seconds between two applied refreshes that are worth an event (`heartbeat.gap`)
+GAP_BEATS = 2.5  # refresh intervals between two applied refreshes that are worth an event (`heartbeat.gap`)
 
 
 class Heartbeat:
@@ -97,7 +98,7 @@ class Heartbeat:
         self.last_ok = sent
         if gap is not None and gap > self.longest_gap:
             self.longest_gap = gap
-        if gap is not None and gap >= GAP_REPORT and self.events is not None:
+        if gap is not None and gap >= GAP_BEATS * self.interval and self.events is not None:
             self.events.emit("heartbeat.gap", seconds=round(gap, 3))
 
     def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
