@@ -157,9 +157,8 @@ class Agent:
         runner = RoundRunner(RoundParts(
             spec=self.spec, node_id=self.node_id, settings=self.settings, events=self.events, rdzv=self.rdzv,
             watcher=self.watcher, heartbeat=self.heartbeat, peers=self.peers, preemption=self.preemption,
-            status=self.status,
-            progress=self.progress, leave=self.leave, control_dir=self.control_dir, work_dir=self.work_dir,
-            out=self.out, worker_spec=worker_spec, pool=pool,
+            status=self.status, progress=self.progress, leave=self.leave, control_dir=self.control_dir,
+            work_dir=self.work_dir, out=self.out, worker_spec=worker_spec, pool=pool,
             rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild,
             depart=self._depart))
         return self._loop(runner)

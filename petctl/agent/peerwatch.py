@@ -79,12 +79,14 @@ class PeerWatch:
 
     def _run(self) -> None:
         seen: Observation | None = None
+        watched: tuple[int, str] | None = None
         errors = store_errors()
         while not self._stop.wait(self.poll):
             with self._lock:
                 target = self._target
+            if target != watched:  # a new round (even with the same peer): its own clock
+                seen, watched = None, target
             if target is None:
-                seen = None
                 continue
             try:
                 reading = self._read(target[1])
