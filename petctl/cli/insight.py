@@ -15,6 +15,7 @@ from petctl.cli.render import output_option, print_json, table
 HEADLINES = {
     "agent.started", "agent.left", "agent.exit", "rendezvous.complete", "rendezvous.restart",
     "membership.lost", "membership.waiting", "workers.failed", "workers.succeeded", "heartbeat.lost",
+    "peer.silent", "heartbeat.gap",
     "preemption.notice", "preemption.announced", "preemption.save_timeout", "checkpoint.saved",
     "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "instance.reclaimed",
     "scale.changed", "release.done", "release.partial",
