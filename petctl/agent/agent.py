@@ -52,7 +52,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
-from petctl.io.etcdtls import load_credentials
+from petctl.io.etcdtls import load_credentials  # the job's etcd identity, confined to its prefix
 
 STORE_MARGIN = 1.0  # beyond one TTL and one refresh: the others' heartbeats re-asserted after an outage
 START_RETRY_MAX = 5.0  # the longest pause between two tries to reach etcd at start
@@ -81,7 +81,6 @@ class Agent:
         timeout = min(5.0, max(1.0, ttl - interval))
         self.store = store = StoreHealth(emit, grace=ttl + interval + STORE_MARGIN,
                                          slow=max(ttl - interval, ttl / 2), straggle=timeout)
-        # The job's own etcd identity (a client certificate etcd confines to this job's prefix), if any.
         tls = load_credentials(spec.etcd_credentials, self.work_dir / ".etcd-credentials", config.region)
         self.client = etcd_client(endpoint, read_timeout=timeout, tls=tls)
         self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
