@@ -26,6 +26,8 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
+        # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
+        "cryptography>=41",
         "psutil>=5.9",
         "rich>=13",
         "tenacity>=8",

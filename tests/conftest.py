@@ -91,6 +91,20 @@ class Petctl:
     def processes(self) -> list[int]:
         return processes_with_home(str(self.home))
 
+    def local_settings(self) -> dict[str, Any]:
+        return json.loads((self.home / "config.json").read_text())["settings"]["local"]
+
+    def etcd(self, read_timeout: float = 3.0):
+        """A python-etcd client as root on this home's local etcd (it requires client certificates)."""
+        from petctl.io.etcd import etcd_client
+
+        return etcd_client(self.local_settings()["etcd_endpoint"], read_timeout, self.etcd_root_tls())
+
+    def etcd_root_tls(self):
+        from petctl.io.etcdtls import EtcdTls
+
+        return EtcdTls.in_dir(Path(self.local_settings()["etcd_pki"]) / "root")
+
     def events(self, job: str, name: str | None = None) -> list[dict[str, Any]]:
         """Every event line of the job's node logs, oldest first, each tagged with its node."""
         out = []

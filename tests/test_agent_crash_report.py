@@ -18,7 +18,8 @@ def test_a_crash_before_the_agent_runs_reports_its_traceback(tmp_path, capsys):
     assert main(["--config", str(config)]) == EXIT_CRASHED == 70
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     (crash,) = [e for e in events if e["event"] == "agent.crashed"]
-    assert crash["error"] == "ValueError: invalid etcd endpoint 'not-an-endpoint': expected http://host:port"
+    assert crash["error"] == ("ValueError: invalid etcd endpoint 'not-an-endpoint': expected "
+                              "http://host:port or https://host:port")
     lines = crash["traceback"]
     assert lines[-1] == crash["error"] and 1 < len(lines) <= 20
     assert any("petctl/io/etcd.py" in line and "in _parse" in line for line in lines)  # where it was raised

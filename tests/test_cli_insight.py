@@ -51,13 +51,10 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     import etcd
 
     from petctl.core.keys import JobKeys
-    from petctl.io.config import PetctlConfig
-    from petctl.io.etcd import etcd_client
 
-    endpoint = PetctlConfig.load(local.home).section("local")["etcd_endpoint"]
-    etcd_client(endpoint).delete(JobKeys("ins").events, recursive=True)
+    local.etcd().delete(JobKeys("ins").events, recursive=True)
     with pytest.raises(etcd.EtcdKeyNotFound):
-        etcd_client(endpoint).read(JobKeys("ins").events)
+        local.etcd().read(JobKeys("ins").events)
     assert [e["event"] for e in local.json("events", "ins")] == names
 
 

@@ -4,6 +4,7 @@ and refuses while a job runs unless --force, which kills the job first."""
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.request
 from pathlib import Path
 
@@ -15,9 +16,9 @@ def config(cli: Petctl) -> dict:
     return json.loads((cli.home / "config.json").read_text())
 
 
-def etcd_answers(endpoint: str) -> bool:
+def etcd_answers(endpoint: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(f"{endpoint}/v2/keys/", timeout=2) as r:
+        with urllib.request.urlopen(f"{endpoint}/v2/keys/", timeout=2, context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -29,9 +30,11 @@ def test_setup_is_idempotent_and_teardown_removes_everything(petctl: Petctl):
     assert cfg["provider"] == "local"
     local = cfg["settings"]["local"]
     assert local["ready"] is True
-    assert local["etcd_endpoint"].startswith("http://127.0.0.1:")
+    assert local["etcd_endpoint"].startswith("https://127.0.0.1:")
     assert local["etcd_endpoint"] in out
-    assert etcd_answers(local["etcd_endpoint"])
+    root = petctl.etcd_root_tls().ssl_context()
+    assert etcd_answers(local["etcd_endpoint"], root)
+    assert not etcd_answers(local["etcd_endpoint"])  # no client certificate: refused
     assert (petctl.home / "local" / "etcd" / "member-data").is_dir()
     assert petctl.processes() == [local["etcd_pid"]]
 
@@ -42,7 +45,7 @@ def test_setup_is_idempotent_and_teardown_removes_everything(petctl: Petctl):
 
     assert "torn down" in petctl.run("teardown").stdout
     assert petctl.processes() == []
-    assert not etcd_answers(local["etcd_endpoint"])
+    assert not etcd_answers(local["etcd_endpoint"], root)
     assert not (petctl.home / "local").exists()
     assert "local" not in config(petctl)["settings"]
     assert_one_line_error(petctl.run("jobs", check=False), "petctl setup")
@@ -58,7 +61,7 @@ def test_setup_replaces_a_dead_etcd(petctl: Petctl):
     petctl.run("setup")
     second = config(petctl)["settings"]["local"]
     assert second["etcd_pid"] != first["etcd_pid"]
-    assert etcd_answers(second["etcd_endpoint"])
+    assert etcd_answers(second["etcd_endpoint"], petctl.etcd_root_tls().ssl_context())
 
 
 def test_teardown_refuses_while_a_job_runs_unless_forced(local: Petctl, tmp_path: Path):

@@ -18,8 +18,10 @@ def test_parse_endpoints():
     assert parse_endpoints("http://10.42.0.10:2379") == [("10.42.0.10", 2379)]
     assert parse_endpoints(" http://a:1, http://b:2 ,http://c") == [("a", 1), ("b", 2), ("c", 2379)]
     assert parse_endpoints("http://10.42.0.10:2379/") == [("10.42.0.10", 2379)]
+    assert parse_endpoints("https://a:1,https://b") == [("a", 1), ("b", 2379)]  # client certificates
     for bad, message in [("", "no etcd endpoint"), (" , ", "no etcd endpoint"),
-                         ("10.0.0.1:2379", "expected"), ("https://a:1", "expected"),
+                         ("10.0.0.1:2379", "expected"), ("ftp://a:1", "expected"),
+                         ("http://a:1,https://b:2", "mix http and https"),
                          ("http://:2379", "expected"), ("http://a:x", "bad port"),
                          ("http://a:1/v2", "expected")]:
         with pytest.raises(ValueError, match=message) as error:

@@ -154,7 +154,6 @@ def test_a_second_notice_to_a_departing_instance_is_refused(stub: Petctl):
 
 
 def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
-    from petctl.io.etcd import etcd_client
     from petctl.io.jobresult import write_result
 
     start(stub, "done", "--size", "2")
@@ -162,8 +161,7 @@ def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
     follower = subprocess.Popen([sys.executable, "-m", "petctl", "logs", "done", "-f"], env=stub.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        endpoint = json.loads((stub.home / "config.json").read_text())["settings"]["local"]["etcd_endpoint"]
-        write_result(etcd_client(endpoint), "done", "succeeded", "all workers exited 0")
+        write_result(stub.etcd(), "done", "succeeded", "all workers exited 0")
         out, err = follower.communicate(timeout=30)  # `logs -f` ends by itself once the job is over
     finally:
         if follower.poll() is None:

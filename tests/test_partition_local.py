@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from petctl.io.etcdsecure import SecureEtcdDir
 from tests.agent_harness import WORKLOADS
 from tests.conftest import REPO, Petctl
 from tests.netns import NetLab, TcpForwarder, netns_available
@@ -56,9 +57,12 @@ def lab_cli(petctl: Petctl, tmp_path: Path) -> Iterator[tuple[Petctl, NetLab, Pa
         settings = json.loads((petctl.home / "config.json").read_text())["settings"]["local"]
         port = urlparse(settings["etcd_endpoint"]).port
         assert port is not None
+        # The agents reach etcd at the bridge's address (https, as every local etcd): its certificate
+        # must name that address too.
+        SecureEtcdDir(Path(settings["etcd_pki"])).reissue_server((lab.host_addr,))
         forwarder = TcpForwarder((lab.host_addr, port), ("127.0.0.1", port))
         (labdir / "lab.json").write_text(json.dumps({"slots": [asdict(s) for s in lab.slots],
-                                                     "etcd_endpoint": f"http://{lab.host_addr}:{port}"}))
+                                                     "etcd_endpoint": f"https://{lab.host_addr}:{port}"}))
         yield petctl, lab, labdir
     finally:
         problems = lab.close()  # first: whatever runs in the namespaces dies with them

@@ -52,6 +52,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
+from petctl.io.etcdtls import load_credentials  # the job's etcd identity, confined to its prefix
 
 STORE_MARGIN = 1.0  # beyond one TTL and one refresh: the others' heartbeats re-asserted after an outage
 START_RETRY_MAX = 5.0  # the longest pause between two tries to reach etcd at start
@@ -80,14 +81,15 @@ class Agent:
         timeout = min(5.0, max(1.0, ttl - interval))
         self.store = store = StoreHealth(emit, grace=ttl + interval + STORE_MARGIN,
                                          slow=max(ttl - interval, ttl / 2), straggle=timeout)
-        self.client = etcd_client(endpoint, read_timeout=timeout)
+        tls = load_credentials(spec.etcd_credentials, self.work_dir / ".etcd-credentials", config.region)
+        self.client = etcd_client(endpoint, read_timeout=timeout, tls=tls)
         self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
-                                   OutageReporter("watch", emit, parent=store))
+                                   OutageReporter("watch", emit, parent=store), tls=tls)
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
-        self.heartbeat = Heartbeat(etcd_client(endpoint, read_timeout=timeout), self.keys, beat, interval,
+        self.heartbeat = Heartbeat(etcd_client(endpoint, timeout, tls), self.keys, beat, interval,
                                    ttl, OutageReporter("heartbeat", emit, parent=store), store,
                                    self.events)
-        self.peers = (PeerWatch(etcd_client(endpoint, read_timeout=timeout), self.keys, self.node_id,
+        self.peers = (PeerWatch(etcd_client(endpoint, timeout, tls), self.keys, self.node_id,
                                 self.heartbeat, store, OutageReporter("peers", emit, parent=store),
                                 self.events, silence_limit(t), wake=self.watcher.nudge)
                       if watching_enabled(t) else None)
@@ -97,7 +99,7 @@ class Agent:
         self.preemption = PreemptionHandler(config, self.events)
         self.preemption.wake = self.watcher.nudge
         self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)
-        self.event_sink = EtcdEventSink(etcd_client(endpoint, read_timeout=timeout), self.keys.events,
+        self.event_sink = EtcdEventSink(etcd_client(endpoint, timeout, tls), self.keys.events,
                                         OutageReporter("events", emit, parent=store))
         self.events.add_sink(self.event_sink)
         self.mirror = (Mirror(config.status_url, self.node_id, log_path, log=self.events)

@@ -8,8 +8,9 @@ rest of `live/`, which a node may `pause()` while it only waits for the round to
 start every instance's heartbeat appears in `live/nodes`; if all N agents woke for each of them, per-node
 requests would grow with N. Paused, an event costs only the closer a wake-up.
 
-The long polls are plain HTTP (etcd's v2 `?wait=true`) on connections this module owns, so `stop()` can
-cut a poll that would otherwise hold its thread for `poll_timeout` and then join the threads promptly.
+The long polls are plain HTTP(S) (etcd's v2 `?wait=true`) on connections this module owns, so `stop()`
+can cut a poll that would otherwise hold its thread for `poll_timeout` and then join the threads
+promptly. An https etcd gets the job's client certificate (`EtcdTls`), as every other etcd call does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from urllib.parse import quote, urlencode
 
 from petctl.agent.outage import OutageReporter
-from petctl.io.etcd import parse_endpoints
+from petctl.io.etcd import endpoint_scheme, parse_endpoints
+from petctl.io.etcdtls import EtcdTls
 
 JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a cut poll returns within milliseconds)
 
@@ -54,8 +56,11 @@ class LongPoll:
     With several etcd members (`http://a:2379,http://b:2379,...`) a poll that fails to connect or breaks
     moves to the next member; a v2 index is the same on every member, so a watch resumes where it was."""
 
-    def __init__(self, endpoint: str, timeout: float) -> None:
+    def __init__(self, endpoint: str, timeout: float, tls: EtcdTls | None = None) -> None:
         self._members = parse_endpoints(endpoint)
+        # An https etcd: one context (the CA and our certificate, loaded once) for every connection.
+        https = tls is not None and endpoint_scheme(endpoint) == "https"
+        self._context = tls.ssl_context() if https else None
         self._member = 0
         self.host, self.port = self._members[0]
         self.timeout = timeout
@@ -99,7 +104,10 @@ class LongPoll:
             if self._cut:
                 raise OSError("watch stopped")
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self._conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                                          context=self._context)
+                              if self._context is not None else
+                              http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
             conn = self._conn
         url = "/v2/keys" + quote(key) + (f"?{urlencode(params)}" if params else "")
         try:
@@ -138,7 +146,7 @@ class LiveWatcher:
     """Long-polls `live/` and sets `changed` on every event there (see the module docstring)."""
 
     def __init__(self, endpoint: str, prefix: str, stats: RequestStats, outage: OutageReporter,
-                 poll_timeout: float = 10.0) -> None:
+                 poll_timeout: float = 10.0, tls: EtcdTls | None = None) -> None:
         self.prefix = prefix
         self.stats = stats
         self.outage = outage
@@ -146,7 +154,7 @@ class LiveWatcher:
         self._stop = threading.Event()
         self._active = threading.Event()  # clear = the membership watch is paused
         self._active.set()
-        self._polls = [LongPoll(endpoint, poll_timeout), LongPoll(endpoint, poll_timeout)]
+        self._polls = [LongPoll(endpoint, poll_timeout, tls), LongPoll(endpoint, poll_timeout, tls)]
         self._threads = [
             threading.Thread(target=self._run, args=(f"{prefix}/round", False, None, self._polls[0]),
                              name="round-watch", daemon=True),

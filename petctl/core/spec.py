@@ -79,7 +79,10 @@ class JobSpec:
     max_restarts: int = 3
     checkpoint_url: str = ""  # s3://bucket/jobs/<job>/checkpoints or file:///.../checkpoints
     code_url: str = ""  # where the agent fetches the script from (s3://... or file://...)
-    etcd_endpoint: str = ""  # http://host:port
+    etcd_endpoint: str = ""  # http://host:port, or https://host:port (client certificates required)
+    # Where the job's agents find their etcd client certificate (not the secret itself): "" (none),
+    # file:///dir or a Secrets Manager secret's ARN. See petctl/io/etcdtls.py.
+    etcd_credentials: str = ""
     env: dict[str, str] = field(default_factory=dict)
     warm_workers: bool = True  # keep workers with torch imported ready for the next restart
     warm_imports: list[str] = field(default_factory=list)  # more modules for warm workers to preload

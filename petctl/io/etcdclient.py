@@ -22,15 +22,25 @@ from typing import Any
 
 import etcd
 
+from petctl.io.etcdtls import EtcdTls
 
-def client_for(pairs: list[tuple[str, int]], protocol: str, read_timeout: float) -> etcd.Client:
+
+def client_for(pairs: list[tuple[str, int]], protocol: str, read_timeout: float,
+               tls: EtcdTls | None = None) -> etcd.Client:
     """A plain client for one member (as before: its failures raise at once), an EndpointsClient for
-    several."""
+    several. `tls`: the client's certificate and the CA that verifies etcd's (https endpoints)."""
+    kwargs = _tls_kwargs(protocol, tls)
     if len(pairs) == 1:
         host, port = pairs[0]
         return etcd.Client(host=host, port=port, protocol=protocol, read_timeout=read_timeout,
-                           allow_reconnect=False)
-    return EndpointsClient(pairs, protocol, read_timeout)
+                           allow_reconnect=False, **kwargs)
+    return EndpointsClient(pairs, protocol, read_timeout, tls)
+
+
+def _tls_kwargs(protocol: str, tls: EtcdTls | None) -> dict[str, Any]:
+    if protocol != "https" or tls is None:
+        return {}
+    return {"cert": (tls.cert, tls.key), "ca_cert": tls.ca}
 
 
 class EndpointsClient(etcd.Client):
@@ -39,11 +49,12 @@ class EndpointsClient(etcd.Client):
     Like python-etcd's own client, one object is not meant to be shared by threads that use it at the
     same time (the current member and the failure count are per object): give each thread its client."""
 
-    def __init__(self, pairs: list[tuple[str, int]], protocol: str, read_timeout: float) -> None:
+    def __init__(self, pairs: list[tuple[str, int]], protocol: str, read_timeout: float,
+                 tls: EtcdTls | None = None) -> None:
         self._endpoints = [f"{protocol}://{host}:{port}" for host, port in pairs]
         self._failed_in_request = 0
         super().__init__(host=tuple(pairs), protocol=protocol, read_timeout=read_timeout,
-                         allow_reconnect=True, use_proxies=True)
+                         allow_reconnect=True, use_proxies=True, **_tls_kwargs(protocol, tls))
         self._machines_cache = self._others()
 
     @property

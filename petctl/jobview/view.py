@@ -15,6 +15,7 @@ from typing import Any
 
 from petctl.core.errors import ProviderError
 from petctl.core.records import JobResult
+from petctl.io.etcdtls import EtcdTls
 from petctl.jobview import events as timeline
 from petctl.jobview.accounting import Accounting, account
 from petctl.jobview.corrupt import Corrupt
@@ -34,6 +35,7 @@ class JobSources:
     mirror: PrefixReader | None = None  # the job's prefix: the agents' status/events/logs, result.json
     logs: LogReader | None = None  # the provider's reader of the node logs
     extra_events: Callable[[], list[dict[str, Any]]] | None = None  # events kept by the provider itself
+    etcd_tls: EtcdTls | None = None  # the client certificate an https etcd asks for (the operator's)
 
 
 class JobView:
@@ -54,7 +56,7 @@ class JobView:
     def _client(self):
         from petctl.io.etcd import etcd_client
 
-        return etcd_client(self.sources.etcd_endpoint, read_timeout=3.0)
+        return etcd_client(self.sources.etcd_endpoint, read_timeout=3.0, tls=self.sources.etcd_tls)
 
     def _etcd_failed(self, error: Exception) -> None:
         self.unreadable.append(f"etcd at {self.sources.etcd_endpoint} did not answer: {error}")

@@ -84,6 +84,7 @@ def fake_etcd_binary(directory: Path) -> Path:
     header[18:20] = (0x3E).to_bytes(2, "little")
     path = directory / "fake-etcd"
     path.write_bytes(bytes(header) + b"fake etcd for tests\n")
+    path.with_name("etcdctl").write_bytes(bytes(header) + b"fake etcdctl for tests\n")  # shipped next to it
     return path
 
 
@@ -91,7 +92,8 @@ def fake_etcd_options(directory: Path) -> dict[str, str]:
     """setup's options that ship the fake etcd: the binary and the hash the operator vouches for (petctl
     ships only a binary whose hash is pinned or given)."""
     path = fake_etcd_binary(directory)
-    return {"etcd_binary": str(path), "etcd_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {"etcd_binary": str(path), "etcd_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "etcdctl_sha256": hashlib.sha256(path.with_name("etcdctl").read_bytes()).hexdigest()}
 
 
 @pytest.fixture

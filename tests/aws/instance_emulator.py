@@ -3,8 +3,12 @@
 moto launches instances for an Auto Scaling group but runs nothing on them. This emulator plays the part of
 EC2 and the VPC for petctl's end-to-end test:
 
-* the etcd host: the base stack's one-instance group gets a real etcd 3.5 (`petctl.io.etcd`), and the
-  fixed address its boot script advertises (`ETCD_IP`, from the user data) is mapped to that server;
+* the etcd host: the base stack's one-instance group gets a real etcd 3.5 (`petctl.io.etcd`) run as its
+  boot script (fetched from the bucket, as its user data does) runs it: https with the certificates of the
+  host's secret in Secrets Manager, only root's CA trusted until auth is on (`petctl.io.etcdauth`), then
+  the jobs' too, and each job's user kept equal to the job credentials' secrets (the script's
+  `sync_users`, which tests/aws/test_etcd_host_auth.py runs itself against a real etcd). The fixed
+  address the script advertises (`ETCD_IP`) is mapped to that server;
 * each worker: the job config is read from the instance's own user data (the heredoc the boot script
   writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
@@ -28,7 +32,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from petctl.io.etcd import EtcdServer
+from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
+from petctl.io.etcdauth import USER_RE, bootstrap, grant_job, job_users, revoke_user
+from petctl.io.etcdtls import EtcdTls
 from petctl.providers.aws.userdata import agent_config_from_user_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +56,8 @@ class InstanceEmulator:
     env: dict[str, str] = field(default_factory=dict)
     booted: dict[str, Booted] = field(default_factory=dict)
     etcd: EtcdServer | None = None
+    etcd_admin: EtcdTls | None = None
+    secret_prefix: str = ""
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
     stopping: set[str] = field(default_factory=set)
@@ -86,14 +94,56 @@ class InstanceEmulator:
     # --- the etcd host -------------------------------------------------------------------------------
     def boot_etcd_host(self, etcd_group: str) -> str:
         (instance_id,) = self.group_instances(etcd_group)
-        script = self.user_data(instance_id)
+        stub = self.user_data(instance_id)
+        bucket = re.search(r'PETCTL_BUCKET="([^"]+)"', stub).group(1)
+        key = re.search(r"^KEY=(\S+)$", stub, re.M).group(1).strip("'")
+        script = self._client("s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
         assert "--enable-v2" in script, "the etcd host's boot script must enable the v2 API"
+        assert "--client-cert-auth" in script, "the etcd host must require client certificates"
         ip = re.search(r"^ETCD_IP=(\S+)$", script, re.M).group(1).strip("'")
-        self.etcd = EtcdServer.start(
-            self.root / "etcd-host" / "data", log_path=self.root / "etcd-host" / "log"
-        )
-        self.address_map[f"http://{ip}:2379"] = self.etcd.endpoint
+        prefix = re.search(r"^SECRET_PREFIX=(\S+)$", script, re.M).group(1).strip("'")
+        self.secret_prefix = prefix
+        host = self.root / "etcd-host"
+        pki = host / "pki"
+        admin = self.etcd_admin = self._host_certificates(f"{prefix}/host", pki)
+        tls = ServerTls(cert=str(pki / "server.pem"), key=str(pki / "server-key.pem"),
+                        trusted_ca=str(pki / "trusted.pem"))
+        ca = {name: (pki / f"{name}.pem").read_text() for name in ("admin-ca", "jobs-ca")}
+        (pki / "trusted.pem").write_text(ca["admin-ca"])  # root's only, until auth is on
+        self.etcd = EtcdServer.start(host / "data", log_path=host / "log", tls=tls, admin=admin)
+        bootstrap(etcd_client(self.etcd.endpoint, tls=admin), etcdctl_binary(), self.etcd.endpoint, admin)
+        (pki / "trusted.pem").write_text(ca["admin-ca"] + ca["jobs-ca"])
+        ports = (self.etcd.client_port, self.etcd.peer_port)
+        self.etcd.stop()
+        self.etcd = EtcdServer.start(host / "data", log_path=host / "log", tls=tls, admin=admin, ports=ports)
+        self.address_map[f"https://{ip}:2379"] = self.etcd.endpoint
         return instance_id
+
+    def _host_certificates(self, secret: str, pki: Path) -> EtcdTls:
+        """The host's secret split into files, as the boot script's fetch_certificates does."""
+        bundle = self._client("secretsmanager").get_secret_value(SecretId=secret)["SecretString"]
+        pki.mkdir(parents=True, exist_ok=True)
+        for part in bundle.split("# petctl-etcd ")[1:]:
+            name, pem = part.split("\n", 1)
+            (pki / f"{name}.pem").write_text(pem)
+        return EtcdTls(ca=str(pki / "admin-ca.pem"), cert=str(pki / "root.pem"),
+                       key=str(pki / "root-key.pem"))
+
+    def sync_etcd_users(self) -> None:
+        """What the etcd host's user sync does (`sync_users`): a user per job credential secret."""
+        if self.etcd is None:
+            return
+        pages = self._client("secretsmanager").get_paginator("list_secrets").paginate(
+            Filters=[{"Key": "name", "Values": [f"{self.secret_prefix}/jobs/"]},
+                     {"Key": "tag-key", "Values": ["petctl:etcd-user"]}])
+        wanted = {t["Value"] for page in pages for s in page["SecretList"] for t in s.get("Tags", [])
+                  if t["Key"] == "petctl:etcd-user" and USER_RE.match(t["Value"])}
+        root = etcd_client(self.etcd.endpoint, tls=self.etcd_admin)
+        have = set(job_users(root))
+        for user in sorted(wanted - have):
+            grant_job(root, user, user[len("job-"):].rsplit("-", 1)[0])
+        for user in sorted(have - wanted):
+            revoke_user(root, user)
 
     # --- workers -------------------------------------------------------------------------------------
     def boot_worker(self, instance_id: str) -> Booted:
@@ -135,7 +185,9 @@ class InstanceEmulator:
         return self.booted[instance_id]
 
     def sync(self, asg_name: str) -> None:
-        """Boot new in-service instances; kill the agents of instances that are gone."""
+        """Boot new in-service instances; kill the agents of instances that are gone; the etcd host's
+        job users follow the job credentials."""
+        self.sync_etcd_users()
         members = self.group_instances(asg_name)
         alive = self.running(members)
         for instance_id in members:

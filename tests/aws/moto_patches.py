@@ -8,6 +8,10 @@ right before moto deletes the VPC: it removes those leftovers *of that VPC only*
 
 moto also ignores `EmptyOnDelete: true` on an `AWS::ECR::Repository` (CloudFormation deletes the images
 with the repository); the second patch honours that property for repositories that set it.
+
+moto's `AWS::EC2::SecurityGroupIngress` has no deletion: a rule a job stack puts on the base stack's etcd
+group would outlive the job. CloudFormation revokes it with the stack; the third patch does, also when
+moto (in no dependency order) deleted the job's own group, the rule's source, first.
 """
 
 from __future__ import annotations
@@ -50,6 +54,39 @@ def patch_moto_stack_deletion() -> None:
     VPC.delete_from_cloudformation_json = classmethod(delete_from_cloudformation_json)
     VPC._petctl_patched = True
     _patch_ecr_empty_on_delete()
+    _patch_security_group_ingress_deletion()
+
+
+def _patch_security_group_ingress_deletion() -> None:
+    from moto.ec2.exceptions import InvalidSecurityGroupNotFoundError
+    from moto.ec2.models import ec2_backends
+    from moto.ec2.models.security_groups import SecurityGroupIngress
+
+    def delete(self, account_id: str, region_name: str) -> None:
+        props = self.properties
+        source = {"GroupId": props["SourceSecurityGroupId"]} if props.get("SourceSecurityGroupId") else None
+        backend = ec2_backends[account_id][region_name]
+        try:
+            backend.revoke_security_group_ingress(
+                group_name_or_id=self.security_group.id, ip_protocol=props["IpProtocol"],
+                from_port=props.get("FromPort"), to_port=props.get("ToPort"),
+                ip_ranges=[{"CidrIp": props["CidrIp"]}] if props.get("CidrIp") else [],
+                source_groups=[source] if source else [])
+        except InvalidSecurityGroupNotFoundError:
+            _drop_rules_from(backend, self.security_group.id, props.get("SourceSecurityGroupId"))
+
+    SecurityGroupIngress.delete = delete
+
+
+def _drop_rules_from(backend, group_id: str, source_id: str | None) -> None:
+    """moto deletes a stack's resources in no dependency order, so the job's own group may be gone before
+    the rule that admits it to etcd's group (CloudFormation deletes the rule first: it refers to the
+    group); moto's revoke then fails on the missing source. Drop the rules that still name it."""
+    for groups in backend.groups.values():  # keyed by VPC, then group id
+        target = groups.get(group_id)
+        if target is not None and source_id:
+            target.ingress_rules = [rule for rule in target.ingress_rules
+                                    if rule.source_group.get("GroupId") != source_id]
 
 
 def _patch_ecr_empty_on_delete() -> None:

@@ -23,9 +23,10 @@ ETCD_KEY = f"dist/etcd/v3.5.1-{ETCD_SHA256[:16]}/etcd"
 BUCKET = "petctl-bucket-abc123"
 OUTPUTS = {
     "BucketName": BUCKET, "SubnetIds": "subnet-0123456789abcdef0,subnet-0123456789abcdef1",
-    "WorkerSecurityGroupId": "sg-0123456789abcdef0", "LogGroupName": "/petctl/petctl",
+    "VpcId": "vpc-0123456789abcdef0", "EtcdSecurityGroupId": "sg-0123456789abcdef0",
+    "LogGroupName": "/petctl/petctl",
     "WorkerPolicyArn": "arn:aws:iam::123456789012:policy/petctl-WorkerPolicy-ABC",
-    "EtcdEndpoint": "http://10.42.0.10:2379",
+    "EtcdEndpoint": "https://10.42.0.10:2379",
 }
 JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
     "spot-single": (["g5.xlarge"], False, 0),
@@ -38,14 +39,23 @@ JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
 ETCDCTL_SHA256 = "cd" * 32
 
 
-def base_template(etcd_nodes: int = 1, azs: int = 3, private: bool = False, stack: str = STACK) -> str:
+def _etcd_hosts(etcd_nodes: int, azs: int, private: bool = False, stack: str = STACK):
     plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"][:azs], etcd_nodes=etcd_nodes,
                         private=private)
-    etcd = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256=ETCD_SHA256,
-                        ctl_path=Path("etcdctl") if etcd_nodes > 1 else None,
-                        ctl_sha256=ETCDCTL_SHA256 if etcd_nodes > 1 else "")
+    etcd = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256=ETCD_SHA256, ctl_path=Path("etcdctl"),
+                        ctl_sha256=ETCDCTL_SHA256)
     assert etcd.key == ETCD_KEY
-    hosts, _ = etcd_hosts(stack, plan, etcd)
+    hosts, script = etcd_hosts(stack, plan, etcd)
+    return plan, hosts, script
+
+
+def etcd_boot_script(etcd_nodes: int = 1, azs: int = 3):
+    """The etcd boot script `setup` ships to the bucket for this stack (its hosts' user data fetches it)."""
+    return _etcd_hosts(etcd_nodes, azs)[2]
+
+
+def base_template(etcd_nodes: int = 1, azs: int = 3, private: bool = False, stack: str = STACK) -> str:
+    plan, hosts, _ = _etcd_hosts(etcd_nodes, azs, private, stack)
     return render_base(stack_name=stack, plan=plan, etcd_ami="ami-0123456789abcdef0",
                        etcd_instance_type="t3.small", bucket_placeholder=BUCKET_PLACEHOLDER,
                        etcd_members=hosts,
@@ -92,7 +102,7 @@ def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = F
 # What the base stack's own names resolve to (tests/aws/policy_eval.resolve), for rendered templates.
 NAMES = {"Bucket": BUCKET, "Bucket.Arn": f"arn:aws:s3:::{BUCKET}", "LogGroup": f"/petctl/{STACK}",
          "Repository.Arn": f"arn:aws:ecr:us-east-1:123456789012:repository/{STACK}-worker",
-         "WorkerPolicy": OUTPUTS["WorkerPolicyArn"]}
+         "WorkerPolicy": OUTPUTS["WorkerPolicyArn"], "Vpc": OUTPUTS["VpcId"]}
 
 
 # The longest names petctl accepts: a 24-character stack (basestack.STACK_NAME_RE) and a 32-character job

@@ -18,6 +18,8 @@ from urllib.parse import parse_qs
 
 import pytest
 
+from petctl.io.etcdpki import EtcdPki
+from petctl.providers.aws.etcdsecrets import host_bundle
 from petctl.providers.aws.userdata import etcd_user_data
 from tests.aws.test_boot_scripts import IMAGE, worker
 
@@ -28,12 +30,15 @@ PASSWORD = "ecr-password-123"
 
 FAKE_CURL = r"""#!/bin/bash
 # IMDSv2 and the AWS APIs, as far as the boot scripts use them. Every call is logged as one JSON line.
-url="" headers=() data=""
+url="" headers=() data="" out="" method=GET status=""
 while [ $# -gt 0 ]; do
   case "$1" in
     -H) headers+=("$2"); shift 2 ;;
-    --data-binary) data="$2"; shift 2 ;;
-    -X|--max-time|-o) shift 2 ;;
+    --data-binary|--data) data="$2"; shift 2 ;;
+    -o) out="$2"; shift 2 ;;
+    -w) status=1; shift 2 ;;
+    -X) method="$2"; shift 2 ;;
+    --max-time|--cacert|--cert|--key) shift 2 ;;
     http*) url="$1"; shift ;;
     *) shift ;;
   esac
@@ -58,7 +63,13 @@ case "$url" in
   */meta-data/iam/security-credentials/petctl-role) cat "$FAKE_DIR/creds.json" ;;
   https://api.ecr.*) fail ECR && exit 22; cat "$FAKE_DIR/ecr.json" ;;
   https://autoscaling.*) fail AUTOSCALING && exit 22; echo "<SetInstanceHealthResponse/>" ;;
-  http://127.0.0.1:2379/health) fail HEALTH && exit 7; echo '{"health":"true","reason":""}' ;;
+  https://127.0.0.1:2379/health) fail HEALTH && exit 7; echo '{"health":"true","reason":""}' ;;
+  https://127.0.0.1:2379/v2/auth/*)  # etcd's v2 auth API, as root: auth already on
+    case "$method ${url#*/v2/auth/}" in
+      "GET enable") echo '{"enabled":true}' > "$out"; echo -n 200 ;;
+      PUT*) echo '{}' > "$out"; echo -n 201 ;;
+      *) echo '{}' > "$out"; echo -n 200 ;;
+    esac ;;
   *) exit 6 ;;
 esac
 """
@@ -88,6 +99,12 @@ case "$1 $2" in
     n=$(cat "$counter" 2>/dev/null || echo 0); echo $((n + 1)) > "$counter"
     [ "$n" -ge "${FAKE_FAIL_S3:-0}" ] || exit 1
     cp "$FAKE_DIR/etcd" "${@: -1}" ;;
+  "secretsmanager get-secret-value")
+    counter="$FAKE_DIR/count.secret"
+    n=$(cat "$counter" 2>/dev/null || echo 0); echo $((n + 1)) > "$counter"
+    [ "$n" -ge "${FAKE_FAIL_SECRET:-0}" ] || exit 255
+    cat "$FAKE_DIR/host-secret" ;;
+  "secretsmanager list-secrets") true ;;
   *) exit 2 ;;
 esac
 """
@@ -99,6 +116,8 @@ def _logger(name: str) -> str:
 
 FAKES = {
     "curl": FAKE_CURL, "docker": FAKE_DOCKER, "aws": FAKE_AWS,
+    "etcdctl": '#!/bin/bash\necho "{\\"cmd\\": \\"etcdctl\\", \\"args\\": \\"$*\\"}" >> "$FAKE_LOG"\n'
+               'echo "Authentication Status: true"\n',
     "sleep": _logger("sleep"), "shutdown": _logger("shutdown"), "systemctl": _logger("systemctl"),
     "useradd": _logger("useradd"), "logger": "#!/bin/bash\ncat > /dev/null\n",
     "ip": "#!/bin/bash\necho '    inet 10.42.0.10/20 scope global ens6'\n",
@@ -127,10 +146,12 @@ class Boot:
         (tmp_path / "ecr.json").write_text(json.dumps({"authorizationData": [
             {"authorizationToken": token, "proxyEndpoint": "https://" + IMAGE.split("/")[0]}]}))
         (tmp_path / "etcd").write_bytes(ETCD_BINARY)
+        (tmp_path / "host-secret").write_text(host_bundle(EtcdPki.new("petctl"), ("10.42.0.10",)))
         self.log = tmp_path / "calls.jsonl"
         self.env = {"PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(self.root),
                     "FAKE_LOG": str(self.log), "FAKE_DIR": str(tmp_path), "FAKE_INSTANCE": INSTANCE,
-                    "HOME": str(tmp_path)}
+                    "HOME": str(tmp_path), "PETCTL_BUCKET": "petctl-bucket",
+                    "ETCDCTL": str(fakes / "etcdctl")}
 
     def run(self, script: str, timeout: float = 60, **fail: int) -> subprocess.CompletedProcess:
         path = self.dir / "user-data.sh"
@@ -236,22 +257,44 @@ def etcd_script(sha256: str | None = None) -> str:
     import hashlib
 
     digest = sha256 or hashlib.sha256(ETCD_BINARY).hexdigest()
-    text = etcd_user_data("petctl", "10.42.0.10", "dist/etcd/v3.5.1-x/etcd", digest, "v3.5.1")
-    return text.replace("@@PETCTL_BUCKET@@", "petctl-bucket")
+    ctl = hashlib.sha256(ETCD_BINARY).hexdigest()  # the fake bucket serves the same bytes for etcdctl
+    return etcd_user_data("petctl", "10.42.0.10", "dist/etcd/v3.5.1-x/etcd", digest, "v3.5.1",
+                          etcdctl_sha256=ctl)
 
 
 def test_etcd_boot_fetches_the_verified_binary_from_the_bucket_and_starts_a_health_check(boot):
-    result = boot.run(etcd_script(), s3=3)
+    result = boot.run(etcd_script(), s3=3, secret=2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (boot.root / "usr/local/bin/etcd").read_bytes() == ETCD_BINARY
     s3 = [c["args"] for c in boot.calls("aws") if c["args"].startswith("s3 cp")]
-    assert len(s3) == 4 and all("s3://petctl-bucket/dist/etcd/v3.5.1-x/etcd" in a for a in s3)
-    assert boot.sleeps()[-3:] == [5, 10, 20]
+    assert len(s3) == 5 and all("s3://petctl-bucket/dist/etcd/v3.5.1-x/etcd" in a for a in s3)
+    assert s3[-1].split()[3].endswith("/etcdctl")  # etcdctl too: it turns v3 auth on
     assert not [c for c in boot.calls("curl") if "github" in c["url"]]  # nothing from the internet
-    assert {"cmd": "systemctl", "args": "enable --now etcd.service"} in boot.calls()
-    assert {"cmd": "systemctl", "args": "enable --now petctl-etcd-health.service"} in boot.calls()
-    assert "--enable-v2" in (boot.root / "etc/systemd/system/etcd.service").read_text()
+    # its certificates from Secrets Manager (retried), split into files etcd reads
+    assert sum(1 for c in boot.calls("aws") if c["args"].startswith("secretsmanager get-secret-value")) == 3
+    assert sorted(p.name for p in (boot.root / "etc/petctl-etcd").glob("*.pem")) == [
+        "admin-ca.pem", "jobs-ca.pem", "root-key.pem", "root.pem", "server-key.pem", "server.pem",
+        "trusted.pem"]
+    systemctl = [c["args"] for c in boot.calls("systemctl")]
+    assert systemctl.index("enable --now etcd.service") < systemctl.index("restart etcd.service") < \
+        systemctl.index("enable --now petctl-etcd-users.service")
+    assert "enable --now petctl-etcd-health.service" in systemctl
+    assert any(c["args"].endswith("auth status") for c in boot.calls("etcdctl"))
+    assert [c["url"] for c in boot.calls("curl") if "/v2/auth/" in c["url"]][:2] == [
+        "https://127.0.0.1:2379/v2/auth/roles/guest", "https://127.0.0.1:2379/v2/auth/enable"]
+    unit = (boot.root / "etc/systemd/system/etcd.service").read_text()
+    assert "--enable-v2" in unit
+    assert "--client-cert-auth --trusted-ca-file /etc/petctl-etcd/trusted.pem" in unit
     assert boot.unhealthy_calls() == []
+
+
+def test_etcd_boot_without_its_certificates_is_replaced(boot):
+    result = boot.run(etcd_script(), secret=99)
+    assert result.returncode == 1
+    log = (boot.root / "var/log/petctl-boot.log").read_text()
+    assert "cannot read etcd's certificates from Secrets Manager (petctl/etcd/host)" in log
+    assert not [c for c in boot.calls("systemctl") if "etcd.service" in c["args"]]  # never started
+    assert [c["HealthStatus"] for c in boot.unhealthy_calls()] == [["Unhealthy"]]
 
 
 def test_etcd_boot_with_a_corrupt_binary_is_replaced(boot):
@@ -268,6 +311,7 @@ def test_etcd_health_check_marks_a_dead_etcd_host_unhealthy(boot):
     result = subprocess.run([str(boot.root / "usr/local/bin/petctl-etcd-health")], env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "failed 6 health checks in a row" in result.stderr
-    assert len([c for c in boot.calls("curl") if c["url"].endswith(":2379/health")]) == 6
+    boot_checks = 2  # the boot's own: before auth is on and after the restart
+    assert len([c for c in boot.calls("curl") if c["url"].endswith(":2379/health")]) == 6 + boot_checks
     assert [c["InstanceId"] for c in boot.unhealthy_calls()] == [[INSTANCE]]
 

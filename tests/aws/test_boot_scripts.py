@@ -24,7 +24,7 @@ from petctl.providers.aws.userdata import (
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
 SECRET_MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws_secret_access_key", "AKIA", "BEGIN RSA",
-                  "BEGIN OPENSSH", "password=", "AWS_SESSION_TOKEN")
+                  "BEGIN OPENSSH", "PRIVATE KEY", "password=", "AWS_SESSION_TOKEN")
 
 
 def agent_config(**job) -> AgentConfig:
@@ -134,8 +134,8 @@ def test_worker_script_refuses_oversized_configs():
 # --- etcd host ----------------------------------------------------------------------------------------
 def etcd(**kw) -> str:
     args = {"stack_name": "petctl", "etcd_ip": "10.42.0.10", "etcd_key": "dist/etcd/v3.5.1-abcd/etcd",
-            "etcd_sha256": "ab" * 32, "etcd_version": "v3.5.1", **kw}
-    return etcd_user_data(**args).replace("@@PETCTL_BUCKET@@", "petctl-bucket")
+            "etcd_sha256": "ab" * 32, "etcd_version": "v3.5.1", "etcdctl_sha256": "cd" * 32, **kw}
+    return etcd_user_data(**args)
 
 
 def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
@@ -143,11 +143,27 @@ def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
     assert ETCD_VERSION == "3.5"
     assert "ETCD_VERSION=v3.5.1" in text
     assert "ExecStart=/usr/local/bin/etcd --enable-v2" in text
-    assert "--advertise-client-urls http://${ETCD_IP}:2379" in text and "ETCD_IP=10.42.0.10" in text
+    assert "--advertise-client-urls https://${ETCD_IP}:2379" in text and "ETCD_IP=10.42.0.10" in text
     assert "Restart=always" in text and "retry 3 5 systemctl enable --now etcd.service" in text
     assert "User=etcd" in text  # not root
     assert not [m for m in SECRET_MARKERS if m in text]
     bash_syntax_ok(text, tmp_path)
+
+
+def test_etcd_script_requires_client_certificates_and_turns_auth_on_before_admitting_jobs():
+    text = etcd()
+    assert "--listen-client-urls https://0.0.0.0:2379" in text and "http://0.0.0.0" not in text
+    assert "--cert-file ${PKI_DIR}/server.pem --key-file ${PKI_DIR}/server-key.pem" in text
+    assert "--client-cert-auth --trusted-ca-file ${PKI_DIR}/trusted.pem" in text
+    assert "SECRET_PREFIX=petctl/etcd" in text
+    assert 'get-secret-value --secret-id "$SECRET_PREFIX/host"' in text
+    # the order of the boot: root's CA only, auth on, then the jobs' CA too
+    order = ["trust admin-ca ||", "systemctl enable --now etcd.service", "bootstrap_auth ||",
+             "trust admin-ca jobs-ca ||", "systemctl restart etcd.service",
+             "systemctl enable --now petctl-etcd-users.service"]
+    positions = [text.index(step) for step in order]
+    assert positions == sorted(positions)
+    assert "-----BEGIN " not in text  # no certificate or key in the script: they come from Secrets Manager
 
 
 def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
@@ -160,9 +176,11 @@ def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
 
 def test_etcd_script_takes_its_binary_from_the_bucket_with_a_pinned_checksum():
     text = etcd()
-    assert 'BUCKET="petctl-bucket"' in text and "ETCD_KEY=dist/etcd/v3.5.1-abcd/etcd" in text
+    assert 'BUCKET="${PETCTL_BUCKET:-}"' in text and "ETCD_KEY=dist/etcd/v3.5.1-abcd/etcd" in text
     assert f"ETCD_SHA256={'ab' * 32}" in text and 'echo "$2  ' in text and "sha256sum -c -" in text
     assert 'install_binary "$ETCD_KEY" "$ETCD_SHA256" etcd' in text
+    assert "CTL_OBJECT=dist/etcd/v3.5.1-abcd/etcdctl" in text and f"CTL_SHA256={'cd' * 32}" in text
+    assert 'install_binary "$CTL_OBJECT" "$CTL_SHA256" etcdctl' in text
     assert "github.com" not in text  # a replacement host needs nothing from the internet
 
 
@@ -175,7 +193,6 @@ def cluster_script() -> tuple[str, str]:
     artifact = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256="ab" * 32, ctl_path=Path("etcdctl"),
                             ctl_sha256="cd" * 32)
     hosts, script = etcd_hosts("petctl", plan, artifact)
-    assert script is not None
     assert [h["group"] for h in hosts] == ["petctl-etcd", "petctl-etcd-1", "petctl-etcd-2"]
     return hosts[1]["user_data"].replace("@@PETCTL_BUCKET@@", "petctl-bucket"), script.text
 
@@ -204,8 +221,8 @@ def test_etcd_member_script_joins_the_cluster_on_its_fixed_address(tmp_path):
     assert "--initial-cluster ${JOIN_CLUSTER} --initial-cluster-state ${JOIN_STATE}" in text
     assert "--initial-cluster-token petctl" in text and "127.0.0.1:2380" not in text
     assert 'retry 10 5 etcd_join "$ETCD_NAME" "http://$ETCD_IP:2380"' in text and "etcd_join() {" in text
-    assert 'install_binary "$ETCDCTL_KEY" "$ETCDCTL_SHA256" etcdctl' in text
-    assert f"ETCDCTL_SHA256={'cd' * 32}" in text
+    assert 'install_binary "$CTL_OBJECT" "$CTL_SHA256" etcdctl' in text
+    assert f"CTL_SHA256={'cd' * 32}" in text
     assert '"Name=tag:petctl:etcd-member,Values=$ETCD_NAME"' in text  # its own interface, by its own tag
     bash_syntax_ok(text, tmp_path)
     # the others' client URLs, as the script computes them for member 1
@@ -214,7 +231,7 @@ def test_etcd_member_script_joins_the_cluster_on_its_fixed_address(tmp_path):
     path.write_text(text)
     out = subprocess.run(["bash", "-c", f'. "{path}"; echo "$ETCD_NAME $ETCD_IP $ETCD_OTHERS"'], env=env,
                          capture_output=True, text=True)
-    assert out.stdout.split() == ["petctl-1", "10.42.16.10", "http://10.42.0.10:2379,http://10.42.32.10:2379"]
+    assert out.stdout.split() == ["petctl-1", "10.42.16.10", "https://10.42.0.10:2379,https://10.42.32.10:2379"]
 
 
 # --- worker image -------------------------------------------------------------------------------------
@@ -283,7 +300,7 @@ def test_network_plan():
         plan_network(["a", "b"], vpc_cidr="10.0.0.0/24")
     with pytest.raises(ValidationError, match="invalid VPC CIDR"):
         plan_network(["a", "b"], vpc_cidr="10.0.0.300/16")
-    assert [m.name for m in plan.etcd_members] == ["petctl"] and plan.etcd_endpoint == "http://10.42.0.10:2379"
+    assert [m.name for m in plan.etcd_members] == ["petctl"] and plan.etcd_endpoint == "https://10.42.0.10:2379"
     for nodes in (0, 2, 4):
         with pytest.raises(ValidationError, match=f"--etcd-nodes must be 1 or 3 \\(got {nodes}\\)"):
             plan_network(["a", "b", "c"], etcd_nodes=nodes)
@@ -293,7 +310,7 @@ def test_three_etcd_members_one_per_az_or_two_sharing_an_az_when_there_are_two()
     plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"], etcd_nodes=3)
     assert [(m.name, m.ip, m.subnet) for m in plan.etcd_members] == [
         ("petctl-0", "10.42.0.10", 0), ("petctl-1", "10.42.16.10", 1), ("petctl-2", "10.42.32.10", 2)]
-    assert plan.etcd_endpoint == "http://10.42.0.10:2379,http://10.42.16.10:2379,http://10.42.32.10:2379"
+    assert plan.etcd_endpoint == "https://10.42.0.10:2379,https://10.42.16.10:2379,https://10.42.32.10:2379"
     assert plan.etcd_azs == 3
     two = plan_network(["us-east-1a", "us-east-1b"], etcd_nodes=3)
     assert [(m.ip, m.subnet) for m in two.etcd_members] == [("10.42.0.10", 0), ("10.42.16.10", 1),

@@ -41,7 +41,7 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
         "--option",
         f"stack_name={stack_name}",
     ).output
-    assert "petctl is set up (aws)" in out and "http://10.42.0.10:2379" in out
+    assert "petctl is set up (aws)" in out and "https://10.42.0.10:2379" in out
     settings = PetctlConfig.load().section("aws")
     push_worker_image(moto, settings["image"])
 

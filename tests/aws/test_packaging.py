@@ -80,9 +80,11 @@ from petctl.providers.aws.templates import resource_dir
 from tests.aws import rendered
 for name in ("cfn", "worker_image"):
     assert resource_dir(name).resolve().is_relative_to(venv), resource_dir(name)
-base = rendered.base_template()  # cfn/base.yaml.j2 with worker_image/etcd_boot.sh.j2 as user data
+from petctl.providers.aws.userdata import etcd_user_data
+base = rendered.base_template()  # cfn/base.yaml.j2 with worker_image/etcd_member_stub.sh.j2 as user data
+etcd = etcd_user_data("petctl", "10.42.0.10", "dist/etcd/x/etcd", "ab" * 32)  # worker_image/etcd_boot.sh.j2
 job = rendered.job_template(Path(sys.argv[3]), "spot-mixed")  # job.yaml.j2 with worker_boot.sh.j2
-print(len(base), len(job), "etcd --enable-v2" in base or "enable-v2" in base, "petctl-agent" in job)
+print(len(base), len(job), "enable-v2" in etcd and "PETCTL_BUCKET" in base, "petctl-agent" in job)
 """
 
 

@@ -101,7 +101,9 @@ def test_service_role_can_create_update_and_delete_every_job_resource(base, job)
     policy = role_statements(service_role)
     kinds = {r["Type"] for r in job["Resources"].values()}
     assert kinds == {"AWS::IAM::Role", "AWS::IAM::InstanceProfile", "AWS::EC2::LaunchTemplate",
-                     "AWS::AutoScaling::AutoScalingGroup"}  # a new type needs its handlers checked here
+                     "AWS::AutoScaling::AutoScalingGroup", "AWS::EC2::SecurityGroup",
+                     "AWS::EC2::SecurityGroupIngress", "AWS::EC2::SecurityGroupEgress",
+                     }  # a new type needs its handlers checked here
     missing = [f"{kind} {handler}: {action}" for kind in sorted(kinds)
                for handler, actions in handler_permissions(kind).items() for action in actions
                if action.split(":")[0] not in NOT_IAM_SERVICES and not allows(policy, action)]

@@ -45,7 +45,7 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
     settings = PetctlConfig.load(tmp_path / "home").section("aws")  # what was saved, read back from disk
     assert settings["ready"] is True and settings["region"] == REGION
     outputs = settings["outputs"]
-    assert {"VpcId", "SubnetIds", "WorkerSecurityGroupId", "BucketName", "EtcdEndpoint", "LogGroupName",
+    assert {"VpcId", "SubnetIds", "EtcdSecurityGroupId", "BucketName", "EtcdEndpoint", "LogGroupName",
             "RepositoryUri", "WorkerPolicyArn"} <= set(outputs)
     stack = boto(moto, "cloudformation").describe_stacks(StackName=stack_name)["Stacks"][0]
     assert stack["StackStatus"] == "CREATE_COMPLETE"
@@ -53,7 +53,7 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
     assert len({s["AvailabilityZone"] for s in subnets}) >= 2
     assert {s["VpcId"] for s in subnets} == {outputs["VpcId"]}
     boto(moto, "s3").head_bucket(Bucket=outputs["BucketName"])
-    assert outputs["EtcdEndpoint"] == "http://10.42.0.10:2379"
+    assert outputs["EtcdEndpoint"] == "https://10.42.0.10:2379"  # client certificates
     subnet0 = outputs["SubnetIds"].split(",")[0]
     eni = boto(moto, "ec2").describe_network_interfaces(
         Filters=[{"Name": "subnet-id", "Values": [subnet0]}])["NetworkInterfaces"]
@@ -71,7 +71,7 @@ def test_setup_again_updates_in_place(ready, moto, stack_name):
     assert stack_names(moto, stack_name) == {stack_name}
     # what the user chose is remembered; derived values (today's AMIs, the image) are re-derived each time
     assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name", "etcd_binary",
-                                              "etcd_sha256"}
+                                              "etcd_sha256", "etcdctl_sha256"}
     assert ready.settings["ready"] is True
 
 
@@ -100,14 +100,18 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
     bucket = provider.settings["outputs"]["BucketName"]
     digest = hashlib.sha256(Path(etcd_binary()).read_bytes()).hexdigest()
     assert digest == PINNED["v3.5.1"].etcd  # the hash pinned in the repository, not one computed here
-    (key,) = keys(moto, bucket, "dist/etcd/")
+    stored = keys(moto, bucket, "dist/etcd/")
+    assert len(stored) == 3  # etcd, etcdctl (it turns etcd's auth on) and the boot script
+    (key,) = [k for k in stored if k.endswith("/etcd")]
     assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.1-")
     head = boto(moto, "s3").head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == digest
+    (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
     lt = boto(moto, "ec2").describe_launch_template_versions(LaunchTemplateName=f"{stack_name}-etcd")
-    script = base64.b64decode(lt["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]).decode()
-    assert f'BUCKET="{bucket}"' in script and f"ETCD_SHA256={digest}" in script
-    assert f"ETCD_KEY={key}" in script
+    stub = base64.b64decode(lt["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]).decode()
+    assert f'PETCTL_BUCKET="{bucket}"' in stub and f"KEY={boot_key}" in stub
+    script = boto(moto, "s3").get_object(Bucket=bucket, Key=boot_key)["Body"].read().decode()
+    assert f"ETCD_SHA256={digest}" in script and f"ETCD_KEY={key}" in script
     provider.setup()  # again: the same object, not uploaded twice
     assert sum(1 for line in provider.lines if line.startswith("uploaded etcd")) == 1
 
@@ -135,7 +139,7 @@ def test_setup_with_three_etcd_nodes(provider, moto, stack_name):
     assert [k for k in stored if k.endswith("/etcdctl")] and len(stored) == 3
     (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
     text = boto(moto, "s3").get_object(Bucket=bucket, Key=boot_key)["Body"].read().decode()
-    assert BootScript(text).key == boot_key and f"ETCDCTL_SHA256={ctl}" in text
+    assert BootScript(text).key == boot_key and f"CTL_SHA256={ctl}" in text
     lt = boto(moto, "ec2").describe_launch_template_versions(LaunchTemplateName=f"{stack_name}-etcd-2")
     stub = base64.b64decode(lt["LaunchTemplateVersions"][0]["LaunchTemplateData"]["UserData"]).decode()
     assert f"PETCTL_ETCD_MEMBER=2 PETCTL_BUCKET=\"{bucket}\"" in stub and f"KEY={boot_key}" in stub
@@ -244,7 +248,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     job = agent["job"]
     assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"
     assert job["checkpoint_url"] == f"s3://{bucket}/jobs/demo/checkpoints"
-    assert job["etcd_endpoint"] == "http://10.42.0.10:2379" and job["args"] == ["--lr", "0.1"]
+    assert job["etcd_endpoint"] == "https://10.42.0.10:2379" and job["args"] == ["--lr", "0.1"]
     assert agent["status_url"] == f"s3://{bucket}/jobs/demo/"
     assert (agent["asg_name"], agent["lifecycle_hook"], agent["region"]) == (f"{stack_name}-job-demo",
                                                                              "petctl-drain", REGION)

@@ -62,14 +62,17 @@ def closure(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def user_data(node: Any) -> list[str]:
-    """The boot scripts a resource carries (UserData anywhere in its properties)."""
+def user_data(node: Any, shipped: dict[str, str] | None = None) -> list[str]:
+    """The boot scripts a resource carries (UserData anywhere in its properties), and the scripts that
+    user data fetches from the bucket by key (`shipped`: key -> text; the etcd hosts' stubs)."""
     if isinstance(node, dict):
-        return [t for key, value in node.items()
-                for t in (strings(value) if key == "UserData" else user_data(value))]
-    if isinstance(node, list):
-        return [t for item in node for t in user_data(item)]
-    return []
+        texts = [t for key, value in node.items()
+                 for t in (strings(value) if key == "UserData" else user_data(value, shipped))]
+    elif isinstance(node, list):
+        texts = [t for item in node for t in user_data(item, shipped)]
+    else:
+        return []
+    return texts + [script for key, script in (shipped or {}).items() if any(key in t for t in texts)]
 
 
 def strings(node: Any) -> list[str]:
@@ -95,12 +98,12 @@ def tag_lookups(text: str) -> list[tuple[str, dict[str, str]]]:
     return lookups
 
 
-def hidden_references(template: dict[str, Any]) -> dict[str, set[str]]:
+def hidden_references(template: dict[str, Any], shipped: dict[str, str] | None = None) -> dict[str, set[str]]:
     """resource -> the resources it reaches without CloudFormation seeing it."""
     resources = template["Resources"]
     hidden: dict[str, set[str]] = {}
     for name, resource in resources.items():
-        texts = user_data(resource.get("Properties", {}))
+        texts = user_data(resource.get("Properties", {}), shipped)
         for other, target in resources.items():
             if other == name:
                 continue
@@ -123,11 +126,11 @@ def launchers(template: dict[str, Any], launch_template: str) -> list[str]:
             and launch_template in explicit_dependencies(r, set(template["Resources"]))]
 
 
-def missing_dependencies(template: dict[str, Any]) -> list[str]:
+def missing_dependencies(template: dict[str, Any], shipped: dict[str, str] | None = None) -> list[str]:
     resources = template["Resources"]
     graph = {name: explicit_dependencies(r, set(resources)) for name, r in resources.items()}
     missing = []
-    for holder, targets in hidden_references(template).items():
+    for holder, targets in hidden_references(template, shipped).items():
         users = launchers(template, holder) if resources[holder]["Type"] == "AWS::EC2::LaunchTemplate" else []
         for user in users or [holder]:
             for target in targets - {user}:
@@ -136,13 +139,21 @@ def missing_dependencies(template: dict[str, Any]) -> list[str]:
     return sorted(missing)
 
 
+def shipped(etcd_nodes: int = 1) -> dict[str, str]:
+    script = rendered.etcd_boot_script(etcd_nodes)
+    return {script.key: script.text}
+
+
 def test_etcd_group_waits_for_and_outlives_nothing_of_its_interface():
     base = parse(rendered.base_template())
-    assert "EtcdNetworkInterface" in hidden_references(base)["EtcdLaunchTemplate"]  # the scan sees it
+    scripts = shipped()
+    # the scan reads the boot script the stub fetches, and sees the interface lookup in it
+    assert "EtcdNetworkInterface" not in hidden_references(base).get("EtcdLaunchTemplate", set())
+    assert "EtcdNetworkInterface" in hidden_references(base, scripts)["EtcdLaunchTemplate"]
     assert "EtcdNetworkInterface" in closure(
         {n: explicit_dependencies(r, set(base["Resources"])) for n, r in base["Resources"].items()},
         "EtcdGroup")
-    assert missing_dependencies(base) == []
+    assert missing_dependencies(base, scripts) == []
 
 
 @pytest.mark.parametrize("variant", sorted(rendered.JOB_VARIANTS))
@@ -155,9 +166,9 @@ def test_the_scan_catches_a_missing_depends_on():
     del base["Resources"]["EtcdGroup"]["DependsOn"]
     # The etcd role's policy names its interface by ARN (a dependency CloudFormation sees, through the
     # launch template's instance profile): without it, only the DependsOn would order the two.
-    assert missing_dependencies(base) == []
+    assert missing_dependencies(base, shipped()) == []
     statements = base["Resources"]["EtcdRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
     (own,) = [s for s in statements if s["Sid"] == "AttachOwnInterface"]
     own["Resource"] = "*"
-    assert missing_dependencies(base) == [
+    assert missing_dependencies(base, shipped()) == [
         "EtcdGroup reaches EtcdNetworkInterface (through EtcdLaunchTemplate) without a DependsOn"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -116,7 +117,7 @@ def test_launch_template_requires_imdsv2_and_uses_the_job_profile(templates, var
     assert data["MetadataOptions"]["HttpTokens"] == "required"
     assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 2  # the agent runs in a container
     assert data["IamInstanceProfile"] == {"Arn": {"Fn::GetAtt": ["WorkerInstanceProfile", "Arn"]}}
-    assert data["SecurityGroupIds"] == [OUTPUTS["WorkerSecurityGroupId"]]
+    assert data["SecurityGroupIds"] == [{"Fn::GetAtt": ["JobSecurityGroup", "GroupId"]}]  # its own only
     assert all(m["Ebs"]["Encrypted"] is True for m in data["BlockDeviceMappings"])
     script = data["UserData"]["Fn::Base64"]
     assert script.startswith("#!/bin/bash") and f'"name": "{variant}"' in script
@@ -185,15 +186,56 @@ def test_no_ingress_from_the_world(templates):
         assert "22" not in json.dumps([r.get("FromPort") for r in rules])  # no SSH: SSM Session Manager
 
 
-def test_workers_reach_each_other_and_etcd_only_on_2379(base):
-    rules = {name: r["Properties"] for name, r in resources(base, "AWS::EC2::SecurityGroupIngress").items()}
-    worker = rules["WorkerIngressFromWorkers"]
-    assert worker["IpProtocol"] == "-1" and worker["SourceSecurityGroupId"] == worker["GroupId"]
-    etcd = rules["EtcdIngressFromWorkers"]
+def test_the_base_stack_has_no_shared_worker_group(templates):
+    """Jobs used to share one worker group, all ports open among its members: any job could reach any
+    other job's c10d store and NCCL sockets. Now the base stack's only groups are etcd's."""
+    for t in (parse(templates["base"].read_text()), parse(templates["base-etcd3"].read_text())):
+        groups = resources(t, "AWS::EC2::SecurityGroup")
+        assert set(groups) == {"EtcdSecurityGroup"}
+        ingress = {n: r["Properties"] for n, r in resources(t, "AWS::EC2::SecurityGroupIngress").items()}
+        assert all(r["SourceSecurityGroupId"] == {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
+                   for r in ingress.values())  # members among themselves; jobs bring their own rule
+        assert "WorkerSecurityGroupId" not in t["Outputs"]
+        etcd_group = {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
+        assert t["Outputs"]["EtcdSecurityGroupId"] == {"Value": etcd_group}
+    assert not resources(parse(templates["base"].read_text()), "AWS::EC2::SecurityGroupIngress")  # no peers
+
+
+@pytest.mark.parametrize("variant", list(rendered.JOB_VARIANTS))
+def test_each_job_has_its_own_group_admitted_to_etcd_by_a_rule_of_its_own(templates, variant):
+    t = job(templates, variant)
+    own = {"Fn::GetAtt": ["JobSecurityGroup", "GroupId"]}
+    group = one(t, "AWS::EC2::SecurityGroup")
+    assert group["VpcId"] == OUTPUTS["VpcId"]
+    (https,) = group["SecurityGroupEgress"]
+    assert (https["IpProtocol"], https["FromPort"], https["ToPort"], https["CidrIp"]) == ("tcp", 443, 443,
+                                                                                          "0.0.0.0/0")
+    assert {"Key": "petctl:job", "Value": variant} in group["Tags"]
+    ingress = {n: r["Properties"] for n, r in resources(t, "AWS::EC2::SecurityGroupIngress").items()}
+    assert set(ingress) == {"JobIngressFromJob", "EtcdIngressFromJob"}
+    peers = ingress["JobIngressFromJob"]
+    assert (peers["GroupId"], peers["SourceSecurityGroupId"], peers["IpProtocol"]) == (own, own, "-1")
+    etcd = ingress["EtcdIngressFromJob"]  # created in the job stack: deleting the job deletes it
+    assert (etcd["GroupId"], etcd["SourceSecurityGroupId"]) == (OUTPUTS["EtcdSecurityGroupId"], own)
     assert (etcd["IpProtocol"], etcd["FromPort"], etcd["ToPort"]) == ("tcp", 2379, 2379)
-    assert etcd["GroupId"] == {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
-    assert etcd["SourceSecurityGroupId"] == {"Fn::GetAtt": ["WorkerSecurityGroup", "GroupId"]}
-    assert set(rules) == {"WorkerIngressFromWorkers", "EtcdIngressFromWorkers"}
+    egress = {n: r["Properties"] for n, r in resources(t, "AWS::EC2::SecurityGroupEgress").items()}
+    assert {n: (e["DestinationSecurityGroupId"], e["IpProtocol"], e.get("FromPort"), e.get("ToPort"))
+            for n, e in egress.items()} == {
+        "JobEgressToJob": (own, "-1", None, None),
+        "JobEgressToEtcd": (OUTPUTS["EtcdSecurityGroupId"], "tcp", 2379, 2379)}
+    assert all(e["GroupId"] == own for e in egress.values())
+    data = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+    assert data["SecurityGroupIds"] == [own]
+
+
+def test_two_jobs_share_no_security_group(templates):
+    """Each job's instances are in its own group only; the one group id both templates name is etcd's
+    (as the target of each job's own ingress rule)."""
+    ids = []
+    for variant in ("spot-single", "cpu"):
+        text = json.dumps(job(templates, variant))
+        ids.append({m for m in re.findall(r"sg-[0-9a-f]+", text)})
+    assert ids[0] == ids[1] == {OUTPUTS["EtcdSecurityGroupId"]}
 
 
 def test_bucket_is_private_encrypted_versioned_and_tls_only(base):
@@ -212,15 +254,15 @@ def test_bucket_is_private_encrypted_versioned_and_tls_only(base):
 def test_etcd_host_is_one_on_demand_instance_behind_a_fixed_address(base):
     eni = one(base, "AWS::EC2::NetworkInterface")
     assert eni["PrivateIpAddress"] == "10.42.0.10" and eni["SubnetId"] == {"Ref": "Subnet0"}
-    assert base["Outputs"]["EtcdEndpoint"]["Value"] == "http://10.42.0.10:2379"
+    assert base["Outputs"]["EtcdEndpoint"]["Value"] == "https://10.42.0.10:2379"  # client certificates
     group = base["Resources"]["EtcdGroup"]["Properties"]
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == ("1", "1", "1")
     assert group["VPCZoneIdentifier"] == [{"Ref": "Subnet0"}]  # the interface's AZ
     data = base["Resources"]["EtcdLaunchTemplate"]["Properties"]["LaunchTemplateData"]
     assert "InstanceMarketOptions" not in data and data["MetadataOptions"]["HttpTokens"] == "required"
     head, bucket, tail = data["UserData"]["Fn::Base64"]["Fn::Join"][1]
-    assert bucket == {"Ref": "Bucket"} and head.endswith('BUCKET="') and tail.startswith('"\n')
-    assert "--enable-v2" in tail and "@@" not in head + tail
+    assert bucket == {"Ref": "Bucket"} and head.endswith('PETCTL_BUCKET="') and tail.startswith('"\n')
+    assert "KEY=dist/etcd/boot-" in tail and "@@" not in head + tail  # the boot script, from the bucket
     assert data["InstanceInitiatedShutdownBehavior"] == "terminate"  # a failed host is replaced
 
 
@@ -340,7 +382,7 @@ def test_three_etcd_members_each_in_its_own_subnet_behind_its_own_fixed_address(
         members[name] = props["AutoScalingGroupName"]
     assert members == {"petctl-0": "petctl-etcd", "petctl-1": "petctl-etcd-1", "petctl-2": "petctl-etcd-2"}
     assert cluster["Outputs"]["EtcdEndpoint"]["Value"] == (
-        "http://10.42.0.10:2379,http://10.42.16.10:2379,http://10.42.32.10:2379")
+        "https://10.42.0.10:2379,https://10.42.16.10:2379,https://10.42.32.10:2379")
 
 
 def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own_group(cluster):
@@ -357,8 +399,12 @@ def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own
         assert statements["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
             f":autoScalingGroupName/{group}")
         everywhere = [s["Sid"] for s in statements.values() if s["Resource"] == "*"]
-        assert everywhere == ["Describe", "SessionManagerChannels"]
+        # ListSecrets has no resource scope, nor do Session Manager's channels
+        assert everywhere == ["Describe", "ListJobCredentials", "SessionManagerChannels"]
         assert "ManagedPolicyArns" not in role  # no AmazonSSMManagedInstanceCore (issue 17.3)
+        assert statements["ListJobCredentials"]["Action"] == "secretsmanager:ListSecrets"
+        assert statements["ReadEtcdHostCertificates"]["Resource"]["Fn::Sub"].endswith(
+            ":secret:petctl/etcd/host-??????")  # the hosts' own secret, never the operator's or a job's
         tags = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"][
             "TagSpecifications"][0]["Tags"]
         assert {"Key": "petctl:etcd-member", "Value": name} in tags
@@ -366,13 +412,11 @@ def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own
 
 def test_etcd_members_reach_each_other_on_2379_2380_and_workers_only_the_client_port(cluster):
     ingress = {n: r["Properties"] for n, r in resources(cluster, "AWS::EC2::SecurityGroupIngress").items()}
-    assert set(ingress) == {"WorkerIngressFromWorkers", "EtcdIngressFromWorkers", "EtcdIngressFromEtcd"}
+    assert set(ingress) == {"EtcdIngressFromEtcd"}
     peers = ingress["EtcdIngressFromEtcd"]
     etcd_sg = {"Fn::GetAtt": ["EtcdSecurityGroup", "GroupId"]}
     assert (peers["GroupId"], peers["SourceSecurityGroupId"]) == (etcd_sg, etcd_sg)
     assert (peers["IpProtocol"], peers["FromPort"], peers["ToPort"]) == ("tcp", 2379, 2380)
-    workers = ingress["EtcdIngressFromWorkers"]
-    assert (workers["FromPort"], workers["ToPort"]) == (2379, 2379)  # never the peer port
     egress = resources(cluster, "AWS::EC2::SecurityGroupEgress")["EtcdEgressToEtcd"]["Properties"]
     assert egress["DestinationSecurityGroupId"] == etcd_sg
     assert (egress["FromPort"], egress["ToPort"]) == (2379, 2380)
@@ -380,8 +424,20 @@ def test_etcd_members_reach_each_other_on_2379_2380_and_workers_only_the_client_
 
 def test_one_etcd_host_keeps_its_logical_ids_and_has_no_peer_rules(base):
     etcd = [n for n in base["Resources"] if n.startswith("Etcd")]
-    assert sorted(etcd) == ["EtcdGroup", "EtcdIngressFromWorkers", "EtcdInstanceProfile",
+    assert sorted(etcd) == ["EtcdGroup", "EtcdInstanceProfile",
                             "EtcdLaunchTemplate", "EtcdNetworkInterface", "EtcdRole", "EtcdSecurityGroup"]
+
+
+def test_a_job_role_may_read_its_own_etcd_credentials_and_nothing_else_of_secrets_manager(tmp_path):
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:petctl/etcd/jobs/spot-single/0000000a-AbCdEf"
+    spec = rendered.job_spec("spot-single")
+    spec.etcd_credentials = arn
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    t = parse(rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json"))
+    statements = one(t, "AWS::IAM::Role")["Policies"][0]["PolicyDocument"]["Statement"]
+    secrets = [s for s in statements if "secretsmanager" in json.dumps(s["Action"])]
+    assert secrets == [{"Sid": "ReadOwnEtcdCredentials", "Effect": "Allow",
+                        "Action": "secretsmanager:GetSecretValue", "Resource": arn}]
 
 
 # --- private subnets (setup --option subnets=private, issue 17.8) ---------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
-from petctl.providers.aws import etcdbin, inventory, upgrade
+from petctl.providers.aws import etcdbin, etcdsecrets, inventory, upgrade
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
@@ -68,7 +68,7 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     if plan.etcd_cluster and plan.etcd_azs < len(plan.etcd_members):
         provider.progress(f"the stack has {len(plan.subnets)} AZs: {len(plan.etcd_members)} etcd members in "
                           f"{plan.etcd_azs} AZs survive losing any one member, not losing a whole AZ")
-    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=plan.etcd_cluster,
+    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=True,  # etcdctl turns v3 auth on
                               sha256=merged["etcd_sha256"], ctl_sha256=merged["etcdctl_sha256"])
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
@@ -90,6 +90,10 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
                              "subnets": "private" if plan.private else "public"})
     provider.config.provider = provider.name
     provider.config.save()
+    # etcd's certificates, before the etcd hosts boot and look for theirs (etcdsecrets.py).
+    if etcdsecrets.ensure_installation(session.client("secretsmanager"), stack,
+                                       tuple(m.ip for m in plan.etcd_members)):
+        provider.progress(f"created etcd's certificates (secrets {etcdsecrets.prefix(stack)}/...)")
     stacks.create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"}, "petctl base stack")
     outputs = stacks.outputs(stack)
     # The etcd hosts' boot waits for these objects (on a first setup they boot before they exist).
@@ -169,6 +173,8 @@ def teardown(provider: AwsProvider, force: bool) -> None:
         stacks.delete(job_stack["StackName"], f"job {jobrecords.tags(job_stack).get('petctl:job')}")
     bucket = settings.get("outputs", {}).get("BucketName", "")
     stacks.delete(provider.base_stack, "petctl base stack")
+    # etcd's certificates go with the etcd they were for (a new setup makes new ones).
+    etcdsecrets.delete(session.client("secretsmanager"), etcdsecrets.prefix(provider.base_stack) + "/")
     if bucket:
         provider.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
     settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs

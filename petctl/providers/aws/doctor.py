@@ -25,6 +25,10 @@ OPERATOR_ACTIONS = (
     "ec2:DescribeAvailabilityZones", "ec2:DescribeSpotPriceHistory", "ecr:DescribeImages",
     "s3:GetObject", "s3:PutObject", "s3:ListBucket", "servicequotas:GetServiceQuota", "ssm:GetParameter",
     "pricing:GetProducts", "iam:SimulatePrincipalPolicy",
+    # etcd's credentials (petctl/providers/aws/etcdsecrets.py): run_job signs each job's certificate with
+    # the operator's secret and stores it in one of its own; kill_job and the clean-up delete it.
+    "secretsmanager:GetSecretValue", "secretsmanager:CreateSecret", "secretsmanager:TagResource",
+    "secretsmanager:ListSecrets", "secretsmanager:DeleteSecret",
 )
 QUOTA_PROBES = (("L-3819A6DF", "All G and VT Spot Instance Requests", "g4dn.xlarge"),
                 ("L-34B43A08", "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "c5.large"))

@@ -13,10 +13,10 @@ A binary petctl does not pin needs `--option etcd_sha256=HEX` (and `etcdctl_sha2
 hash the operator verified out of band (the release's signed SHA256SUMS lists the tarballs: extract
 and hash the binaries from a verified tarball).
 
-A 3-member cluster (`setup --etcd-nodes 3`) also ships etcdctl (the one next to etcd: a member's boot adds
-itself to the running cluster with it) and the members' boot script itself: three copies of it inline
-would not fit CloudFormation's 51,200-byte template body, so each member's user data is a stub that
-fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
+It also ships etcdctl (the one next to etcd: the host turns etcd's v3 auth on with it, and a cluster
+member adds itself to the running cluster with it) and the boot script itself: it fits neither EC2's
+16 KB of user data nor, three times over, CloudFormation's 51,200-byte template body, so each host's user
+data is a stub that fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class EtcdArtifact:
     path: Path
     version: str
     sha256: str
-    ctl_path: Path | None = None  # etcdctl, shipped for a cluster only
+    ctl_path: Path | None = None  # etcdctl (auth, cluster membership)
     ctl_sha256: str = ""
 
     @property
@@ -106,7 +106,7 @@ def local_etcd(path_option: str = "", with_etcdctl: bool = False, sha256: str = 
     if not with_etcdctl:
         return EtcdArtifact(path=path, version=version, sha256=actual)
     ctl = path.with_name("etcdctl")
-    ctl_actual = _linux_x86_64_sha256(ctl, "etcdctl (a 3-member etcd needs it next to etcd)")
+    ctl_actual = _linux_x86_64_sha256(ctl, "etcdctl (the etcd host needs it next to etcd)")
     pin = PINNED.get(version)
     if ctl_sha256 or pin is None:
         _check_pin(ctl, ctl_actual, ctl_sha256, "etcdctl", "etcdctl_sha256")

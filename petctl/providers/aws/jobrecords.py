@@ -14,7 +14,7 @@ from petctl.core.errors import JobNotFound
 from petctl.core.records import JobResult
 from petctl.io.aws import AwsSession
 from petctl.jobview.state import mirror_result
-from petctl.providers.aws import inventory
+from petctl.providers.aws import etcdsecrets, inventory
 from petctl.providers.aws.storage import recorded_jobs
 from petctl.providers.base import JobInfo
 
@@ -88,6 +88,7 @@ def reap(provider: AwsProvider, session: AwsSession, stack: dict[str, Any], resu
         return
     provider.progress(f"job {job} ended ({result.state}): deleting its stack {stack['StackName']}")
     provider.stacks(session).start_delete(stack["StackName"], role)
+    etcdsecrets.delete_job_credentials(session.client("secretsmanager"), provider.base_stack, job)
 
 
 def ended_stack(provider: AwsProvider, session: AwsSession, stack: dict[str, Any]) -> bool:
@@ -118,3 +119,5 @@ def kill(provider: AwsProvider, name: str) -> None:
             state=info.state if ended else "killed", reason=info.reason if ended else "petctl kill_job",
             ts=time.time(), job=name, node="cli").to_dict())
     stacks.delete(provider.job_stack(name), f"job {name}", provider.stack_role())
+    # Its etcd credentials: the etcd hosts delete its user once the secret is gone.
+    etcdsecrets.delete_job_credentials(session.client("secretsmanager"), provider.base_stack, name)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from petctl.core.errors import JobExists, ProviderError
+from petctl.core.errors import JobExists, PetctlError, ProviderError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
-from petctl.providers.aws import azfallback, capacity, inventory, upgrade
+from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.jobscope import template_scope
 from petctl.providers.aws.templates import render_job
@@ -54,20 +54,25 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
     placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
+    # This run's etcd user: its certificate in a secret only the job's instances may read (the etcd
+    # hosts create the user from the secret's tag; etcdsecrets.py). The spec names the secret, not its value.
+    secrets = session.client("secretsmanager")
+    spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, provider.base_stack, spec.name)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                         asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
-    store.put_json("job.json", spec.to_dict())
-    store.put_json("agent.json", json.loads(agent.to_json()))
-    store.put_json("placement.json", json.loads(placement.to_json()))
-    body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
-    try:
+    try:  # from here on a failure deletes the credentials again: no secret outlives a job not started
+        store.put_json("job.json", spec.to_dict())
+        store.put_json("agent.json", json.loads(agent.to_json()))
+        store.put_json("placement.json", json.loads(placement.to_json()))
+        body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
         tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name,
                 **upgrade.layout_tags()}
         stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
-    except ProviderError:
+    except PetctlError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
             stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
+        etcdsecrets.delete_job_credentials(secrets, provider.base_stack, spec.name)
         raise
     # The group was created empty (a stack waits for its group's desired capacity): AZRebalance is
     # suspended first (no template property can), then the group is started and watched.
@@ -105,12 +110,13 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
     if subnet_ids is None:
         subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
     base = {"stack_name": provider.base_stack, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
-            "worker_security_group": out["WorkerSecurityGroupId"],
+            "vpc_id": out["VpcId"], "etcd_security_group": out["EtcdSecurityGroupId"],
             "worker_policy_arn": out["WorkerPolicyArn"]}
     return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                       on_demand_base=spec.on_demand_base, user_data=user_data,
                       spot_strategy=spec.spot_strategy, lifecycle_hook=LIFECYCLE_HOOK,
                       **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),
+                      etcd_secret_arn=spec.etcd_credentials,
                       root_volume_gb=settings.get("root_volume_gb", 100),
                       hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))

@@ -30,6 +30,7 @@ INTERFACE_ENDPOINTS = (
     "ssmmessages",  # Session Manager: the session channels
     "autoscaling",  # lifecycle actions, SetInstanceHealth, the job's release
     "ec2",  # the etcd hosts claim their fixed-address network interface
+    "secretsmanager",  # etcd's certificates: the etcd hosts' (and their user sync), each agent's job's
 )
 
 
@@ -50,7 +51,8 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.ip}:{ETCD_CLIENT_PORT}"
+        """https: etcd requires a client certificate from every client (petctl/io/etcdpki.py)."""
+        return f"https://{self.ip}:{ETCD_CLIENT_PORT}"
 
     @property
     def peer_url(self) -> str:

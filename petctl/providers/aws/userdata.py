@@ -46,30 +46,34 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
 
 
 def etcd_user_data(stack_name: str, etcd_ip: str, etcd_key: str, etcd_sha256: str,
-                   etcd_version: str = ETCD_VERSION) -> str:
-    """The etcd host's boot script, with BUCKET_PLACEHOLDER where the bucket's name goes (the base
-    template joins `!Ref Bucket` in: CloudFormation names the bucket)."""
+                   etcd_version: str = ETCD_VERSION, etcdctl_key: str = "", etcdctl_sha256: str = "") -> str:
+    """The single etcd host's boot script. Like the cluster members' it is shipped through the bucket
+    (its user data is a stub, see etcd_member_stub: with etcd's TLS and auth it no longer fits EC2's
+    16 KB), and it reads the bucket's name from PETCTL_BUCKET, which the stub sets."""
+    from petctl.providers.aws.etcdsecrets import prefix
     from petctl.providers.aws.templates import render_boot
 
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
-                       etcd_sha256=etcd_sha256, etcd_key=etcd_key, bucket=BUCKET_PLACEHOLDER, members=[])
+                       etcd_sha256=etcd_sha256, etcd_key=etcd_key, members=[],
+                       etcdctl_key=etcdctl_key or etcd_key.rsplit("/", 1)[0] + "/etcdctl",
+                       etcdctl_sha256=etcdctl_sha256, secret_prefix=prefix(stack_name))
 
 
-def etcd_hosts(stack_name: str, plan: NetworkPlan,
-               etcd: EtcdArtifact) -> tuple[list[dict], BootScript | None]:
+def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact) -> tuple[list[dict], BootScript]:
     """What the base template needs per etcd member (logical-id suffix, name, address, subnet, group name,
-    user data), and for a cluster the members' boot script that setup must ship to the bucket. Member 0
-    keeps the single host's logical ids and group name, so the template of a 1-node stack is unchanged."""
+    user data: a stub that fetches the boot script), and the boot script setup must ship to the bucket.
+    Member 0 keeps the single host's logical ids and group name."""
     from petctl.providers.aws.etcdbin import BootScript
 
     members = plan.etcd_members
-    script = BootScript(etcd_member_script(stack_name, members, etcd)) if plan.etcd_cluster else None
+    if plan.etcd_cluster:
+        script = BootScript(etcd_member_script(stack_name, members, etcd))
+    else:
+        script = BootScript(etcd_user_data(stack_name, members[0].ip, etcd.key, etcd.sha256, etcd.version,
+                                           etcd.ctl_key, etcd.ctl_sha256))
     hosts = []
     for i, m in enumerate(members):
-        if script is None:
-            data = etcd_user_data(stack_name, m.ip, etcd.key, etcd.sha256, etcd.version)
-        else:
-            data = etcd_member_stub(i, script)
+        data = etcd_member_stub(i, script)
         hosts.append({"suffix": str(i) if i else "", "name": m.name, "ip": m.ip, "subnet": m.subnet,
                       "group": f"{stack_name}-etcd" + (f"-{i}" if i else ""), "user_data": data})
     return hosts, script
@@ -79,12 +83,14 @@ def etcd_member_script(stack_name: str, members: Sequence[EtcdMember], etcd: Etc
     """The boot script shared by the members of a 3-member etcd cluster (shipped through the bucket, see
     etcdbin.py): the member's user data says which member it is (PETCTL_ETCD_MEMBER) and where the
     bucket is (PETCTL_BUCKET)."""
+    from petctl.providers.aws.etcdsecrets import prefix
     from petctl.providers.aws.templates import render_boot
 
     cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, members=list(members), etcd_cluster=cluster,
                        etcd_version=etcd.version, etcd_sha256=etcd.sha256, etcd_key=etcd.key,
-                       etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256)
+                       etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256,
+                       secret_prefix=prefix(stack_name))
 
 
 def etcd_member_stub(index: int, script: BootScript) -> str:

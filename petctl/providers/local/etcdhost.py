@@ -1,5 +1,8 @@
 """The local provider's shared infrastructure: one embedded etcd, started detached so it outlives the
-`petctl setup` that started it, found again later by its recorded pid and start time."""
+`petctl setup` that started it, found again later by its recorded pid and start time.
+
+It runs as on AWS: https only, a client certificate required from every client, auth on (root for the
+provider and the CLI, one user per job run confined to the job's prefix; petctl/io/etcdsecure.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from petctl.io.etcdtls import EtcdTls
 from petctl.providers.local.procs import ProcRef, start_ticks, wait_gone
 
 
@@ -24,17 +28,36 @@ def healthy(settings: dict[str, Any]) -> bool:
         return False
     from petctl.io.etcd import etcd_healthy
 
-    return etcd_healthy(endpoint, timeout=1.0)
+    return etcd_healthy(endpoint, timeout=1.0, tls=admin_tls(settings))
+
+
+def secure_dir(settings: dict[str, Any]):
+    """The etcd's certificates (`SecureEtcdDir`), or None for an etcd an older petctl started without."""
+    from petctl.io.etcdsecure import SecureEtcdDir
+
+    path = settings.get("etcd_pki")
+    return SecureEtcdDir(Path(path)) if path else None
+
+
+def admin_tls(settings: dict[str, Any]) -> EtcdTls | None:
+    """root's client credentials (the provider's and the CLI's), None for an etcd without them."""
+    secure = secure_dir(settings)
+    return secure.root if secure is not None else None
 
 
 def start(root: Path) -> dict[str, Any]:
-    """Start a detached etcd with its data under `root/etcd`; returns the settings that find it again."""
-    from petctl.io.etcd import EtcdServer
+    """Start a detached etcd with its data under `root/etcd`, client certificates required and auth on
+    (its certificates made at the first start, kept for later ones: the data's users outlive a restart);
+    returns the settings that find it again. Raises ProviderError or etcdauth.AuthError."""
+    from petctl.io.etcdsecure import SecureEtcdDir, start_secure
 
     etcd_dir = root / "etcd"
     etcd_dir.mkdir(parents=True, exist_ok=True)
-    server = EtcdServer.start(etcd_dir, log_path=etcd_dir / "etcd.log", detach=True)
-    return {"etcd_endpoint": server.endpoint, "etcd_pid": server.pid, "etcd_start": start_ticks(server.pid)}
+    pki = etcd_dir / "pki"
+    secure = SecureEtcdDir(pki) if (pki / "pki.json").exists() else SecureEtcdDir.create(pki, "petctl-local")
+    server = start_secure(secure, etcd_dir, log_path=etcd_dir / "etcd.log", detach=True)
+    return {"etcd_endpoint": server.endpoint, "etcd_pid": server.pid, "etcd_start": start_ticks(server.pid),
+            "etcd_pki": str(pki)}
 
 
 def stop(settings: dict[str, Any]) -> None:

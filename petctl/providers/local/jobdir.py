@@ -1,9 +1,12 @@
 """The on-disk layout of the local provider, in one place.
 
     <home>/local/etcd/               embedded etcd data dir, etcd.log
+    <home>/local/etcd/pki/           its certificates: both CAs, etcd's, root's (see petctl/io/etcdsecure.py)
     <home>/local/jobs/<job>/
         job.json                     spec, created_at, reconciler handle, final state (once over)
         code/                        the uploaded script (a file or a copied directory)
+        etcd/                        the job's etcd client certificate (ca.pem, cert.pem, key.pem; 0600):
+                                     its user may read and write only /petctl/jobs/<job>/
         checkpoints/                 spec.checkpoint_url points here
         desired                      desired instance count (the reconciler's input, like an ASG's)
         notices/<iid>.json           preemption notices and rebalance recommendations served by the local
@@ -51,6 +54,10 @@ class JobDir:
     @property
     def code(self) -> Path:
         return self.path / "code"
+
+    @property
+    def etcd_credentials(self) -> Path:
+        return self.path / "etcd"
 
     @property
     def checkpoints(self) -> Path:

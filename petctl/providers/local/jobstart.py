@@ -1,7 +1,13 @@
-"""Starting and stopping a local job's processes: its directory, its etcd keys, its detached reconciler.
+"""Starting and stopping a local job's processes: its directory, its etcd keys and etcd user, its
+detached reconciler.
 
 A job starts whole or not at all: if any step fails, what the earlier steps made is removed again, so
-a failed `run_job` leaves no directory, no etcd key and no process behind.
+a failed `run_job` leaves no directory, no etcd key, no etcd user and no process behind.
+
+Each run of a job gets its own etcd user (`job-<job>-<run id>`, petctl/io/etcdauth.py), allowed to read
+and write only `/petctl/jobs/<job>/`, and a client certificate for it in the job's directory; the agents
+and the reconciler connect with it (`JobSpec.etcd_credentials`). `kill_job`, and the next run of the same
+name, delete the user: its certificate then authenticates as nobody.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import petctl
 from petctl.core.errors import PetctlError, ProviderError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSubmission
+from petctl.io.etcdauth import AuthError
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef, stop_group, wait_gone
 
@@ -31,8 +38,9 @@ def python_env() -> dict[str, str]:
 
 
 def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace_delay: float,
-          agent_command: list[str] | None) -> None:
-    """Copy the code, record the spec (job directory and etcd) and start the job's reconciler.
+          agent_command: list[str] | None, secure=None) -> None:
+    """Copy the code, record the spec (job directory and etcd), give the job its etcd user when etcd
+    has auth (`secure`: its SecureEtcdDir; `client` is then root's) and start the job's reconciler.
 
     `agent_command` replaces the agent each instance runs (None: petctl's own). Raises ProviderError
     (or the PetctlError met) after undoing every step that had been done."""
@@ -43,6 +51,8 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
     try:
         forget(job, client)
         job.path.mkdir(parents=True)
+        if secure is not None:
+            _give_credentials(job, submission, client, secure)
         if script.is_dir():
             shutil.copytree(script, job.code, ignore=shutil.ignore_patterns("__pycache__", ".git"))
         else:
@@ -65,7 +75,7 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         rec = ProcRef.of(proc.pid)
         job.update_meta(reconciler=rec.to_dict())
-    except (PetctlError, OSError, etcd.EtcdException) as e:
+    except (PetctlError, OSError, etcd.EtcdException, AuthError) as e:
         if rec is not None:
             stop_group(rec, grace=2.0)
         forget(job, client)
@@ -74,11 +84,35 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
         raise ProviderError(f"could not start job {spec.name!r}: {e}") from e
 
 
+def _give_credentials(job: JobDir, submission: JobSubmission, client, secure) -> None:
+    """A new etcd user for this run, its certificate in the job's directory, named in the spec."""
+    from petctl.io.etcdauth import grant_job, job_user, new_run_id
+
+    spec = submission.spec
+    user = job_user(spec.name, new_run_id())
+    job.update_meta(etcd_user=user)  # first, so that undoing a failed start finds the user to delete
+    secure.job_credentials(user, job.etcd_credentials)
+    grant_job(client, user, spec.name)
+    spec.etcd_credentials = job.etcd_credentials.resolve().as_uri()
+
+
+def revoke_credentials(job: JobDir, client) -> None:
+    """Delete the job's etcd user (its agents are stopped), so its certificate authenticates as nobody.
+    Raises AuthError when etcd does not answer."""
+    from petctl.io.etcdauth import revoke_user
+
+    user = job.read_meta().get("etcd_user") if job.meta_path.exists() else None
+    if user:
+        revoke_user(client, user)
+
+
 def forget(job: JobDir, client) -> None:
-    """Remove a finished job's leftovers (its directory and etcd keys) before its name is reused."""
+    """Remove a finished job's leftovers (its directory, etcd keys and etcd user) before its name is
+    reused. Raises AuthError or etcd's errors when etcd does not answer."""
     import etcd
 
     stop_processes(job, grace=2.0)
+    revoke_credentials(job, client)
     shutil.rmtree(job.path, ignore_errors=True)
     try:
         client.delete(JobKeys(job.name).base, recursive=True)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ValidationError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSpec, JobSubmission
+from petctl.io.etcdauth import AuthError
 from petctl.jobview.prefix import file_prefix
 from petctl.jobview.view import JobSources
 from petctl.providers.base import HostInfo, JobInfo, Provider
@@ -66,8 +67,10 @@ class LocalProvider(Provider):
         settings = self.settings
         if "agent_command" in options:
             settings["agent_command"] = agent_command_option(str(options["agent_command"]))
-        if not (settings.get("ready") and etcdhost.healthy(settings)):
-            etcdhost.stop(settings)  # a recorded but unhealthy etcd (say, after a crash) is replaced
+        if not (settings.get("ready") and settings.get("etcd_pki") and etcdhost.healthy(settings)):
+            # A recorded but unhealthy etcd (say, after a crash) is replaced, as is one an older petctl
+            # started without client certificates and auth.
+            etcdhost.stop(settings)
             settings.update(etcdhost.start(self.root), state_dir=str(self.root), ready=True)
         self.config.provider = self.name
         self.config.save()
@@ -94,7 +97,7 @@ class LocalProvider(Provider):
     def _client(self):
         from petctl.io.etcd import etcd_client
 
-        return etcd_client(self.etcd_endpoint(), read_timeout=3.0)
+        return etcd_client(self.etcd_endpoint(), read_timeout=3.0, tls=etcdhost.admin_tls(self.settings))
 
     # --- jobs ------------------------------------------------------------------------------------
     def _job_dir(self, name: str) -> tuple[JobDir, dict[str, Any]]:
@@ -157,7 +160,8 @@ class LocalProvider(Provider):
         delay = DEFAULT_REPLACE_DELAY if job.replace_delay is None else job.replace_delay
         if (warning := torch_warning()) is not None:
             print(f"warning: {warning}", file=sys.stderr)
-        jobstart.start(job_dir, job, endpoint, self._client(), delay, self.settings.get("agent_command"))
+        jobstart.start(job_dir, job, endpoint, self._client(), delay, self.settings.get("agent_command"),
+                       etcdhost.secure_dir(self.settings))
         return self.job(spec.name)
 
     def kill_job(self, name: str) -> None:
@@ -175,6 +179,10 @@ class LocalProvider(Provider):
         jobstart.stop_processes(job, grace=JobSpec.from_dict(meta["spec"]).timeouts.stop_grace + 5.0)
         if job.read_meta().get("state") not in FINAL_STATES:
             job.update_meta(state="killed", reason=reason, finished_at=time.time())
+        try:
+            jobstart.revoke_credentials(job, self._client())
+        except AuthError as e:  # the job is killed; its user goes at the next run of the name or teardown
+            print(f"warning: could not delete job {name!r}'s etcd user: {e}", file=sys.stderr)
 
     def scale(self, name: str, size: int) -> None:
         import etcd
@@ -202,6 +210,7 @@ class LocalProvider(Provider):
             return self.job(name).state == "running"
 
         return JobSources(job=name, etcd_endpoint=self.etcd_endpoint(), mirror=file_prefix(job.mirror),
+                          etcd_tls=etcdhost.admin_tls(self.settings),
                           logs=lambda node, follow: logs.follow_logs(job, node, follow, running),
                           extra_events=lambda: logs.reconciler_events(job))
 

@@ -71,12 +71,15 @@ class Reconciler:
 
     def __init__(self, opts: Options, spec: JobSpec, events: EventLog, command: list[str] | None = None):
         from petctl.io.etcd import etcd_client
+        from petctl.io.etcdtls import load_credentials
 
         self.opts = opts
         self.job = JobDir(opts.job_dir)
         self.spec = spec
         self.events = events
-        self.link = JobLink(etcd_client(opts.etcd_endpoint, read_timeout=2.0), spec.name, events)
+        # The job's own etcd user (the reconciler only reads and ends this job), not the provider's root.
+        tls = load_credentials(spec.etcd_credentials, opts.job_dir / "etcd")
+        self.link = JobLink(etcd_client(opts.etcd_endpoint, read_timeout=2.0, tls=tls), spec.name, events)
         self.fleet = Fleet(self.job, spec, events, command, stop_grace=spec.timeouts.stop_grace + 5.0)
         self.reclaimed: dict[str, str] = {}  # instance -> reason, for notices we enforced
         self.not_before = 0.0  # no launch before this (replacement delay after a loss)

@@ -1,0 +1,199 @@
+"""The etcd host's own auth steps (worker_image/etcd_boot.sh.j2), run by bash against a real etcd 3.5.
+
+On AWS the CLI cannot reach etcd, so the etcd host turns auth on and creates each job's user itself, from
+the job credentials' secrets in Secrets Manager (petctl/providers/aws/etcdsecrets.py). These tests source
+the rendered boot script (its functions only: PETCTL_BOOT_LIB_ONLY) with a fake `aws` that answers as
+Secrets Manager would, and real curl, etcdctl and etcd: the certificates split out of the host's secret,
+the gate that admits only root's certificate until auth is on, the bootstrap (twice), and the sync of
+job users in both directions, with job A's certificate then refused everywhere but A's prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import etcd
+import pytest
+
+from petctl.core.keys import JobKeys
+from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
+from petctl.io.etcdauth import job_users, role_patterns
+from petctl.io.etcdpki import EtcdPki
+from petctl.io.etcdtls import EtcdTls, write_credentials
+from petctl.providers.aws.etcdsecrets import host_bundle
+from petctl.providers.aws.userdata import etcd_user_data
+from tests.test_etcd_auth import denied
+
+USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
+
+FAKE_AWS = r"""#!/bin/bash
+echo "$*" >> "$FAKE_DIR/aws.log"
+case "$1 $2" in
+  "secretsmanager get-secret-value") cat "$FAKE_DIR/host-secret" ;;
+  "secretsmanager list-secrets") [ ! -e "$FAKE_DIR/list-fails" ] || exit 255; cat "$FAKE_DIR/job-users" ;;
+  *) exit 2 ;;
+esac
+"""
+# `install -o etcd` needs root and that user: the fake keeps everything else.
+FAKE_INSTALL = ("#!/bin/bash\nargs=()\nwhile [ $# -gt 0 ]; do case \"$1\" in -o|-g) shift 2 ;; "
+                "*) args+=(\"$1\"); shift ;; esac; done\nexec /usr/bin/install \"${args[@]}\"\n")
+
+
+@dataclass
+class Host:
+    dir: Path
+    root: Path
+    script: Path
+    env: dict[str, str]
+    pki: EtcdPki
+    server: EtcdServer | None = None
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.root / "etc" / "petctl-etcd"
+
+    @property
+    def admin(self) -> EtcdTls:
+        return EtcdTls(ca=str(self.pki_dir / "admin-ca.pem"), cert=str(self.pki_dir / "root.pem"),
+                       key=str(self.pki_dir / "root-key.pem"))
+
+    def bash(self, code: str, check: bool = True) -> subprocess.CompletedProcess:
+        run = subprocess.run(["bash", "-c", f'. "{self.script}"; {code}'], env=self.env, capture_output=True,
+                             text=True, timeout=120)
+        if check:
+            assert run.returncode == 0, f"{code}: {run.stdout}\n{run.stderr}"
+        return run
+
+    def start(self, ports: tuple[int, int] | None = None) -> None:
+        """etcd as the unit runs it: the host's certificate, client certificates required, trusted.pem."""
+        tls = ServerTls(cert=str(self.pki_dir / "server.pem"), key=str(self.pki_dir / "server-key.pem"),
+                        trusted_ca=str(self.pki_dir / "trusted.pem"))
+        self.server = EtcdServer.start(self.dir / "data", log_path=self.dir / "etcd.log", tls=tls,
+                                       admin=self.admin, ports=ports)
+        self.env["PETCTL_ETCD_LOCAL"] = self.server.endpoint
+
+    def restart(self) -> None:
+        assert self.server is not None
+        ports = (self.server.client_port, self.server.peer_port)
+        self.server.stop()
+        self.start(ports)
+
+    def job_users_listed(self, *users: str) -> None:
+        """What `aws secretsmanager list-secrets --query ... --output text` prints for these tags."""
+        (self.dir / "job-users").write_text("\t".join(users) + "\n" if users else "")
+
+    def job_tls(self, user: str) -> EtcdTls:
+        pem = self.pki.job_client(user)
+        return write_credentials(self.dir / "jobs" / user, self.pki.admin_ca.cert, pem.cert, pem.key)
+
+    def root_client(self) -> etcd.Client:
+        assert self.server is not None
+        return etcd_client(self.server.endpoint, tls=self.admin)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    if not shutil.which("curl") or not shutil.which("openssl"):
+        pytest.skip("curl and openssl are needed to run the etcd host's script")
+    fakes = tmp_path / "fakes"
+    fakes.mkdir()
+    for name, text in {"aws": FAKE_AWS, "install": FAKE_INSTALL}.items():
+        (fakes / name).write_text(text)
+        (fakes / name).chmod(0o755)
+    pki = EtcdPki.new("petctl")
+    (tmp_path / "host-secret").write_text(host_bundle(pki, ("10.42.0.10",)))
+    script = tmp_path / "etcd-boot.sh"
+    script.write_text(etcd_user_data("petctl", "10.42.0.10", "dist/etcd/v3.5.1-x/etcd", "ab" * 32, "v3.5.1"))
+    root = tmp_path / "root"
+    (root / "tmp").mkdir(parents=True)
+    env = {"PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(root), "PETCTL_BOOT_LIB_ONLY": "1",
+           "FAKE_DIR": str(tmp_path), "ETCDCTL": etcdctl_binary(), "HOME": str(tmp_path)}
+    h = Host(tmp_path, root, script, env, pki)
+    h.job_users_listed()
+    h.bash("fetch_certificates")
+    try:
+        yield h
+    finally:
+        if h.server is not None:
+            h.server.stop(remove_data=True)
+
+
+def test_the_certificates_come_split_out_of_the_hosts_secret(host: Host) -> None:
+    files = sorted(p.name for p in host.pki_dir.iterdir())
+    assert files == ["admin-ca.pem", "jobs-ca.pem", "root-key.pem", "root.pem", "server-key.pem",
+                     "server.pem"]
+    assert (host.pki_dir / "server-key.pem").stat().st_mode & 0o777 == 0o600
+    assert (host.pki_dir / "root-key.pem").read_text().strip() == host.pki.root.key.strip()
+    assert "get-secret-value --secret-id petctl/etcd/host" in (host.dir / "aws.log").read_text()
+    (host.dir / "host-secret").write_text("# petctl-etcd admin-ca\nnot a certificate\n")
+    assert host.bash("fetch_certificates", check=False).returncode != 0  # a broken secret is no boot
+
+
+def test_until_auth_is_on_only_roots_certificate_gets_in(host: Host) -> None:
+    host.bash("trust admin-ca")
+    host.start()
+    assert host.server is not None
+    job = host.job_tls(USER_A)
+    assert etcd_healthy(host.server.endpoint, tls=host.admin)
+    assert not etcd_healthy(host.server.endpoint, tls=job)  # the jobs' CA is not trusted yet
+    host.bash("bootstrap_auth")
+    host.bash("bootstrap_auth")  # a second run (a restart, another member) changes nothing
+    root = host.root_client()
+    assert json.loads(root.http.request("GET", root.base_uri + "/v2/auth/enable").data)["enabled"]
+    guest = json.loads(root.http.request("GET", root.base_uri + "/v2/auth/roles/guest").data)
+    assert guest["permissions"]["kv"] == {"read": [], "write": []}
+    assert "Authentication Status: true" in host.bash("ctl auth status").stdout  # v3 too
+    host.bash("trust admin-ca jobs-ca")
+    assert (host.pki_dir / "trusted.pem").read_text() == host.pki.admin_ca.cert + host.pki.jobs_ca.cert
+    host.restart()
+    assert host.server is not None and etcd_healthy(host.server.endpoint, tls=job)  # now it connects ...
+    assert denied(lambda: etcd_client(host.server.endpoint, tls=job).write(JobKeys("ja").round, "r"))
+
+
+def test_job_users_follow_the_job_credentials_in_secrets_manager(host: Host) -> None:
+    host.bash("trust admin-ca jobs-ca")
+    host.start()
+    host.bash("bootstrap_auth")
+    assert host.server is not None
+    endpoint = host.server.endpoint
+    # Only well-formed user names become users: a tag is data, never part of a path or JSON.
+    host.job_users_listed(USER_A, USER_B, "job-evil", 'job-x"/*-00000000', "root")
+    host.bash("sync_users")
+    root = host.root_client()
+    assert job_users(root) == [USER_A, USER_B]
+    assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
+    log = (host.dir / "aws.log").read_text()
+    assert "--filters Key=name,Values=petctl/etcd/jobs/ Key=tag-key,Values=petctl:etcd-user" in log
+    a = etcd_client(endpoint, tls=host.job_tls(USER_A))
+    b = etcd_client(endpoint, tls=host.job_tls(USER_B))
+    a.write(JobKeys("ja").round, "a's")
+    b.write(JobKeys("jb").round, "b's")
+    assert denied(lambda: a.read(JobKeys("jb").round))
+    assert denied(lambda: a.delete("/", recursive=True, dir=True))
+    # A listing that fails deletes nothing.
+    (host.dir / "list-fails").touch()
+    assert host.bash("sync_users", check=False).returncode != 0
+    assert job_users(root) == [USER_A, USER_B]
+    (host.dir / "list-fails").unlink()
+    # kill_job deleted B's secret: its user goes, and its certificate authenticates as nobody.
+    host.job_users_listed(USER_A)
+    assert f"etcd user {USER_B} deleted" in host.bash("sync_users").stdout
+    assert job_users(root) == [USER_A]
+    assert denied(lambda: b.read(JobKeys("jb").round))
+    assert a.read(JobKeys("ja").round).value == "a's"
+    host.bash("sync_users")  # nothing to do
+    assert job_users(root) == [USER_A]
+    # A replaced host starts empty: the sync gives every running job its user back.
+    host.server.stop(remove_data=True)
+    shutil.rmtree(host.dir / "data", ignore_errors=True)
+    host.start()
+    host.bash("bootstrap_auth")
+    host.job_users_listed(USER_A, USER_B)
+    host.bash("sync_users")
+    assert job_users(host.root_client()) == [USER_A, USER_B]
