@@ -118,9 +118,11 @@ def test_the_newest_step_covering_every_part_is_taken(offers, parts, store, sour
 # --- how often -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("fixed", "costs", "step", "every"), [
     (None, [0.0004] * 5, 0.1, 1),  # 0.4 ms on a 100 ms step: every step
+    (None, [0.0009] * 5, 0.01, 1),  # under 1 ms: every step, even on a 10 ms step
     (None, [0.004] * 5, 0.1, 4),  # 4 ms: every 4th step keeps it at 1 %
     (None, [0.0004, 0.0004, 0.05, 0.0004, 0.0004], 0.1, 1),  # one slow snapshot moves nothing
     (None, [0.05] * 5 + [0.0004] * 9, 0.1, 1),  # back to every step once the cost falls
+    (None, [0.05] * 4, 0.1, 1),  # the first snapshots pay one-time costs: no verdict before 5
     (3, [0.05] * 5, 0.1, 3),  # a fixed K is kept
 ])
 def test_k_follows_the_measured_cost(fixed, costs, step: float, every: int) -> None:
@@ -357,6 +359,44 @@ def test_checkpointer_resumes_from_the_newer_of_snapshot_and_store(tmp_path: Pat
     monkeypatch.setenv("PETCTL_JOB", "another")
     start, _, _, rec = run(6, range(0))
     assert start == 10 and "job 'job'" in rec.events("snapshot.skipped")[0]["reason"]
+
+
+class Opaque:
+    """Not plain data: a weights-only loader must refuse it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+@pytest.mark.parametrize(("weights_only", "opaque"), [(True, True), (False, True), (True, False)])
+def test_a_skeleton_the_safe_loader_refuses_falls_back_to_the_store(tmp_path: Path, weights_only: bool,
+                                                                   opaque: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain data, dtypes, sizes and devices come back weights-only; an arbitrary object only with
+    weights_only=False, else the snapshot is reported unloadable and the store is used."""
+    monkeypatch.setenv("PETCTL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PETCTL_CONTROL_DIR", raising=False)
+    monkeypatch.setenv("PETCTL_JOB", "job")
+    url, opts = (tmp_path / "ckpt").as_uri(), SnapshotOptions(every=1, directory=str(tmp_path))
+    state = make_state()
+    state.extra.update(dtype=torch.float16, size=torch.Size([2, 3]), device=torch.device("cpu"))
+    if opaque:
+        state.extra["obj"] = Opaque(7)
+    monkeypatch.setenv("PETCTL_ROUND", "1")
+    ckpt = Checkpointer(url=url, log=Recorder().log, snapshots=opts, weights_only=False)
+    train(state, 0)
+    ckpt.step_end(0, state)
+    ckpt.close()
+    monkeypatch.setenv("PETCTL_ROUND", "2")
+    fresh, rec = make_state(seed=5), Recorder()
+    ckpt = Checkpointer(url=url, log=rec.log, snapshots=opts, weights_only=weights_only)
+    start = ckpt.resume(fresh)
+    ckpt.close()
+    if weights_only and opaque:
+        assert start == 0 and "Opaque is not allowed" in rec.events("snapshot.load_failed")[0]["error"]
+    else:
+        assert start == 1 and (not opaque or fresh.extra["obj"].value == 7)
+        assert (fresh.extra["dtype"], fresh.extra["size"]) == (torch.float16, torch.Size([2, 3]))
 
 
 def test_snapshot_options_are_checked(tmp_path: Path) -> None:

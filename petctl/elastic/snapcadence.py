@@ -6,8 +6,11 @@ for the background copy). CPU time rather than wall time for the work, so a load
 delays do not pass for the snapshot's cost; wall time for the waits, because then the step really stalls.
 
 K (snapshot every K steps) >= median cost / (budget * median step time), over the last WINDOW samples so
-one outlier moves nothing; raised at once, lowered only when half of K would do (no flapping). A fixed
-`every` turns the choice off. Pure bookkeeping: no torch, no I/O.
+one outlier moves nothing; raised at once, lowered only when half of K would do (no flapping). A snapshot
+whose median cost is under FREE (1 ms: 1 % of the 100 ms step the goal is set on, and below the jitter of
+a step on a loaded machine) is taken every step whatever the step time: a small state's fixed cost
+(walking the state dict, about 0.3 ms here) must not cost a step of work on a loss. A fixed `every` turns
+the choice off. Pure bookkeeping: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 9
+SETTLE = 5  # samples before K may change (the first snapshots pay one-time costs: imports, page faults)
+FREE = 0.001
 MAX_EVERY = 1000
 
 
@@ -48,10 +53,12 @@ class Cadence:
     def record(self, cost: float) -> tuple[int, int, float, float] | None:
         """Add one snapshot's cost; (new K, old K, median cost, median step) when K changes, else None."""
         self.costs.append(cost)
-        if self.fixed is not None or not self.intervals:
+        if self.fixed is not None or not self.intervals or len(self.costs) < SETTLE:
             return None
         cost_m, step_m = statistics.median(self.costs), statistics.median(self.intervals)
-        need = min(MAX_EVERY, max(1, math.ceil(cost_m / (self.budget * step_m)))) if step_m > 0 else 1
+        need = 1
+        if cost_m > FREE and step_m > 0:
+            need = min(MAX_EVERY, max(1, math.ceil(cost_m / (self.budget * step_m))))
         if need > self.every or need <= self.every // 2:
             old, self.every = self.every, need
             self.due = min(self.due, need)

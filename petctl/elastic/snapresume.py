@@ -12,6 +12,7 @@ it after all, the caller falls back to the store.
 from __future__ import annotations
 
 import mmap
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,8 +81,8 @@ def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None
                          store_step: Callable[[], int | None],
                          weights_only: bool = True) -> tuple[int, dict[str, Any]] | None:
     """(step, state) from the newest snapshot any rank holds when it is at least as new as the store's
-    newest checkpoint; None to resume from the store. Collective: every rank calls it. Raises what
-    `torch.load` raises on a skeleton `weights_only` refuses (the same on every rank)."""
+    newest checkpoint; None to resume from the store. Collective: every rank calls it. Raises
+    nothing: a snapshot that cannot be read or decoded is reported and the store used instead."""
     t0 = time.monotonic()
     mine = reader.offer() if reader is not None else None
     offers = [o for o in comm.all_gather_object(mine) if o is not None]
@@ -109,7 +110,11 @@ def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None
         return None
     _ok, data_length, meta_offset, meta_length = info
     payload = comm.broadcast_buffer(payload, meta_offset + meta_length, src=holder)
-    state = decode(payload, data_length, meta_offset, meta_length, weights_only)
+    try:  # the same bytes and code on every rank: they all fail alike, and all fall back together
+        state = decode(payload, data_length, meta_offset, meta_length, weights_only)
+    except (pickle.UnpicklingError, ValueError, EOFError, KeyError, TypeError) as e:
+        log.emit("snapshot.load_failed", step=choice.step, holder=holder, error=f"{type(e).__name__}: {e}")
+        return None
     log.emit("checkpoint.loaded", step=choice.step, source="snapshot", holder=holder, bytes=len(payload),
              seconds=round(time.monotonic() - t0, 3), reason=choice.reason)
     return choice.step, state

@@ -45,6 +45,14 @@ class SnapshotFile:
         self.path = path
         self.fd: int | None = None
         self.mm: mmap.mmap | None = None
+        self._views: tuple[Layout, list[torch.Tensor]] | None = None  # tensors viewing the mapping
+
+    def views(self, layout: Layout) -> list[torch.Tensor]:
+        """One tensor per slot of `layout`, viewing its place in the mapping (made once per layout)."""
+        assert self.mm is not None
+        if self._views is None or self._views[0] is not layout:
+            self._views = (layout, [tensor_view(self.mm, slot, HEADER_SIZE) for slot in layout.slots])
+        return self._views[1]
 
     def room(self, payload: int) -> mmap.mmap:
         """The mapping, grown (preallocated, pre-faulted) when `payload` bytes do not fit. Raises OSError
@@ -70,6 +78,7 @@ class SnapshotFile:
         self.mm[:HEADER_SIZE] = dataclasses.replace(header, checksum=crc).pack()
 
     def unmap(self) -> None:
+        self._views = None  # they hold the mapping's buffer: released before it closes
         if self.mm is not None:
             self.mm.close()
             self.mm = None
@@ -135,10 +144,11 @@ class SnapshotWriter:
         self._layout = layout
         mm[:HEADER_SIZE] = BLANK  # from here on a reader sees no snapshot until the commit
         later = self._background(state, tensors, roots)
+        views = self.file.views(layout)
         t_copy = time.monotonic()
         for i, tensor in enumerate(tensors):
             if i not in later:
-                tensor_view(mm, layout.slots[i], HEADER_SIZE).copy_(tensor)
+                views[i].copy_(tensor)
         self.stats["copy_s"] += time.monotonic() - t_copy
         if later:
             self._copied.clear()
@@ -188,9 +198,10 @@ class SnapshotWriter:
         mm = self.file.mm
         assert mm is not None
         t0 = time.monotonic()
+        views = self.file.views(layout)
         try:
             for i, tensor in later:
-                tensor_view(mm, layout.slots[i], HEADER_SIZE).copy_(tensor)
+                views[i].copy_(tensor)
         finally:
             self._copied.set()
         t1 = time.monotonic()
