@@ -7,6 +7,9 @@ Two workloads (`--workload`): "bench" (workload.py, which prints its own start-u
 Each repetition starts a fresh 3-node job (1 worker per node), lets it train past a checkpoint, disrupts
 it, and times the survivors (or the grown job) until they run a training step at the new world size.
 The removed node is petctl's highest rank and torchrun's last-started node (never the c10d store host).
+
+Systems: "petctl", "torchrun-c10d", "torchrun-etcd-v2", and "petctl-nosnap": petctl with its in-memory
+snapshots switched off (PETCTL_SNAPSHOTS=0), the anchor P2's lost steps are compared with (issue 16).
 """
 
 from __future__ import annotations
@@ -40,9 +43,17 @@ SCENARIOS = {
 WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py"}
 
 
-def workload_env() -> dict[str, str]:
-    return {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
-            "BENCH_CKPT": "elastic"}
+def workload_env(system: str = "petctl") -> dict[str, str]:
+    env = {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
+           "BENCH_CKPT": "elastic"}
+    if system == "petctl-nosnap":
+        env["PETCTL_SNAPSHOTS"] = "0"
+    return env
+
+
+def is_petctl(system: str) -> bool:
+    """petctl itself or one of its variants (petctl-nosnap)."""
+    return system == "petctl" or system.startswith("petctl-")
 
 
 def result_key(sid: str, workload: str) -> str:
@@ -64,9 +75,9 @@ def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]
     root = ctx.dir(key, system, f"rep{rep}")
     ckpt = f"file://{ctx.dir(key, system, f'rep{rep}', 'checkpoints')}"
     script = WORKLOADS[workload]
-    if system == "petctl":
+    if is_petctl(system):
         job = PetctlJob.create(root, ctx.etcd.endpoint, name, min_size=sc["min"], max_size=sc["max"],
-                               size=sc["nodes"], env=workload_env(), checkpoint_url=ckpt, imds=ctx.imds,
+                               size=sc["nodes"], env=workload_env(system), checkpoint_url=ckpt, imds=ctx.imds,
                                script=script, initial_wait=60.0)
         nodes = [job.start() for _ in range(sc["nodes"])]
     else:
@@ -81,7 +92,7 @@ def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]
 
 
 def _victim(job: Any, system: str, nodes: list[Node], world: int) -> Node:
-    if system == "petctl":
+    if is_petctl(system):
         ranks = wait_for(lambda: job.frozen_ranks(world), 10) or {}
         top = max(ranks, key=ranks.get) if ranks else nodes[-1].name
         return job.nodes[top]
@@ -96,7 +107,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
         if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
             return result
-        if system == "petctl":
+        if is_petctl(system):
             # Steady state: every agent has refilled its warm pool for the next restart (a real job runs
             # for minutes between disruptions; 25 steps here are 2-3 s). Capped, and recorded.
             t_settle = time.time()
@@ -105,7 +116,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             result["settle_s"] = round(time.time() - t_settle, 2)
             result["warm_settled"] = bool(settled)
         world = sc["world_after"]
-        cap = ctx.hang_cap if (sid == "P2" and system != "petctl") else RECOVER_TIMEOUT
+        cap = ctx.hang_cap if (sid == "P2" and not is_petctl(system)) else RECOVER_TIMEOUT
         kill_at: float | None = None
         victim: Node | None = None
         if sid == "P3":
@@ -118,7 +129,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             watch = [n for n in nodes if n is not victim]
             detect_nodes = nodes
             if sid == "P1":
-                if system == "petctl":
+                if is_petctl(system):
                     t_event = job.notice(victim.name, ctx.grace)
                 else:  # torchrun has no notice: it gets SIGTERM at the notice time
                     t_event = time.time()

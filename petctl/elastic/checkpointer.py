@@ -83,7 +83,9 @@ class Checkpointer(BaseCheckpointer):
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
         Emits `checkpoint.resumed` on every rank (see `report_resumed`)."""
         started = time.time()
-        return report_resumed(self.log, self.comm, *self._resume(state), started)
+        step = report_resumed(self.log, self.comm, *self._resume(state), started)
+        self.snapshots.prepare(state)  # the snapshot memory, mapped beside the first step
+        return step
 
     def _resume(self, state: State) -> tuple[int, str]:
         """(next step, where it came from: snapshot, cache, store or none)."""

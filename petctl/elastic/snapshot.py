@@ -101,6 +101,11 @@ class SnapshotTier:
         if self.writer is not None:
             self.writer.take(step, state)
 
+    def prepare(self, state: Any) -> None:
+        """After the resume: get the snapshot memory ready in the background (local rank 0 only)."""
+        if self.writer is not None:
+            self.writer.prepare(state)
+
     def resume(self, store_step: Callable[[], int | None],
                weights_only: bool = True) -> tuple[int, dict[str, Any]] | None:
         """(step, state) of the snapshot the job resumes from, or None for the store (collective)."""
