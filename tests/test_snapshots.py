@@ -115,6 +115,22 @@ def test_the_newest_step_covering_every_part_is_taken(offers, parts, store, sour
     assert choice.reason
 
 
+# --- the payload checksum ---------------------------------------------------------------------------
+def test_the_payload_checksum_catches_a_flipped_bit_and_a_moved_block() -> None:
+    from petctl.elastic.snapcodec import CHECK_BLOCK, payload_checksum
+
+    block = 8 * CHECK_BLOCK
+    data = bytearray(random.Random(3).randbytes(3 * block + 1000))  # three whole blocks and a tail
+    good = payload_checksum(data, 0, len(data))
+    for where in (0, block + 17, 3 * block - 1, 3 * block + 999):  # each block, and the tail
+        bad = bytearray(data)
+        bad[where] ^= 0x40
+        assert payload_checksum(bad, 0, len(bad)) != good, where
+    moved = data[block:2 * block] + data[:block] + data[2 * block:]  # two blocks swapped
+    assert payload_checksum(bytearray(moved), 0, len(moved)) != good
+    assert payload_checksum(data, 8, len(data) - 8) != good  # another range
+
+
 # --- how often -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("fixed", "costs", "step", "every"), [
     (None, [0.0004] * 5, 0.1, 1),  # 0.4 ms on a 100 ms step: every step

@@ -12,7 +12,8 @@ the state's skeleton in `meta`) is `petctl.elastic.snapcodec`'s business.
 
 Why a torn or stale snapshot is never loaded:
 - The writer zeroes the header before it touches the payload and writes the header last, with the
-  payload's crc32 and a crc32 of the header itself: a writer killed mid-copy leaves no header, one killed
+  payload's checksum (`petctl.elastic.snapcodec.payload_checksum`: opaque to the agent, which never reads
+  the payload) and a crc32 of the header itself: a writer killed mid-copy leaves no header, one killed
   mid-header leaves a header whose own crc fails, and a payload changed after the commit fails its crc.
 - The header names the job and the round that wrote it: a reader in round R accepts only a snapshot of
   its own job written in an earlier round (`stale_reason`).
@@ -53,7 +54,7 @@ class SnapshotHeader:
     data_length: int  # bytes of tensor data at the start of the payload
     meta_offset: int  # where the meta bytes start, from the payload's start
     meta_length: int
-    checksum: int  # crc32 of the whole payload
+    checksum: int  # of the whole payload (petctl.elastic.snapcodec.payload_checksum)
     written_at: float = 0.0
     version: int = VERSION
 
@@ -109,11 +110,6 @@ def stale_reason(header: SnapshotHeader, job: str, current_round: int) -> str | 
     if header.round >= current_round:
         return f"written in round {header.round}, not before the current round {current_round}"
     return None
-
-
-def checksum(payload: bytes | bytearray | memoryview) -> int:
-    """crc32 of a payload (zlib releases the GIL on large buffers: a writer thread runs beside training)."""
-    return zlib.crc32(payload)
 
 
 def snapshot_path(directory: Path | str, name: str) -> Path:

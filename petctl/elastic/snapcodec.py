@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 TENSOR_KEY = "__petctl_tensor__"
+CHECK_BLOCK = 4096  # 64-bit words per block of the payload checksum (32 KiB)
 _LEAVES = (int, float, str, bool, bytes, type(None))
 ALIGN = 64  # each tensor starts on a cache line: aligned for every dtype, and for vectorised copies
 
@@ -146,6 +148,25 @@ def load_meta(data: bytes, weights_only: bool = True) -> Any:
     return _WeightsOnly(io.BytesIO(data)).load() if weights_only else pickle.loads(data)
 
 
+def payload_checksum(buffer: Any, offset: int, length: int) -> int:
+    """The checksum of `length` bytes of `buffer` from `offset` (8-byte aligned): crc32 over the sequence
+    of the 64-bit (wrapping) sums of its 32 KiB blocks, then over the bytes past the last whole block.
+
+    Why not crc32 over the bytes: it is CPU-bound (24 ms per 100 MB here on a quiet core, 150-250 ms on
+    the loaded machine) and runs beside training at every step; the block sums are one memory-bound pass
+    (5 to 17 ms). Any changed bit changes its block's sum, a block moved or lost changes the sequence, so
+    damage after the commit is caught; what it misses is words swapped within one block (never loaded
+    then: the writer commits only after its own copy, and a torn write is caught by the header alone)."""
+    blocks = length // (8 * CHECK_BLOCK)
+    crc = 0
+    if blocks:
+        words = torch.frombuffer(buffer, dtype=torch.int64, count=blocks * CHECK_BLOCK, offset=offset)
+        crc = zlib.crc32(words.view(blocks, CHECK_BLOCK).sum(dim=1).numpy().tobytes())
+    tail = offset + blocks * 8 * CHECK_BLOCK
+    with memoryview(buffer) as view, view[tail:offset + length] as rest:
+        return zlib.crc32(rest, crc)
+
+
 def tensor_view(buffer: Any, slot: Slot, base: int = 0) -> torch.Tensor:
     """A tensor viewing `slot`'s bytes in `buffer` (an mmap, a bytearray), `base` bytes in."""
     dtype = _dtype(slot.dtype)
@@ -156,14 +177,15 @@ def tensor_view(buffer: Any, slot: Slot, base: int = 0) -> torch.Tensor:
 
 def decode(payload: bytearray, data_length: int, meta_offset: int, meta_length: int,
            weights_only: bool = True) -> dict[str, Any]:
-    """The state a payload holds. Its tensors view `payload` (keep it private to the caller: the live
-    objects may keep them, as `Optimizer.load_state_dict` does). Raises ValueError on an inconsistent
-    payload, SkeletonRefused (a pickle.UnpicklingError) on a skeleton `weights_only` refuses."""
+    """The state a payload holds, its tensors copied out of `payload`: the live objects may keep what they
+    are given (`Optimizer.load_state_dict` keeps CPU tensors as they are), and a view would keep the whole
+    payload alive with them. Raises ValueError on an inconsistent payload, SkeletonRefused (a
+    pickle.UnpicklingError) on a skeleton `weights_only` refuses."""
     meta = load_meta(bytes(memoryview(payload)[meta_offset:meta_offset + meta_length]), weights_only)
     slots = [Slot(int(o), int(n), str(d), tuple(int(x) for x in s)) for o, n, d, s in meta["tensors"]]
     if any(s.offset + s.nbytes > data_length for s in slots):
         raise ValueError("snapshot tensor table points past the data region")
-    tensors = [tensor_view(payload, s) for s in slots]
+    tensors = [tensor_view(payload, s).clone() for s in slots]
     return _fill(meta["skeleton"], tensors)
 
 

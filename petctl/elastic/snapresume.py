@@ -20,8 +20,8 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
-from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, checksum, read_header, stale_reason
-from petctl.elastic.snapcodec import decode
+from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, read_header, stale_reason
+from petctl.elastic.snapcodec import decode, payload_checksum
 from petctl.elastic.snapselect import Offer, newest_common
 
 
@@ -46,10 +46,9 @@ class SnapshotReader:
         if stale is not None:
             return self._skip(header, f"stale: {stale}")
         try:
-            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), HEADER_SIZE + header.payload_length,
-                                                      access=mmap.ACCESS_READ) as mm, \
-                    memoryview(mm) as view, view[HEADER_SIZE:] as payload:
-                crc = checksum(payload)
+            size = HEADER_SIZE + header.payload_length  # copy-on-write: a buffer torch takes, unwritten
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+                crc = payload_checksum(mm, HEADER_SIZE, header.payload_length)
         except (OSError, ValueError) as e:
             return self._skip(header, f"unreadable: {e}")
         if crc != header.checksum:

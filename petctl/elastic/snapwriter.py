@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from petctl.core.eventlog import EventLog
-from petctl.core.snapshotrecord import BLANK, HEADER_SIZE, SnapshotHeader, checksum
+from petctl.core.snapshotrecord import BLANK, HEADER_SIZE, SnapshotHeader
 from petctl.elastic.snapcadence import Cadence
-from petctl.elastic.snapcodec import Layout, encode_meta, flatten, tensor_view
+from petctl.elastic.snapcodec import Layout, encode_meta, flatten, payload_checksum, tensor_view
 
 INLINE_BYTES = 1 << 20  # a state this small is committed on the training thread: cheaper than a handoff
 META_ROOM = 64 * 1024  # the skeleton's bytes vary from step to step: room to grow without a remap
@@ -73,9 +73,7 @@ class SnapshotFile:
     def commit(self, header: SnapshotHeader) -> None:
         """Checksum the payload `header` describes and write the header: the snapshot is valid from here."""
         assert self.mm is not None
-        end = HEADER_SIZE + header.payload_length
-        with memoryview(self.mm) as view, view[HEADER_SIZE:end] as payload:
-            crc = checksum(payload)
+        crc = payload_checksum(self.mm, HEADER_SIZE, header.payload_length)
         self.mm[:HEADER_SIZE] = dataclasses.replace(header, checksum=crc).pack()
 
     def unmap(self) -> None:
