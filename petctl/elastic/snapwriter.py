@@ -28,6 +28,7 @@ import torch
 
 from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import BLANK, HEADER_SIZE, SnapshotHeader
+from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapcodec import Layout, encode_meta, flatten, payload_checksum, tensor_view
 
@@ -104,7 +105,10 @@ class SnapshotWriter:
         self.first_ms: float | None = None  # the first snapshot's cost to the training thread
         self.file = SnapshotFile(path)
         self._layout: Layout | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-snap")
+        # Niced like the uploader: when cores are short the step goes first, and a copy that then ends
+        # late holds the next optimizer.step(), a wait the cadence sees (and answers with a larger K).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-snap",
+                                        initializer=yield_cpu_to_training)
         self._pending: Future[None] | None = None
         self._copied = threading.Event()
         self._copied.set()
