@@ -34,7 +34,8 @@ from petctl.elastic.snapcodec import Layout, encode_meta, flatten, payload_check
 
 INLINE_BYTES = 1 << 20  # a state this small is committed on the training thread: cheaper than a handoff
 META_ROOM = 64 * 1024  # the skeleton's bytes vary from step to step: room to grow without a remap
-ZERO = {"copy_s": 0.0, "crc_s": 0.0, "blocked_s": 0.0, "cpu_s": 0.0, "hook_wait_s": 0.0, "bytes": 0}
+ZERO = {"copy_s": 0.0, "crc_s": 0.0, "blocked_s": 0.0, "cpu_s": 0.0, "hook_wait_s": 0.0, "bg_cpu_s": 0.0,
+        "bytes": 0}
 # What a snapshot can fail with: the file (OSError: ENOSPC), the mapping (IndexError, BufferError, ValueError)
 # or a copy (RuntimeError). Anything else is a bug and is raised.
 FAILURES = (OSError, ValueError, RuntimeError, IndexError, BufferError)
@@ -218,7 +219,7 @@ class SnapshotWriter:
         """Copy what was left, write the meta, checksum, and commit the header."""
         mm = self.file.mm
         assert mm is not None
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         views = self.file.views(layout)
         try:
             for i, tensor in later:
@@ -231,6 +232,7 @@ class SnapshotWriter:
         self.file.commit(dataclasses.replace(header, written_at=time.time()))
         self.stats["copy_s"] += t1 - t0
         self.stats["crc_s"] += time.monotonic() - t1
+        self.stats["bg_cpu_s"] += time.thread_time() - cpu0  # the copy and the checksum: CPU, not wall
         self.stats["bytes"] += layout.data_length
 
     def _finish(self) -> bool:
@@ -258,6 +260,7 @@ class SnapshotWriter:
                 "blocked_ms": round(1e3 * s["blocked_s"] / n, 3), "cpu_ms": round(1e3 * s["cpu_s"] / n, 3),
                 "hook_wait_ms": round(1e3 * s["hook_wait_s"] / n, 3),
                 "copy_ms": round(1e3 * s["copy_s"] / n, 3), "crc_ms": round(1e3 * s["crc_s"] / n, 3),
+                "background_cpu_ms": round(1e3 * s["bg_cpu_s"] / n, 3),
                 "copy_ms_per_100mb": round(1e5 * s["copy_s"] / mb, 3) if mb else None,
                 "step_ms": round(1e3 * step, 3) if step else None, "disabled": self.disabled}
 
