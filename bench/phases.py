@@ -30,6 +30,9 @@ MILESTONES: list[tuple[str, tuple[str, ...], str]] = [
     ("first_step", ("train.step",), "max"),
 ]
 LABELS = [label for label, _names, _agg in MILESTONES]
+# A petctl survivor has learnt that a member is gone: it declared the loss itself, or joined the next round
+# another survivor opened for it (issue 16's detection: every survivor knows).
+KNOWN_EVENTS = ("membership.lost", "rendezvous.restart", "rendezvous.joined")
 # petctl.elastic's `checkpoint.resumed` carries the worker's own start-up moments as fields (a user's
 # script prints none of its own): field -> the event it stands for.
 RESUMED_FIELDS = {"worker_started": "worker.proc_start", "elastic_imported": "elastic.imported",
@@ -78,6 +81,18 @@ def recovered_at(nodes: list[Node], world: int, after: float) -> float | None:
     """When every node in `nodes` ran a step at `world` after `after` (None if one has not yet)."""
     times = [first_step_at(n, world, after) for n in nodes]
     return None if any(t is None for t in times) else max(times)  # type: ignore[type-var]
+
+
+def all_know(nodes: list[Node], after: float) -> float | None:
+    """Seconds after `after` when the last of `nodes` knew of the loss (its first KNOWN_EVENTS event);
+    None while one has not (or for torchrun, whose agents print none of them)."""
+    firsts = []
+    for node in nodes:
+        hits = [float(e["ts"]) for e in node.events(after=after) if e["event"] in KNOWN_EVENTS]
+        if not hits:
+            return None
+        firsts.append(min(hits))
+    return round(max(firsts) - after, 4)
 
 
 def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:

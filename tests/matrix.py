@@ -11,7 +11,7 @@ from tests.conftest import Petctl
 from tests.ledger import WORKLOAD, Ledger
 
 # Fast failure detection (the defaults favour a LAN with real machines), as tests/test_local_elastic.py.
-FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "heartbeat_interval=0.5", "--timeout", "last_call=0.5",
+FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5",
         "--timeout", "stop_grace=2", "--timeout", "imds_interval=0.5"]
 
 

@@ -33,7 +33,7 @@ def test_lost_steps_kept_steps_and_reform_time():
     assert (r2.kept_steps, r2.steps_lost) == (13, 0)
     assert acc.steps_lost == 3 and acc.steps_kept == 21
     assert acc.reform_seconds == 14.0 - 11.0
-    assert acc.restarts == 1 and acc.failure_restarts == 0
+    assert acc.reforms == 1 and acc.failure_restarts == 0
     assert r2.cause == "node lost: b"
 
 

@@ -229,8 +229,8 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     status = json.loads((mirror / "status" / f"{node.node_id}.json").read_text())
     assert status["state"] == "succeeded"
     # Every service's failure count is published, even when (as here) nothing failed.
-    assert status["failures"] == {"watch": 0, "heartbeat": 0, "events": 0, "status": 0, "records": 0,
-                                  "sinks": 0, "mirror": 0, "rendezvous": 0, "store_outages": 0}
+    assert status["failures"] == {"watch": 0, "heartbeat": 0, "peers": 0, "events": 0, "status": 0,
+                                  "records": 0, "sinks": 0, "mirror": 0, "rendezvous": 0, "store_outages": 0}
     assert '"event": "train.step"' in stream("logs")
 
 

@@ -90,3 +90,15 @@ def test_the_old_members_stall_is_the_longest_pause_between_two_worlds(tmp_path:
     nodes = [member("a", 0.3, 1.0), member("b", 0.2, 1.1)]
     assert phases.stall(nodes, 4, T) == 0.9
     assert phases.stall([*nodes, _node(tmp_path, "c", [])], 4, T) is None  # c not at world 4 yet
+
+
+def test_every_survivor_knows_when_the_last_one_declared_the_loss_or_joined_the_next_round(tmp_path: Path):
+    """P2's detection: a declares the loss at T+1.0; b learns of it by joining the round a opened."""
+    a = _node(tmp_path, "a", [{"ts": T - 5, "event": "membership.lost"},  # an earlier loss: not this one
+                              {"ts": T + 1.0, "event": "membership.lost"},
+                              {"ts": T + 1.01, "event": "rendezvous.restart"}])
+    b = _node(tmp_path, "b", [{"ts": T + 0.5, "event": "train.step", "step": 3, "world_size": 3},
+                              {"ts": T + 1.05, "event": "rendezvous.joined"}])
+    assert phases.milestones([a, b], 2, T)["detect"] == 1.0
+    assert phases.all_know([a, b], T) == 1.05
+    assert phases.all_know([a, b, _node(tmp_path, "c", [])], T) is None  # c has not heard yet

@@ -39,6 +39,11 @@ def test_bench_quick_smoke(tmp_path):
     p2 = doc["results"]["P2"]["summary"]["petctl"]
     assert _number(p2["seconds"]["median"]), p2
     assert p2["phases_median"], p2
+    # Detection, and beside it the TTL-only detection of before issue 16 (bench/scenarios/recovery.py).
+    assert _number(p2["detect_s"]["median"]) and _number(p2["all_know_s"]["median"]), p2
+    ttl_only = doc["results"]["P2"]["summary"]["petctl-ttl3"]
+    assert _number(ttl_only["detect_s"]["median"]), ttl_only
+    assert any(r["metric"] == "freeze -> every survivor knows" for r in doc["table"])
 
     p5 = doc["results"]["P5"]["summary"]["petctl/N=8"]
     assert _number(p5["rdzv_s"]["median"]), p5

@@ -42,7 +42,8 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     png = tmp_path / "chart.png"
     report = local.json("report", "ins", "--png", str(png))
     assert report["state"] == "succeeded"
-    assert (report["steps_kept"], report["steps_lost"], report["restarts"]) == (8, 0, 0)
+    assert (report["steps_kept"], report["steps_lost"]) == (8, 0)
+    assert (report["reforms"], report["failure_restarts"]) == (0, 0)
     assert 0 < report["goodput"] < 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ from tests.conftest import EXAMPLES, Petctl
 pytestmark = pytest.mark.slow
 
 # Fast failure detection for tests (the defaults favour a LAN with real machines).
-FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "heartbeat_interval=0.5", "--timeout", "last_call=0.5",
+FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5",
         "--timeout", "stop_grace=2"]
 TRAIN = str(EXAMPLES / "train_ddp.py")
 

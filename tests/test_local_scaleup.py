@@ -69,7 +69,7 @@ def test_scale_up_with_slow_stopping_workers_forms_one_round_and_keeps_ranks(loc
     script.write_text(SLOW_TO_STOP)
     # last_call stays at its default (1 s, shorter than the workers' stop); stop_grace lets them finish.
     local.run("run_job", "--name", "slow", "--min", "1", "--max", "3", "--size", "2",
-              "--timeout", "heartbeat_ttl=2", "--timeout", "heartbeat_interval=0.5",
+              "--timeout", "heartbeat_ttl=2",
               "--timeout", "stop_grace=5", "--wait", "--wait-timeout", "120", str(script))
     before = local.wait_status("slow", formed(2), 90, "a 2-node world")
     old = set(before["ranks"])

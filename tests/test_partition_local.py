@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 TTL = 2.0
 DETECTION_MARGIN = 4.0
-FAST = ["--timeout", f"heartbeat_ttl={TTL}", "--timeout", "heartbeat_interval=0.5", "--timeout",
+FAST = ["--timeout", f"heartbeat_ttl={TTL}", "--timeout",
         "last_call=0.5", "--timeout", "stop_grace=2"]
 JOB = "part"
 

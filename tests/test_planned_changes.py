@@ -176,3 +176,9 @@ def test_a_plain_torchrun_script_still_gets_sigterm_at_a_scale_in(local: Petctl,
     assert terms[0]["ts"] - t_scale < 15, terms
     worlds = [e["world"] for e in entries if e["event"] == "step"]
     assert worlds[0] == 2 and worlds[-1] == 1 and worlds.count(1) == 30, worlds[-35:]
+    # Its status (issue 15): n/a for what only step lines tell, the re-form timed from the agents' events.
+    acc = local.status("plain")["accounting"]
+    assert (acc["steps_reported"], acc["goodput"], acc["steps_lost"]) == (False, None, None), acc
+    assert acc["reforms"] >= 1 and acc["reform_basis"] == "rounds" and acc["reform_seconds"] > 0, acc
+    line = local.run("status", "plain").stdout
+    assert "steps lost n/a" in line and " 0.0s re-forming" not in line, line

@@ -91,3 +91,27 @@ def test_kill_without_notice_resumes_from_last_periodic_checkpoint(cluster, imds
     newest_saved = max(s for s in before if (s + 1) % 5 == 0)
     assert first_after == newest_saved + 1, (before[-3:], first_after)
     assert first_after <= max(before) + 1
+
+
+def test_a_plain_script_stopped_at_a_notice_is_not_said_to_have_saved(etcd_server, imds, tmp_path):
+    """A script without petctl.elastic (tests/workloads/steps.py) gets SIGTERM at the notice and reports
+    no save: the noticed node's round ends saying so, not "preemption checkpoint done" (issue 15)."""
+    spec = make_spec(f"plain{next(_names)}", etcd_server.endpoint, min_size=1, max_size=2, size=2,
+                     env={"STEP_TIME": "0.1"}, imds_interval=0.5)
+    cluster = AgentCluster(etcd_server.endpoint, tmp_path / "nodes", spec)
+    try:
+        nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(2)]
+        st = wait_for(lambda: (s := cluster.state()).world_size == 2 and s, 40, what="world of 2")
+        wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 3 for n in nodes), 30, what="training")
+        victim = next(n for n in nodes if st.ranks[n.node_id] == 1)
+        notices = tmp_path / "notices"
+        notices.mkdir(exist_ok=True)
+        notice = {"kind": "spot", "time": time.time() + 60}
+        (notices / f"{victim.node_id}.json").write_text(json.dumps(notice))
+        wait_for(lambda: victim.events("agent.left"), 40, what="the noticed node leaving")
+        assert victim.events("agent.left")[0]["cause"] == "preemption"
+        (summary,) = [e for e in victim.events("round.summary") if e["round"] == st.round.round]
+        (stopped,) = [e for e in victim.events("workers.stopped") if e["round"] == st.round.round]
+        assert summary["why"] == stopped["why"] == "preempted: workers stopped by SIGTERM, no save reported"
+    finally:
+        cluster.stop_all()

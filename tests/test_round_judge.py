@@ -25,6 +25,7 @@ from petctl.agent.roundjudge import (
     WorkerWatch,
     judge,
     judge_workers,
+    preempted_why,
 )
 from petctl.agent.view import RoundInfo
 from petctl.core.records import Phase, Preempt, Round
@@ -145,3 +146,40 @@ def test_the_first_success_anywhere_starts_the_finish_grace():
     assert watch.finishing_since == T0
     _, watch = judge_workers(watch, workers(some_succeeded=True), T0 + 5, TIMING, "n1")
     assert watch.finishing_since == T0
+
+
+# --- a preempted round's end, in words ------------------------------------------------------------------
+DONE = RoundOutcome.PREEMPTED.value  # "preemption checkpoint done": only when every local worker saved
+SIGTERMED = "preempted: workers stopped by SIGTERM, no save reported"
+
+
+@pytest.mark.parametrize("protocol,saved,nproc,timed_out,why", [
+    (True, 2, 2, False, DONE),
+    (True, 2, 2, True, DONE),  # saved just as the deadline passed: it is there
+    (True, 1, 1, False, DONE),
+    (False, 0, 1, False, SIGTERMED),  # a plain script: SIGTERM at the notice, nothing reported saved
+    (False, 0, 2, True, SIGTERMED),
+    (False, 0, 2, False, SIGTERMED),
+    (True, 0, 2, True, "preempted: save timed out, 0 of 2 local workers saved"),
+    (True, 1, 2, True, "preempted: save timed out, 1 of 2 local workers saved"),
+    (True, 1, 2, False, "preempted: workers exited before saving, 1 of 2 local workers saved"),
+    (True, 0, 1, False, "preempted: workers exited before saving, 0 of 1 local workers saved"),
+])
+def test_a_preempted_round_says_whether_anything_was_saved(protocol, saved, nproc, timed_out, why):
+    assert preempted_why(protocol=protocol, saved=saved, nproc=nproc, timed_out=timed_out) == why
+
+
+def test_the_agent_reads_the_words_from_the_control_files(tmp_path):
+    """The agent's side of it: the control dir's markers, as the workers left them."""
+    from petctl.agent.preemption import PreemptionHandler
+    from petctl.core import controlfiles
+
+    handler = PreemptionHandler(config=None, events=None)  # type: ignore[arg-type]
+    assert handler.why_stopped(tmp_path, 2) == SIGTERMED  # a plain script: no marker, no save
+    controlfiles.mark_elastic(tmp_path, 0)
+    controlfiles.mark_elastic(tmp_path, 1)
+    controlfiles.write_saved(tmp_path, 0, 41)
+    assert handler.why_stopped(tmp_path, 2) == (
+        "preempted: workers exited before saving, 1 of 2 local workers saved")
+    controlfiles.write_saved(tmp_path, 1, 41)
+    assert handler.why_stopped(tmp_path, 2) == DONE

@@ -38,6 +38,22 @@ SCENARIOS = {
 }
 
 
+# The petctl agents a scenario can run: its defaults, and (P2) the TTL-only detection as it was before
+# issue 16 (1 s refreshes, 3 s TTL; with those the peer watch is off, agent/silence.py), beside it.
+PETCTL_VARIANTS: dict[str, dict[str, float]] = {
+    "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0},
+    "petctl-nosnap": {}}  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0
+BASELINES = {"P2": ["petctl-ttl3"]}  # run after petctl whenever petctl runs this scenario
+
+
+def systems_for(sid: str, systems: list[str]) -> list[str]:
+    """The systems a scenario runs: the ones asked for, plus its petctl baselines when petctl is asked."""
+    extra = [b for b in BASELINES.get(sid, []) if "petctl" in systems and b not in systems]
+    out = [s for s in systems if s in PETCTL_VARIANTS or s.startswith("torchrun-")]
+    at = out.index("petctl") + 1 if "petctl" in out else len(out)
+    return out[:at] + extra + out[at:]
+
+
 # Workload name -> its script. user_train.py's defaults are the bench's (a checkpoint every 10 steps, at
 # least 50 ms per step): it runs with no arguments, as a user would start it.
 WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py"}
@@ -49,11 +65,6 @@ def workload_env(system: str = "petctl") -> dict[str, str]:
     if system == "petctl-nosnap":
         env["PETCTL_SNAPSHOTS"] = "0"
     return env
-
-
-def is_petctl(system: str) -> bool:
-    """petctl itself or one of its variants (petctl-nosnap)."""
-    return system == "petctl" or system.startswith("petctl-")
 
 
 def result_key(sid: str, workload: str) -> str:
@@ -75,10 +86,10 @@ def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]
     root = ctx.dir(key, system, f"rep{rep}")
     ckpt = f"file://{ctx.dir(key, system, f'rep{rep}', 'checkpoints')}"
     script = WORKLOADS[workload]
-    if is_petctl(system):
+    if system in PETCTL_VARIANTS:
         job = PetctlJob.create(root, ctx.etcd.endpoint, name, min_size=sc["min"], max_size=sc["max"],
                                size=sc["nodes"], env=workload_env(system), checkpoint_url=ckpt, imds=ctx.imds,
-                               script=script, initial_wait=60.0)
+                               script=script, initial_wait=60.0, **PETCTL_VARIANTS[system])
         nodes = [job.start() for _ in range(sc["nodes"])]
     else:
         backend = system.removeprefix("torchrun-")
@@ -92,7 +103,7 @@ def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]
 
 
 def _victim(job: Any, system: str, nodes: list[Node], world: int) -> Node:
-    if is_petctl(system):
+    if system in PETCTL_VARIANTS:
         ranks = wait_for(lambda: job.frozen_ranks(world), 10) or {}
         top = max(ranks, key=ranks.get) if ranks else nodes[-1].name
         return job.nodes[top]
@@ -107,7 +118,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
         if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
             return result
-        if is_petctl(system):
+        if system in PETCTL_VARIANTS:
             # Steady state: every agent has refilled its warm pool for the next restart (a real job runs
             # for minutes between disruptions; 25 steps here are 2-3 s). Capped, and recorded.
             t_settle = time.time()
@@ -116,7 +127,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             result["settle_s"] = round(time.time() - t_settle, 2)
             result["warm_settled"] = bool(settled)
         world = sc["world_after"]
-        cap = ctx.hang_cap if (sid == "P2" and not is_petctl(system)) else RECOVER_TIMEOUT
+        cap = ctx.hang_cap if (sid == "P2" and system not in PETCTL_VARIANTS) else RECOVER_TIMEOUT
         kill_at: float | None = None
         victim: Node | None = None
         if sid == "P3":
@@ -129,7 +140,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             watch = [n for n in nodes if n is not victim]
             detect_nodes = nodes
             if sid == "P1":
-                if is_petctl(system):
+                if system in PETCTL_VARIANTS:
                     t_event = job.notice(victim.name, ctx.grace)
                 else:  # torchrun has no notice: it gets SIGTERM at the notice time
                     t_event = time.time()
@@ -161,6 +172,9 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
         result["milestones"] = marks
         result["phases"] = phases.phase_durations(marks)
         result["sub_phases"] = phases.sub_phases(marks)
+        if sid == "P2":  # detection: the first survivor's, and when every survivor knew
+            result["detect_s"] = marks.get("detect")
+            result["all_know_s"] = phases.all_know(watch, t_event)
         if sid in ("P1", "P2"):
             _keep_timeline(ctx, result_key(sid, workload), system, rep, nodes, t_event, result)
         return result
@@ -186,7 +200,7 @@ def _keep_timeline(ctx: Context, sid: str, system: str, rep: int, nodes: list[No
 def run(ctx: Context, sid: str, workload: str = "bench") -> dict[str, Any]:
     sc = SCENARIOS[sid]
     out: dict[str, Any] = {"title": sc["title"], "workload": workload, "runs": {}}
-    for system in ctx.systems:
+    for system in systems_for(sid, ctx.systems):
         runs = []
         for rep in range(ctx.reps):
             ctx.log(f"{sid} ({workload}) {system} rep {rep + 1}/{ctx.reps}")
@@ -208,6 +222,9 @@ def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     lost = [r.get("steps_lost") for r in runs if r.get("steps_lost") is not None]
     if lost:
         out["steps_lost"] = phases.summarize(lost)
+    for key in ("detect_s", "all_know_s"):
+        if any(key in r for r in runs):
+            out[key] = phases.summarize([r.get(key) for r in runs])
     stalls = [r.get("stall") for r in runs if r.get("stall") is not None]
     if stalls:
         out["stall"] = phases.summarize(stalls)

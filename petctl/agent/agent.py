@@ -33,6 +33,7 @@ from petctl.agent.eventsink import EtcdEventSink
 from petctl.agent.heartbeat import Heartbeat
 from petctl.agent.mirror import Mirror
 from petctl.agent.outage import OutageReporter, describe, traceback_tail
+from petctl.agent.peerwatch import PeerWatch
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.readiness import get_ready
 from petctl.agent.rebalance import RebalanceResponder
@@ -40,6 +41,7 @@ from petctl.agent.rebuild import StoreRebuilder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
 from petctl.agent.roundjudge import RoundOutcome
 from petctl.agent.roundrunner import RoundParts, RoundRunner
+from petctl.agent.silence import silence_limit, watching_enabled
 from petctl.agent.snapshots import SnapshotArea
 from petctl.agent.status import Progress, StatusPublisher
 from petctl.agent.storehealth import StoreHealth
@@ -86,6 +88,10 @@ class Agent:
         self.heartbeat = Heartbeat(etcd_client(endpoint, read_timeout=timeout), self.keys, beat, interval,
                                    ttl, OutageReporter("heartbeat", emit, parent=store), store,
                                    self.events)
+        self.peers = (PeerWatch(etcd_client(endpoint, read_timeout=timeout), self.keys, self.node_id,
+                                self.heartbeat, store, OutageReporter("peers", emit, parent=store),
+                                self.events, silence_limit(t), wake=self.watcher.nudge)
+                      if watching_enabled(t) else None)
         self.rdzv = EtcdRendezvous(self.client, spec.name, self.node_id, config.host_addr, self.settings,
                                    self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
@@ -110,6 +116,8 @@ class Agent:
                   "events": self.event_sink.dropped, "status": self.status.outage.failures,
                   "records": self.rdzv.reader.corrupt_records, "sinks": self.events.sink_failures,
                   "rendezvous": self.rdzv.outage.failures, "store_outages": self.store.outages}
+        if self.peers is not None:
+            counts["peers"] = self.peers.outage.failures
         if self.mirror is not None:  # the mirror counts its own (petctl/agent/mirror.py)
             counts["mirror"] = self.mirror.failures
         return counts
@@ -147,11 +155,14 @@ class Agent:
         services.callback(self.heartbeat.stop, delete=True)  # a no-op after a leave or the job's end
         self.watcher.start()
         services.callback(self.watcher.stop)
+        if self.peers is not None:
+            self.peers.start()
+            services.callback(self.peers.stop)
         runner = RoundRunner(RoundParts(
             spec=self.spec, node_id=self.node_id, settings=self.settings, events=self.events, rdzv=self.rdzv,
-            watcher=self.watcher, heartbeat=self.heartbeat, preemption=self.preemption, status=self.status,
-            progress=self.progress, leave=self.leave, control_dir=self.control_dir, work_dir=self.work_dir,
-            out=self.out, worker_spec=worker_spec, pool=pool,
+            watcher=self.watcher, heartbeat=self.heartbeat, peers=self.peers, preemption=self.preemption,
+            status=self.status, progress=self.progress, leave=self.leave, control_dir=self.control_dir,
+            work_dir=self.work_dir, out=self.out, worker_spec=worker_spec, pool=pool,
             rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild,
             depart=self._depart, snapshot_dir=snapshots.path if snapshots is not None else None))
         return self._loop(runner)

@@ -2,7 +2,17 @@
 
 Refreshes use etcd's `refresh=True`, which renews the TTL without notifying watchers, so a healthy job
 produces no watch traffic at all. A node that stops refreshing (dead, or frozen with its sockets still
-open) has its key expire after `ttl`; etcd then emits `expire` and every agent wakes within the TTL.
+open) is removed by the member watching it (peerwatch.py) once its key has not changed for the silence
+limit (1 s by default) while the watcher's own refreshes went through; where no member watches it, its key
+expires after `ttl`. Either way etcd emits an event under `live/` and every agent wakes.
+
+The refresher is its own thread doing nothing but the refresh: on a fixed monotonic schedule (a slow
+refresh does not push the next one back; missed beats are skipped, not sent in a burst), and it records
+when its latest applied refresh was sent (`last_ok`): the peer watch judges others only while its own
+refreshes get through. A gap of GAP_BEATS refresh intervals or more between two applied refreshes (this
+process was stalled or frozen, or etcd was out of reach; 0.5 s with the default interval) is reported once
+it ends (`heartbeat.gap`), and the longest gap is kept (`longest_gap`): it is how close this node came to
+being judged silent.
 
 A node that finds its own key gone while it kept refreshing was not lost: etcd stalled past the TTL (every
 key expired together when it resumed), or it was replaced by an empty one, or this process was frozen.
@@ -27,6 +37,8 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.io.etcd import store_errors
 
+GAP_BEATS = 2.5  # refresh intervals between two applied refreshes that are worth an event (`heartbeat.gap`)
+
 
 class Heartbeat:
     def __init__(self, client: etcd.Client, keys: JobKeys, record: NodeRecord, interval: float, ttl: float,
@@ -41,6 +53,8 @@ class Heartbeat:
         self.store = store
         self.events = events
         self.reasserted = 0  # times our key had vanished and was written again
+        self.last_ok: float | None = None  # monotonic send time of our latest refresh etcd applied
+        self.longest_gap = 0.0  # the longest time between the sends of two applied refreshes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deleted = False
@@ -48,7 +62,9 @@ class Heartbeat:
     def register(self) -> None:
         """(Re)create the key. Safe to call when it already exists. Raises one of
         `store_errors()` if etcd cannot be reached."""
+        sent = time.monotonic()
         self.client.write(self.key, self.value, ttl=self.ttl)
+        self._applied(sent)
         self._deleted = False
 
     def start(self) -> None:
@@ -59,17 +75,31 @@ class Heartbeat:
 
     def _run(self) -> None:
         errors = store_errors()
-        while not self._stop.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
             t0 = time.monotonic()
+            due += self.interval
+            if due < t0:  # late by more than a beat (a stall of this process): skip, don't burst
+                due = t0 + self.interval
             try:
                 self.client.refresh(self.key, ttl=self.ttl)
             except etcd.EtcdKeyNotFound:
                 self._reassert(errors)
             except errors as e:  # etcd unreachable (any form): retry until it answers
                 self.outage.failed(e)
-                self._stop.wait(min(self.interval, 0.2))
+                due = min(due, time.monotonic() + min(self.interval, 0.2))
             else:
+                self._applied(t0)
                 self.outage.succeeded(time.monotonic() - t0)
+
+    def _applied(self, sent: float) -> None:
+        """A refresh (or write) sent at `sent` was applied: note it, and report a long gap before it."""
+        gap = None if self.last_ok is None else sent - self.last_ok
+        self.last_ok = sent
+        if gap is not None and gap > self.longest_gap:
+            self.longest_gap = gap
+        if gap is not None and gap >= GAP_BEATS * self.interval and self.events is not None:
+            self.events.emit("heartbeat.gap", seconds=round(gap, 3))
 
     def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
         """Our key vanished while we kept refreshing it: say so, then write it again."""

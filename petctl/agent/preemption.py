@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from petctl.agent.roundjudge import preempted_why
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
@@ -44,6 +45,7 @@ class PreemptionHandler:
         self.notice: Any = None
         self.announced = False
         self.save_deadline = 0.0
+        self.timed_out = False  # the workers' save ran past save_deadline
         self._watcher: Any = None
         self._heartbeat: Any = None
         self._lock = threading.Lock()
@@ -126,9 +128,18 @@ class PreemptionHandler:
         if controlfiles.all_saved(control_dir, workers.spec.nproc):
             return True
         if time.time() >= self.save_deadline:
+            self.timed_out = True
             self.events.emit("preemption.save_timeout", save_deadline=self.save_deadline)
             return True
         return False
+
+    def why_stopped(self, control_dir: Path, nproc: int) -> str:
+        """How our preempted round ended, in words (`roundjudge.preempted_why`), from what the workers
+        left in the control dir: a plain script's SIGTERM is not a "checkpoint done"."""
+        saved = controlfiles.read_saved(control_dir)
+        return preempted_why(protocol=controlfiles.speaks_protocol(control_dir, nproc),
+                             saved=sum(1 for rank in range(nproc) if rank in saved), nproc=nproc,
+                             timed_out=self.timed_out)
 
     def complete_lifecycle(self) -> None:
         if self._heartbeat is not None:

@@ -2,9 +2,14 @@
 
 Run by the one agent that recorded the job's final result (AWS only; `--keep` opts out). In order:
 delete the termination lifecycle hook (otherwise every instance would wait in it for the hook's
-timeout), then drop the Auto Scaling group to 0 (the instances, hence the cost, go now). The job's role
-may do exactly this to its own group and nothing else (cfn/job.yaml.j2; tests/aws/test_permissions.py
-checks that the policy allows exactly the calls made here).
+timeout), then drop the Auto Scaling group to 0 (the instances, hence the cost, go now) by setting its
+MinSize and MaxSize to 0: the job's role may call UpdateAutoScalingGroup on its own group only with
+both at 0 (cfn/job.yaml.j2: IAM has condition keys for MinSize and MaxSize, none for DesiredCapacity),
+so job code holding the same credentials can shrink its own group but never grow it. A MaxSize of 0
+takes the desired capacity to 0 with it (AWS: a maximum below the group's size sets the desired
+capacity to it); DesiredCapacity=0 is sent too, which AWS accepts only because it is within [0, 0].
+tests/aws/test_permissions.py checks that the policy allows exactly the calls made here, and
+tests/aws/test_isolation.py evaluates them against the policy's conditions.
 
 The agent does not delete the job stack. Deleting it needs permissions the workers must not hold
 (IAM role deletion, and passing the CloudFormation service role that can do it); an empty group bills
@@ -31,7 +36,7 @@ def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
         ("delete_lifecycle_hook", lambda: autoscaling.delete_lifecycle_hook(
             AutoScalingGroupName=asg_name, LifecycleHookName=hook_name)),
         ("scale_to_zero", lambda: autoscaling.update_auto_scaling_group(
-            AutoScalingGroupName=asg_name, MinSize=0, DesiredCapacity=0)),
+            AutoScalingGroupName=asg_name, MinSize=0, MaxSize=0, DesiredCapacity=0)),
     ]
     ok = True
     for name, call in steps:

@@ -24,8 +24,24 @@ class RoundOutcome(enum.Enum):
     NEXT_ROUND = "next round"  # the round was replaced: rendezvous again (as the same member)
     JOB_ENDED = "job ended"  # the round went final
     LEAVE = "agent asked to leave"  # SIGTERM: leave gracefully
-    PREEMPTED = "preemption checkpoint done"  # noticed, saved: leave before the reclaim
+    PREEMPTED = "preemption checkpoint done"  # noticed: leave before the reclaim (see preempted_why)
     FENCED = "fenced"  # cut off from etcd while our workers stalled: they were stopped; rejoin
+
+
+def preempted_why(protocol: bool, saved: int, nproc: int, timed_out: bool) -> str:
+    """The words a PREEMPTED round ends with (`why` of `workers.stopped` and `round.summary`), true to
+    what happened: "preemption checkpoint done" only when every local worker reported its save.
+
+    `protocol`: the workers marked themselves `elastic.<rank>` (else a plain script: it got SIGTERM at
+    the notice, and whatever it did with it, it reported no save); `saved`: local workers that wrote
+    `saved.<rank>`; `timed_out`: the save deadline passed before they all did.
+    """
+    if saved >= nproc:
+        return RoundOutcome.PREEMPTED.value
+    if not protocol:
+        return "preempted: workers stopped by SIGTERM, no save reported"
+    how = "save timed out" if timed_out else "workers exited before saving"
+    return f"preempted: {how}, {saved} of {nproc} local workers saved"
 
 
 # --- what live/ says --------------------------------------------------------------------------------

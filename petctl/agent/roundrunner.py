@@ -27,6 +27,7 @@ from petctl.agent.decisions import EndJob, Settings
 from petctl.agent.fencing import FenceLook, fence, should_fence
 from petctl.agent.heartbeat import Heartbeat
 from petctl.agent.outage import OutageReporter
+from petctl.agent.peerwatch import PeerWatch
 from petctl.agent.preemption import PreemptionHandler
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
@@ -77,6 +78,7 @@ class RoundParts:
     rdzv: EtcdRendezvous
     watcher: LiveWatcher
     heartbeat: Heartbeat
+    peers: PeerWatch | None  # watches the next member while a round runs (None: only the TTL drops nodes)
     preemption: PreemptionHandler
     status: StatusPublisher
     progress: Progress
@@ -115,6 +117,8 @@ class RoundRunner:
         p.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
                       nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready)
         p.status.set_state("running")
+        if p.peers is not None:
+            p.peers.watch(info)
         self.saves.begin(workers)
         watch = WorkerWatch()
         self._fenced, self._done_pending = False, None
@@ -263,10 +267,13 @@ class RoundRunner:
 
     def _stop(self, workers: WorkerGroup, info: RoundInfo, outcome: RoundOutcome) -> RoundOutcome:
         p = self.p
+        if p.peers is not None:
+            p.peers.clear()
         t0 = time.monotonic()
         p.status.set_state("stopping")
         codes = workers.stop(p.spec.timeouts.stop_grace)
-        why = outcome.value
+        why = (p.preemption.why_stopped(p.control_dir, p.spec.nproc_per_node)
+               if outcome is RoundOutcome.PREEMPTED else outcome.value)
         p.events.emit("workers.stopped", round=info.round, why=why, codes=codes,
                       seconds=round(time.monotonic() - t0, 3))
         span = p.progress.span

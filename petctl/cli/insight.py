@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -14,6 +15,7 @@ from petctl.cli.render import output_option, print_json, table
 HEADLINES = {
     "agent.started", "agent.left", "agent.exit", "rendezvous.complete", "rendezvous.restart",
     "membership.lost", "membership.waiting", "workers.failed", "workers.succeeded", "heartbeat.lost",
+    "peer.silent", "heartbeat.gap",
     "preemption.notice", "preemption.announced", "preemption.save_timeout", "checkpoint.saved",
     "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "instance.reclaimed",
     "scale.changed", "release.done", "release.partial",
@@ -42,7 +44,7 @@ def _detail(event: dict) -> str:
 @click.option("--all", "show_all", is_flag=True, help="Every event, not just the headline ones.")
 @output_option
 def events_cmd(name: str, show_all: bool, output: str) -> None:
-    """The job's timeline: rounds, restarts and why, preemptions, checkpoints, scale changes."""
+    """The job's timeline: rounds, re-forms and why, preemptions, checkpoints, scale changes."""
     provider_for().job(name)  # unknown job -> one-line error
     view = job_view(name)
     events = view.events()
@@ -59,13 +61,30 @@ def events_cmd(name: str, show_all: bool, output: str) -> None:
           ["t", "node", "event", "detail"], rows)
 
 
+def report_rows(acc) -> list[tuple[str, Any]]:
+    """The report's table (an `Accounting`): n/a for what a job without step lines cannot tell."""
+    goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else f"n/a ({acc.goodput_note})"
+    reforming = f"{acc.reform_seconds:.1f}s" + (" (round end to workers started: no step events, so "
+                                                "their start-up is not seen)" if acc.reform_basis == "rounds"
+                                                else "")
+    return [
+        ("goodput (kept node-time / instance node-time)", goodput),
+        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}" if acc.steps_reported else "n/a"),
+        ("re-forms (membership changes and failure restarts)", acc.reforms),
+        ("failure restarts (counted against --max-restarts)", acc.failure_restarts),
+        ("preemption notices", acc.preemption_notices),
+        ("time re-forming", reforming),
+        ("instance time", f"{acc.instance_seconds / 3600:.3f} node-hours over {acc.nodes} nodes"),
+    ]
+
+
 @click.command("report")
 @click.argument("name")
 @click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the timeline chart (default ./<job>-timeline.png).")
 @output_option
 def report_cmd(name: str, png: Path | None, output: str) -> None:
-    """Goodput, lost steps, restarts and a PNG chart of the job's timeline."""
+    """Goodput, lost steps, re-forms, failure restarts and a PNG chart of the job's timeline."""
     from petctl.jobview.report import render_timeline
 
     info = provider_for().job(name)
@@ -80,16 +99,8 @@ def report_cmd(name: str, png: Path | None, output: str) -> None:
     if output == "json":
         print_json({**data, "rounds": [r.__dict__ for r in acc.rounds]})
         return
-    goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else f"n/a ({acc.goodput_note})"
-    table(f"report for {name}: {info.state}", ["measure", "value"], [
-        ("goodput (kept node-time / instance node-time)", goodput),
-        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}" if acc.steps_reported else "n/a"),
-        ("restarts (worker failures)", f"{acc.restarts} ({acc.failure_restarts})"),
-        ("preemption notices", acc.preemption_notices),
-        ("time re-forming", f"{acc.reform_seconds:.1f}s"),
-        ("instance time", f"{acc.instance_seconds / 3600:.3f} node-hours over {acc.nodes} nodes"),
-        ("chart", data.get("chart", "-")),
-    ])
+    table(f"report for {name}: {info.state}", ["measure", "value"],
+          [*report_rows(acc), ("chart", data.get("chart", "-"))])
 
 
 COMMANDS = (events_cmd, report_cmd)

@@ -55,7 +55,10 @@ def status_summary(status: dict[str, Any]) -> str:
         parts.append(f"round {status['round_no']}")
     parts.append(f"world size {status['world_size']}")
     parts.append(f"desired {status['desired']} in [{status['min_size']}, {status['max_size']}]")
-    if status.get("restarts") is not None:
-        parts.append(f"restarts {status['restarts']}")
+    # The round's worker-failure count (bounded by --max-restarts); the accounting line below it counts
+    # re-forms, which membership changes make too.
+    failures = status.get("failure_restarts", status.get("restarts"))
+    if failures is not None:
+        parts.append(f"failure restarts {failures}")
     line = ", ".join(parts)
     return line + (f" ({status['reason']})" if status.get("reason") else "")

@@ -24,6 +24,9 @@ def job_status(info, state) -> dict[str, Any]:
         desired=info.desired, min_size=info.min_size, max_size=info.max_size,
         ranks=state.ranks,
         round_no=current.round if current else None,
+        # Worker failures so far in the job (the round's count, bounded by --max-restarts): not re-forms,
+        # which the accounting counts. `restarts` is the same number under its old name.
+        failure_restarts=current.restarts if current else None,
         restarts=current.restarts if current else None,
     )
     return data
@@ -67,7 +70,7 @@ def echo_failure(failure: dict[str, Any] | None) -> None:
     from petctl.jobview.failure import WorkerFailure
 
     if failure:
-        for line in WorkerFailure(**failure).block():
+        for line in WorkerFailure.from_dict(failure).block():
             click.echo(line)
 
 
@@ -78,7 +81,7 @@ def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                    key=lambda n: (ranks.get(n.get("node_id"), 1 << 30), str(n.get("node_id"))))
     # A script that reports no steps: "n/a" (the one-line summary says why), not a bare "-".
     no_step = None if data["accounting"].get("steps_reported", True) else "n/a"
-    columns = ["node", "rank", "world size", "round", "restarts", "state", "step", "checkpoint"]
+    columns = ["node", "rank", "world size", "round", "failure restarts", "state", "step", "checkpoint"]
     rows = [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
              n.get("state"), n.get("step") if n.get("step") is not None else no_step,
              checkpoint_step(n.get("last_checkpoint"))] for n in nodes]
@@ -94,7 +97,7 @@ def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 @click.argument("name")
 @output_option
 def status(name: str, output: str) -> None:
-    """A job's state and its nodes: rank, world size, round, restarts, state, step, and each node's
+    """A job's state and its nodes: rank, world size, round, failure restarts, state, step, and each node's
     counted failures (etcd, mirror, heartbeat, ...) when it has any. For a failed job, the failing
     worker's last error lines."""
     from petctl.jobview.summary import one_line, summarize
@@ -104,7 +107,8 @@ def status(name: str, output: str) -> None:
     info = provider.job(name)
     view = job_view(name)
     data = job_status(info, view.state())
-    data["accounting"] = summarize(view, running=data["state"] not in FINAL_STATES)
+    data["accounting"] = summarize(view, running=data["state"] not in FINAL_STATES,
+                                   live_steps=any(n.get("step") is not None for n in data["nodes"].values()))
     data["scaling_activities"] = (provider.scaling_activities(name) if isinstance(provider, CapacityInsight)
                                   else [])
     data["corrupt_records"] = view.corrupt.to_dict()

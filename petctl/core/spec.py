@@ -42,8 +42,12 @@ def _from_dict(cls: type, data: dict[str, Any]):
 class Timeouts:
     """Agent timing knobs. Defaults favour fast recovery on a LAN; tests shrink them further."""
 
-    heartbeat_interval: float = 1.0  # seconds between TTL refreshes of a node's liveness key
-    heartbeat_ttl: float = 3.0  # a node silent for this long is dropped (a frozen host included)
+    heartbeat_interval: float = 0.2  # seconds between TTL refreshes of a node's liveness key
+    # A member whose key no refresh reached for this long, while the refreshes of the member watching it
+    # got through, is dropped by that member (agent/silence.py): a frozen or cut-off host in about 1.2 s.
+    # Never less than 4 refresh intervals; at or above heartbeat_ttl, only the TTL drops nodes.
+    peer_silence: float = 1.0
+    heartbeat_ttl: float = 3.0  # etcd expires a key not refreshed this long: where no member watches it
     last_call: float = 1.0  # once `min` nodes joined, wait this long for stragglers still alive
     initial_wait: float = 30.0  # the first round waits up to this long for `size` nodes (job start)
     join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails

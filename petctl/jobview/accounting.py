@@ -8,7 +8,13 @@ petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous ge
 - steps lost in r = last step run in r - resume(r+1) + 1 (>= 0): work done and thrown away;
 - kept node-seconds in r = kept steps x mean step time in r x world size;
 - re-forming = from the last step of a round that trained to the first step of the next one that did:
-  the stall users see (rounds that re-formed again before training fall inside it);
+  the stall users see (rounds that re-formed again before training fall inside it). A job that prints no
+  step lines is timed from what the agents saw themselves: from the end of a round (its first worker
+  failure, the restart that replaced it, or its workers stopping, whichever came first) to the next
+  round's workers starting; the workers' start-up before their first step is then not in it;
+- re-forms = rounds opened after the first, whatever the cause (a node lost or joining, a planned change,
+  a worker failure); failure restarts = those opened after a worker failure, the ones `--max-restarts`
+  bounds (the round record's `restarts`);
 - goodput = kept node-seconds / instance node-seconds (from agent start to its exit, or last word).
 """
 
@@ -44,10 +50,11 @@ class Accounting:
     kept_node_seconds: float = 0.0
     steps_kept: int = 0
     steps_lost: int = 0
-    restarts: int = 0
-    failure_restarts: int = 0
+    reforms: int = 0  # rounds opened after the first, any cause
+    failure_restarts: int = 0  # ... of which after a worker failure (bounded by --max-restarts)
     preemption_notices: int = 0
     reform_seconds: float = 0.0
+    reform_basis: str = "steps"  # steps | rounds: what re-forming was timed from (module docstring)
     nodes: int = 0
 
     @property
@@ -76,16 +83,21 @@ class Accounting:
         return ""
 
     def to_dict(self) -> dict[str, Any]:
+        """As JSON: kept and lost steps are null (n/a) when no step was reported, not 0; `restarts` is
+        kept for older readers and means `reforms`."""
         d = asdict(self)
         d["goodput"] = self.goodput
         d["goodput_note"] = self.goodput_note
         d["steps_reported"] = self.steps_reported
+        d["restarts"] = self.reforms
+        if not self.steps_reported:
+            d["steps_kept"] = d["steps_lost"] = None
         return d
 
 
 # Shown wherever goodput or lost steps would be: where the step numbers come from, and how to get them.
-NO_STEPS = ("the script reports no training steps (print train.step lines, see README's progress "
-            "events)")
+NO_STEPS = ("the script reports no training steps (Trainer/Lightning: callbacks=[PetctlCallback()]; "
+            "a loop of your own: print train.step lines, see README's progress events)")
 
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
@@ -98,38 +110,81 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
         acc.steps_lost += r.steps_lost
         acc.steps_kept += r.kept_steps
         acc.kept_node_seconds += r.kept_node_seconds
-    trained = [r for r in acc.rounds if r.first_step_ts is not None and r.last_step_ts is not None]
-    for prev, nxt in zip(trained, trained[1:], strict=False):
-        # Rounds that never reached a step (re-formed again at once) fall inside this gap.
-        acc.reform_seconds += max(0.0, nxt.first_step_ts - prev.last_step_ts)  # type: ignore[operator]
+    if acc.steps_reported:
+        acc.reform_seconds, acc.reform_basis = _reform_by_steps(acc.rounds), "steps"
+    else:
+        acc.reform_seconds, acc.reform_basis = _reform_by_rounds(acc.rounds, records), "rounds"
     restarts = [e for e in records if e.get("event") == "rendezvous.restart"]
-    acc.restarts = len({e.get("round") for e in restarts})
+    acc.reforms = len({e.get("round") for e in restarts})
     acc.failure_restarts = len({e.get("round") for e in restarts if e.get("failure")})
     acc.preemption_notices = len({e.get("node") for e in records if e.get("event") == "preemption.notice"})
     acc.instance_seconds, acc.nodes = _instance_seconds(records, now)
     return acc
 
 
-def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
-    """One RoundStats per round, from the summary of its lowest rank (every node ran the same steps)."""
+def _lowest_rank(records: list[dict[str, Any]], event: str) -> dict[int, dict[str, Any]]:
+    """round -> the `event` of that round's lowest rank."""
     best: dict[int, dict[str, Any]] = {}
     for e in records:
-        if e.get("event") != "round.summary":
+        if e.get("event") != event or e.get("round") is None:
             continue
         n = int(e["round"])
         if n not in best or int(e.get("rank", 0)) < int(best[n].get("rank", 0)):
             best[n] = e
+    return best
+
+
+def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
+    """One RoundStats per round whose workers started: from the summary of its lowest rank (every node ran
+    the same steps), or, for a round without one (still running, or every member killed), from its
+    lowest rank's `workers.started`: no end, no steps."""
+    best = _lowest_rank(records, "round.summary")
+    begun = _lowest_rank(records, "workers.started")
     causes = {int(e["round"]): str(e.get("cause", ""))
               for e in records if e.get("event") == "rendezvous.restart"}
     rounds = []
-    for n in sorted(best):
+    for n in sorted(best.keys() | begun.keys()):
+        cause = causes.get(n, "job start" if n == 1 else "")
+        if n not in best:
+            e = begun[n]
+            rounds.append(RoundStats(round=n, world_size=int(e.get("world_size") or 0),
+                                     started=float(e["ts"]), ended=None, first_step=None, last_step=None,
+                                     first_step_ts=None, last_step_ts=None, cause=cause))
+            continue
         e = best[n]
         rounds.append(RoundStats(
             round=n, world_size=int(e.get("world_size") or 0), started=float(e.get("started") or e["ts"]),
             ended=_f(e.get("ended")), first_step=_i(e.get("first_step")), last_step=_i(e.get("last_step")),
-            first_step_ts=_f(e.get("first_step_ts")), last_step_ts=_f(e.get("last_step_ts")),
-            cause=causes.get(n, "job start" if n == 1 else "")))
+            first_step_ts=_f(e.get("first_step_ts")), last_step_ts=_f(e.get("last_step_ts")), cause=cause))
     return rounds
+
+
+def _reform_by_steps(rounds: list[RoundStats]) -> float:
+    """Last step of each round that trained to the first step of the next one that did."""
+    trained = [r for r in rounds if r.first_step_ts is not None and r.last_step_ts is not None]
+    total = 0.0
+    for prev, nxt in zip(trained, trained[1:], strict=False):
+        # Rounds that never reached a step (re-formed again at once) fall inside this gap.
+        total += max(0.0, nxt.first_step_ts - prev.last_step_ts)  # type: ignore[operator]
+    return total
+
+
+def _reform_by_rounds(rounds: list[RoundStats], records: list[dict[str, Any]]) -> float:
+    """Without steps: from each round's end as the agents saw it (its first worker failure, the restart
+    that opened the next round, or its workers stopping, whichever came first) to the next round's
+    workers starting. A round with no known end (no summary, no restart after it) adds nothing."""
+    ends: dict[int, float] = {}
+    for e in records:
+        name = e.get("event")
+        if name in ("workers.failed", "rendezvous.restart") and e.get("round") is not None:
+            n = int(e["round"]) - (1 if name == "rendezvous.restart" else 0)  # the restart opens round n+1
+            ends[n] = min(float(e["ts"]), ends.get(n, float("inf")))
+    total = 0.0
+    for prev, nxt in zip(rounds, rounds[1:], strict=False):
+        end = min((t for t in (ends.get(prev.round), prev.ended) if t is not None), default=None)
+        if end is not None:
+            total += max(0.0, nxt.started - end)
+    return total
 
 
 def _attribute_losses(rounds: list[RoundStats]) -> None:

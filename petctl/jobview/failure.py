@@ -12,10 +12,18 @@ peer"), so the first report is the cause and the later ones are its echo.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_LINES = 20  # what status prints at most (the agent keeps no more either)
+
+# Errors whose cause is petctl's elasticity rather than the script's logic, and the one line that says
+# what to change: (text in the worker's error lines, advice).
+HINTS: tuple[tuple[str, str], ...] = (
+    ("does not match the world size", "hint: Lightning's num_nodes must follow the world size, which changes "
+     "between rounds: num_nodes=num_nodes(), devices=devices_per_node() from "
+     "petctl.elastic.integrations.lightning (docs/elastic.md)"),
+)
 
 
 @dataclass(frozen=True)
@@ -29,17 +37,27 @@ class WorkerFailure:
     others: int = 0  # other nodes whose workers failed in the same round after this one
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "hint": self.hint()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerFailure:
+        """The record `to_dict` wrote; its derived keys (`hint`) are recomputed, not read."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def heading(self) -> str:
         echo = f"; {self.others} other node(s) failed after it" if self.others else ""
         return (f"last worker error (node {self.node}, round {self.round}, local rank {self.local_rank}, "
                 f"exit code {self.code}{echo}):")
 
+    def hint(self) -> str | None:
+        """One line of advice when the error is a known clash with elastic membership, else None."""
+        return next((advice for text, advice in HINTS if any(text in line for line in self.lines)), None)
+
     def block(self, indent: str = "    ") -> list[str]:
-        """The heading and the error lines, indented, at most MAX_LINES of them."""
+        """The heading and the error lines, indented, at most MAX_LINES of them, and the hint if any."""
         body = self.lines[-MAX_LINES:] or ["(the worker printed nothing but events)"]
-        return [self.heading(), *(indent + line for line in body)]
+        hint = self.hint()
+        return [self.heading(), *(indent + line for line in body), *([hint] if hint else [])]
 
 
 def last_failure(events: Iterable[dict[str, Any]]) -> WorkerFailure | None:

@@ -12,13 +12,22 @@ from typing import Any
 
 from petctl.core.errors import PetctlError
 from petctl.jobview.accounting import Accounting
+from petctl.jobview.summary import reforms_text
 
 MARKED = {  # event -> (legend label, colour)
     "preemption.notice": ("preemption notice", "tab:orange"),
     "membership.lost": ("node lost", "tab:red"),
     "workers.failed": ("worker failure", "black"),
-    "rendezvous.restart": ("restart", "tab:purple"),
+    "rendezvous.restart": ("re-form", "tab:purple"),
 }
+
+
+def headline(job: str, acc: Accounting) -> str:
+    """The chart's title: the same measures as `petctl status`'s line, n/a where no step was reported."""
+    goodput = f"{acc.goodput:.0%}" if acc.goodput is not None else "n/a"
+    lost = f"{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
+    return (f"{job}: goodput {goodput}, {lost}, {reforms_text(acc.reforms, acc.failure_restarts)}, "
+            f"{acc.reform_seconds:.1f}s re-forming")
 
 
 def render_timeline(job: str, events: list[dict[str, Any]], acc: Accounting, out: Path) -> Path:
@@ -32,13 +41,14 @@ def render_timeline(job: str, events: list[dict[str, Any]], acc: Accounting, out
     if not events:
         raise PetctlError(f"job {job!r} has no events to chart yet")
     t0 = min(float(e["ts"]) for e in events)
+    t_last = max(float(e["ts"]) for e in events)  # a round still running lasts until the latest event
     fig, (ax_world, ax_step) = plt.subplots(2, 1, sharex=True, figsize=(10, 5.5),
                                             gridspec_kw={"height_ratios": [1, 2]})
     # World size: a step function over the rounds' spans.
     xs, ys = [], []
     for r in acc.rounds:
         start = r.started - t0
-        end = (r.ended or r.last_step_ts or r.started) - t0
+        end = (r.ended or r.last_step_ts or (t_last if r is acc.rounds[-1] else r.started)) - t0
         xs += [start, end]
         ys += [r.world_size, r.world_size]
     ax_world.step(xs, ys, where="post", color="tab:blue")
@@ -55,12 +65,12 @@ def render_timeline(job: str, events: list[dict[str, Any]], acc: Accounting, out
             for ax in (ax_world, ax_step):
                 first = i == 0 and ax is ax_step
                 ax.axvline(t, color=color, linestyle=":", linewidth=1, label=label if first else None)
+    if not acc.steps_reported:
+        ax_step.text(0.5, 0.5, "no step events: the script prints no train.step lines",
+                     transform=ax_step.transAxes, ha="center", va="center", color="gray")
     ax_step.set_xlabel("seconds since the job started")
     ax_step.set_ylabel("training step")
-    goodput = f"{acc.goodput:.0%}" if acc.goodput is not None else "n/a"
-    lost = f"{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
-    fig.suptitle(f"{job}: goodput {goodput}, {lost}, {acc.restarts} restarts, "
-                 f"{acc.reform_seconds:.1f}s re-forming")
+    fig.suptitle(headline(job, acc))
     handles, labels = ax_step.get_legend_handles_labels()
     if handles:
         ax_step.legend(loc="lower right", fontsize="small")

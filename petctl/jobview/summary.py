@@ -8,13 +8,23 @@ from __future__ import annotations
 from typing import Any
 
 from petctl.core.errors import PetctlError
+from petctl.jobview.accounting import NO_STEPS
 from petctl.jobview.view import JobView
 
+# Goodput's note while the nodes publish steps but no round that had any has ended yet.
+NO_ROUND_ENDED = "counted once a round that trained has ended"
 
-def summarize(view: JobView, running: bool) -> dict[str, Any]:
-    """Goodput, lost steps, restarts and cost from the job's timeline. A timeline or price that cannot be
+
+def summarize(view: JobView, running: bool, live_steps: bool = False) -> dict[str, Any]:
+    """Goodput, lost steps, re-forms and cost from the job's timeline. A timeline or price that cannot be
     read is reported in the summary (`events_error`, `cost_error`), never raised: it must not hide the
-    status it accompanies."""
+    status it accompanies.
+
+    What is not known is None (n/a), never 0: goodput, kept and lost steps without any step line.
+    `live_steps`: a node publishes a step now, so the script does report steps, even before any round
+    that had them has ended (the timeline only has ended rounds' steps).
+    `restarts` is kept for older readers and means `reforms` (the round's failure count is the status's
+    own `failure_restarts`)."""
     try:
         events, events_error = view.events(), ""
     except PetctlError as e:  # the mirror is unreadable right now (permissions, network)
@@ -24,10 +34,14 @@ def summarize(view: JobView, running: bool) -> dict[str, Any]:
         cost, cost_error = view.cost(events, running), ""
     except PetctlError as e:  # prices are a nicety: say why they are missing
         cost, cost_error = None, str(e)
-    return {"goodput": acc.goodput, "goodput_note": acc.goodput_note, "steps_reported": acc.steps_reported,
-            "steps_kept": acc.steps_kept, "steps_lost": acc.steps_lost,
-            "restarts": acc.restarts, "failure_restarts": acc.failure_restarts,
+    reported = acc.steps_reported or live_steps
+    note = NO_ROUND_ENDED if live_steps and acc.goodput_note == NO_STEPS else acc.goodput_note
+    return {"goodput": acc.goodput, "goodput_note": note, "steps_reported": reported,
+            "steps_kept": acc.steps_kept if reported else None,
+            "steps_lost": acc.steps_lost if reported else None,
+            "reforms": acc.reforms, "restarts": acc.reforms, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
+            "reform_basis": acc.reform_basis,
             "instance_hours": acc.instance_seconds / 3600.0,
             "cost": cost.to_dict() if cost is not None else None, "cost_error": cost_error,
             "events_error": events_error}
@@ -38,12 +52,23 @@ def one_line(summary: dict[str, Any]) -> str:
     note = summary.get("goodput_note") or ""
     parts = [f"goodput {goodput:.0%}" if goodput is not None else
              f"goodput n/a ({note})" if note else "goodput n/a",
-             f"{summary['steps_lost']} steps lost" if summary.get("steps_reported", True) else
-             "steps lost n/a", f"{summary['restarts']} restarts",
-             f"{summary['reform_seconds']:.1f}s re-forming",
+             f"{summary['steps_lost']} steps lost" if summary.get("steps_lost") is not None else
+             "steps lost n/a", reforms_text(summary.get("reforms", summary.get("restarts", 0)),
+                                           summary.get("failure_restarts", 0)),
+             f"{summary['reform_seconds']:.1f}s re-forming" + (
+                 " (until workers started)" if summary.get("reform_basis") == "rounds" else ""),
              f"{summary['instance_hours']:.2f} instance-hours"]
     parts.append(cost_text(summary.get("cost")))
     return ", ".join(parts)
+
+
+def reforms_text(reforms: int, failure_restarts: int) -> str:
+    """"3 re-forms (1 failure restart)": every round opened after the first, and how many of them a
+    worker failure opened (those count against --max-restarts)."""
+    text = f"{reforms} re-form{'' if reforms == 1 else 's'}"
+    if failure_restarts:
+        text += f" ({failure_restarts} failure restart{'' if failure_restarts == 1 else 's'})"
+    return text
 
 
 def cost_text(cost: dict[str, Any] | None) -> str:

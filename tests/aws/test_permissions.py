@@ -123,10 +123,15 @@ def test_service_role_is_for_cloudformation_and_scoped_to_this_installations_job
     assert trust["Principal"] == {"Service": "cloudformation.amazonaws.com"}
     for s in role_statements(base["Resources"]["JobStackRole"]):
         actions = _listed(s["Action"])
-        if any(a.startswith("iam:") for a in actions):  # IAM writes only on this stack's job roles
+        if any(a.startswith("iam:") for a in actions):  # IAM writes only under the job stacks' IAM path
             resources = json.dumps(s["Resource"])
-            assert f"role/{STACK}-job-*" in resources or f"instance-profile/{STACK}-job-*" in resources or (
-                "AWSServiceRoleForAutoScaling" in resources), s["Sid"]
+            assert (f"role/petctl/{STACK}/*" in resources or f"instance-profile/petctl/{STACK}/*" in resources
+                    or "AWSServiceRoleForAutoScaling" in resources), s["Sid"]
+            assert "-job-" not in resources, s["Sid"]  # never a name prefix (issue 17.1)
+            if "role/" in resources and "AWSServiceRoleForAutoScaling" not in resources:
+                tag = "aws:RequestTag/petctl:stack" if actions == ["iam:CreateRole"] else (
+                    "iam:ResourceTag/petctl:stack")
+                assert s["Condition"]["StringEquals"][tag] == STACK, s["Sid"]
         if "iam:PassRole" in actions:
             assert s["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
         if any(a.startswith("autoscaling:") and not a.endswith("Describe*") for a in actions):
@@ -136,6 +141,47 @@ def test_service_role_is_for_cloudformation_and_scoped_to_this_installations_job
     assert not allows(policy, "cloudformation:DeleteStack")  # a service role needs no CloudFormation API
     outputs = base["Outputs"]
     assert outputs["JobStackRoleArn"]["Value"] == {"Fn::GetAtt": ["JobStackRole", "Arn"]}
+
+
+def test_service_role_manages_job_roles_by_path_and_tag_never_by_name(base, tmp_path):
+    """Issue 17.1, evaluated with IAM's logic (tests/aws/policy_eval.py), conditions included: the service
+    role reaches a job's role through the job's IAM path and the stack's tag, whatever CloudFormation names
+    the role (cut at 64 characters), and nothing that merely shares the name prefix."""
+    from tests.aws.policy_eval import allowed, resolve
+    from tests.aws.rendered import NAMES, named_job_template
+
+    policy = resolve(role_statements(base["Resources"]["JobStackRole"]), NAMES)
+    role = "arn:aws:iam::123456789012:role"
+    profile = "arn:aws:iam::123456789012:instance-profile"
+    ours = {"iam:ResourceTag/petctl:stack": STACK}
+    job = parse(named_job_template(tmp_path, "ab"))["Resources"]
+    path = job["WorkerRole"]["Properties"]["Path"]
+    assert path == job["WorkerInstanceProfile"]["Properties"]["Path"] == f"/petctl/{STACK}/ab/"
+    generated = f"{STACK}-job-ab-WorkerRole-" + "X" * 40  # any name: CloudFormation's, cut at 64
+    for action in ("iam:DeleteRole", "iam:PutRolePolicy", "iam:DeleteRolePolicy", "iam:GetRole",
+                   "iam:TagRole"):
+        assert allowed(policy, action, f"{role}{path}{generated[:64]}", ours), action
+        assert not allowed(policy, action, f"{role}{path}{generated[:64]}"), action  # untagged
+        assert not allowed(policy, action, f"{role}/{STACK}-job-ab-WorkerRole-X", ours), action  # name only
+        assert not allowed(policy, action, f"{role}/petctl/{STACK}-x/ab/r", ours), action  # another stack
+        assert not allowed(policy, action, f"{role}/petctl/{STACK}/ab/r",
+                           {"iam:ResourceTag/petctl:stack": f"{STACK}-x"}), action
+    assert allowed(policy, "iam:CreateRole", f"{role}{path}r", {"aws:RequestTag/petctl:stack": STACK})
+    assert not allowed(policy, "iam:CreateRole", f"{role}{path}r")
+    assert not allowed(policy, "iam:CreateRole", f"{role}/r", {"aws:RequestTag/petctl:stack": STACK})
+    passed = {**ours, "iam:PassedToService": "ec2.amazonaws.com"}
+    assert allowed(policy, "iam:PassRole", f"{role}{path}r", passed)
+    to_lambda = {**passed, "iam:PassedToService": "lambda.amazonaws.com"}
+    assert not allowed(policy, "iam:PassRole", f"{role}{path}r", to_lambda)
+    assert not allowed(policy, "iam:PassRole", f"{role}/{STACK}-JobStackRole-X", passed)
+    attach = {**ours, "iam:PolicyARN": NAMES["WorkerPolicy"]}
+    assert allowed(policy, "iam:AttachRolePolicy", f"{role}{path}r", attach)
+    for managed in ("AdministratorAccess", "AmazonSSMManagedInstanceCore"):
+        arn = f"arn:aws:iam::aws:policy/{managed}"
+        assert not allowed(policy, "iam:AttachRolePolicy", f"{role}{path}r", {**ours, "iam:PolicyARN": arn})
+    for action in ("iam:CreateInstanceProfile", "iam:DeleteInstanceProfile", "iam:AddRoleToInstanceProfile"):
+        assert allowed(policy, action, f"{profile}{path}{generated[:128]}"), action
+        assert not allowed(policy, action, f"{profile}/{STACK}-job-ab-WorkerInstanceProfile-X"), action
 
 
 def release_calls() -> set[str]:
@@ -152,8 +198,8 @@ def release_calls() -> set[str]:
 
 
 def worker_statements(base: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Everything a worker's credentials carry that petctl writes: the job role's inline policy and the
-    base stack's shared WorkerPolicy (the other attachment is AWS's AmazonSSMManagedInstanceCore)."""
+    """Everything a worker's credentials carry: the job role's inline policy and the base stack's shared
+    WorkerPolicy, its only attachment."""
     (role,) = [r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role"]
     shared = base["Resources"]["WorkerPolicy"]["Properties"]["PolicyDocument"]
     return role_statements(role) + statements(shared)
@@ -163,9 +209,13 @@ def test_worker_role_allows_exactly_the_release_calls(base, job):
     calls = release_calls()
     assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup"}
     role = next(r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role")
-    release = next(s for s in role_statements(role) if s["Sid"] == "ReleaseOwnGroup")
-    assert set(_listed(release["Action"])) == calls
-    assert all(allows(worker_statements(base, job), call) for call in calls)
+    released = {a for s in role_statements(role) if s["Sid"].startswith("ReleaseOwnGroup")
+                 for a in _listed(s["Action"])}
+    assert released == calls
+    # Allowed by action here; the Allow's conditions and the conditional Denies are evaluated with the
+    # call's own arguments in tests/aws/test_isolation.py (this helper ignores conditions).
+    granted = [s for s in worker_statements(base, job) if s["Effect"] == "Allow"]
+    assert all(allows(granted, call) for call in calls)
 
 
 def test_worker_role_can_neither_delete_a_stack_nor_pass_a_role(base, job):

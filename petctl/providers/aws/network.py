@@ -19,6 +19,18 @@ MIN_AZS = 2
 ETCD_NODE_CHOICES = (1, 3)  # one host that heals itself, or a cluster that survives losing any one member
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
+SUBNET_KINDS = ("public", "private")
+# What instances in private subnets (no public address, no internet gateway) reach through VPC interface
+# endpoints. S3 already has its gateway endpoint (free). Each service, and who calls it:
+INTERFACE_ENDPOINTS = (
+    "ecr.api",  # the worker's boot: ECR GetAuthorizationToken (docker login)
+    "ecr.dkr",  # the worker's boot: docker pull (the layers themselves come from S3)
+    "logs",  # the agent container's awslogs driver
+    "ssm",  # Session Manager: the SSM agent registers (UpdateInstanceInformation)
+    "ssmmessages",  # Session Manager: the session channels
+    "autoscaling",  # lifecycle actions, SetInstanceHealth, the job's release
+    "ec2",  # the etcd hosts claim their fixed-address network interface
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,12 @@ class NetworkPlan:
     vpc_cidr: str
     subnets: tuple[SubnetPlan, ...]
     etcd_members: tuple[EtcdMember, ...]
+    private: bool = False  # private subnets and interface endpoints instead of public addresses
+
+    @property
+    def interface_endpoints(self) -> tuple[str, ...]:
+        """The interface endpoints the stack needs: none with public subnets."""
+        return INTERFACE_ENDPOINTS if self.private else ()
 
     @property
     def azs(self) -> list[str]:
@@ -76,14 +94,16 @@ class NetworkPlan:
 
 
 def plan_network(azs: list[str], vpc_cidr: str = DEFAULT_VPC_CIDR, max_azs: int = 3,
-                 etcd_nodes: int = 1) -> NetworkPlan:
-    """One public subnet per AZ (sorted, at most `max_azs`), carved in order from `vpc_cidr`, and the etcd
+                 etcd_nodes: int = 1, private: bool = False) -> NetworkPlan:
+    """One subnet per AZ (sorted, at most `max_azs`), carved in order from `vpc_cidr`, and the etcd
     members' fixed addresses: member i in subnet i mod (number of subnets), at offset 10 (11 for a second
     member in the same subnet). With 3 members and only 2 AZs two members share an AZ: losing any one
     instance is still no outage, losing that whole AZ is (the docs say so; setup reports it).
 
     Spot capacity differs per AZ, so more AZs mean fewer interruptions; two is the floor because an
-    Auto Scaling group in a single AZ cannot rebalance away from a capacity shortage there. Raises
+    Auto Scaling group in a single AZ cannot rebalance away from a capacity shortage there. The subnets
+    are public (instances get a public IPv4 address, $0.005/h each) or, with `private`, private: no
+    public address, no internet gateway, AWS's APIs reached through INTERFACE_ENDPOINTS. Raises
     ValidationError for an etcd_nodes other than 1 or 3.
     """
     if etcd_nodes not in ETCD_NODE_CHOICES:
@@ -106,4 +126,4 @@ def plan_network(azs: list[str], vpc_cidr: str = DEFAULT_VPC_CIDR, max_azs: int 
         base = ipaddress.ip_network(subnets[subnet].cidr).network_address
         name = "petctl" if etcd_nodes == 1 else f"petctl-{i}"  # the single host's name predates clusters
         members.append(EtcdMember(name, str(base + ETCD_HOST_OFFSET + i // len(subnets)), subnet))
-    return NetworkPlan(vpc_cidr=str(vpc), subnets=subnets, etcd_members=tuple(members))
+    return NetworkPlan(vpc_cidr=str(vpc), subnets=subnets, etcd_members=tuple(members), private=private)

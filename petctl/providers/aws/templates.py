@@ -56,7 +56,11 @@ def render(directory: str, template: str, **context: Any) -> str:
 
 
 def render_base(**context: Any) -> str:
-    return render(CFN_DIR, "base.yaml.j2", **context)
+    """The base stack's template. The IAM scope of its job stacks (jobscope.py) is added here, so the
+    service role's scope and the job roles' paths come from one place."""
+    from petctl.providers.aws.jobscope import base_scope
+
+    return render(CFN_DIR, "base.yaml.j2", **base_scope(context["stack_name"]), **context)
 
 
 def render_job(**context: Any) -> str:

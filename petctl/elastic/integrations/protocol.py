@@ -1,0 +1,126 @@
+"""The framework-neutral half of petctl's callbacks: step reports and the save-now protocol.
+
+A framework callback (`transformers.py`, `lightning.py`) calls this at three moments and turns the answer
+into its framework's own controls:
+
+- `begin(step)` when training starts (after the framework resumed its checkpoint): marks every worker as
+  speaking the protocol (`elastic.<LOCAL_RANK>`), so at a notice or a planned change the agent raises the
+  save-now flag instead of SIGTERMing it, and reports where the round resumed (`checkpoint.resumed`);
+- `step_end(step)` after each completed optimizer step: reports the step (`train.step`, local rank 0
+  speaks for its node: the agent's status, goodput and lost steps read these lines) and answers what to
+  do now, the same on every rank (one tiny all-reduce, `PreemptionMonitor`):
+  `Action.STOP` (a spot notice, a planned scale change: save this step and leave the training loop),
+  `Action.SAVE` (a rebalance recommendation: save this step and train on) or `Action.NONE`;
+- `saved(step, where)` after the framework's save returned on this rank: reports the checkpoint
+  (`checkpoint.saved`, global rank 0) and, for a save `step_end` asked for, waits for every rank's part of
+  the save (a barrier) before telling the agent it is done (`saved.<LOCAL_RANK>`): a node that reported
+  early could be re-formed while rank 0 still writes, and be stopped mid-save.
+
+Stdlib and `petctl.elastic` only: the frameworks are imported by their own modules.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from petctl.core.eventlog import EventLog
+from petctl.elastic.checkpointer import report_resumed
+from petctl.elastic.dist import Comm
+from petctl.elastic.preemption import PreemptionMonitor
+
+
+class Action(enum.Enum):
+    """What every rank does at this step boundary (all ranks get the same answer)."""
+
+    NONE = "none"
+    SAVE = "save"  # a checkpoint was requested (rebalance recommendation): save, then train on
+    STOP = "stop"  # save-now (notice, planned change): save this step, leave the loop, exit 0
+
+
+SAVE_REASONS = {Action.NONE: "periodic", Action.SAVE: "requested", Action.STOP: "save-now"}
+
+
+@dataclass
+class SaveNowProtocol:
+    """One training run's side of the protocol; built when training begins (the process group exists).
+
+    check_every: steps between checks (each is one all-reduce of three flags); 0 disables the save-now
+    protocol (steps are still reported and the agent SIGTERMs the workers at a notice, as for any script).
+    """
+
+    comm: Comm
+    check_every: int = 1
+    events: EventLog = field(default_factory=lambda: EventLog(
+        "elastic", stream=sys.stdout, node_id=os.environ.get("PETCTL_NODE_ID")))
+    monitor: PreemptionMonitor | None = None
+    pending: Action = Action.NONE  # the save asked for at the last `step_end`, until `saved` answers it
+    stopped_at: int | None = None  # the step the save-now fired at (sticky: later checks are skipped)
+    started: float = field(default_factory=time.time)  # when this worker began (the recovery timeline)
+
+    @classmethod
+    def create(cls, check_every: int = 1, started: float | None = None) -> SaveNowProtocol:
+        """For the process group the framework already initialised (or a single process without one)."""
+        return cls(comm=Comm.create(), check_every=check_every, started=started or time.time())
+
+    def begin(self, step: int) -> None:
+        """Training starts at `step` completed steps (the framework's resumed checkpoint, or 0)."""
+        report_resumed(self.events, self.comm, step, self.started)
+        if self.check_every > 0:
+            self.monitor = PreemptionMonitor(comm=self.comm, check_every=self.check_every)
+            self.monitor.announce()
+
+    def step_end(self, step: int, **fields: object) -> Action:
+        """Report completed step `step` and decide, with every rank, what to do at this boundary."""
+        if self.comm.local_rank == 0:
+            self.events.emit("train.step", step=step, rank=self.comm.rank, world_size=self.comm.world_size,
+                             **fields)
+        if self.monitor is None or self.stopped_at is not None:
+            return Action.NONE
+        verdict = self.monitor.check(step)
+        if verdict.preempt:
+            self.stopped_at = step
+            self.events.emit("preempt.detected", step=step, deadline=self.monitor.deadline())
+            self.pending = Action.STOP
+        elif verdict.checkpoint:
+            self.events.emit("checkpoint.requested", step=step, reason=self.monitor.request()[1] or None)
+            self.pending = Action.SAVE
+        return self.pending
+
+    def saved(self, step: int, where: str) -> None:
+        """The framework's checkpoint of `step` is written on this rank (at `where`). Collective when
+        `step_end` asked for the save (every rank calls it then); raises what the barrier raises."""
+        action, self.pending = self.pending, Action.NONE
+        if action is not Action.NONE:
+            self.comm.barrier()  # every rank's part of the save is on disk before anyone reports it
+        if self.comm.rank == 0:
+            self.events.emit("checkpoint.saved", step=step, url=where, reason=SAVE_REASONS[action])
+        if self.monitor is None:
+            return
+        if action is Action.STOP:
+            self.monitor.report_saved(step)
+            self.events.emit("preempt.saved", step=step)
+        elif action is Action.SAVE:
+            self.monitor.report_checkpointed(step)
+
+
+class ProtocolCallback:
+    """What both framework callbacks hold: the protocol, built when training begins."""
+
+    def __init__(self, check_every: int = 1) -> None:
+        self.check_every = check_every
+        self.protocol: SaveNowProtocol | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether training ended at petctl's save-now flag rather than at its last step: a script can
+        skip what it runs after training (a final evaluation, an export) when it did."""
+        return self.protocol is not None and self.protocol.stopped_at is not None
+
+    def start(self, step: int) -> None:
+        """Training begins at `step` completed steps (after the framework restored its checkpoint)."""
+        self.protocol = SaveNowProtocol.create(check_every=self.check_every)
+        self.protocol.begin(step)
