@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.records import WireFormatError
 from petctl.core.snapshotrecord import (
     BLANK,
@@ -35,16 +34,7 @@ from petctl.elastic.snapselect import Offer, newest_common
 from petctl.elastic.snapshot import SnapshotOptions, SnapshotTier
 from petctl.elastic.snapwriter import SnapshotWriter
 from tests.conftest import REPO
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.stream = io.StringIO()
-        self.log = EventLog("elastic", stream=self.stream)
-
-    def events(self, name: str) -> list[dict]:
-        return [e for e in parse_lines(self.stream.getvalue().splitlines()) if e["event"] == name]
-
+from tests.test_elastic_checkpointer import Recorder
 
 HEADER = SnapshotHeader(job="train", round=3, step=41, rank=2, world_size=3, data_length=128, meta_offset=128,
                         meta_length=50, checksum=0xDEADBEEF, written_at=1.5)

@@ -17,16 +17,13 @@ costs, the checksum, K, and the first snapshot's cost (it maps and faults in the
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench import phases
-from bench.petctl_runner import BENCH, REPO, node_env
-from bench.procs import Node, start_node
-from bench.scenarios.common import Context
+from bench.petctl_runner import node_env
+from bench.scenarios.common import Context, interleaved, run_workload
 
 VARIANTS = ("none", "snapshot", "sync")
 WARMUP = 5
@@ -55,24 +52,13 @@ def run_once(ctx: Context, variant: str, rep: int, cfg: dict[str, Any]) -> dict[
                     "PETCTL_CHECKPOINT_URL": (work / "ckpt").as_uri(),
                     "PETCTL_CACHE_DIR": str(work / "cache"), "PETCTL_SNAPSHOT_DIR": str(snaps),
                     "PETCTL_JOB": "bench", "PETCTL_ROUND": "1"})
-    node: Node = start_node(f"p8-{variant}", [sys.executable, "-u", str(BENCH / "workload.py")],
-                            work / "worker.log", env=env, cwd=REPO)
     out: dict[str, Any] = {"variant": variant, "rep": rep}
     try:
-        code = node.proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        node.kill()
-        out["error"] = "timeout"
-        return out
+        node, _ = run_workload(f"p8-{variant}", env, work / "worker.log", out, WARMUP)
     finally:
         shutil.rmtree(snaps, ignore_errors=True)
-    summary = node.events("train.summary")
-    if code != 0 or not summary:
-        out["error"] = f"workload exit code {code}"
+    if "error" in out:
         return out
-    durations = summary[-1]["durations"][WARMUP:]
-    out["mean_step_s"] = round(sum(durations) / len(durations), 5)
-    out["max_step_s"] = round(max(durations), 5)
     stats = node.events("snapshot.stats")
     if stats:
         out.update({k: stats[-1].get(k) for k in STATS})
@@ -86,19 +72,11 @@ def run_once(ctx: Context, variant: str, rep: int, cfg: dict[str, Any]) -> dict[
 def run(ctx: Context) -> dict[str, Any]:
     cfg = sizes(ctx.quick)
     out: dict[str, Any] = {"title": "in-memory snapshot cost", "config": cfg, "runs": {}, "summary": {}}
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-    for rep in range(ctx.reps):  # interleaved, so drifting machine load hits every variant alike
-        for variant in VARIANTS:
-            ctx.log(f"P8 {variant} rep {rep + 1}/{ctx.reps} ({cfg['state_mb']} MB, every step)")
-            r = run_once(ctx, variant, rep, cfg)
-            ctx.log(f"P8 {variant}: mean step {r.get('mean_step_s')} s, blocked {r.get('blocked_ms')} ms, "
-                    f"copy {r.get('copy_ms_per_100mb')} ms/100 MB {r.get('error') or ''}")
-            runs[variant].append(r)
-    base = {r["rep"]: r["mean_step_s"] for r in runs["none"] if "mean_step_s" in r}
+    runs = interleaved(ctx, "P8", VARIANTS, f"{cfg['state_mb']} MB, every step",
+                       lambda variant, rep: run_once(ctx, variant, rep, cfg),
+                       lambda r: f", blocked {r.get('blocked_ms')} ms, "
+                                 f"copy {r.get('copy_ms_per_100mb')} ms/100 MB")
     for variant in VARIANTS:
-        for r in runs[variant]:
-            if "mean_step_s" in r and r["rep"] in base:
-                r["overhead_pct"] = round(100 * (r["mean_step_s"] / base[r["rep"]] - 1), 3)
         out["runs"][variant] = runs[variant]
         out["summary"][variant] = {
             "mean_step_s": phases.summarize([r.get("mean_step_s") for r in runs[variant]]),

@@ -15,6 +15,7 @@ The directory: `$PETCTL_SNAPSHOT_ROOT` (default /dev/shm, else the system temp d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -115,6 +116,16 @@ class SnapshotArea:
         shutil.rmtree(self.path, ignore_errors=True)
         self.events.emit("snapshot.removed", path=str(self.path), files=len(files), bytes=size,
                          step=newest.step if newest else None)
+
+
+def open_area(job: str, node_id: str, events: EventLog, services: contextlib.ExitStack) -> Path | None:
+    """This agent's snapshot directory (`SnapshotArea.create`), removed when `services` closes: the
+    workers' snapshots go with the agent, however it ends. None when it could not be made."""
+    area = SnapshotArea.create(job, node_id, events)
+    if area is None:
+        return None
+    services.callback(area.remove)
+    return area.path
 
 
 def _size(path: Path) -> int:

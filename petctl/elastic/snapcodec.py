@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from petctl.elastic.state import rebuild_dict
+
 TENSOR_KEY = "__petctl_tensor__"
 CHECK_BLOCK = 4096  # 64-bit words per block of the payload checksum (32 KiB)
 _LEAVES = (int, float, str, bool, bytes, type(None))
@@ -96,15 +98,8 @@ def flatten(obj: Any, tensors: list[torch.Tensor], roots: list[str], root: str =
         roots.append(root)
         return {TENSOR_KEY: len(tensors) - 1}
     if isinstance(obj, dict):
-        items = [(k, flatten(v, tensors, roots, root or str(k))) for k, v in obj.items()]
-        try:
-            out = type(obj)(items)
-        except TypeError:  # a dict subclass with another constructor: a plain dict holds the same data
-            out = dict(items)
-        metadata = getattr(obj, "_metadata", None)  # module state_dicts carry versions load_state_dict reads
-        if metadata is not None and hasattr(out, "__dict__"):
-            out._metadata = metadata  # type: ignore[attr-defined]  # shared: serialised (copied) at once
-        return out
+        # the metadata shared, not copied: the skeleton is serialised (copied) at once
+        return rebuild_dict(obj, [(k, flatten(v, tensors, roots, root or str(k))) for k, v in obj.items()])
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         items = [flatten(v, tensors, roots, root) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
