@@ -188,6 +188,28 @@ def test_teardown_refuses_while_jobs_exist_then_force_removes_everything(ready, 
         ready.jobs()
 
 
+def test_setup_will_not_update_the_base_under_a_job_of_the_old_iam_layout(ready, moto, tmp_path, stack_name):
+    """A job stack from before per-job IAM paths (no `petctl:layout` tag) has its role at `/`, which the
+    updated base's service role may not delete: setup refuses, changes nothing, and names the job; once it
+    is killed (by the old service role, still in place), setup goes on. A current job does not block it."""
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    ready.setup()  # a job of this petctl's layout: the update goes ahead
+    cfn = boto(moto, "cloudformation")
+    job_stack = f"{stack_name}-job-demo"
+    tags = cfn.describe_stacks(StackName=job_stack)["Stacks"][0]["Tags"]
+    assert {"Key": "petctl:layout", "Value": "job-iam-path"} in tags
+    cfn.update_stack(StackName=job_stack, UsePreviousTemplate=True,  # what an earlier petctl tagged
+                     Tags=[t for t in tags if t["Key"] != "petctl:layout"],
+                     Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"])
+    before = cfn.describe_stacks(StackName=stack_name)["Stacks"][0].get("LastUpdatedTime")
+    with pytest.raises(JobExists, match=r"earlier petctl \(demo\).*kill_job"):
+        ready.setup()
+    assert cfn.describe_stacks(StackName=stack_name)["Stacks"][0].get("LastUpdatedTime") == before
+    ready.kill_job("demo")
+    ready.setup()
+    assert stack_names(moto, stack_name) == {stack_name}
+
+
 def test_teardown_without_jobs(ready, moto, stack_name):
     bucket = ready.settings["outputs"]["BucketName"]
     ready.teardown()

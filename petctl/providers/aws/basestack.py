@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
-from petctl.providers.aws import etcdbin, inventory
+from petctl.providers.aws import etcdbin, inventory, upgrade
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
@@ -80,6 +80,8 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
                        repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
                        log_retention_days=14)
     stacks = provider.stacks(session)
+    upgrade.check_upgrade(s for s in stacks.list_stacks("petctl:stack", stack)
+                          if {t["Key"]: t["Value"] for t in s.get("Tags", [])}.get("petctl:kind") == "job")
     settings = provider.settings
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from petctl.core.errors import JobExists, ProviderError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
-from petctl.providers.aws import azfallback, capacity, inventory
+from petctl.providers.aws import azfallback, capacity, inventory, upgrade
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.jobscope import template_scope
 from petctl.providers.aws.templates import render_job
@@ -62,7 +62,8 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     store.put_json("placement.json", json.loads(placement.to_json()))
     body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
     try:
-        tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name}
+        tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name,
+                **upgrade.layout_tags()}
         stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
     except ProviderError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":

@@ -1,0 +1,47 @@
+"""Whether `petctl setup` may update a base stack under the jobs it has: not under a job of an older layout.
+
+Since issue 17 every job's IAM role and instance profile live under the job's own IAM path
+(`/petctl/<stack>/<job>/`, jobscope.py), and the base stack's CloudFormation service role, which creates
+and deletes job stacks, may touch only roles under `/petctl/<stack>/`. A job stack created by an earlier
+petctl has its role at path `/`: once the base stack is updated, that service role is denied
+`iam:DeleteRole` on it, so `kill_job` would leave the stack in DELETE_FAILED and the job's instances
+running. So `setup` refuses the update while such a job stack exists and says which to kill first, while
+the old service role can still delete them; nothing is changed before that check.
+
+Each job stack records its layout in the `petctl:layout` tag; a stack without it predates the tag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from petctl.core.errors import JobExists
+
+LAYOUT_TAG = "petctl:layout"
+LAYOUT = "job-iam-path"  # the job's role and profile under /petctl/<stack>/<job>/ (jobscope.py)
+
+
+def layout_tags() -> dict[str, str]:
+    """The tag every new job stack carries."""
+    return {LAYOUT_TAG: LAYOUT}
+
+
+def outdated_jobs(job_stacks: Iterable[dict[str, Any]]) -> list[str]:
+    """The jobs (sorted names) whose stacks were made with another layout than this petctl's."""
+    names = []
+    for stack in job_stacks:
+        tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+        if tags.get(LAYOUT_TAG) != LAYOUT:
+            names.append(tags.get("petctl:job", stack.get("StackName", "?")))
+    return sorted(names)
+
+
+def check_upgrade(job_stacks: Iterable[dict[str, Any]]) -> None:
+    """Raises JobExists (one line, naming them) when a job stack of an older layout exists."""
+    old = outdated_jobs(job_stacks)
+    if old:
+        raise JobExists(
+            f"{len(old)} job(s) were started by an earlier petctl ({', '.join(old)}) whose IAM roles the "
+            "updated base stack could no longer delete: kill them first (`petctl kill_job NAME`; "
+            "checkpoints stay in the bucket), then run setup again")
