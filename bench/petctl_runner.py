@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,10 @@ class PetctlJob:
     imds: Any = None  # a started LocalMetadataServer, or None (no preemption watcher)
     nodes: dict[str, Node] = field(default_factory=dict)
     _count: int = 0
+    # The agents' in-memory snapshot directories go under a root of this job's own, removed by `stop`: the
+    # benchmark SIGKILLs its nodes, and an agent killed so cannot remove its directory itself.
+    snapshot_root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(
+        prefix="petctl-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)))
 
     @classmethod
     def create(cls, root: Path, endpoint: str, name: str, *, min_size: int, max_size: int, size: int,
@@ -69,7 +75,8 @@ class PetctlJob:
         cfg = work / "agent.json"
         cfg.write_text(config.to_json())
         node = start_node(node_id, [sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
-                          work / "agent.log", env=node_env(), cwd=REPO)
+                          work / "agent.log", env=node_env({"PETCTL_SNAPSHOT_ROOT": str(self.snapshot_root)}),
+                          cwd=REPO)
         self.nodes[node_id] = node
         return node
 
@@ -98,3 +105,4 @@ class PetctlJob:
 
     def stop(self) -> None:
         stop_nodes(list(self.nodes.values()))
+        shutil.rmtree(self.snapshot_root, ignore_errors=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import phases
+from bench.snapreport import snapshot_rows
 
 GOALS = {
     "P1": "<= 3 s median, 0 steps lost",
@@ -145,6 +146,7 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             system = "petctl" if "petctl" in label else "reference"
             rows.append(_row("P6", label, system, r.get("seconds"), "s", note=r.get("error", "")))
     rows.extend(store_rows(results.get("P7") or {}))
+    rows.extend(snapshot_rows(results, _row))
     return rows
 
 

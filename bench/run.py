@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:  # `python bench/run.py` from anywhere
 from bench import report  # noqa: E402
 from bench.scenarios.common import Context  # noqa: E402
 
-ALL = ["P1", "P2", "P3", "P4", "P5", "P6", "P7"]
+ALL = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
 SYSTEMS = ["petctl", "torchrun-c10d", "torchrun-etcd-v2"]
 
 
@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.scenarios import cli
 
                 results[sid] = cli.run(ctx)
+            elif sid == "P8":
+                from bench.scenarios import snapshots
+
+                results[sid] = snapshots.run(ctx)
             elif sid == "P7":  # every run starts an etcd of its own, to fail it
                 from bench.scenarios import storefaults
 

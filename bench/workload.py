@@ -17,6 +17,8 @@ Environment knobs (all optional):
     BENCH_CKPT        elastic (petctl.elastic, the default), sync (torch.save + upload, blocking) or none
     BENCH_CKPT_EVERY  steps between periodic checkpoints (default 10)
     BENCH_THREADS     torch intra-op threads (default 1: a node is one core's worth of a small machine)
+    BENCH_SNAPSHOT    petctl.elastic's in-memory snapshots: auto (the default: as the agent sets them up),
+                      off, or sync (every step, copied at the step end instead of beside the next step)
     PETCTL_CHECKPOINT_URL  file://... or s3://... (no URL: no checkpoints)
 """
 
@@ -129,9 +131,12 @@ def main() -> int:
     start = 0
     if url and mode == "elastic":
         from petctl.elastic import Checkpointer, State
+        from petctl.elastic.snapshot import SnapshotOptions
 
+        snap = os.environ.get("BENCH_SNAPSHOT", "auto")
+        options = {"off": False, "sync": SnapshotOptions(every=1, overlap=False)}.get(snap)
         state = State(model=model, optimizer=opt, extra=extra)
-        ckpt = Checkpointer(url=url, keep=2, every=every)
+        ckpt = Checkpointer(url=url, keep=2, every=every, snapshots=options)
         start = ckpt.resume(state)
         step_end = lambda s: ckpt.step_end(s, state)  # noqa: E731
     elif url and mode == "sync":

@@ -3,8 +3,9 @@ says why in the failing worker's own words (its last error lines), not just "max
 
 A bug in the user's script (rank 0 raises at step 7) fails every round the same way. Checkpoints every
 5 steps: the first round runs steps 0..6 and saves step 4; the one restart allowed resumes from step 4
-and runs 5 and 6 again, and its failure ends the job. Real etcd, agents and gloo workers on the local
-provider.
+and runs 5 and 6 again, and its failure ends the job. In-memory snapshots are off (PETCTL_SNAPSHOTS=0):
+with them the restart would resume at step 7 and fail before any step (tests/test_snapshot_loss.py
+covers them). Real etcd, agents and gloo workers on the local provider.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ERROR = f"RuntimeError: injected failure at step {FAIL_AT} (FAIL_AT)"
 def test_exhausted_restarts_fail_the_job_and_status_shows_the_workers_error(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
     run_ledger_job(local, ledger_dir, "crashy", "--min", "1", "--max", "2", "--size", "2", "--max-restarts",
-                   str(MAX_RESTARTS), STEPS=STEPS, FAIL_AT=FAIL_AT, CKPT_EVERY=EVERY, STEP_TIME=0.02)
+                   str(MAX_RESTARTS), STEPS=STEPS, FAIL_AT=FAIL_AT, CKPT_EVERY=EVERY, STEP_TIME=0.02,
+                   PETCTL_SNAPSHOTS=0)
     info = local.wait_finished("crashy", timeout=150)
     assert info["state"] == "failed", info
     status = local.status("crashy")

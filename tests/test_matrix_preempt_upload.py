@@ -18,7 +18,8 @@ the save has UPLOAD + 1.5 s:
     -> the survivor re-forms alone and resumes from 49 (complete), not from j (torn)
 
 That is a 2-minute AWS notice scaled down: 90 s for the save (`preempt_deadline`), a state that needs
-more. Real etcd,
+more. The store is what this tests: in-memory snapshots are off (PETCTL_SNAPSHOTS=0; with them the
+survivor would resume from its own snapshot of j and redo nothing). Real etcd,
 agents and gloo workers on the local provider; the replacement is held back (`--replace-delay`) so the
 survivor's round is the one that finishes the job.
 """
@@ -60,7 +61,7 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
     ledger_dir = tmp_path / "ledger"
     run_ledger_job(local, ledger_dir, "torn", "--min", "1", "--max", "2", "--size", "2",
                    "--replace-delay", "600", "--wait", "--wait-timeout", "120", STEPS=STEPS,
-                   CKPT_EVERY=EVERY, STEP_TIME=0.1, UPLOAD_SECONDS=UPLOAD)
+                   CKPT_EVERY=EVERY, STEP_TIME=0.1, UPLOAD_SECONDS=UPLOAD, PETCTL_SNAPSHOTS=0)
     checkpoints = local.job_dir("torn") / "checkpoints"
     started = wait_until(lambda: Ledger.read(ledger_dir).of("upload_started"), 90, "the first upload")
     writer = started[0]["node"]

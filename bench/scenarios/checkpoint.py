@@ -12,15 +12,12 @@ one thread, padded to BENCH_STEP_TIME, standing in for a GPU step during which t
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from typing import Any
 
 from bench import phases
-from bench.petctl_runner import BENCH, REPO, node_env
-from bench.procs import Node, start_node
-from bench.scenarios.common import Context
+from bench.petctl_runner import node_env
+from bench.scenarios.common import Context, interleaved, run_workload
 from petctl.io.net import free_port
 
 VARIANTS = ("none", "elastic", "sync")
@@ -69,23 +66,12 @@ def run_once(ctx: Context, moto: Moto, variant: str, rep: int, cfg: dict[str, An
                     "PETCTL_CACHE_DIR": str(ctx.dir("P4", variant, f"rep{rep}", "cache"))})
     if variant != "none":
         env["PETCTL_CHECKPOINT_URL"] = f"s3://{moto.bucket}/p4/{variant}-{rep}-{int(time.time())}"
-    node: Node = start_node(f"p4-{variant}", [sys.executable, "-u", str(BENCH / "workload.py")],
-                            ctx.dir("P4", variant, f"rep{rep}") / "worker.log", env=env, cwd=REPO)
     out: dict[str, Any] = {"variant": variant, "rep": rep}
-    try:
-        code = node.proc.wait(timeout=600)
-    except subprocess.TimeoutExpired:
-        node.kill()
-        out["error"] = "timeout"
+    log_path = ctx.dir("P4", variant, f"rep{rep}") / "worker.log"
+    node, summary = run_workload(f"p4-{variant}", env, log_path, out, WARMUP)
+    if summary is None:
         return out
-    summary = node.events("train.summary")
-    if code != 0 or not summary:
-        out["error"] = f"workload exit code {code}"
-        return out
-    durations = summary[-1]["durations"][WARMUP:]
-    out["mean_step_s"] = round(sum(durations) / len(durations), 5)
-    out["max_step_s"] = round(max(durations), 5)
-    out["close_s"] = summary[-1]["close_s"]
+    out["close_s"] = summary["close_s"]
     saves = node.events("checkpoint.saved")
     out["checkpoints"] = len(saves)
     if saves:
@@ -100,18 +86,9 @@ def run(ctx: Context) -> dict[str, Any]:
     cfg = sizes(ctx.quick)
     out: dict[str, Any] = {"title": "checkpoint overhead", "config": cfg, "runs": {}, "summary": {}}
     with Moto() as moto:
-        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-        for rep in range(ctx.reps):  # interleave variants so drifting machine load hits all of them
-            for variant in VARIANTS:
-                ctx.log(f"P4 {variant} rep {rep + 1}/{ctx.reps} ({cfg['state_mb']} MB)")
-                r = run_once(ctx, moto, variant, rep, cfg)
-                ctx.log(f"P4 {variant}: mean step {r.get('mean_step_s')} s {r.get('error') or ''}")
-                runs[variant].append(r)
-        base = {r["rep"]: r["mean_step_s"] for r in runs["none"] if "mean_step_s" in r}
+        runs = interleaved(ctx, "P4", VARIANTS, f"{cfg['state_mb']} MB",
+                           lambda variant, rep: run_once(ctx, moto, variant, rep, cfg), lambda r: "")
         for variant in VARIANTS:
-            for r in runs[variant]:
-                if "mean_step_s" in r and r["rep"] in base:
-                    r["overhead_pct"] = round(100 * (r["mean_step_s"] / base[r["rep"]] - 1), 3)
             out["runs"][variant] = runs[variant]
             out["summary"][variant] = {
                 "mean_step_s": phases.summarize([r.get("mean_step_s") for r in runs[variant]]),

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.petctl_runner import BENCH, REPO
+from bench.procs import Node, start_node
 
 
 @dataclass
@@ -30,3 +35,46 @@ class Context:
         path = self.root.joinpath(*parts)
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def interleaved(ctx: Context, sid: str, variants: tuple[str, ...], note: str,
+                once: Callable[[str, int], dict[str, Any]], line: Callable[[dict[str, Any]], str]
+                ) -> dict[str, list[dict[str, Any]]]:
+    """`ctx.reps` runs of every variant, the variants interleaved within each repetition so a drifting
+    machine load hits all of them alike; each run's `overhead_pct` is its mean step time against the
+    `none` variant's of the same repetition. `line(result)` is what the log says after each run."""
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for rep in range(ctx.reps):
+        for variant in variants:
+            ctx.log(f"{sid} {variant} rep {rep + 1}/{ctx.reps} ({note})")
+            r = once(variant, rep)
+            ctx.log(f"{sid} {variant}: mean step {r.get('mean_step_s')} s{line(r)} {r.get('error') or ''}")
+            runs[variant].append(r)
+    base = {r["rep"]: r["mean_step_s"] for r in runs["none"] if "mean_step_s" in r}
+    for variant in variants:
+        for r in runs[variant]:
+            if "mean_step_s" in r and r["rep"] in base:
+                r["overhead_pct"] = round(100 * (r["mean_step_s"] / base[r["rep"]] - 1), 3)
+    return runs
+
+
+def run_workload(name: str, env: dict[str, str], log_path: Path, out: dict[str, Any], warmup: int
+                 ) -> tuple[Node, dict[str, Any] | None]:
+    """Run bench/workload.py once to its end (10 min at most). Sets `out`'s mean and max step time (the
+    first `warmup` steps left out), or its `error`; returns the node (its events) and its last
+    `train.summary`, None when it failed."""
+    node = start_node(name, [sys.executable, "-u", str(BENCH / "workload.py")], log_path, env=env, cwd=REPO)
+    try:
+        code = node.proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        node.kill()
+        out["error"] = "timeout"
+        return node, None
+    summary = node.events("train.summary")
+    if code != 0 or not summary:
+        out["error"] = f"workload exit code {code}"
+        return node, None
+    durations = summary[-1]["durations"][warmup:]
+    out["mean_step_s"] = round(sum(durations) / len(durations), 5)
+    out["max_step_s"] = round(max(durations), 5)
+    return node, summary[-1]

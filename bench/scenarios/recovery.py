@@ -7,6 +7,9 @@ Two workloads (`--workload`): "bench" (workload.py, which prints its own start-u
 Each repetition starts a fresh 3-node job (1 worker per node), lets it train past a checkpoint, disrupts
 it, and times the survivors (or the grown job) until they run a training step at the new world size.
 The removed node is petctl's highest rank and torchrun's last-started node (never the c10d store host).
+
+Systems: "petctl", "torchrun-c10d", "torchrun-etcd-v2", and "petctl-nosnap": petctl with its in-memory
+snapshots switched off (PETCTL_SNAPSHOTS=0), the anchor P2's lost steps are compared with (issue 16).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ SCENARIOS = {
 # The petctl agents a scenario can run: its defaults, and (P2) the TTL-only detection as it was before
 # issue 16 (1 s refreshes, 3 s TTL; with those the peer watch is off, agent/silence.py), beside it.
 PETCTL_VARIANTS: dict[str, dict[str, float]] = {
-    "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0}}
+    "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0},
+    "petctl-nosnap": {}}  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0
 BASELINES = {"P2": ["petctl-ttl3"]}  # run after petctl whenever petctl runs this scenario
 
 
@@ -55,9 +59,12 @@ def systems_for(sid: str, systems: list[str]) -> list[str]:
 WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py"}
 
 
-def workload_env() -> dict[str, str]:
-    return {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
-            "BENCH_CKPT": "elastic"}
+def workload_env(system: str = "petctl") -> dict[str, str]:
+    env = {"BENCH_STEP_TIME": str(STEP_TIME), "BENCH_CKPT_EVERY": str(CKPT_EVERY), "BENCH_STATE_MB": "1",
+           "BENCH_CKPT": "elastic"}
+    if system == "petctl-nosnap":
+        env["PETCTL_SNAPSHOTS"] = "0"
+    return env
 
 
 def result_key(sid: str, workload: str) -> str:
@@ -81,7 +88,7 @@ def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any]
     script = WORKLOADS[workload]
     if system in PETCTL_VARIANTS:
         job = PetctlJob.create(root, ctx.etcd.endpoint, name, min_size=sc["min"], max_size=sc["max"],
-                               size=sc["nodes"], env=workload_env(), checkpoint_url=ckpt, imds=ctx.imds,
+                               size=sc["nodes"], env=workload_env(system), checkpoint_url=ckpt, imds=ctx.imds,
                                script=script, initial_wait=60.0, **PETCTL_VARIANTS[system])
         nodes = [job.start() for _ in range(sc["nodes"])]
     else:

@@ -202,7 +202,7 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
 def run(ctx: Context) -> dict[str, Any]:
     sizes = ctx.sizes
     out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {}}
-    for system in ctx.systems:
+    for system in (s for s in ctx.systems if not s.startswith("petctl-")):  # variants: P1-P3 only
         for n in sizes:
             runs = []
             for rep in range(ctx.reps):

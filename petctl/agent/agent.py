@@ -42,6 +42,7 @@ from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
 from petctl.agent.roundjudge import RoundOutcome
 from petctl.agent.roundrunner import RoundParts, RoundRunner
 from petctl.agent.silence import silence_limit, watching_enabled
+from petctl.agent.snapshots import open_area
 from petctl.agent.status import Progress, StatusPublisher
 from petctl.agent.storehealth import StoreHealth
 from petctl.agent.view import RoundInfo
@@ -147,6 +148,7 @@ class Agent:
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(), min=self.spec.min_size,
                          max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity())
         worker_spec = self._worker_spec()
+        snapshot_dir = open_area(self.spec.name, self.node_id, self.events, services)
         pool = get_ready(self.spec, worker_spec, self.work_dir, self.events, self.out, services)
         if not self._until_store_answers(self.heartbeat.start):
             return self._leave(None)
@@ -162,7 +164,7 @@ class Agent:
             status=self.status, progress=self.progress, leave=self.leave, control_dir=self.control_dir,
             work_dir=self.work_dir, out=self.out, worker_spec=worker_spec, pool=pool,
             rebuild=StoreRebuilder(self.rdzv, self.mirror, self.spec.to_json(), self.events).rebuild,
-            depart=self._depart))
+            depart=self._depart, snapshot_dir=snapshot_dir))
         return self._loop(runner)
 
     def _worker_spec(self) -> WorkerSpec:

@@ -56,6 +56,7 @@ from petctl.agent.workerspec import WorkerSpec
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Phase, Round
+from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
 from petctl.io.etcd import store_errors
 
@@ -89,6 +90,7 @@ class RoundParts:
     pool: WarmPool | None
     rebuild: Callable[[Round], None]  # write a round etcd lost back (Agent.rebuild_store)
     depart: Callable[[str], None]  # leave the job in etcd (Agent._depart), our workers may still exit
+    snapshot_dir: Path | None = None  # the workers' in-memory snapshots (agent/snapshots.py); None: none
 
 
 class RoundRunner:
@@ -284,6 +286,7 @@ class RoundRunner:
 
     def _extra_env(self, info: RoundInfo) -> dict[str, str]:
         p = self.p
+        snapshots = {ENV_SNAPSHOT_DIR: str(p.snapshot_dir)} if p.snapshot_dir is not None else {}
         return {"PETCTL_JOB": p.spec.name, "PETCTL_NODE_ID": p.node_id, "PETCTL_ROUND": str(info.round),
                 "PETCTL_CHECKPOINT_URL": p.spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(p.control_dir),
-                "PETCTL_CACHE_DIR": str(p.work_dir / "cache")}
+                "PETCTL_CACHE_DIR": str(p.work_dir / "cache"), **snapshots}

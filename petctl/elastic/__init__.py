@@ -39,6 +39,7 @@ _EXPORTS = {
     "ObjectNotFound": "store",
     "S3Options": "store",
     "S3Store": "store",
+    "SnapshotOptions": "snapshot",
     "open_store": "store",
 }
 

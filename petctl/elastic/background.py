@@ -19,7 +19,7 @@ class BackgroundUploader:
 
     def __init__(self, on_error: Callable[[BaseException], None] | None = None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-ckpt",
-                                        initializer=_yield_cpu_to_training)
+                                        initializer=yield_cpu_to_training)
         self._pending: Future[Any] | None = None
         self._lock = threading.Lock()
         self._on_error = on_error
@@ -67,7 +67,7 @@ class BackgroundUploader:
 BACKGROUND_NICE = 10
 
 
-def _yield_cpu_to_training() -> None:
+def yield_cpu_to_training() -> None:
     """Lower this thread's CPU priority: when cores are short, the training step goes first.
 
     On Linux a nice value belongs to a thread, so this leaves the training thread as it was. Elsewhere

@@ -11,7 +11,9 @@
 
 Who does what under DDP: every rank holds the same state, so rank 0 alone reads and writes the store;
 the loaded checkpoint is broadcast to the other ranks (S3 is read once per job, not once per rank), and
-the preemption flag is all-reduced so every rank saves (rank 0) and exits at the same step.
+the preemption flag is all-reduced so every rank saves (rank 0) and exits at the same step. Under the
+petctl agent, local rank 0 of every node also keeps the newest step in node memory (snapshot.py), and a
+resume takes the newest snapshot any rank holds when the store has nothing newer.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
+from petctl.elastic.snapshot import SnapshotOptions, SnapshotTier
 from petctl.elastic.startup import worker_started_at
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.store import CheckpointStore, S3Options
 
-__all__ = ["ENV_CHECKPOINT_URL", "Checkpointer"]
+__all__ = ["ENV_CHECKPOINT_URL", "Checkpointer", "SnapshotOptions"]
 
 IMPORTED_AT = time.time()  # `from petctl.elastic import Checkpointer` is done (the recovery timeline)
 
@@ -53,6 +56,8 @@ class Checkpointer(BaseCheckpointer):
         state's worth of host memory; saves the training thread the page faults of a fresh copy (a
         copy measured here: about 11 ms per 100 MB instead of 68 ms). False frees the copy after each upload.
     store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
+    snapshots: the in-memory snapshot tier (`SnapshotOptions`, or False to switch it off); by default on
+        under the petctl agent, every step while that costs under 1 % of the step (docs/elastic.md).
     """
 
     def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
@@ -60,7 +65,7 @@ class Checkpointer(BaseCheckpointer):
                  background: bool = True, cache_dir: Path | str | None = None, use_cache: bool = True,
                  weights_only: bool = True, reuse_buffers: bool = True, s3: S3Options | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
-                 log: EventLog | None = None) -> None:
+                 log: EventLog | None = None, snapshots: SnapshotOptions | bool | None = None) -> None:
         super().__init__(url, keep, every, every_seconds, check_every, background, store, s3, control_dir,
                          log)
         self.weights_only = weights_only
@@ -70,6 +75,7 @@ class Checkpointer(BaseCheckpointer):
         if self.cache is not None and self.comm.is_writer:
             self.cache.sweep()
         self.last_saved: mf.Manifest | None = None  # newest manifest this process wrote
+        self.snapshots = SnapshotTier(self.comm, self.log, snapshots)
 
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, state: State) -> int:
@@ -77,9 +83,15 @@ class Checkpointer(BaseCheckpointer):
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
         Emits `checkpoint.resumed` on every rank (see `report_resumed`)."""
         started = time.time()
-        return report_resumed(self.log, self.comm, self._resume(state), started)
+        step = report_resumed(self.log, self.comm, *self._resume(state), started)
+        self.snapshots.prepare(state)  # the snapshot memory, mapped beside the first step
+        return step
 
-    def _resume(self, state: State) -> int:
+    def _resume(self, state: State) -> tuple[int, str]:
+        """(next step, where it came from: snapshot, cache, store or none)."""
+        taken = self.snapshots.resume(lambda: _store_step(self), self.weights_only)
+        if taken is not None:
+            return _adopt(self, state, *taken), "snapshot"
         t0 = time.monotonic()
         found: tuple[int, Path, dict[str, Any], str] | None = None
         failure: str | None = None
@@ -91,15 +103,15 @@ class Checkpointer(BaseCheckpointer):
                     raise
                 failure = f"{type(e).__name__}: {e}"  # tell the other ranks instead of leaving them hanging
         if not self.comm.distributed:
-            return 0 if found is None else _adopt(self, state, found[0], found[2])
+            return (0, "none") if found is None else (_adopt(self, state, found[0], found[2]), found[3])
         message: Any = ("error", failure) if failure is not None else (
-            None if found is None else ("ok", found[0], found[1].read_bytes()))
+            None if found is None else ("ok", found[0], found[1].read_bytes(), found[3]))
         shared = self.comm.broadcast_object(message)
         if shared is None:
-            return 0
+            return 0, "none"
         if shared[0] == "error":
             raise RuntimeError(f"resume failed on rank 0: {shared[1]}")
-        _kind, step, data = shared
+        _kind, step, data, source = shared
         if self.comm.is_writer:
             assert found is not None
             snapshot = found[2]
@@ -107,7 +119,17 @@ class Checkpointer(BaseCheckpointer):
             _step, snapshot = load_payload(data, self.weights_only)
             self.log.emit("checkpoint.loaded", step=step, source="broadcast", bytes=len(data),
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
-        return _adopt(self, state, step, snapshot)
+        return _adopt(self, state, step, snapshot), source
+
+    def step_end(self, step: int, state: State) -> bool:
+        """As `BaseCheckpointer.step_end`, after starting this step's in-memory snapshot (when due)."""
+        self.snapshots.take(step, state)
+        return super().step_end(step, state)
+
+    def close(self) -> None:
+        """Commit the snapshot in flight, then as `BaseCheckpointer.close`."""
+        self.snapshots.close()
+        super().close()
 
     def _load_newest(self) -> tuple[int, Path, dict[str, Any], str] | None:
         """Newest manifest whose objects verify and load; corrupt ones are reported and skipped."""
@@ -210,6 +232,16 @@ class Checkpointer(BaseCheckpointer):
                 ok = False
         return bool(self.comm.broadcast_object(ok))
 
+
+def _store_step(ckpt: Checkpointer) -> int | None:
+    """The store's newest checkpoint step, which a snapshot must match (None: none, or unreadable)."""
+    try:
+        return next((m.step for m in mf.readable_manifests(ckpt.store, ckpt._report_corrupt)), None)
+    except (OSError, ValueError) as e:  # a snapshot can still be had while the store is away
+        ckpt.log.emit("checkpoint.store_unreadable", error=repr(e), url=ckpt.url)
+        return None
+
+
 def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]) -> int:
     """Load the snapshot of checkpoint `step` into `state` (never saved again); the next step to run."""
     state.load_state_dict(snapshot)
@@ -217,10 +249,11 @@ def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]
     return step + 1
 
 
-def report_resumed(log: EventLog, comm: Any, step: int, started: float) -> int:
-    """Emit `checkpoint.resumed`: the next step, and when this worker started, imported petctl.elastic,
-    made its `Comm` and began resuming (a recovery's phases, bench/phases.py). Returns `step`."""
-    log.emit("checkpoint.resumed", step=step, world_size=comm.world_size,
+def report_resumed(log: EventLog, comm: Any, step: int, source: str, started: float) -> int:
+    """Emit `checkpoint.resumed`: the next step, the tier it came from (snapshot, cache, store, none), and
+    when this worker started, imported petctl.elastic, made its `Comm` and began resuming (a recovery's
+    phases, bench/phases.py). Returns `step`."""
+    log.emit("checkpoint.resumed", step=step, source=source, world_size=comm.world_size,
              seconds=round(time.time() - started, 4), worker_started=_ts(worker_started_at()),
              elastic_imported=_ts(IMPORTED_AT), comm_ready=_ts(comm.created_at), resume_started=_ts(started))
     return step

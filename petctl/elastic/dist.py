@@ -108,6 +108,38 @@ class Comm:
         self._collective(lambda: dist.broadcast(data, src=src, group=self.group), data)
         return obj if self.rank == src else pickle.loads(payload)
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (pickled; for small objects: offers, flags).
+        Two all-gathers on tensors this method owns until gloo has released them: the sizes, then the
+        payloads padded to the longest."""
+        if not self.distributed:
+            return [obj]
+        payload = pickle.dumps(obj)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._collective(lambda: dist.all_gather(sizes, size, group=self.group), size, *sizes)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._collective(lambda: dist.all_gather(outs, mine, group=self.group), mine, *outs)
+        return [pickle.loads(out[:int(n.item())].numpy().tobytes())
+                for out, n in zip(outs, sizes, strict=True)]
+
+    def broadcast_buffer(self, buffer: bytearray | None, size: int, src: int = 0) -> bytearray:
+        """`buffer` (`size` bytes, given on rank `src`) on every rank, received straight into a new
+        bytearray without pickling (a snapshot's payload: hundreds of MB)."""
+        if not self.distributed:
+            assert buffer is not None
+            return buffer
+        if self.rank != src:
+            buffer = bytearray(size)
+        assert buffer is not None and len(buffer) == size
+        if size:
+            data = torch.frombuffer(buffer, dtype=torch.uint8)
+            self._collective(lambda: dist.broadcast(data, src=src, group=self.group), data)
+        return buffer
+
     @staticmethod
     def _collective(run: Callable[[], Any], *tensors: torch.Tensor) -> None:
         run()

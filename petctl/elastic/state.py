@@ -34,6 +34,20 @@ def unwrap_model(model: Any) -> Any:
     return model.module if isinstance(model, wrappers) else model
 
 
+def rebuild_dict(obj: dict, items: list[tuple[Any, Any]], keep: Any = None) -> dict:
+    """A dict of `obj`'s type holding `items` (a plain dict when a subclass has another constructor), with
+    `obj`'s `_metadata` (module state_dicts carry versions `load_state_dict` reads), passed through `keep`
+    (e.g. `copy.deepcopy`) or shared when `keep` is None."""
+    try:
+        out = type(obj)(items)
+    except TypeError:  # a dict subclass with another constructor: a plain dict holds the same data
+        out = dict(items)
+    metadata = getattr(obj, "_metadata", None)
+    if metadata is not None and hasattr(out, "__dict__"):
+        out._metadata = keep(metadata) if keep else metadata  # type: ignore[attr-defined]
+    return out
+
+
 def to_cpu(obj: Any, reuse: Any = None) -> Any:
     """A deep copy with every tensor copied to CPU (a copy even for CPU tensors: the live one moves on).
 
@@ -48,15 +62,7 @@ def to_cpu(obj: Any, reuse: Any = None) -> Any:
         return src.to("cpu", copy=True)
     if isinstance(obj, dict):
         old = reuse if isinstance(reuse, dict) else {}
-        items = [(k, to_cpu(v, old.get(k))) for k, v in obj.items()]
-        try:
-            out = type(obj)(items)
-        except TypeError:  # a dict subclass with another constructor: a plain dict holds the same data
-            out = dict(items)
-        metadata = getattr(obj, "_metadata", None)  # module state_dicts carry versions load_state_dict reads
-        if metadata is not None and hasattr(out, "__dict__"):
-            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
-        return out
+        return rebuild_dict(obj, [(k, to_cpu(v, old.get(k))) for k, v in obj.items()], copy.deepcopy)
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         old_items = reuse if isinstance(reuse, type(obj)) and len(reuse) == len(obj) else [None] * len(obj)
         copied = [to_cpu(v, r) for v, r in zip(obj, old_items, strict=True)]

@@ -68,7 +68,7 @@ class SaveNowProtocol:
 
     def begin(self, step: int) -> None:
         """Training starts at `step` completed steps (the framework's resumed checkpoint, or 0)."""
-        report_resumed(self.events, self.comm, step, self.started)
+        report_resumed(self.events, self.comm, step, "framework" if step else "none", self.started)
         if self.check_every > 0:
             self.monitor = PreemptionMonitor(comm=self.comm, check_every=self.check_every)
             self.monitor.announce()
