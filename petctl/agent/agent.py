@@ -87,9 +87,8 @@ class Agent:
         self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
                                    OutageReporter("watch", emit, parent=store), tls=tls)
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
-        self.heartbeat = Heartbeat(etcd_client(endpoint, timeout, tls), self.keys, beat, interval,
-                                   ttl, OutageReporter("heartbeat", emit, parent=store), store,
-                                   self.events)
+        self.heartbeat = Heartbeat(etcd_client(endpoint, timeout, tls), self.keys, beat, interval, ttl,
+                                   OutageReporter("heartbeat", emit, parent=store), store, self.events)
         self.peers = (PeerWatch(etcd_client(endpoint, timeout, tls), self.keys, self.node_id,
                                 self.heartbeat, store, OutageReporter("peers", emit, parent=store),
                                 self.events, silence_limit(t), wake=self.watcher.nudge)
