@@ -75,7 +75,11 @@ def test_announced_preemption_loses_no_step(cluster, imds, tmp_path):
 
 
 def test_kill_without_notice_resumes_from_last_periodic_checkpoint(cluster, imds):
+    """The store path: with the in-memory snapshots off, a loss without notice resumes right after the
+    newest periodic save. (With them on, the survivors resume from their snapshot of the last step:
+    tests/test_snapshot_loss.py; here the kill's step against the save cadence decided which.)"""
     cluster.spec.env["CKPT_EVERY"] = "5"
+    cluster.spec.env["PETCTL_SNAPSHOTS"] = "0"
     nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(3)]
     st = wait_for(lambda: (s := cluster.state()).world_size == 3 and s, 40, what="world of 3")
     wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 8 for n in nodes), 30, what="training")
