@@ -274,6 +274,7 @@ from petctl.elastic import State
 from petctl.elastic.snapwriter import SnapshotWriter
 
 path, overlap = Path(sys.argv[1]), sys.argv[2] == "1"
+hold_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # commit this step's snapshot, then wait to die
 model = torch.nn.Linear(1024, 1024)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 state = State(model=model, optimizer=opt, extra={"step": -1})
@@ -288,6 +289,11 @@ for step in range(10**6):
             t.fill_(step)
     state.extra["step"] = step
     writer.take(step, state)
+    if step == hold_at:
+        writer.close()  # commits the snapshot in flight
+        print("committed", flush=True)
+        import time
+        time.sleep(3600)
     if step == 2:
         print("ready", flush=True)
 '''
@@ -303,17 +309,25 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_snapshot_or_none(tmp_path:
     script.write_text(WRITER_LOOP)
     rng = random.Random(16)
     outcomes = {"whole": 0, "none": 0}
-    for attempt in range(8):
+    # 8 kills at random moments (most land mid-write, which must leave no snapshot), then one right after
+    # a commit, so the whole-snapshot check runs on every machine, however loaded.
+    for attempt in range(9):
         path = tmp_path / f"state-{attempt}.snap"
-        proc = subprocess.Popen([sys.executable, str(script), str(path), "1" if overlap else "0"],
+        held = attempt == 8
+        proc = subprocess.Popen([sys.executable, str(script), str(path), "1" if overlap else "0",
+                                 "5" if held else "-1"],
                                 env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                                 text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0, 0.05))
+        if held:
+            assert proc.stdout.readline().strip() == "committed"
+        else:
+            time.sleep(rng.uniform(0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         offered = SnapshotReader(path, "job", 2, 0, Recorder().log).offer()
         if offered is None:
+            assert not held, "a committed snapshot was not offered"
             outcomes["none"] += 1
             continue
         header, got = read_back(path)
@@ -321,6 +335,7 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_snapshot_or_none(tmp_path:
         momenta = {float(v) for s in got["optimizer"]["state"].values()
                    for v in s["momentum_buffer"].unique()}
         assert values == momenta == {float(header.step)} and got["extra"]["step"] == header.step
+        assert not held or header.step == 5
         outcomes["whole"] += 1
     assert outcomes["whole"] >= 1, outcomes  # the check above ran
 
