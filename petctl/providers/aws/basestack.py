@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
-from petctl.providers.aws import etcdbin, etcdsecrets, inventory, upgrade
+from petctl.providers.aws import etcdbin, etcdsecrets, inventory, jobrecords, upgrade
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
 from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
@@ -80,8 +80,7 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
                        repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
                        log_retention_days=14)
     stacks = provider.stacks(session)
-    upgrade.check_upgrade(s for s in stacks.list_stacks("petctl:stack", stack)
-                          if {t["Key"]: t["Value"] for t in s.get("Tags", [])}.get("petctl:kind") == "job")
+    upgrade.check_upgrade(jobrecords.job_stacks(stacks, stack))
     settings = provider.settings
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],
@@ -153,15 +152,12 @@ def teardown(provider: AwsProvider, force: bool) -> None:
     """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
 
     Works after a failed setup too: all it needs is where the base stack was to be created."""
-    from petctl.providers.aws import jobrecords
-
     settings = provider.settings
     if not settings.get("region"):
         raise NotSetUp("nothing to tear down on AWS: `petctl setup --provider aws` was never run")
     session = provider.session()
     stacks = provider.stacks(session)
-    jobs = [s for s in stacks.list_stacks("petctl:stack", provider.base_stack)
-            if jobrecords.tags(s).get("petctl:kind") == "job"]
+    jobs = jobrecords.job_stacks(stacks, provider.base_stack)
     live = [s for s in jobs if not jobrecords.ended_stack(provider, session, s)]  # ended ones just go
     if live and not force:
         names = ", ".join(sorted(jobrecords.tags(s).get("petctl:job", s["StackName"]) for s in live))

@@ -20,10 +20,16 @@ from petctl.providers.base import JobInfo
 
 if TYPE_CHECKING:
     from petctl.providers.aws.provider import AwsProvider
+    from petctl.providers.aws.stacks import StackOps
 
 
 def tags(stack: dict[str, Any]) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+
+
+def job_stacks(stacks: StackOps, base_stack: str) -> list[dict[str, Any]]:
+    """The live job stacks of one installation (tagged with its base stack and kind `job`)."""
+    return [s for s in stacks.list_stacks("petctl:stack", base_stack) if tags(s).get("petctl:kind") == "job"]
 
 
 def job_info(provider: AwsProvider, name: str) -> JobInfo:
@@ -47,8 +53,7 @@ def list_jobs(provider: AwsProvider) -> list[JobInfo]:
     """Jobs with a stack, and finished ones whose stack is gone (from their S3 record)."""
     settings = provider.require_ready()
     session = provider.session()
-    stacks = [s for s in provider.stacks(session).list_stacks("petctl:stack", provider.base_stack)
-              if tags(s).get("petctl:kind") == "job"]
+    stacks = job_stacks(provider.stacks(session), provider.base_stack)
     infos = []
     for stack in stacks:
         info = inventory.job_info(session.client("autoscaling"), stack, provider.name)

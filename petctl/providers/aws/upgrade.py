@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from petctl.core.errors import JobExists
+from petctl.providers.aws import jobrecords
 
 LAYOUT_TAG = "petctl:layout"
 LAYOUT = "job-iam-path"  # the job's role and profile under /petctl/<stack>/<job>/ (jobscope.py)
@@ -31,7 +32,7 @@ def outdated_jobs(job_stacks: Iterable[dict[str, Any]]) -> list[str]:
     """The jobs (sorted names) whose stacks were made with another layout than this petctl's."""
     names = []
     for stack in job_stacks:
-        tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+        tags = jobrecords.tags(stack)
         if tags.get(LAYOUT_TAG) != LAYOUT:
             names.append(tags.get("petctl:job", stack.get("StackName", "?")))
     return sorted(names)
