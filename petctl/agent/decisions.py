@@ -18,8 +18,7 @@ The rules (docs/ARCHITECTURE.md has the whole protocol):
 - Expected members: live members of the round this one replaced (`Round.prev_ranks`) are still stopping
   their workers. The closer waits for them up to `stop_grace` + `EXPECT_MARGIN`, and for the previous
   rank 0 as long as it is alive (bounded only by `join_timeout`, so no single node can wedge the job).
-  Without this, a node joining a running job froze a round alone while the members' workers were still
-  handling SIGTERM (1-2 s with Lightning): an extra restart, and rank 0 moved to the newcomer.
+  Else a newcomer froze a round alone while members still stopped: an extra restart, rank 0 moved.
 - Frozen: a member is admitted. A live node outside it waits; if every member is gone it opens the next
   round itself, since nobody else will.
 """
@@ -175,9 +174,10 @@ def decide(snap: Snapshot, state: RendezvousState, s: Settings,
 def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
              now: Now) -> tuple[Action, RendezvousState]:
     if state.joined_round != round_no:
-        return Join(round_no, state.prev_rank), dataclasses.replace(
-            state, joined_round=round_no, joined_at=now.mono, min_reached_at=None, members=None,
-            ahead=frozenset())
+        prev_rank = None if rnd.prev_ranks and s.node_id not in rnd.prev_ranks else state.prev_rank
+        return Join(round_no, prev_rank), dataclasses.replace(
+            state, prev_rank=prev_rank, joined_round=round_no, joined_at=now.mono, min_reached_at=None,
+            members=None, ahead=frozenset())
     known = state.ahead and state.ahead <= snap.alive
     if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
         return Wait(IDLE, watch_membership=False), state
@@ -199,14 +199,14 @@ def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, 
 def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None = None) -> list[str]:
     """Joiners in rank order: previous ranks first (rank 0 stays rank 0), then newcomers by arrival.
 
-    A previous rank is the one in the join record, else the one in the round's `prev_ranks` (a member
-    that lost its heartbeat and came back rejoins without one).
+    The round's `prev_ranks` decide (a node the last round formed without is new, whatever its record
+    claims, else a healed old rank 0 takes rank 0 back); a round opened with none uses the records'.
     """
     prev_ranks = prev_ranks or {}
 
     def key(node: str) -> tuple[int, int, int]:
         m = live[node]
-        prev = m.record.prev_rank if m.record.prev_rank is not None else prev_ranks.get(node)
+        prev = prev_ranks.get(node) if prev_ranks else m.record.prev_rank
         return (0 if prev is not None else 1, prev if prev is not None else 0, m.created)
     return sorted(live, key=key)
 
