@@ -126,6 +126,20 @@ def test_all_closer_cases_in_one_loop():
             assert action.value.ranks[min(prev, key=prev.get)] == 0, "rank 0 stays rank 0"
 
 
+def test_a_healed_node_that_missed_the_round_formed_without_it_comes_back_as_a_newcomer():
+    """Rank 0 was cut off; a and b formed round 3 as {a: 0, b: 1}; the link healed and round 4 opened
+    before the old rank 0 read round 3. Its join still claims rank 0, and it joined first (its workers
+    were already stopped): rank 0 stays with a, the newcomer goes last (CI saw it take rank 0 back)."""
+    prev = {"a": 0, "b": 1}
+    action, st = decide(snapshot({"old0", "a", "b"}, joining(4, prev)),
+                        RendezvousState(started=T0, prev_rank=0), settings(me="old0"), now())
+    assert action == Join(4, None) and st.prev_rank is None
+    joins = [("old0", 0), ("a", 0), ("b", 1)]
+    assert closing_order(dict(members(4, joins).records), prev) == ["a", "b", "old0"]
+    action = act(snapshot({"old0", "a", "b"}, joining(4, prev)), joined_state(4, joins), settings(me="a"))
+    assert isinstance(action, Freeze) and action.value.ranks == {"a": 0, "b": 1, "old0": 2}
+
+
 def test_a_non_closer_does_not_reread_until_a_node_ahead_is_gone():
     st = joined_state(2, [("a", 0), ("me", 1)])
     action, st = decide(snapshot({"a", "me"}, joining(2, {"a": 0, "me": 1})), st, settings(), now())

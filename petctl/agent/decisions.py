@@ -175,6 +175,8 @@ def decide(snap: Snapshot, state: RendezvousState, s: Settings,
 def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
              now: Now) -> tuple[Action, RendezvousState]:
     if state.joined_round != round_no:
+        if rnd.prev_ranks and s.node_id not in rnd.prev_ranks:  # a round formed without us meanwhile
+            state = dataclasses.replace(state, prev_rank=None)
         return Join(round_no, state.prev_rank), dataclasses.replace(
             state, joined_round=round_no, joined_at=now.mono, min_reached_at=None, members=None,
             ahead=frozenset())
@@ -199,14 +201,18 @@ def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, 
 def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None = None) -> list[str]:
     """Joiners in rank order: previous ranks first (rank 0 stays rank 0), then newcomers by arrival.
 
-    A previous rank is the one in the join record, else the one in the round's `prev_ranks` (a member
-    that lost its heartbeat and came back rejoins without one).
+    The round's `prev_ranks` (the members of the round it replaced) decide: a member that lost its
+    heartbeat and came back rejoins without a rank in its record and still gets its place, and a node
+    the last round formed without (cut off, then healed before it saw that round) is a newcomer even
+    though its record still claims its old rank; else it would take rank 0 back from the node that
+    holds it. Only a round opened with no memory of the last one (the store wiped under a fresh node)
+    falls back to the ranks the join records claim.
     """
     prev_ranks = prev_ranks or {}
 
     def key(node: str) -> tuple[int, int, int]:
         m = live[node]
-        prev = m.record.prev_rank if m.record.prev_rank is not None else prev_ranks.get(node)
+        prev = prev_ranks.get(node) if prev_ranks else m.record.prev_rank
         return (0 if prev is not None else 1, prev if prev is not None else 0, m.created)
     return sorted(live, key=key)
 
