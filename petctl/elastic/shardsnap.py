@@ -1,0 +1,281 @@
+"""The in-memory snapshot tier of `ShardedCheckpointer`: one node lost costs at most one step, also when
+every rank holds only a shard of the state.
+
+Every K steps each rank keeps its own shard in its node's memory (the agent's tmpfs directory,
+$PETCTL_SNAPSHOT_DIR) and sends a copy to the same local rank on the next node in rank order (rank +
+local world size, mod world), which keeps it as its peer shard: a node lost takes one shard and one
+peer copy with it, and the shard it lost is still held by the next node. Per rank: one own shard and one
+peer shard, the newest only.
+
+How a snapshot runs, so the training thread pays little:
+- training thread (`take`): the state dict (every rank, the same step: FSDP's `get_state_dict` may run
+  collectives), clones of what the next forward could change (buffers, extras), and a hand-off;
+- background thread: DCP writes this rank's shard without coordination (`shardbundle.capture`) straight
+  from the live parameters and optimizer state, which only `optimizer.step()` changes: a pre-hook holds
+  the next `step()` until the capture is done (as the DDP tier does);
+- then, on a gloo group of its own (made collectively when the checkpointer is made), the ranks agree on
+  the next K and on whether every capture worked (one all-reduce), swap shards with their ring
+  neighbours (isend/irecv), stage both files, agree that everyone has both (one more all-reduce), and
+  only then rename both into place: a kill at any moment leaves, for every shard, the new save or the old
+  one complete on two nodes. Every rank takes its snapshots at the same steps (K is agreed), so the
+  group's operations come in the same order everywhere.
+A capture that fails on any rank switches the tier off on every rank (`snapshot.disabled`); training goes
+on with the store alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from petctl.core.eventlog import EventLog
+from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
+from petctl.elastic.background import yield_cpu_to_training
+from petctl.elastic.shardbundle import OWN, PEER, capture, commit, pack, shard_path, stage
+from petctl.elastic.shardresume import ShardReader, resume_sharded
+from petctl.elastic.shardstate import detach_for_capture, find_optimizers
+from petctl.elastic.snapcadence import Cadence
+from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a ring neighbour gone: the job re-forms long before
+FAILURES = (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError)
+
+
+class ShardSnapshotTier:
+    """This rank's part (see the module). `exchange`: it takes part in the resume's offer exchange;
+    `writer`: it takes snapshots (every rank does, or none: agreed when it is made)."""
+
+    def __init__(self, comm: Any, log: EventLog, options: SnapshotOptions | bool | None = None,
+                 environ: dict[str, str] | None = None) -> None:
+        opts, directory, env = _resolve(options, environ)
+        self.comm, self.log = comm, log
+        self.job, self.round = env.get(ENV_JOB, ""), _int(env.get(ENV_ROUND))
+        self.directory = Path(directory) if directory else None
+        self.exchange = opts.enabled is not False and (comm.distributed or bool(directory))
+        local_world = max(1, _int(env.get("LOCAL_WORLD_SIZE")) or 1)
+        self.next = (comm.rank + local_world) % comm.world_size
+        self.prev = (comm.rank - local_world) % comm.world_size
+        self.writer = opts.enabled is not False and bool(directory)
+        if comm.distributed and opts.enabled is not False:  # every rank captures, or none does
+            self.writer = not comm.any_true(not self.writer)
+        self.group: Any = None
+        if self.writer and comm.distributed:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        self.cadence = Cadence(fixed=opts.every, budget=opts.budget)
+        self.overlap = opts.overlap
+        self.every = self.cadence.every  # agreed by every rank
+        self.due = 1
+        self.disabled: str | None = None
+        self.taken = 0
+        self.stats = {"blocked_s": 0.0, "hook_wait_s": 0.0, "capture_s": 0.0, "exchange_s": 0.0, "bytes": 0}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-shardsnap",
+                                        initializer=yield_cpu_to_training)
+        self._pending: Future[str | None] | None = None
+        self._captured = threading.Event()
+        self._captured.set()
+        self._hooks: list[Any] = []
+        self._hooked: list[Any] = []
+        self._last_cost = 0.0
+
+    def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None],
+               workdir: Path) -> int | None:
+        """The step loaded from the shards in memory, or None for the store (collective)."""
+        if not self.exchange:
+            return None
+        reader = None
+        if self.directory is not None:
+            reader = ShardReader(self.directory, self.comm.local_rank, self.comm.rank, self.job, self.round,
+                                 self.log)
+        return resume_sharded(self.comm, self.log, reader, app_state, store_step, self.directory or workdir)
+
+    # --- the training thread ---------------------------------------------------------------------
+    def take(self, step: int, app_state: dict[str, Any]) -> bool:
+        """At the end of `step` (every rank): start this step's snapshot when one is due. True when one
+        was started. Never raises: a failure switches snapshots off on every rank, reported once."""
+        if not self.writer or self.directory is None:
+            return False
+        self.cadence.step_ended(time.monotonic())
+        self.due -= 1
+        if self.due > 0 or self.disabled is not None:
+            return False
+        t0 = time.monotonic()
+        self._finish()  # the previous snapshot's exchange: also where the next K was agreed
+        if self.disabled is not None:
+            return False
+        if self.taken:
+            changed = self.cadence.record(self._last_cost)
+            if changed is not None:
+                self.log.emit("snapshot.every", step=step, proposed=changed[0], was=changed[1],
+                              cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
+        waited, cpu0 = time.monotonic() - t0, time.thread_time()
+        try:
+            state_dict = detach_for_capture(app_state, self.overlap)
+        except FAILURES as e:  # the others wait in the exchange: say so there
+            state_dict, error = None, f"{type(e).__name__}: {e}"
+        else:
+            error = None
+        self._hook(app_state)
+        self._captured.clear()
+        self._pending = self._pool.submit(self._snapshot, step, state_dict, error, self.cadence.every)
+        self.due = self.every
+        self.taken += 1
+        self._last_cost = waited + time.thread_time() - cpu0
+        self.stats["blocked_s"] += time.monotonic() - t0
+        return True
+
+    def _hook(self, app_state: dict[str, Any]) -> None:
+        optimizers = find_optimizers(app_state) if self.overlap else []
+        if [id(o) for o in optimizers] == [id(o) for o in self._hooked]:
+            return
+        self._unhook()
+        self._hooked = optimizers
+        self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        if not self._captured.is_set():
+            t0 = time.monotonic()
+            self._captured.wait()
+            waited = time.monotonic() - t0
+            self.stats["hook_wait_s"] += waited
+            self._last_cost += waited
+
+    def _finish(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            failure = pending.result()
+        except FAILURES as e:
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None and self.disabled is None:
+            self.disabled = failure
+            self._captured.set()
+            self.log.emit("snapshot.disabled", reason=failure, path=str(self.directory))
+
+    # --- the background thread -------------------------------------------------------------------
+    def _snapshot(self, step: int, state_dict: Any, error: str | None, proposal: int) -> str | None:
+        """Capture, agree, swap with the ring neighbours, commit. None, or why snapshots stop here."""
+        assert self.directory is not None
+        t0 = time.monotonic()
+        buf = None
+        try:
+            if state_dict is not None:
+                data, meta = capture(state_dict, self.directory / f".capture-{self.comm.local_rank}")
+                buf = pack(data, meta, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+                           world_size=self.comm.world_size)
+        except FAILURES as e:
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            self._captured.set()
+        t1 = time.monotonic()
+        self.stats["capture_s"] += t1 - t0
+        every, failed = self._all_max(proposal, int(buf is None))
+        if failed:
+            return error or "a capture failed on another rank"
+        assert buf is not None
+        self.every = every
+        own = shard_path(self.directory, OWN, self.comm.local_rank)
+        staged: list[tuple[Path, Path]] = []
+        try:
+            staged.append((stage(own, buf), own))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+        if self.group is not None and self.next != self.comm.rank:
+            received = self._swap(buf)  # every rank swaps, staged or not: the ring stays in step
+            peer = shard_path(self.directory, PEER, self.comm.local_rank)
+            try:
+                staged.append((stage(peer, received), peer))
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+        if self._all_max(int(error is not None))[0]:  # commit only when every rank staged both
+            for tmp, _path in staged:
+                tmp.unlink(missing_ok=True)
+            return error or "staging a shard failed on another rank"
+        for tmp, path in staged:
+            commit(tmp, path)
+        self.stats["exchange_s"] += time.monotonic() - t1
+        self.stats["bytes"] += len(buf)
+        return None
+
+    def _all_max(self, *values: int) -> tuple[int, ...]:
+        if self.group is None:
+            return values
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(int(v) for v in t.tolist())
+
+    def _swap(self, buf: bytearray) -> bytearray:
+        """Send this rank's shard file to the next node's rank, receive the previous node's."""
+        import torch
+
+        size, theirs = torch.tensor([len(buf)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        self._pair(size, theirs)
+        received = bytearray(int(theirs.item()))
+        self._pair(torch.frombuffer(buf, dtype=torch.uint8), torch.frombuffer(received, dtype=torch.uint8))
+        return received
+
+    def _pair(self, out: Any, into: Any) -> None:
+        import torch.distributed as dist
+
+        works = [dist.isend(out, self.next, group=self.group), dist.irecv(into, self.prev, group=self.group)]
+        for work in works:
+            work.wait()
+
+    # --- the end ---------------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        n, s = max(1, self.taken), self.stats
+        return {"snapshots": self.taken, "every": self.every, "bytes": s["bytes"] // n,
+                "blocked_ms": round(1e3 * s["blocked_s"] / n, 3),
+                "hook_wait_ms": round(1e3 * s["hook_wait_s"] / n, 3),
+                "capture_ms": round(1e3 * s["capture_s"] / n, 3),
+                "exchange_ms": round(1e3 * s["exchange_s"] / n, 3), "disabled": self.disabled,
+                "sharded": True}
+
+    def _unhook(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._hooked = [], []
+
+    def close(self) -> None:
+        """Commit the snapshot in flight (every rank closes at the same step), release the hooks and the
+        thread. The files stay: they belong to the agent's directory."""
+        self._finish()
+        self._unhook()
+        self._pool.shutdown(wait=True)
+        if self.taken:
+            self.log.emit("snapshot.stats", **self.report())
+
+
+def _resolve(options: SnapshotOptions | bool | None,
+             environ: dict[str, str] | None) -> tuple[SnapshotOptions, str, Any]:
+    """(options, the snapshot directory or "", the environment), as the DDP tier reads them: off with
+    `False` or PETCTL_SNAPSHOTS=0. Raises ValueError on bad options or `enabled=True` with no directory."""
+    env = os.environ if environ is None else environ
+    opts = SnapshotOptions.of(options)
+    opts.validate()
+    if opts.enabled is None and env.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
+        opts = dataclasses.replace(opts, enabled=False)
+    directory = opts.directory or env.get(ENV_SNAPSHOT_DIR, "")
+    if opts.enabled and not directory:
+        raise ValueError(f"snapshots enabled but no directory: pass SnapshotOptions(directory=...) or "
+                         f"run under the petctl agent (${ENV_SNAPSHOT_DIR})")
+    return opts, directory, env
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
