@@ -26,7 +26,6 @@ on with the store alone.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import threading
 import time
@@ -40,11 +39,11 @@ from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.shardbundle import OWN, PEER, capture, commit, pack, shard_path, stage
 from petctl.elastic.shardresume import ShardReader, resume_sharded
+from petctl.elastic.shardring import ShardRing
 from petctl.elastic.shardstate import detach_for_capture, find_optimizers
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
 
-GROUP_TIMEOUT = datetime.timedelta(seconds=120)  # a ring neighbour gone: the job re-forms long before
 FAILURES = (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError)
 
 
@@ -59,17 +58,10 @@ class ShardSnapshotTier:
         self.job, self.round = env.get(ENV_JOB, ""), _int(env.get(ENV_ROUND))
         self.directory = Path(directory) if directory else None
         self.exchange = opts.enabled is not False and (comm.distributed or bool(directory))
-        local_world = max(1, _int(env.get("LOCAL_WORLD_SIZE")) or 1)
-        self.next = (comm.rank + local_world) % comm.world_size
-        self.prev = (comm.rank - local_world) % comm.world_size
         self.writer = opts.enabled is not False and bool(directory)
         if comm.distributed and opts.enabled is not False:  # every rank captures, or none does
             self.writer = not comm.any_true(not self.writer)
-        self.group: Any = None
-        if self.writer and comm.distributed:
-            import torch.distributed as dist
-
-            self.group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        self.ring = ShardRing.create(comm, _int(env.get("LOCAL_WORLD_SIZE")) or 1) if self.writer else None
         self.cadence = Cadence(fixed=opts.every, budget=opts.budget)
         self.overlap = opts.overlap
         self.every = self.cadence.every  # agreed by every rank
@@ -178,7 +170,9 @@ class ShardSnapshotTier:
             self._captured.set()
         t1 = time.monotonic()
         self.stats["capture_s"] += t1 - t0
-        every, failed = self._all_max(proposal, int(buf is None))
+        ring = self.ring
+        assert ring is not None
+        every, failed = ring.all_max(proposal, int(buf is None))
         if failed:
             return error or "a capture failed on another rank"
         assert buf is not None
@@ -189,14 +183,14 @@ class ShardSnapshotTier:
             staged.append((stage(own, buf), own))
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-        if self.group is not None and self.next != self.comm.rank:
-            received = self._swap(buf)  # every rank swaps, staged or not: the ring stays in step
+        if ring.has_peer:
+            received = ring.swap(buf)  # every rank swaps, staged or not: the ring stays in step
             peer = shard_path(self.directory, PEER, self.comm.local_rank)
             try:
                 staged.append((stage(peer, received), peer))
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
-        if self._all_max(int(error is not None))[0]:  # commit only when every rank staged both
+        if ring.all_max(int(error is not None))[0]:  # commit only when every rank staged both
             for tmp, _path in staged:
                 tmp.unlink(missing_ok=True)
             return error or "staging a shard failed on another rank"
@@ -205,33 +199,6 @@ class ShardSnapshotTier:
         self.stats["exchange_s"] += time.monotonic() - t1
         self.stats["bytes"] += len(buf)
         return None
-
-    def _all_max(self, *values: int) -> tuple[int, ...]:
-        if self.group is None:
-            return values
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return tuple(int(v) for v in t.tolist())
-
-    def _swap(self, buf: bytearray) -> bytearray:
-        """Send this rank's shard file to the next node's rank, receive the previous node's."""
-        import torch
-
-        size, theirs = torch.tensor([len(buf)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self._pair(size, theirs)
-        received = bytearray(int(theirs.item()))
-        self._pair(torch.frombuffer(buf, dtype=torch.uint8), torch.frombuffer(received, dtype=torch.uint8))
-        return received
-
-    def _pair(self, out: Any, into: Any) -> None:
-        import torch.distributed as dist
-
-        works = [dist.isend(out, self.next, group=self.group), dist.irecv(into, self.prev, group=self.group)]
-        for work in works:
-            work.wait()
 
     # --- the end ---------------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
