@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from petctl.core.records import WireFormatError
 from petctl.core.snapshotrecord import HEADER_SIZE
-from petctl.elastic.shardbundle import commit, pack, read_verified, stage, verify
+from petctl.elastic.shardbundle import commit, pack, read_verified, stage, unpack, verify
+from petctl.elastic.shardcodec import assemble, encode
 from petctl.elastic.shardselect import ShardOffer, choose_shards
 
 
@@ -81,7 +83,8 @@ def test_saves_of_another_round_or_world_never_mix() -> None:
 
 
 def shard_bytes(step: int = 7, round_no: int = 1) -> bytearray:
-    return pack(b"d" * 1000, b"meta", job="job", round_no=round_no, step=step, rank=2, world_size=3)
+    state = {"w": torch.arange(250, dtype=torch.float32), "extra": {"step": step}}
+    return pack(*encode(state), job="job", round_no=round_no, step=step, rank=2, world_size=3)
 
 
 def test_a_shard_file_round_trips_and_names_its_save(tmp_path: Path) -> None:
@@ -89,8 +92,9 @@ def test_a_shard_file_round_trips_and_names_its_save(tmp_path: Path) -> None:
     commit(stage(path, shard_bytes()), path)
     header, buf = read_verified(path, "job", 2)
     assert (header.step, header.round, header.rank, header.world_size) == (7, 1, 2, 3)
-    assert header.data_length == 1000
-    assert bytes(buf[HEADER_SIZE:HEADER_SIZE + 1000]) == b"d" * 1000
+    assert header.data_length == 1024  # 1000 bytes, aligned
+    state = unpack(buf)
+    assert torch.equal(state["w"], torch.arange(250, dtype=torch.float32)) and state["extra"] == {"step": 7}
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -102,7 +106,7 @@ def test_a_staged_file_is_not_a_snapshot_until_committed(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("damage", "why"), [
-    (lambda b: b.__setitem__(HEADER_SIZE + 5, 0), "checksum mismatch"),
+    (lambda b: b.__setitem__(HEADER_SIZE + 5, b[HEADER_SIZE + 5] ^ 1), "checksum mismatch"),
     (lambda b: b.__delitem__(slice(len(b) - 10, None)), "header names"),
     (lambda b: b.__setitem__(slice(0, HEADER_SIZE), bytes(HEADER_SIZE)), "no committed snapshot"),
     (lambda b: b.__setitem__(40, b[40] ^ 1), "damaged"),
@@ -119,3 +123,14 @@ def test_stale_shards_are_refused() -> None:
         verify(shard_bytes(round_no=2), "job", 2)
     with pytest.raises(WireFormatError, match="stale: written by job"):
         verify(shard_bytes(), "other", 2)
+
+
+def test_pieces_of_a_sharded_tensor_are_put_together_and_the_rest_comes_from_old_rank_0() -> None:
+    """What each old rank's shard holds after `mark`: its piece of each DTensor, where it sits."""
+    key = "__petctl_dtensor__"
+    pieces = [{"w": {key: [torch.tensor([[1.0, 2.0]]), [3, 2], [0, 0]]}, "lr": 0.1},
+              {"w": {key: [torch.tensor([[3.0, 4.0], [5.0, 6.0]]), [3, 2], [1, 0]]}, "lr": 0.1}]
+    full = assemble(pieces)
+    assert torch.equal(full["w"], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])) and full["lr"] == 0.1
+    with pytest.raises(ValueError, match="different keys"):
+        assemble([{"a": 1}, {"b": 1}])

@@ -133,7 +133,7 @@ class ShardedCheckpointer(BaseCheckpointer):
         t0 = time.monotonic()
         taken = self.snapshots.resume(app_state, store_newest(
             lambda: next((m.step for m in mf.readable_manifests(self.store, self._report_corrupt)), None),
-            self.log, self.url), self.local_dir)
+            self.log, self.url))
         if taken is not None:
             self._submitted_step = taken  # never saved to the store again
             return taken + 1

@@ -7,17 +7,17 @@
    (`shardselect.choose_shards`); the choice is broadcast.
 3. Each old rank's shard is broadcast by the rank that holds it (re-read and re-verified first: a file that
    changed since the offer sends everyone to the store), so every rank holds the W shards of that save,
-   merges their DCP metadata and `dcp.load`s them, resharded to the new world size.
+   puts each tensor together and takes its own slice of the new world (`shardcodec`).
 4. One line says where the job resumed from: `snapshot.resume` (step, holders) or `snapshot.fallback`
    (why, and which old ranks' shards are gone: two neighbouring nodes lost at once), from rank 0.
 
-Transient memory: every rank receives the whole state's shards once (one state copy, in the restore
-directory), freed when the load is done.
+Transient memory: every rank receives the whole state's shards once and puts the whole state together
+from them (each shard freed as it is decoded), all freed when the load is done.
 """
 
 from __future__ import annotations
 
-import shutil
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +25,14 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
-from petctl.elastic.shardbundle import OWN, PEER, read_verified, restore_dir, shard_path
+from petctl.elastic.shardbundle import OWN, PEER, read_verified, shard_path, unpack
+from petctl.elastic.shardcodec import assemble, load_into
 from petctl.elastic.shardselect import ShardChoice, ShardOffer, choose_shards
 
-# What a load of verified shards can still fail with: DCP (CheckpointException is a BaseException
-# subclass of Exception), the metadata's unpickling, the files.
-LOAD_FAILURES = (OSError, RuntimeError, ValueError, KeyError, TypeError, EOFError, AttributeError)
+# What a load of verified shards can still fail with: a skeleton refused or unreadable, a state that does
+# not fit the live one (another model), a Stateful refusing it.
+LOAD_FAILURES = (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, TypeError, EOFError,
+                 AttributeError, IndexError)
 
 
 class ShardReader:
@@ -66,7 +68,7 @@ class ShardReader:
 
 
 def resume_sharded(comm: Any, log: EventLog, reader: ShardReader | None, app_state: dict[str, Any],
-                   store_step: Callable[[], int | None], workdir: Path) -> int | None:
+                   store_step: Callable[[], int | None], weights_only: bool = True) -> int | None:
     """The step loaded into `app_state` from the shards in memory, or None to resume from the store.
     Collective; raises nothing a snapshot could cause (those are reported, and the store used)."""
     t0 = time.monotonic()
@@ -84,17 +86,12 @@ def resume_sharded(comm: Any, log: EventLog, reader: ShardReader | None, app_sta
     sent = _gather_shards(comm, reader, choice, offers)
     if sent is None:
         return _fell_back(comm, log, choice, "a holder could not read its shard again")
-    target = workdir / f"snaprestore-{comm.rank}"
     failure = None
-    try:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.load(app_state, checkpoint_id=str(restore_dir(target, sent)))
+    try:  # the same bytes and code on every rank: they fail alike, and all fall back together
+        full = assemble([unpack(sent.pop(old), weights_only) for old in range(len(choice.holders))])
+        load_into(app_state, full)
     except LOAD_FAILURES as e:
         failure = f"{type(e).__name__}: {e}"
-    finally:
-        del sent
-        shutil.rmtree(target, ignore_errors=True)
     if comm.any_true(failure is not None):
         return _fell_back(comm, log, choice, failure or "the load failed on another rank")
     if comm.is_writer:

@@ -9,8 +9,9 @@ peer shard, the newest only.
 
 How a snapshot runs, so the training thread pays little:
 - training thread (`take`): the state dict (every rank, the same step: FSDP's `get_state_dict` may run
-  collectives), clones of what the next forward could change (buffers, extras), and a hand-off;
-- background thread: DCP writes this rank's shard without coordination (`shardbundle.capture`) straight
+  collectives), clones of what the next forward could change (buffers, extras), each DTensor as its
+  local tensor and offset, a pickled skeleton (`shardcodec`), and a hand-off;
+- background thread: the tensors' bytes copied into the shard file's buffer (`shardbundle.pack`) straight
   from the live parameters and optimizer state, which only `optimizer.step()` changes: a pre-hook holds
   the next `step()` until the capture is done (as the DDP tier does);
 - then, on a gloo group of its own (made collectively when the checkpointer is made), the ranks agree on
@@ -37,7 +38,8 @@ from typing import Any
 from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.background import yield_cpu_to_training
-from petctl.elastic.shardbundle import OWN, PEER, capture, commit, pack, shard_path, stage
+from petctl.elastic.shardbundle import OWN, PEER, commit, pack, shard_path, stage
+from petctl.elastic.shardcodec import encode
 from petctl.elastic.shardresume import ShardReader, resume_sharded
 from petctl.elastic.shardring import ShardRing
 from petctl.elastic.shardstate import detach_for_capture, find_optimizers
@@ -78,8 +80,7 @@ class ShardSnapshotTier:
         self._hooked: list[Any] = []
         self._last_cost = 0.0
 
-    def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None],
-               workdir: Path) -> int | None:
+    def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None]) -> int | None:
         """The step loaded from the shards in memory, or None for the store (collective)."""
         if not self.exchange:
             return None
@@ -87,7 +88,7 @@ class ShardSnapshotTier:
         if self.directory is not None:
             reader = ShardReader(self.directory, self.comm.local_rank, self.comm.rank, self.job, self.round,
                                  self.log)
-        return resume_sharded(self.comm, self.log, reader, app_state, store_step, self.directory or workdir)
+        return resume_sharded(self.comm, self.log, reader, app_state, store_step)
 
     # --- the training thread ---------------------------------------------------------------------
     def take(self, step: int, app_state: dict[str, Any]) -> bool:
@@ -109,15 +110,14 @@ class ShardSnapshotTier:
                 self.log.emit("snapshot.every", step=step, proposed=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
+        encoded, error = None, None
         try:
-            state_dict = detach_for_capture(app_state, self.overlap)
+            encoded = encode(detach_for_capture(app_state, self.overlap))
         except FAILURES as e:  # the others wait in the exchange: say so there
-            state_dict, error = None, f"{type(e).__name__}: {e}"
-        else:
-            error = None
+            error = f"{type(e).__name__}: {e}"
         self._hook(app_state)
         self._captured.clear()
-        self._pending = self._pool.submit(self._snapshot, step, state_dict, error, self.cadence.every)
+        self._pending = self._pool.submit(self._snapshot, step, encoded, error, self.cadence.every)
         self.due = self.every
         self.taken += 1
         self._last_cost = waited + time.thread_time() - cpu0
@@ -154,16 +154,15 @@ class ShardSnapshotTier:
             self.log.emit("snapshot.disabled", reason=failure, path=str(self.directory))
 
     # --- the background thread -------------------------------------------------------------------
-    def _snapshot(self, step: int, state_dict: Any, error: str | None, proposal: int) -> str | None:
+    def _snapshot(self, step: int, encoded: Any, error: str | None, proposal: int) -> str | None:
         """Capture, agree, swap with the ring neighbours, commit. None, or why snapshots stop here."""
         assert self.directory is not None
         t0 = time.monotonic()
         buf = None
         try:
-            if state_dict is not None:
-                data, meta = capture(state_dict, self.directory / f".capture-{self.comm.local_rank}")
-                buf = pack(data, meta, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
-                           world_size=self.comm.world_size)
+            if encoded is not None:
+                buf = pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+                           world_size=self.comm.world_size, copied=self._captured.set)
         except FAILURES as e:
             error = f"{type(e).__name__}: {e}"
         finally:
