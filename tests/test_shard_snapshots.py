@@ -13,6 +13,7 @@ from petctl.core.snapshotrecord import HEADER_SIZE
 from petctl.elastic.shardbundle import commit, pack, read_verified, stage, unpack, verify
 from petctl.elastic.shardcodec import assemble, encode
 from petctl.elastic.shardselect import ShardOffer, choose_shards
+from petctl.elastic.shardstate import detach_for_capture
 
 
 def held(rank: int, old: int, step: int = 10, round_no: int = 1, world: int = 3,
@@ -84,7 +85,8 @@ def test_saves_of_another_round_or_world_never_mix() -> None:
 
 def shard_bytes(step: int = 7, round_no: int = 1) -> bytearray:
     state = {"w": torch.arange(250, dtype=torch.float32), "extra": {"step": step}}
-    return pack(*encode(state), job="job", round_no=round_no, step=step, rank=2, world_size=3)
+    return pack(*encode(detach_for_capture(state, overlap=False)), job="job", round_no=round_no, step=step,
+                rank=2, world_size=3)
 
 
 def test_a_shard_file_round_trips_and_names_its_save(tmp_path: Path) -> None:
@@ -126,7 +128,7 @@ def test_stale_shards_are_refused() -> None:
 
 
 def test_pieces_of_a_sharded_tensor_are_put_together_and_the_rest_comes_from_old_rank_0() -> None:
-    """What each old rank's shard holds after `mark`: its piece of each DTensor, where it sits."""
+    """What each old rank's shard holds: its piece of each DTensor, and where that sits."""
     key = "__petctl_dtensor__"
     pieces = [{"w": {key: [torch.tensor([[1.0, 2.0]]), [3, 2], [0, 0]]}, "lr": 0.1},
               {"w": {key: [torch.tensor([[3.0, 4.0], [5.0, 6.0]]), [3, 2], [1, 0]]}, "lr": 0.1}]

@@ -4,8 +4,8 @@ Why not `dcp.save` at every step: it costs about 10 ms of Python per save whatev
 (planning, one `torch.save` per item), most of it holding the GIL against the training thread, so a
 1 % budget would snapshot a 50 ms step only every 15 steps. Here a shard is `snapcodec`'s payload (tensor
 bytes in fixed places, plus a pickled skeleton): each DTensor is replaced by its local tensor and where
-that sits in the global tensor (`mark`), so the bytes copy runs in torch (GIL released) and the Python
-part is a walk of the state dict.
+that sits in the global tensor (`shardstate.detach_for_capture`), so the bytes copy runs in torch (GIL
+released) and the Python part is a walk of the state dict.
 
 Loading (`assemble`, `load_into`) is DCP's resharding done by hand: every rank holds the W shards of one
 save; each DTensor's global tensor is put together from the W local pieces, and every live tensor of the
@@ -20,32 +20,16 @@ from typing import Any
 
 import torch
 
-from petctl.elastic.snapcodec import Layout, encode_meta, flatten
+from petctl.elastic.snapcodec import Layout, encode_meta
 
 DTENSOR_KEY = "__petctl_dtensor__"
 
 
-def mark(obj: Any) -> Any:
-    """`obj` with every DTensor replaced by {DTENSOR_KEY: [local tensor, global shape, global offset]}."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if isinstance(obj, DTensor):
-        _shape, offset = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
-        return {DTENSOR_KEY: [obj.to_local(), list(obj.shape), list(offset)]}
-    if isinstance(obj, dict):
-        return {k: mark(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [mark(v) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def encode(state_dict: dict[str, Any]) -> tuple[list[torch.Tensor], Layout, bytes]:
-    """(tensors, their layout, the meta bytes) of a shard: the training thread's part (no copy of tensor
-    data: the caller copies `tensors` into the payload's slots)."""
-    tensors: list[torch.Tensor] = []
-    skeleton = flatten(mark(state_dict), tensors, [])
+def encode(captured: tuple[Any, list[torch.Tensor]]) -> tuple[list[torch.Tensor], Layout, bytes]:
+    """(tensors, their layout, the meta bytes) of a shard from `shardstate.detach_for_capture`'s
+    (skeleton, tensors): the training thread's part (no copy of tensor data: the caller copies
+    `tensors` into the payload)."""
+    skeleton, tensors = captured
     layout = Layout.of(tensors)
     return tensors, layout, encode_meta(skeleton, layout)
 

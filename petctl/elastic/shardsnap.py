@@ -79,6 +79,7 @@ class ShardSnapshotTier:
         self._hooks: list[Any] = []
         self._hooked: list[Any] = []
         self._last_cost = 0.0
+        self._offsets: dict[Any, list[int]] = {}  # where this rank's DTensor pieces sit
 
     def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None]) -> int | None:
         """The step loaded from the shards in memory, or None for the store (collective)."""
@@ -112,7 +113,7 @@ class ShardSnapshotTier:
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
         encoded, error = None, None
         try:
-            encoded = encode(detach_for_capture(app_state, self.overlap))
+            encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets))
         except FAILURES as e:  # the others wait in the exchange: say so there
             error = f"{type(e).__name__}: {e}"
         self._hook(app_state)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from petctl.elastic.shardcodec import DTENSOR_KEY
+from petctl.elastic.snapcodec import TENSOR_KEY
 from petctl.elastic.state import rebuild_dict
 
 _LEAVES = (int, float, str, bool, bytes, type(None))
@@ -46,28 +48,56 @@ def live_pointers(optimizers: list[Any]) -> set[int]:
     return live
 
 
-def detach_for_capture(app_state: dict[str, Any], overlap: bool = True) -> dict[str, Any]:
-    """A plain state dict of `app_state` (each `Stateful` asked for its `state_dict()` now, on every rank
-    at the same step: FSDP's may run collectives) whose tensors are live when only `optimizer.step()`
-    changes them (`overlap`) and copies otherwise. Raises what `state_dict()` raises."""
+def detach_for_capture(app_state: dict[str, Any], overlap: bool = True,
+                       offsets: dict[Any, list[int]] | None = None) -> tuple[Any, list[Any]]:
+    """(skeleton, tensors) of `app_state`: each `Stateful` asked for its `state_dict()` now (on every
+    rank at the same step: FSDP's may run collectives), every tensor moved to `tensors` and replaced by
+    `{snapcodec.TENSOR_KEY: i}`, each DTensor by its local piece and where that sits
+    (`{shardcodec.DTENSOR_KEY: [piece, global shape, global offset]}`). A tensor stays live when only
+    `optimizer.step()` changes it (`overlap`) and is copied otherwise. `offsets` caches where a DTensor's
+    piece sits (the same for the life of a world). One walk: it runs on the training thread at every
+    snapshot. Raises what `state_dict()` raises."""
     from torch.distributed.checkpoint.stateful import Stateful
 
     live = live_pointers(find_optimizers(app_state)) if overlap else set()
-    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in app_state.items()}
-    return _copy_unless_live(plain, live)
+    tensors: list[Any] = []
+    walk = _Walk(live, {} if offsets is None else offsets, tensors)
+    skeleton = {k: walk(v.state_dict() if isinstance(v, Stateful) else v) for k, v in app_state.items()}
+    return skeleton, tensors
 
 
-def _copy_unless_live(obj: Any, live: set[int]) -> Any:
-    import torch
+class _Walk:
+    def __init__(self, live: set[int], offsets: dict[Any, list[int]], tensors: list[Any]) -> None:
+        import torch
 
-    if type(obj) in _LEAVES:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        detached = obj.detach()
-        return detached if _ptr(obj) in live else detached.clone()
-    if isinstance(obj, dict):
-        return rebuild_dict(obj, [(k, _copy_unless_live(v, live)) for k, v in obj.items()], copy.deepcopy)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [_copy_unless_live(v, live) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return copy.deepcopy(obj)
+        self.live, self.offsets, self.tensors, self.tensor_type = live, offsets, tensors, torch.Tensor
+
+    def __call__(self, obj: Any) -> Any:
+        if type(obj) in _LEAVES:
+            return obj
+        if isinstance(obj, self.tensor_type):
+            local = getattr(obj, "_local_tensor", None)  # a DTensor: its piece on this rank
+            plain = (obj if local is None else local).detach()
+            self.tensors.append(plain if _ptr(plain) in self.live else plain.clone())
+            marker = {TENSOR_KEY: len(self.tensors) - 1}
+            if local is None:
+                return marker
+            return {DTENSOR_KEY: [marker, list(obj.shape), _offset(obj, self.offsets)]}
+        if isinstance(obj, dict):
+            return rebuild_dict(obj, [(k, self(v)) for k, v in obj.items()], copy.deepcopy)
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            items = [self(v) for v in obj]
+            return items if isinstance(obj, list) else tuple(items)
+        return copy.deepcopy(obj)
+
+
+def _offset(dtensor: Any, offsets: dict[Any, list[int]]) -> list[int]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    key = (tuple(dtensor.shape), id(dtensor.device_mesh), tuple(dtensor.placements))
+    found = offsets.get(key)
+    if found is None:
+        _shape, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh,
+                                                               dtensor.placements)
+        found = offsets[key] = list(offset)
+    return found
