@@ -79,7 +79,7 @@ def resume_sharded(comm: Any, log: EventLog, reader: ShardReader | None, app_sta
         choice = choose_shards(offers, store_step() if offers else None)
     choice = comm.broadcast_object(choice)
     if choice.source != "snapshot":
-        if comm.is_writer:
+        if comm.is_writer and (offers or reader is not None):  # snapshots on (not: a job without them)
             log.emit("snapshot.fallback", source=choice.source, missing=list(choice.missing),
                      reason=choice.reason, offers=len(offers))
         return None
