@@ -42,7 +42,7 @@ from petctl.elastic.shardbundle import OWN, PEER, commit, pack, shard_path, stag
 from petctl.elastic.shardcodec import encode
 from petctl.elastic.shardresume import ShardReader, resume_sharded
 from petctl.elastic.shardring import ShardRing
-from petctl.elastic.shardstate import detach_for_capture, find_optimizers
+from petctl.elastic.shardstate import StateDicts, detach_for_capture, find_optimizers
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
 
@@ -80,6 +80,7 @@ class ShardSnapshotTier:
         self._hooked: list[Any] = []
         self._last_cost = 0.0
         self._offsets: dict[Any, list[int]] = {}  # where this rank's DTensor pieces sit
+        self._state_dicts = StateDicts()
 
     def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None]) -> int | None:
         """The step loaded from the shards in memory, or None for the store (collective)."""
@@ -113,7 +114,7 @@ class ShardSnapshotTier:
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
         encoded, error = None, None
         try:
-            encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets))
+            encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets, self._state_dicts))
         except FAILURES as e:  # the others wait in the exchange: say so there
             error = f"{type(e).__name__}: {e}"
         self._hook(app_state)

@@ -48,8 +48,53 @@ def live_pointers(optimizers: list[Any]) -> set[int]:
     return live
 
 
+class StateDicts:
+    """`ShardedState.state_dict()` at every snapshot without `get_state_dict`'s per-call cost (option
+    checks over every module, about 0.2 ms of the 0.5 ms a small model's snapshot costs the training
+    thread): the model's own `state_dict()` and the optimizer's, its parameter numbers renamed to the
+    names `get_state_dict` gives them. The names are learnt from one `get_state_dict` call and used only
+    when the result then matched it key for key; otherwise every call is `get_state_dict`'s."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, list[str] | None] = {}  # id(ShardedState) -> parameter number -> name
+
+    def of(self, value: Any) -> Any:
+        """`value.state_dict()`, or its equal, cheaper (see the class)."""
+        names = self.names.get(id(value))
+        if names is None:
+            full = value.state_dict()
+            if id(value) not in self.names and _plain_sharded_state(value):
+                learnt = [n for group in full["optim"]["param_groups"] for n in group["params"]]
+                self.names[id(value)] = learnt if _same_keys(self._quick(value, learnt), full) else None
+            return full
+        return self._quick(value, names)
+
+    @staticmethod
+    def _quick(value: Any, names: list[str]) -> dict[str, Any]:
+        osd = value.optimizer.state_dict()
+        state = {names[i]: v for i, v in osd["state"].items()}
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
+        return {"model": value.model.state_dict(), "optim": {"state": state, "param_groups": groups},
+                "extra": dict(value.extra)}
+
+
+def _plain_sharded_state(value: Any) -> bool:
+    from petctl.elastic.sharded import ShardedState
+
+    return type(value) is ShardedState and value.optimizer is not None
+
+
+def _same_keys(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_keys(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_keys(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and (not isinstance(a, str) or a == b)
+
+
 def detach_for_capture(app_state: dict[str, Any], overlap: bool = True,
-                       offsets: dict[Any, list[int]] | None = None) -> tuple[Any, list[Any]]:
+                       offsets: dict[Any, list[int]] | None = None,
+                       state_dicts: StateDicts | None = None) -> tuple[Any, list[Any]]:
     """(skeleton, tensors) of `app_state`: each `Stateful` asked for its `state_dict()` now (on every
     rank at the same step: FSDP's may run collectives), every tensor moved to `tensors` and replaced by
     `{snapcodec.TENSOR_KEY: i}`, each DTensor by its local piece and where that sits
@@ -62,7 +107,8 @@ def detach_for_capture(app_state: dict[str, Any], overlap: bool = True,
     live = live_pointers(find_optimizers(app_state)) if overlap else set()
     tensors: list[Any] = []
     walk = _Walk(live, {} if offsets is None else offsets, tensors)
-    skeleton = {k: walk(v.state_dict() if isinstance(v, Stateful) else v) for k, v in app_state.items()}
+    of = state_dicts.of if state_dicts is not None else (lambda v: v.state_dict())
+    skeleton = {k: walk(of(v) if isinstance(v, Stateful) else v) for k, v in app_state.items()}
     return skeleton, tensors
 
 
