@@ -46,6 +46,7 @@ from petctl.elastic.shardstate import StateDicts, detach_for_capture, find_optim
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
 
+INLINE_BYTES = 1 << 20  # a shard this small is copied on the training thread (as the DDP tier does)
 FAILURES = (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError)
 
 
@@ -112,19 +113,27 @@ class ShardSnapshotTier:
                 self.log.emit("snapshot.every", step=step, proposed=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
-        encoded, error = None, None
+        encoded: Any = None
+        error = None
         try:
             encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets, self._state_dicts))
+            if encoded[1].data_length <= INLINE_BYTES:  # copied here: cheaper than waking the thread for it
+                encoded = self._pack(step, encoded)
         except FAILURES as e:  # the others wait in the exchange: say so there
-            error = f"{type(e).__name__}: {e}"
-        self._hook(app_state)
-        self._captured.clear()
+            encoded, error = None, f"{type(e).__name__}: {e}"
+        if not isinstance(encoded, bytearray):
+            self._hook(app_state)
+            self._captured.clear()
         self._pending = self._pool.submit(self._snapshot, step, encoded, error, self.cadence.every)
         self.due = self.every
         self.taken += 1
         self._last_cost = waited + time.thread_time() - cpu0
         self.stats["blocked_s"] += time.monotonic() - t0
         return True
+
+    def _pack(self, step: int, encoded: tuple[Any, ...]) -> bytearray:
+        return pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+                    world_size=self.comm.world_size, copied=self._captured.set)
 
     def _hook(self, app_state: dict[str, Any]) -> None:
         optimizers = find_optimizers(app_state) if self.overlap else []
@@ -157,14 +166,14 @@ class ShardSnapshotTier:
 
     # --- the background thread -------------------------------------------------------------------
     def _snapshot(self, step: int, encoded: Any, error: str | None, proposal: int) -> str | None:
-        """Capture, agree, swap with the ring neighbours, commit. None, or why snapshots stop here."""
+        """Capture (unless `encoded` is the packed file already), agree, swap with the ring neighbours,
+        commit. None, or why snapshots stop here."""
         assert self.directory is not None
         t0 = time.monotonic()
-        buf = None
+        buf = encoded if isinstance(encoded, bytearray) else None
         try:
-            if encoded is not None:
-                buf = pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
-                           world_size=self.comm.world_size, copied=self._captured.set)
+            if buf is None and encoded is not None:
+                buf = self._pack(step, encoded)
         except FAILURES as e:
             error = f"{type(e).__name__}: {e}"
         finally:

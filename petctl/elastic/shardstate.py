@@ -130,7 +130,7 @@ class _Walk:
                 return marker
             return {DTENSOR_KEY: [marker, list(obj.shape), _offset(obj, self.offsets)]}
         if isinstance(obj, dict):
-            return rebuild_dict(obj, [(k, self(v)) for k, v in obj.items()], copy.deepcopy)
+            return rebuild_dict(obj, [(k, self(v)) for k, v in obj.items()])  # pickled at once: copied
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             items = [self(v) for v in obj]
             return items if isinstance(obj, list) else tuple(items)
