@@ -35,6 +35,13 @@ def pack(tensors: list[Any], layout: Layout, meta: bytes, *, job: str, round_no:
          world_size: int, copied: Callable[[], None] = lambda: None) -> bytearray:
     """The shard file's bytes: header (with the payload's checksum), the tensors' bytes, the meta.
     `copied` is called once the tensors are copied (the optimizer may step from then on)."""
+    return seal(fill(tensors, layout, meta, copied), job=job, round_no=round_no, step=step, rank=rank,
+                world_size=world_size, data_length=layout.data_length)
+
+
+def fill(tensors: list[Any], layout: Layout, meta: bytes,
+         copied: Callable[[], None] = lambda: None) -> bytearray:
+    """A shard file's bytes with the header blank (not a snapshot until `seal`ed)."""
     buf = bytearray(HEADER_SIZE + layout.data_length + len(meta))
     try:
         for slot, tensor in zip(layout.slots, tensors, strict=True):
@@ -42,11 +49,17 @@ def pack(tensors: list[Any], layout: Layout, meta: bytes, *, job: str, round_no:
     finally:
         copied()
     buf[HEADER_SIZE + layout.data_length:] = meta
-    length = layout.data_length + len(meta)
+    return buf
+
+
+def seal(buf: bytearray, *, job: str, round_no: int, step: int, rank: int, world_size: int,
+         data_length: int) -> bytearray:
+    """Write the header of `fill`'s bytes, with the payload's checksum: the file is whole from here."""
+    length = len(buf) - HEADER_SIZE
     header = SnapshotHeader(job=job, round=round_no, step=step, rank=rank, world_size=world_size,
-                            data_length=layout.data_length, meta_offset=layout.data_length,
-                            meta_length=len(meta), checksum=payload_checksum(buf, HEADER_SIZE, length),
-                            written_at=time.time())
+                            data_length=data_length, meta_offset=data_length,
+                            meta_length=length - data_length,
+                            checksum=payload_checksum(buf, HEADER_SIZE, length), written_at=time.time())
     buf[:HEADER_SIZE] = header.pack()
     return buf
 

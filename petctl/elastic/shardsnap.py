@@ -38,7 +38,7 @@ from typing import Any
 from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.background import yield_cpu_to_training
-from petctl.elastic.shardbundle import OWN, PEER, commit, pack, shard_path, stage
+from petctl.elastic.shardbundle import OWN, PEER, commit, fill, pack, seal, shard_path, stage
 from petctl.elastic.shardcodec import encode
 from petctl.elastic.shardresume import ShardReader, resume_sharded
 from petctl.elastic.shardring import ShardRing
@@ -118,10 +118,10 @@ class ShardSnapshotTier:
         try:
             encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets, self._state_dicts))
             if encoded[1].data_length <= INLINE_BYTES:  # copied here: cheaper than waking the thread for it
-                encoded = self._pack(step, encoded)
+                encoded = (fill(*encoded), encoded[1].data_length)
         except FAILURES as e:  # the others wait in the exchange: say so there
             encoded, error = None, f"{type(e).__name__}: {e}"
-        if not isinstance(encoded, bytearray):
+        if encoded is not None and len(encoded) == 3:  # the copy is the thread's: hold the next step for it
             self._hook(app_state)
             self._captured.clear()
         self._pending = self._pool.submit(self._snapshot, step, encoded, error, self.cadence.every)
@@ -166,13 +166,16 @@ class ShardSnapshotTier:
 
     # --- the background thread -------------------------------------------------------------------
     def _snapshot(self, step: int, encoded: Any, error: str | None, proposal: int) -> str | None:
-        """Capture (unless `encoded` is the packed file already), agree, swap with the ring neighbours,
-        commit. None, or why snapshots stop here."""
+        """Capture (or, when `encoded` is (filled bytes, data length), seal them), agree, swap with the
+        ring neighbours, commit. None, or why snapshots stop here."""
         assert self.directory is not None
         t0 = time.monotonic()
-        buf = encoded if isinstance(encoded, bytearray) else None
+        buf = None
         try:
-            if buf is None and encoded is not None:
+            if encoded is not None and len(encoded) == 2:  # filled on the training thread
+                buf = seal(encoded[0], job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+                           world_size=self.comm.world_size, data_length=encoded[1])
+            elif encoded is not None:
                 buf = self._pack(step, encoded)
         except FAILURES as e:
             error = f"{type(e).__name__}: {e}"
