@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from petctl.elastic.shardbundle import commit, stage
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a neighbour gone: the job re-forms long before this
 
@@ -55,3 +58,34 @@ class ShardRing:
         works = [dist.isend(out, self.next, group=self.group), dist.irecv(into, self.prev, group=self.group)]
         for work in works:
             work.wait()
+
+
+def exchange(ring: ShardRing, own: Path, peer: Path, buf: bytearray | None, proposal: int,
+             error: str | None) -> tuple[str | None, int]:
+    """One snapshot's round on the ring, the same operations on every rank: agree on the next K (the
+    largest proposed) and on every capture having worked; swap shard files with the neighbours; stage
+    both; agree every rank staged both; only then rename both into place (a kill at any moment leaves,
+    for every shard, the new save or the previous one whole on two nodes). (None, agreed K), or (why
+    snapshots stop here, K). Raises what gloo raises when a neighbour is gone (the job re-forms then)."""
+    every, failed = ring.all_max(proposal, int(buf is None))
+    if failed:
+        return error or "a capture failed on another rank", every
+    assert buf is not None
+    staged: list[tuple[Path, Path]] = []
+    try:
+        staged.append((stage(own, buf), own))
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    if ring.has_peer:
+        received = ring.swap(buf)  # every rank swaps, staged or not: the ring stays in step
+        try:
+            staged.append((stage(peer, received), peer))
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    if ring.all_max(int(error is not None))[0]:  # commit only when every rank staged both
+        for tmp, _path in staged:
+            tmp.unlink(missing_ok=True)
+        return error or "staging a shard failed on another rank", every
+    for tmp, path in staged:
+        commit(tmp, path)
+    return None, every

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -38,14 +39,15 @@ from typing import Any
 from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.background import yield_cpu_to_training
-from petctl.elastic.shardbundle import OWN, PEER, commit, fill, pack, seal, shard_path, stage
+from petctl.elastic.shardbundle import OWN, PEER, fill, pack, seal, shard_path
 from petctl.elastic.shardcodec import encode
 from petctl.elastic.shardresume import ShardReader, resume_sharded
-from petctl.elastic.shardring import ShardRing
+from petctl.elastic.shardring import ShardRing, exchange
 from petctl.elastic.shardstate import StateDicts, detach_for_capture, find_optimizers
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
 
+Captured = tuple[bytearray | None, str | None]  # a sealed shard file, or why there is none
 INLINE_BYTES = 1 << 20  # a shard this small is copied on the training thread (as the DDP tier does)
 FAILURES = (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError)
 
@@ -72,9 +74,11 @@ class ShardSnapshotTier:
         self.disabled: str | None = None
         self.taken = 0
         self.stats = {"blocked_s": 0.0, "hook_wait_s": 0.0, "capture_s": 0.0, "exchange_s": 0.0, "bytes": 0}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="petctl-shardsnap",
-                                        initializer=yield_cpu_to_training)
-        self._pending: Future[str | None] | None = None
+        # Two threads, each running its jobs in order: a copy (large shards) never waits behind the
+        # previous snapshot's exchange, and the exchanges reach the ring group in the same order everywhere.
+        self._copier = ThreadPoolExecutor(1, "petctl-shardcopy", initializer=yield_cpu_to_training)
+        self._sender = ThreadPoolExecutor(1, "petctl-shardring", initializer=yield_cpu_to_training)
+        self._inflight: deque[tuple[int, Future[tuple[str | None, int]]]] = deque()
         self._captured = threading.Event()
         self._captured.set()
         self._hooks: list[Any] = []
@@ -104,7 +108,7 @@ class ShardSnapshotTier:
         if self.due > 0 or self.disabled is not None:
             return False
         t0 = time.monotonic()
-        self._finish()  # the previous snapshot's exchange: also where the next K was agreed
+        self._finish(before=self.taken - 1)  # all but the previous one: also where K was agreed
         if self.disabled is not None:
             return False
         if self.taken:
@@ -124,16 +128,13 @@ class ShardSnapshotTier:
         if encoded is not None and len(encoded) == 3:  # the copy is the thread's: hold the next step for it
             self._hook(app_state)
             self._captured.clear()
-        self._pending = self._pool.submit(self._snapshot, step, encoded, error, self.cadence.every)
+        copy = self._copier.submit(self._capture, step, encoded, error)
+        self._inflight.append((self.taken, self._sender.submit(self._exchange, copy, self.cadence.every)))
         self.due = self.every
         self.taken += 1
         self._last_cost = waited + time.thread_time() - cpu0
         self.stats["blocked_s"] += time.monotonic() - t0
         return True
-
-    def _pack(self, step: int, encoded: tuple[Any, ...]) -> bytearray:
-        return pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
-                    world_size=self.comm.world_size, copied=self._captured.set)
 
     def _hook(self, app_state: dict[str, Any]) -> None:
         optimizers = find_optimizers(app_state) if self.overlap else []
@@ -151,24 +152,24 @@ class ShardSnapshotTier:
             self.stats["hook_wait_s"] += waited
             self._last_cost += waited
 
-    def _finish(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            failure = pending.result()
-        except FAILURES as e:
-            failure = f"{type(e).__name__}: {e}"
-        if failure is not None and self.disabled is None:
-            self.disabled = failure
-            self._captured.set()
-            self.log.emit("snapshot.disabled", reason=failure, path=str(self.directory))
+    def _finish(self, before: int | None = None) -> None:
+        """Wait for the snapshots in flight numbered below `before` (all: None) and take what their
+        exchanges agreed: K, or that snapshots stop. Every rank waits for the same ones at the same
+        snapshot, so every rank applies the same K at the same step."""
+        while self._inflight and (before is None or self._inflight[0][0] < before):
+            _n, pending = self._inflight.popleft()
+            try:
+                failure, self.every = pending.result()
+            except FAILURES as e:
+                failure = f"{type(e).__name__}: {e}"
+            if failure is not None and self.disabled is None:
+                self.disabled = failure
+                self._captured.set()
+                self.log.emit("snapshot.disabled", reason=failure, path=str(self.directory))
 
     # --- the background thread -------------------------------------------------------------------
-    def _snapshot(self, step: int, encoded: Any, error: str | None, proposal: int) -> str | None:
-        """Capture (or, when `encoded` is (filled bytes, data length), seal them), agree, swap with the
-        ring neighbours, commit. None, or why snapshots stop here."""
-        assert self.directory is not None
+    def _capture(self, step: int, encoded: Any, error: str | None) -> Captured:
+        """The copy thread: this rank's shard file (sealed), or why not."""
         t0 = time.monotonic()
         buf = None
         try:
@@ -176,42 +177,25 @@ class ShardSnapshotTier:
                 buf = seal(encoded[0], job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
                            world_size=self.comm.world_size, data_length=encoded[1])
             elif encoded is not None:
-                buf = self._pack(step, encoded)
+                buf = pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+                           world_size=self.comm.world_size, copied=self._captured.set)
         except FAILURES as e:
             error = f"{type(e).__name__}: {e}"
         finally:
             self._captured.set()
-        t1 = time.monotonic()
-        self.stats["capture_s"] += t1 - t0
-        ring = self.ring
-        assert ring is not None
-        every, failed = ring.all_max(proposal, int(buf is None))
-        if failed:
-            return error or "a capture failed on another rank"
-        assert buf is not None
-        self.every = every
-        own = shard_path(self.directory, OWN, self.comm.local_rank)
-        staged: list[tuple[Path, Path]] = []
-        try:
-            staged.append((stage(own, buf), own))
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-        if ring.has_peer:
-            received = ring.swap(buf)  # every rank swaps, staged or not: the ring stays in step
-            peer = shard_path(self.directory, PEER, self.comm.local_rank)
-            try:
-                staged.append((stage(peer, received), peer))
-            except OSError as e:
-                error = f"{type(e).__name__}: {e}"
-        if ring.all_max(int(error is not None))[0]:  # commit only when every rank staged both
-            for tmp, _path in staged:
-                tmp.unlink(missing_ok=True)
-            return error or "staging a shard failed on another rank"
-        for tmp, path in staged:
-            commit(tmp, path)
-        self.stats["exchange_s"] += time.monotonic() - t1
-        self.stats["bytes"] += len(buf)
-        return None
+        self.stats["capture_s"] += time.monotonic() - t0
+        return buf, error
+
+    def _exchange(self, copy: Future[Captured], proposal: int) -> tuple[str | None, int]:
+        """The ring thread: the snapshot's round on the ring (`shardring.exchange`)."""
+        buf, error = copy.result()
+        t0 = time.monotonic()
+        assert self.ring is not None and self.directory is not None
+        own, peer = (shard_path(self.directory, kind, self.comm.local_rank) for kind in (OWN, PEER))
+        outcome = exchange(self.ring, own, peer, buf, proposal, error)
+        self.stats["exchange_s"] += time.monotonic() - t0
+        self.stats["bytes"] += len(buf) if buf is not None else 0
+        return outcome
 
     # --- the end ---------------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -233,7 +217,8 @@ class ShardSnapshotTier:
         thread. The files stay: they belong to the agent's directory."""
         self._finish()
         self._unhook()
-        self._pool.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self._sender.shutdown(wait=True)
         if self.taken:
             self.log.emit("snapshot.stats", **self.report())
 
