@@ -128,7 +128,8 @@ class ShardSnapshotTier:
         if encoded is not None and len(encoded) == 3:  # the copy is the thread's: hold the next step for it
             self._hook(app_state)
             self._captured.clear()
-        copy = self._copier.submit(self._capture, step, encoded, error)
+        big = encoded is not None and len(encoded) == 3  # small: sealed by the ring thread, one hand-off
+        copy = self._copier.submit(self._capture, step, encoded, error) if big else (step, encoded, error)
         self._inflight.append((self.taken, self._sender.submit(self._exchange, copy, self.cadence.every)))
         self.due = self.every
         self.taken += 1
@@ -186,9 +187,11 @@ class ShardSnapshotTier:
         self.stats["capture_s"] += time.monotonic() - t0
         return buf, error
 
-    def _exchange(self, copy: Future[Captured], proposal: int) -> tuple[str | None, int]:
-        """The ring thread: the snapshot's round on the ring (`shardring.exchange`)."""
-        buf, error = copy.result()
+    def _exchange(self, copy: Future[Captured] | tuple[int, Any, str | None],
+                  proposal: int) -> tuple[str | None, int]:
+        """The ring thread: the shard's copy (its future, or the arguments to make it here), then the
+        snapshot's round on the ring (`shardring.exchange`)."""
+        buf, error = copy.result() if isinstance(copy, Future) else self._capture(*copy)
         t0 = time.monotonic()
         assert self.ring is not None and self.directory is not None
         own, peer = (shard_path(self.directory, kind, self.comm.local_rank) for kind in (OWN, PEER))

@@ -57,6 +57,17 @@ class StateDicts:
 
     def __init__(self) -> None:
         self.names: dict[int, list[str] | None] = {}  # id(ShardedState) -> parameter number -> name
+        self._live: tuple[Any, set[int]] | None = None
+
+    def live(self, app_state: dict[str, Any]) -> set[int]:
+        """`live_pointers` of the app state's optimizers, again only when their state may have changed
+        (other optimizers, a new state dict: `load_state_dict`, or more parameters with state: the state
+        is made lazily)."""
+        optimizers = find_optimizers(app_state)
+        key = tuple((id(o), id(o.state), len(o.state)) for o in optimizers)
+        if self._live is None or self._live[0] != key:
+            self._live = (key, live_pointers(optimizers))
+        return self._live[1]
 
     def of(self, value: Any) -> Any:
         """`value.state_dict()`, or its equal, cheaper (see the class)."""
@@ -104,7 +115,8 @@ def detach_for_capture(app_state: dict[str, Any], overlap: bool = True,
     snapshot. Raises what `state_dict()` raises."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    live = live_pointers(find_optimizers(app_state)) if overlap else set()
+    live = (state_dicts.live(app_state) if state_dicts is not None else
+            live_pointers(find_optimizers(app_state))) if overlap else set()
     tensors: list[Any] = []
     walk = _Walk(live, {} if offsets is None else offsets, tensors)
     of = state_dicts.of if state_dicts is not None else (lambda v: v.state_dict())
