@@ -26,8 +26,6 @@ on with the store alone.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import threading
 import time
 from collections import deque
@@ -37,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from petctl.core.eventlog import EventLog
-from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.shardbundle import OWN, PEER, fill, pack, seal, shard_path
 from petctl.elastic.shardcodec import encode
@@ -45,7 +42,7 @@ from petctl.elastic.shardresume import ShardReader, resume_sharded
 from petctl.elastic.shardring import ShardRing, exchange
 from petctl.elastic.shardstate import StateDicts, detach_for_capture, find_optimizers
 from petctl.elastic.snapcadence import Cadence
-from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, ENV_SWITCH, SnapshotOptions
+from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, SnapshotOptions, resolve
 
 Captured = tuple[bytearray | None, str | None]  # a sealed shard file, or why there is none
 INLINE_BYTES = 1 << 20  # a shard this small is copied on the training thread (as the DDP tier does)
@@ -58,7 +55,7 @@ class ShardSnapshotTier:
 
     def __init__(self, comm: Any, log: EventLog, options: SnapshotOptions | bool | None = None,
                  environ: dict[str, str] | None = None) -> None:
-        opts, directory, env = _resolve(options, environ)
+        opts, directory, env = resolve(options, environ)
         self.comm, self.log = comm, log
         self.job, self.round = env.get(ENV_JOB, ""), _int(env.get(ENV_ROUND))
         self.directory = Path(directory) if directory else None
@@ -224,22 +221,6 @@ class ShardSnapshotTier:
         self._sender.shutdown(wait=True)
         if self.taken:
             self.log.emit("snapshot.stats", **self.report())
-
-
-def _resolve(options: SnapshotOptions | bool | None,
-             environ: dict[str, str] | None) -> tuple[SnapshotOptions, str, Any]:
-    """(options, the snapshot directory or "", the environment), as the DDP tier reads them: off with
-    `False` or PETCTL_SNAPSHOTS=0. Raises ValueError on bad options or `enabled=True` with no directory."""
-    env = os.environ if environ is None else environ
-    opts = SnapshotOptions.of(options)
-    opts.validate()
-    if opts.enabled is None and env.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
-        opts = dataclasses.replace(opts, enabled=False)
-    directory = opts.directory or env.get(ENV_SNAPSHOT_DIR, "")
-    if opts.enabled and not directory:
-        raise ValueError(f"snapshots enabled but no directory: pass SnapshotOptions(directory=...) or "
-                         f"run under the petctl agent (${ENV_SNAPSHOT_DIR})")
-    return opts, directory, env
 
 
 def _int(value: str | None) -> int:
