@@ -36,7 +36,7 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic.background import yield_cpu_to_training
-from petctl.elastic.shardbundle import OWN, PEER, fill, pack, seal, shard_path
+from petctl.elastic.shardbundle import OWN, PEER, pack, shard_path
 from petctl.elastic.shardcodec import encode
 from petctl.elastic.shardresume import ShardReader, resume_sharded
 from petctl.elastic.shardring import ShardRing, exchange
@@ -45,7 +45,7 @@ from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapshot import ENV_JOB, ENV_ROUND, SnapshotOptions, resolve
 
 Captured = tuple[bytearray | None, str | None]  # a sealed shard file, or why there is none
-INLINE_BYTES = 1 << 20  # a shard this small is copied on the training thread (as the DDP tier does)
+INLINE_BYTES = 1 << 20  # a shard this small is cloned on the training thread and encoded by the ring thread
 FAILURES = (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError)
 
 
@@ -83,6 +83,7 @@ class ShardSnapshotTier:
         self._last_cost = 0.0
         self._offsets: dict[Any, list[int]] = {}  # where this rank's DTensor pieces sit
         self._state_dicts = StateDicts()
+        self._small = False  # the last shard was small (a local choice: how, never when, to snapshot)
 
     def resume(self, app_state: dict[str, Any], store_step: Callable[[], int | None]) -> int | None:
         """The step loaded from the shards in memory, or None for the store (collective)."""
@@ -114,19 +115,21 @@ class ShardSnapshotTier:
                 self.log.emit("snapshot.every", step=step, proposed=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
+        small = self._small  # the previous shard was small: copy every tensor now, encode on the ring thread
         encoded: Any = None
         error = None
         try:
-            encoded = encode(detach_for_capture(app_state, self.overlap, self._offsets, self._state_dicts))
-            if encoded[1].data_length <= INLINE_BYTES:  # copied here: cheaper than waking the thread for it
-                encoded = (fill(*encoded), encoded[1].data_length)
+            captured = detach_for_capture(app_state, self.overlap and not small, self._offsets,
+                                          self._state_dicts)
+            encoded = ("raw", captured) if small else ("encoded", *encode(captured))
         except FAILURES as e:  # the others wait in the exchange: say so there
             encoded, error = None, f"{type(e).__name__}: {e}"
-        if encoded is not None and len(encoded) == 3:  # the copy is the thread's: hold the next step for it
+        if encoded is not None and encoded[0] == "encoded":  # a copy thread's: hold the next step for it
             self._hook(app_state)
             self._captured.clear()
-        big = encoded is not None and len(encoded) == 3  # small: sealed by the ring thread, one hand-off
-        copy = self._copier.submit(self._capture, step, encoded, error) if big else (step, encoded, error)
+            copy: Any = self._copier.submit(self._capture, step, encoded, error)
+        else:
+            copy = (step, encoded, error)  # made by the ring thread itself: one hand-off
         self._inflight.append((self.taken, self._sender.submit(self._exchange, copy, self.cadence.every)))
         self.due = self.every
         self.taken += 1
@@ -167,16 +170,17 @@ class ShardSnapshotTier:
 
     # --- the background thread -------------------------------------------------------------------
     def _capture(self, step: int, encoded: Any, error: str | None) -> Captured:
-        """The copy thread: this rank's shard file (sealed), or why not."""
+        """The copy thread (a large shard, from the live tensors) or the ring thread (a small one, from
+        copies): this rank's shard file, sealed, or why not."""
         t0 = time.monotonic()
         buf = None
         try:
-            if encoded is not None and len(encoded) == 2:  # filled on the training thread
-                buf = seal(encoded[0], job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
-                           world_size=self.comm.world_size, data_length=encoded[1])
-            elif encoded is not None:
-                buf = pack(*encoded, job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
+            if encoded is not None and encoded[0] == "raw":  # every tensor a private copy already
+                encoded = ("encoded", *encode(encoded[1]))
+            if encoded is not None:
+                buf = pack(*encoded[1:], job=self.job, round_no=self.round, step=step, rank=self.comm.rank,
                            world_size=self.comm.world_size, copied=self._captured.set)
+                self._small = encoded[2].data_length <= INLINE_BYTES
         except FAILURES as e:
             error = f"{type(e).__name__}: {e}"
         finally:
