@@ -6,10 +6,7 @@ event names the old ranks whose shards are gone."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import pytest
 
 from petctl.core.eventlog import parse_lines
 from petctl.io.net import free_port
-from tests.conftest import REPO
+from tests.helpers_gloo import run_ranks
 
 WORKER = r'''
 import datetime, json, os, sys
@@ -59,7 +56,7 @@ dist.destroy_process_group()
 '''
 
 
-def run_ranks(base: Path, tag: str, mode: str, world: int, steps: int, round_no: int,
+def run_nodes(base: Path, tag: str, mode: str, world: int, steps: int, round_no: int,
               nodes: list[int]) -> list[dict]:
     """`world` ranks of WORKER; rank i runs on node `nodes[i]` (its snapshot directory base/shm-<node>),
     all checkpointing to base/ckpt."""
@@ -69,30 +66,20 @@ def run_ranks(base: Path, tag: str, mode: str, world: int, steps: int, round_no:
         (tmp_path / f"shm-{node}").mkdir(exist_ok=True)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port, procs = free_port(), []
-    for rank in range(world):
-        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "RANK": str(rank), "LOCAL_RANK": "0",
-               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": (tmp_path / "ckpt").as_uri(),
-               "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"), "PYTHONPATH": str(REPO),
-               "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{nodes[rank]}"),
-               "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"shm-{nodes[rank]}"), "PETCTL_JOB": "job",
-               "PETCTL_ROUND": str(round_no)}
-        out = tmp_path / f"{tag}-{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out), str(steps)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
-    results = []
-    try:
-        for proc, out in procs:
-            output, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, output
-            results.append(json.loads(out.read_text()))
-    finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    port = free_port()
+
+    def env_of(rank: int) -> dict[str, str]:
+        return {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "PETCTL_CHECKPOINT_URL": (tmp_path / "ckpt").as_uri(),
+                "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"),
+                "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{nodes[rank]}"),
+                "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"shm-{nodes[rank]}"), "PETCTL_JOB": "job",
+                "PETCTL_ROUND": str(round_no)}
+
+    outs = [tmp_path / f"{tag}-{rank}.json" for rank in range(world)]
+    return run_ranks([[sys.executable, str(script), mode, str(out), str(steps)] for out in outs], env_of,
+                     outs, timeout=240)
 
 
 def events(tmp_path: Path, tag: str, world: int, name: str) -> list[dict]:
@@ -106,8 +93,8 @@ def events(tmp_path: Path, tag: str, world: int, name: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_node_lost_resumes_from_shards_two_lost_fall_back_to_the_store(tmp_path: Path) -> None:
-    full = run_ranks(tmp_path / "whole", "full", "train", 3, 10, 1, [0, 1, 2])  # uninterrupted, to step 9
-    trained = run_ranks(tmp_path, "train", "train", 3, 6, 1, [0, 1, 2])  # store: step 3; snapshots: step 5
+    full = run_nodes(tmp_path / "whole", "full", "train", 3, 10, 1, [0, 1, 2])  # uninterrupted, to step 9
+    trained = run_nodes(tmp_path, "train", "train", 3, 6, 1, [0, 1, 2])  # store: step 3; snapshots: step 5
     assert trained[0]["extra"] == {"step": 5}
     for node in range(3):
         names = sorted(p.name for p in (tmp_path / f"shm-{node}").iterdir())
@@ -118,14 +105,14 @@ def test_one_node_lost_resumes_from_shards_two_lost_fall_back_to_the_store(tmp_p
         shutil.copytree(tmp_path / name, kept / name)
 
     shutil.rmtree(tmp_path / "shm-1")  # node 1 (old rank 1) lost: its shard lives on in node 2's memory
-    loaded = run_ranks(tmp_path, "one", "train", 2, 6, 2, [0, 2])  # resume, no step
+    loaded = run_nodes(tmp_path, "one", "train", 2, 6, 2, [0, 2])  # resume, no step
     assert [r["start"] for r in loaded] == [6, 6]  # the snapshot of step 5, not the store's step 3
     assert loaded[0]["params"] == loaded[1]["params"] == trained[0]["params"]  # exact, resharded 3 -> 2
     assert loaded[0]["extra"] == {"step": 5}
     (line,) = events(tmp_path, "one", 2, "snapshot.resume")
     holders = {"0": 0, "1": 1, "2": 0}  # old rank 1's copy on node 2 (new rank 1), 2's own and on node 0
     assert (line["step"], line["world"], line["holders"]) == (5, 3, holders)
-    resumed = run_ranks(tmp_path, "on", "train", 2, 10, 3, [0, 2])  # and on to step 9 at world 2
+    resumed = run_nodes(tmp_path, "on", "train", 2, 10, 3, [0, 2])  # and on to step 9 at world 2
     assert [r["start"] for r in resumed] == [6, 6]
     dw = max(abs(a - b) for a, b in zip(resumed[0]["params"], full[0]["params"], strict=True))
     assert dw <= 1e-12, dw  # the same steps; 2 ranks' sums round differently from 3's
@@ -135,7 +122,7 @@ def test_one_node_lost_resumes_from_shards_two_lost_fall_back_to_the_store(tmp_p
     two = tmp_path / "two"
     for name in ("ckpt", "shm-0"):
         shutil.copytree(kept / name, two / name)
-    back = run_ranks(two, "two", "train", 2, 10, 2, [0, 3])
+    back = run_nodes(two, "two", "train", 2, 10, 2, [0, 3])
     assert [r["start"] for r in back] == [4, 4]
     dw = max(abs(a - b) for a, b in zip(back[0]["params"], full[0]["params"], strict=True))
     assert dw <= 1e-12, dw
