@@ -9,7 +9,11 @@ one-writer `Checkpointer`.
 
 Resume downloads the newest complete checkpoint once per node (LOCAL_RANK 0; resharded loads read shards
 written by any rank), verifies every object, and `dcp.load`s it, so a job that comes back with a
-different world size still resumes. No collective runs off the training thread.
+different world size still resumes. No collective of the training's groups runs off the training thread.
+
+Under the petctl agent every rank also keeps its shard, and the previous node's, in node memory
+(`shardsnap.py`, on a gloo group of its own, off the training thread): a resume takes the newest step
+whose every shard a live rank holds when the store has nothing newer (`shardresume.py`).
 """
 
 from __future__ import annotations
