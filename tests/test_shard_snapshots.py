@@ -136,3 +136,31 @@ def test_pieces_of_a_sharded_tensor_are_put_together_and_the_rest_comes_from_old
     assert torch.equal(full["w"], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])) and full["lr"] == 0.1
     with pytest.raises(ValueError, match="different keys"):
         assemble([{"a": 1}, {"b": 1}])
+
+
+def test_one_process_snapshots_every_step_and_resumes_from_its_newest(tmp_path: Path) -> None:
+    """No torch.distributed: the tier keeps its own shard only (no peer), the newest step, and a later
+    round resumes from it, tensors and plain values alike; a later round of another job does not."""
+    from petctl.core.eventlog import EventLog
+    from petctl.elastic.dist import Comm
+    from petctl.elastic.shardsnap import ShardSnapshotTier
+    from petctl.elastic.snapshot import SnapshotOptions
+
+    env = {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"}
+    opts = SnapshotOptions(every=1, directory=str(tmp_path))
+    state = {"w": torch.zeros(3), "extra": {"step": -1}}
+    tier = ShardSnapshotTier(Comm(), EventLog("test"), opts, env)
+    for step in range(4):
+        state["w"] += 1
+        state["extra"]["step"] = step
+        assert tier.take(step, state)
+    tier.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-own-0.snap"]
+    assert tier.report()["snapshots"] == 4 and tier.disabled is None
+
+    back = {"w": torch.zeros(3), "extra": {"step": -1}}
+    later = ShardSnapshotTier(Comm(), EventLog("test"), opts, {**env, "PETCTL_ROUND": "2"})
+    assert later.resume(back, store_step=lambda: 1) == 3
+    assert torch.equal(back["w"], torch.full((3,), 4.0)) and back["extra"] == {"step": 3}
+    other = ShardSnapshotTier(Comm(), EventLog("test"), opts, {"PETCTL_JOB": "other", "PETCTL_ROUND": "2"})
+    assert other.resume(back, store_step=lambda: None) is None  # another job's: stale
