@@ -74,7 +74,9 @@ class ShardSnapshotTier:
         # Two threads, each running its jobs in order: a copy (large shards) never waits behind the
         # previous snapshot's exchange, and the exchanges reach the ring group in the same order everywhere.
         self._copier = ThreadPoolExecutor(1, "petctl-shardcopy", initializer=yield_cpu_to_training)
-        self._sender = ThreadPoolExecutor(1, "petctl-shardring", initializer=yield_cpu_to_training)
+        # The ring thread is not niced: its round is mostly waiting on the neighbours, and a round that
+        # lags behind the steps (a starved thread on a loaded machine) is a step more lost on a kill.
+        self._sender = ThreadPoolExecutor(1, "petctl-shardring")
         self._inflight: deque[tuple[int, Future[tuple[str | None, int]]]] = deque()
         self._captured = threading.Event()
         self._captured.set()
