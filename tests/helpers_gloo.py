@@ -41,25 +41,35 @@ def run_worker_pair(tmp_path: Path, worker: str, mode: str, url: str, *, tag: st
     script = tmp_path / "worker.py"
     script.write_text(worker)
     port = free_port()
+
+    def env_of(rank: int) -> dict[str, str]:
+        return {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
+                "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"), **rank_env(rank)}
+
+    outs = [tmp_path / f"{tag}-{rank}.json" for rank in range(2)]
+    return run_ranks([[sys.executable, str(script), mode, str(out)] for out in outs], env_of, outs, timeout)
+
+
+def run_ranks(argvs: list[list[str]], env_of: Callable[[int], dict[str, str]], outs: list[Path],
+              timeout: float) -> list[dict]:
+    """Run one process per rank (`argvs[rank]`, its environment os.environ + `env_of(rank)`), wait for
+    them all, and return what each wrote to `outs[rank]` as JSON, rank 0 first. A rank that fails fails
+    the test with its output; a rank still running at the end is killed."""
     procs = []
-    for rank in range(2):
+    for rank, argv in enumerate(argvs):
         # PYTHONFAULTHANDLER: a rank that dies in native code shows its threads' stacks in the failure.
-        env = {"PYTHONFAULTHANDLER": "1", **os.environ,
-               "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PETCTL_CHECKPOINT_URL": url,
-               "PETCTL_CONTROL_DIR": str(tmp_path / f"control-{rank}"), "PYTHONPATH": str(REPO),
-               **rank_env(rank)}
-        out = tmp_path / f"{tag}-{rank}.json"
-        procs.append((subprocess.Popen([sys.executable, str(script), mode, str(out)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        env = {"PYTHONFAULTHANDLER": "1", **os.environ, "PYTHONPATH": str(REPO), **env_of(rank)}
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     results = []
     try:
-        for proc, out in procs:
+        for proc, out in zip(procs, outs, strict=True):
             output, _ = proc.communicate(timeout=timeout)
             assert proc.returncode == 0, output
             results.append(json.loads(out.read_text()))
     finally:
-        for proc, _ in procs:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

@@ -9,7 +9,11 @@ one-writer `Checkpointer`.
 
 Resume downloads the newest complete checkpoint once per node (LOCAL_RANK 0; resharded loads read shards
 written by any rank), verifies every object, and `dcp.load`s it, so a job that comes back with a
-different world size still resumes. No collective runs off the training thread.
+different world size still resumes. No collective of the training's groups runs off the training thread.
+
+Under the petctl agent every rank also keeps its shard, and the previous node's, in node memory
+(`shardsnap.py`, on a gloo group of its own, off the training thread): a resume takes the newest step
+whose every shard a live rank holds when the store has nothing newer (`shardresume.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import BaseCheckpointer
 from petctl.elastic.cache import LocalCache
+from petctl.elastic.shardresume import store_newest
+from petctl.elastic.shardsnap import ShardSnapshotTier
+from petctl.elastic.snapshot import SnapshotOptions
 from petctl.elastic.store import CheckpointStore, ObjectNotFound
 from petctl.io.wait import wait_until
 
@@ -73,7 +80,9 @@ class ShardedCheckpointer(BaseCheckpointer):
     Every call is collective: create it, `resume`, `step_end` and `save` on every rank. `every_seconds`
     saves are agreed on in the preemption check (so at most `check_every - 1` steps late, and it needs
     `check_every >= 1`); the other arguments are `Checkpointer`'s, plus `local_dir` (where DCP writes
-    before the upload) and `entries_timeout` (how long rank 0 waits for every rank's part).
+    before the upload), `entries_timeout` (how long rank 0 waits for every rank's part) and `snapshots`
+    (in-memory shard snapshots, each also kept by the next node: on by default under the petctl agent,
+    `False` or PETCTL_SNAPSHOTS=0 switches them off; docs/elastic.md).
     """
 
     AGREE_ON_TIME = True  # every rank saves: a time-based save is decided together
@@ -81,11 +90,13 @@ class ShardedCheckpointer(BaseCheckpointer):
     def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
                  check_every: int = 1, background: bool = True, local_dir: Path | str | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
-                 entries_timeout: float = 900.0, log: EventLog | None = None) -> None:
+                 entries_timeout: float = 900.0, log: EventLog | None = None,
+                 snapshots: SnapshotOptions | bool | None = None) -> None:
         super().__init__(url, keep, every, every_seconds, check_every, background, store, None, control_dir,
                          log)
         self.entries_timeout = entries_timeout
         self.local_dir = Path(local_dir) if local_dir else LocalCache(self.url).dir / "dcp"
+        self.snapshots = ShardSnapshotTier(self.comm, self.log, snapshots)  # collective (shardsnap.py)
 
     # --- resume ----------------------------------------------------------------------------------
     def _candidates(self) -> list[int]:
@@ -121,8 +132,15 @@ class ShardedCheckpointer(BaseCheckpointer):
         return True, source
 
     def resume(self, app_state: dict[str, Any]) -> int:
-        """Load the newest complete sharded checkpoint into `app_state`; returns the next step (0: none)."""
+        """Load the newest sharded state into `app_state`, from the shards in node memory when they hold
+        the newest step (shardresume.py), else from the store; returns the next step (0: none)."""
         t0 = time.monotonic()
+        taken = self.snapshots.resume(app_state, store_newest(
+            lambda: next((m.step for m in mf.readable_manifests(self.store, self._report_corrupt)), None),
+            self.log, self.url))
+        if taken is not None:
+            self._submitted_step = taken  # never saved to the store again
+            return taken + 1
         failure = None
         candidates: list[int] = []
         if self.comm.is_writer:
@@ -153,6 +171,16 @@ class ShardedCheckpointer(BaseCheckpointer):
         return 0
 
     # --- saving ----------------------------------------------------------------------------------
+    def step_end(self, step: int, state: dict[str, Any]) -> bool:
+        """As `BaseCheckpointer.step_end`, after starting this step's in-memory snapshot (when due)."""
+        self.snapshots.take(step, state)
+        return super().step_end(step, state)
+
+    def close(self) -> None:
+        """Commit the snapshot in flight, then as `BaseCheckpointer.close`."""
+        self.snapshots.close()
+        super().close()
+
     def _save_for_preemption(self, step: int, app_state: dict[str, Any]) -> bool:
         """Every rank saves its part synchronously; True once every part (rank 0: and the manifest) is
         up, on every rank."""

@@ -67,21 +67,30 @@ class SnapshotOptions:
             raise ValueError(f"snapshot budget must be in (0, 1] (got {self.budget})")
 
 
+def resolve(options: SnapshotOptions | bool | None,
+            environ: dict[str, str] | None = None) -> tuple[SnapshotOptions, str, Any]:
+    """(options, the snapshot directory or "", the environment) for a tier: off with `False` or
+    PETCTL_SNAPSHOTS=0 in the job's environment. Raises ValueError on bad options, or on `enabled=True`
+    with no directory."""
+    env = os.environ if environ is None else environ
+    opts = SnapshotOptions.of(options)
+    opts.validate()
+    if opts.enabled is None and env.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
+        opts = dataclasses.replace(opts, enabled=False)
+    directory = opts.directory or env.get(ENV_SNAPSHOT_DIR, "")
+    if opts.enabled and not directory:
+        raise ValueError(f"snapshots enabled but no directory: pass SnapshotOptions(directory=...) or "
+                         f"run under the petctl agent (${ENV_SNAPSHOT_DIR})")
+    return opts, directory, env
+
+
 class SnapshotTier:
     """This rank's part: a writer and a reader on local rank 0 when enabled; every rank takes part in
     the resume's offer exchange unless snapshots are switched off in code (the same on every rank)."""
 
     def __init__(self, comm: Any, log: EventLog, options: SnapshotOptions | bool | None = None,
                  environ: dict[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
-        opts = SnapshotOptions.of(options)
-        opts.validate()
-        if opts.enabled is None and env.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
-            opts = dataclasses.replace(opts, enabled=False)
-        directory = opts.directory or env.get(ENV_SNAPSHOT_DIR, "")
-        if opts.enabled and not directory:
-            raise ValueError(f"snapshots enabled but no directory: pass SnapshotOptions(directory=...) or "
-                             f"run under the petctl agent (${ENV_SNAPSHOT_DIR})")
+        opts, directory, env = resolve(options, environ)
         self.comm = comm
         self.log = log
         self.exchange = opts.enabled is not False and (comm.distributed or bool(directory))
