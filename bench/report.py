@@ -23,14 +23,14 @@ GOALS = {
 }
 TORCHRUNS = ("torchrun-c10d", "torchrun-etcd-v2")
 # P1-P3 result keys, in table order: the bench's workload, then the user-style script (recovery.result_key).
-RECOVERY_KEYS = ("P1", "P1-user", "P2", "P2-user", "P3", "P3-user")
+RECOVERY_KEYS = ("P1", "P1-user", "P1-fsdp", "P2", "P2-user", "P2-fsdp", "P3", "P3-user", "P3-fsdp")
 # Figures beside a recovery's time, when measured: summary key, metric, unit, goal ("": the scenario's).
 RECOVERY_EXTRAS = [("detect_s", "freeze -> first survivor detects", "s", "<= 1.5 s, 0 spurious drops"),
                    ("all_know_s", "freeze -> every survivor knows", "s", "<= 1.5 s, 0 spurious drops"),
                    ("steps_lost", "steps lost", "steps", ""),
                    ("stall", "old members' stall (last step -> first at the new world)", "s", "")]
 BASELINE_NOTES = {"petctl-ttl3": "before issue 16: TTL-only detection (1 s refreshes, 3 s TTL)"}
-WORKLOAD_LABEL = {"": "", "user": " (user script)"}
+WORKLOAD_LABEL = {"": "", "user": " (user script)", "fsdp": " (user script, FSDP2)"}
 
 
 def _fmt(v: Any, unit: str = "") -> str:

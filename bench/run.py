@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (node logs)")
     parser.add_argument("--workload", default="bench",
-                        help="P1-P3: bench (workload.py), user (user_train.py, README-style) or both "
-                             "(comma-separated)")
+                        help="P1-P3: bench (workload.py), user (user_train.py, README-style), fsdp "
+                             "(fsdp_train.py, the same with FSDP2) or both (bench,user; comma-separated)")
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     workloads = ["bench", "user"] if workloads == ["both"] else workloads
-    if not workloads or set(workloads) - {"bench", "user"}:
-        parser.error(f"--workload: choose bench, user or both, not {args.workload!r}")
+    if not workloads or set(workloads) - {"bench", "user", "fsdp"}:
+        parser.error(f"--workload: choose bench, user, fsdp or both, not {args.workload!r}")
     reps = 1 if args.quick else max(1, args.reps)
     default_sizes = [8] if args.quick else [8, 32, 64]
     try:

@@ -1,12 +1,13 @@
 """P8 for sharded state: the cost of a sharded in-memory snapshot at every step (own shard + the copy sent
 to the next node), steps with and without snapshots interleaved in blocks as in bench/snapcost.py.
 
-    python bench/shardcost.py [--mb 100] [--world 2] [--steps 200] [--block 10] [--step-time 0.1]
+    python bench/shardcost.py [--mb 100] [--world 2] [--steps 200] [--block 10] [--step-time 0.1] [--every 1]
 
 --world gloo processes on this machine, each its own "node" (its own snapshot directory in /dev/shm,
 LOCAL_WORLD_SIZE 1), train bench/workload.py's model (--mb of parameters + momentum) sharded with FSDP2
 (`fully_shard`), one torch thread each, a real forward and backward padded to --step-time; blocks of
---block steps alternate between no snapshot and a snapshot at the end of every step (K fixed at 1).
+--block steps alternate between no snapshot and a snapshot at the end of every step (K fixed at 1;
+`--every auto` lets the cadence choose, as under the defaults; `--every N` fixes K at N).
 Rank 0 prints one JSON line (`shardcost.result`): the mean step time of each kind of block (the first
 block of each kind left out), the overhead, and its tier's own figures (`snapshot.stats`: the training
 thread's wall time per snapshot, the optimizer step's wait for the copy, the copy, the exchange).
@@ -58,7 +59,8 @@ def run(rank: int, args: argparse.Namespace, port: int, base: str) -> None:
     directory = Path(base) / f"node-{rank}"
     directory.mkdir()
     quiet = EventLog("shardcost", stream=open(os.devnull, "w"))  # noqa: SIM115
-    tier = ShardSnapshotTier(Comm.create(), quiet, SnapshotOptions(every=1, directory=str(directory)),
+    options = SnapshotOptions(every=args.every, directory=str(directory))
+    tier = ShardSnapshotTier(Comm.create(), quiet, options,
                              environ={"PETCTL_JOB": "bench", "PETCTL_ROUND": "1", "LOCAL_WORLD_SIZE": "1"})
     x = torch.randn(8, width)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -82,7 +84,8 @@ def run(rank: int, args: argparse.Namespace, port: int, base: str) -> None:
         print(json.dumps({"event": "shardcost.result", "ts": time.time(), "mb": args.mb, "world": args.world,
                           "step_s_without": round(without, 5), "step_s_with": round(with_, 5),
                           "overhead_pct": round(100 * (with_ / without - 1), 3),
-                          "load_avg": os.getloadavg()[0], **tier.report()}), flush=True)
+                          "load_avg": os.getloadavg()[0], **tier.report(),
+                          "cadence": "auto" if args.every is None else "fixed"}), flush=True)
     dist.destroy_process_group()
 
 
@@ -93,7 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.1)
+    parser.add_argument("--every", default="1", help="K, or 'auto': the cadence's choice (the default's)")
     args = parser.parse_args(argv)
+    if args.every == "auto":
+        args.every = None
+    elif not args.every.isdigit() or int(args.every) < 1:
+        parser.error(f"--every takes a positive integer or 'auto', not {args.every!r}")
+    else:
+        args.every = int(args.every)
     from petctl.io.net import free_port
 
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())

@@ -13,7 +13,7 @@ LABELS = {"snapshot": "petctl (overlapped, K auto)", "sync": "copy at the step e
 def snapshot_rows(results: dict[str, Any], row: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows built with `row` (report._row's signature) for P8 and the P2 comparison, when present."""
     rows: list[dict[str, Any]] = []
-    for sid in ("P2", "P2-user"):
+    for sid in ("P2", "P2-user", "P2-fsdp"):
         summary = (results.get(sid) or {}).get("summary", {})
         with_, without = summary.get("petctl", {}), summary.get("petctl-nosnap", {})
         if with_.get("steps_lost") and without.get("steps_lost"):

@@ -1,8 +1,10 @@
 """P1 announced preemption, P2 silent host loss, P3 scale-up: petctl and torchrun on the same workload.
 
-Two workloads (`--workload`): "bench" (workload.py, which prints its own start-up milestones) and "user"
+Three workloads (`--workload`): "bench" (workload.py, which prints its own start-up milestones), "user"
 (user_train.py, a script written the way README shows, whose start-up is timed from petctl.elastic's
-`checkpoint.resumed` event). Results of the user workload are stored under "<sid>-user".
+`checkpoint.resumed` event) and "fsdp" (fsdp_train.py: the same script with FSDP2 and
+`ShardedCheckpointer`, so P2 measures sharded snapshots). Results are stored under "<sid>-user" and
+"<sid>-fsdp".
 
 Each repetition starts a fresh 3-node job (1 worker per node), lets it train past a checkpoint, disrupts
 it, and times the survivors (or the grown job) until they run a training step at the new world size.
@@ -56,7 +58,8 @@ def systems_for(sid: str, systems: list[str]) -> list[str]:
 
 # Workload name -> its script. user_train.py's defaults are the bench's (a checkpoint every 10 steps, at
 # least 50 ms per step): it runs with no arguments, as a user would start it.
-WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py"}
+WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py",
+             "fsdp": BENCH / "fsdp_train.py"}  # the user's script with FSDP2 and ShardedCheckpointer
 
 
 def workload_env(system: str = "petctl") -> dict[str, str]:
