@@ -55,10 +55,15 @@ class Outcome:
         """Replay rank 0's ledger: a resume at step r keeps the lineage's steps < r (what the checkpoint
         or snapshot of r - 1 holds) and drops the rest; each step appends. Every resume must load a state
         at least as new as the newest checkpoint committed before it (an in-memory snapshot may be newer),
-        of a step the lineage applied. Returns (the steps behind the final weights, the resumes)."""
+        of a step the lineage applied. A step rank 0 did not live to log counts as applied when another
+        rank logged it before the resume: a cut-off rank 0 can die inside a step's all-reduce that the
+        survivors completed (gloo's ring hands them the sum before rank 0 gets its last chunk), and
+        their snapshot of that step is then the newest state. Returns (the steps behind the final
+        weights, the resumes)."""
         saved = self.events("checkpoint.saved")
+        steps = self.events("train.step")
         lineage: list[int] = []
-        resumes = []
+        resumes: list[dict[str, Any]] = []
         for e in self.rank0_ledger():
             if e["event"] == "train.step":
                 lineage.append(e["step"])
@@ -66,6 +71,10 @@ class Outcome:
             committed = [s["step"] for s in saved if s["ts"] < e["ts"]]
             assert e["step"] >= (max(committed) + 1 if committed else 0), (
                 f"resumed at {e['step']}, the newest checkpoint committed before was {committed[-1:]}")
+            since = resumes[-1]["ts"] if resumes else 0.0  # only this lineage's round(s) count
+            logged = {s["step"] for s in steps if since < s["ts"] < e["ts"]}
+            while len(lineage) < e["step"] and len(lineage) in logged:
+                lineage.append(len(lineage))  # done by the survivors, unlogged by the rank 0 cut off in it
             assert lineage[:e["step"]] == list(range(e["step"])), "resumed past steps never applied"
             del lineage[e["step"]:]
             resumes.append(e)
