@@ -64,7 +64,9 @@ def test_single_type_spot_uses_launch_template_market_options(templates):
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
     assert "MixedInstancesPolicy" not in group and group["LaunchTemplate"]["LaunchTemplateId"] == {
         "Ref": "LaunchTemplate"}
-    assert group["CapacityRebalance"] is True
+    # One type in one AZ is one spot pool: Capacity Rebalancing would replace an at-risk instance from
+    # that same pool (issue 24.4). The agent still checkpoints on the recommendation.
+    assert group["CapacityRebalance"] is False
 
 
 def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(templates, tmp_path):
@@ -77,6 +79,7 @@ def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(tem
     assert dist["OnDemandBaseCapacity"] == 1 and dist["OnDemandPercentageAboveBaseCapacity"] == 0
     assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g5.2xlarge",
                                                                                   "g5.4xlarge"]
+    assert one(t, "AWS::AutoScaling::AutoScalingGroup")["CapacityRebalance"] is True  # several pools
     spec = rendered.job_spec("spot-mixed")
     spec.spot_strategy = "capacity-optimized"  # still selectable (run_job --spot-strategy)
     agent = rendered.AgentConfig(job=spec, node_id="", asg_name="petctl-job-spot-mixed")
@@ -346,6 +349,21 @@ def test_multi_az_job_group_spans_every_subnet(tmp_path):
     text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
     group = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")
     assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")
+    assert group["CapacityRebalance"] is True  # one type, but a pool per AZ
+
+
+@pytest.mark.parametrize(("types", "on_demand", "multi_az", "expected"), [
+    (["g5.xlarge"], False, False, False),  # the default job: one pool, nothing to rebalance to
+    (["g5.xlarge", "g5.2xlarge"], False, False, True),
+    (["g5.xlarge"], False, True, True),
+    (["g5.xlarge", "g5.2xlarge"], True, True, False),  # on-demand: no recommendations to act on
+])
+def test_capacity_rebalancing_only_with_several_types_or_azs(tmp_path, types, on_demand, multi_az, expected):
+    spec = rendered.job_spec("spot-single")
+    spec.instance_types, spec.on_demand, spec.multi_az = types, on_demand, multi_az
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
+    assert one(parse(text), "AWS::AutoScaling::AutoScalingGroup")["CapacityRebalance"] is expected
 
 
 # --- base stack with a 3-member etcd (setup --etcd-nodes 3) --------------------------------------------

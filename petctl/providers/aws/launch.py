@@ -17,6 +17,7 @@ from petctl.io.aws import AwsSession
 from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.jobscope import template_scope
+from petctl.providers.aws.placement import capacity_rebalance
 from petctl.providers.aws.templates import render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, worker_user_data
 
@@ -114,6 +115,7 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
             "worker_policy_arn": out["WorkerPolicyArn"]}
     return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
+                      capacity_rebalance=capacity_rebalance(spot, types, spec.multi_az),
                       on_demand_base=spec.on_demand_base, user_data=user_data,
                       spot_strategy=spec.spot_strategy, lifecycle_hook=LIFECYCLE_HOOK,
                       **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),
