@@ -201,7 +201,7 @@ def test_setup_will_not_update_the_base_under_a_job_of_the_old_iam_layout(ready,
     cfn = boto(moto, "cloudformation")
     job_stack = f"{stack_name}-job-demo"
     tags = cfn.describe_stacks(StackName=job_stack)["Stacks"][0]["Tags"]
-    assert {"Key": "petctl:layout", "Value": "job-iam-path"} in tags
+    assert {"Key": "petctl:layout", "Value": "job-iam-boundary"} in tags
     cfn.update_stack(StackName=job_stack, UsePreviousTemplate=True,  # what an earlier petctl tagged
                      Tags=[t for t in tags if t["Key"] != "petctl:layout"],
                      Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from petctl.core.errors import JobExists, PetctlError, ProviderError
+from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
 from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
@@ -49,6 +49,7 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     if stacks.describe(stack):
         raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick another name")
     role = provider.stack_role()
+    job_boundary(settings["outputs"])  # before anything is created
     check_quota(provider, session, spec)
     store = provider.store(session, spec.name)
     spec.code_url, _ = store.upload_code(job.script)
@@ -84,6 +85,15 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
                               provider.progress, on_short=provider.fallback_poller(spec.name))
 
 
+def job_boundary(outputs: dict[str, str]) -> str:
+    """The job roles' permissions boundary (the base stack's JobBoundary). Raises NotSetUp for a base stack
+    from before it: its service role would refuse a bounded role, so setup must run again first."""
+    if not outputs.get("JobBoundaryArn"):
+        raise NotSetUp("the base stack predates the job roles' permissions boundary: run `petctl setup "
+                       "--provider aws` again (it updates the stack), then run the job")
+    return outputs["JobBoundaryArn"]
+
+
 def check_quota(provider: AwsProvider, session: AwsSession, spec: JobSpec) -> None:
     """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
     the quota cannot be read (an emulator, a missing permission) or leaves --size out of reach."""
@@ -112,7 +122,7 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
         subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
     base = {"stack_name": provider.base_stack, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
             "vpc_id": out["VpcId"], "etcd_security_group": out["EtcdSecurityGroupId"],
-            "worker_policy_arn": out["WorkerPolicyArn"]}
+            "worker_policy_arn": out["WorkerPolicyArn"], "boundary_arn": job_boundary(out)}
     return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                       capacity_rebalance=capacity_rebalance(spot, types, spec.multi_az),
