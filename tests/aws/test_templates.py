@@ -418,10 +418,15 @@ def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own
         assert statements["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
             f":autoScalingGroupName/{group}")
         everywhere = [s["Sid"] for s in statements.values() if s["Resource"] == "*"]
-        # ListSecrets has no resource scope, nor do Session Manager's channels
-        assert everywhere == ["Describe", "ListJobCredentials", "SessionManagerChannels"]
+        # Describe calls and Session Manager's channels have no resource scope; no ListSecrets (issue 24.2:
+        # it would show every secret name in the account): the job users come from the bucket's index
+        assert everywhere == ["Describe", "SessionManagerChannels"]
         assert "ManagedPolicyArns" not in role  # no AmazonSSMManagedInstanceCore (issue 17.3)
-        assert statements["ListJobCredentials"]["Action"] == "secretsmanager:ListSecrets"
+        assert not any(a.startswith("secretsmanager:List") for s in statements.values()
+                       for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
+        index = statements["ListJobUsers"]
+        assert (index["Action"], index["Resource"]) == ("s3:ListBucket", {"Fn::GetAtt": ["Bucket", "Arn"]})
+        assert index["Condition"] == {"StringEquals": {"s3:prefix": "etcd-users/"}}
         assert statements["ReadEtcdHostCertificates"]["Resource"]["Fn::Sub"].endswith(
             ":secret:petctl/etcd/host-??????")  # the hosts' own secret, never the operator's or a job's
         tags = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"][

@@ -172,6 +172,7 @@ def teardown(provider: AwsProvider, force: bool) -> None:
     # etcd's certificates go with the etcd they were for (a new setup makes new ones).
     etcdsecrets.delete(session.client("secretsmanager"), etcdsecrets.prefix(provider.base_stack) + "/")
     if bucket:
+        etcdsecrets.unindex(session.client("s3"), bucket, etcdsecrets.USERS_INDEX)
         provider.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
     settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs
     provider.config.save()

@@ -10,7 +10,7 @@ ours (up to 512 characters) and the service role matches on it, not on the name.
 
 from __future__ import annotations
 
-from petctl.providers.aws.etcdsecrets import jobs_prefix
+from petctl.providers.aws.etcdsecrets import USERS_INDEX, jobs_prefix
 from petctl.providers.aws.storage import job_prefix
 
 # What a job writes under its prefix (petctl/agent/mirror.py, petctl.elastic's checkpointers); the rest of
@@ -47,7 +47,7 @@ def base_scope(stack: str) -> dict[str, object]:
     return {"job_iam_path": iam_path(stack), "job_role_arns": f"{arn}:role{iam_path(stack)}*",
             "job_profile_arns": f"{arn}:instance-profile{iam_path(stack)}*", "job_writable": JOB_WRITABLE,
             "any_job_prefix": job_prefix("*"), "any_job_group_arn": group_arn(f"{stack}-job-*"),
-            "any_job_secret": f"{jobs_prefix(stack)}*"}
+            "any_job_secret": f"{jobs_prefix(stack)}*", "users_index": USERS_INDEX}
 
 
 def template_scope(stack: str, job: str, group_name: str, log_group: str) -> dict[str, object]:

@@ -56,10 +56,12 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
     placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
-    # This run's etcd user: its certificate in a secret only the job's instances may read (the etcd
-    # hosts create the user from the secret's tag; etcdsecrets.py). The spec names the secret, not its value.
-    secrets = session.client("secretsmanager")
-    spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, provider.base_stack, spec.name)
+    # This run's etcd user: its certificate in a secret only the job's instances may read, the user
+    # indexed in the bucket for the etcd hosts (etcdsecrets.py). The spec names the secret, not its value.
+    secrets, s3 = session.client("secretsmanager"), session.client("s3")
+    bucket = settings["outputs"]["BucketName"]
+    spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, s3, bucket, provider.base_stack,
+                                                                  spec.name)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                         asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
@@ -74,7 +76,7 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     except PetctlError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
             stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
-        etcdsecrets.delete_job_credentials(secrets, provider.base_stack, spec.name)
+        etcdsecrets.delete_job_credentials(secrets, s3, bucket, provider.base_stack, spec.name)
         raise
     # The group was created empty (a stack waits for its group's desired capacity): AZRebalance is
     # suspended first (no template property can), then the group is started and watched.
