@@ -240,3 +240,20 @@ def test_nothing_can_remove_or_change_the_boundary(base, service, boundary, tmp_
             assert evaluate(statements, request) != ALLOW, (name, request)
         for variant, statements in jobs.items():
             assert evaluate_bounded(statements, boundary, request) != ALLOW, (variant, request)
+
+
+def test_the_policies_fit_iams_size_quotas():
+    """IAM refuses a managed policy over 6,144 characters and a role's inline policies over 10,240 in all
+    (whitespace not counted): checked on the longest stack name petctl accepts."""
+    import json
+
+    template = parse(rendered.base_template(stack=rendered.LONG_STACK))["Resources"]
+    names = {**NAMES, "LogGroup": f"/petctl/{rendered.LONG_STACK}"}
+
+    def size(document: dict[str, Any]) -> int:
+        return len(json.dumps(resolve(document, names), separators=(",", ":")))
+
+    assert size(template["JobBoundary"]["Properties"]["PolicyDocument"]) < 6_144
+    assert size(template["WorkerPolicy"]["Properties"]["PolicyDocument"]) < 6_144
+    inline = [p["PolicyDocument"] for p in template["JobStackRole"]["Properties"]["Policies"]]
+    assert sum(size(d) for d in inline) < 10_240
