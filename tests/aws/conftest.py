@@ -12,7 +12,9 @@ import json
 import logging
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +47,10 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
     empty.write_text("")
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
            "AWS_CONFIG_FILE": str(empty), "AWS_SHARED_CREDENTIALS_FILE": str(empty),
-           "AWS_EC2_METADATA_DISABLED": "true", "PETCTL_HOME": str(tmp_path / "home")}
+           "AWS_EC2_METADATA_DISABLED": "true", "PETCTL_HOME": str(tmp_path / "home"),
+           # setup downloads the pinned etcd release unless given etcd_binary: never from the internet in a
+           # test (this port refuses; the etcd_mirror fixture serves a release from loopback)
+           "PETCTL_ETCD_DOWNLOAD_URL": "http://127.0.0.1:9"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
@@ -86,6 +91,85 @@ def fake_etcd_binary(directory: Path) -> Path:
     path.write_bytes(bytes(header) + b"fake etcd for tests\n")
     path.with_name("etcdctl").write_bytes(bytes(header) + b"fake etcdctl for tests\n")  # shipped next to it
     return path
+
+
+def fake_etcd_tarball(directory: Path, version: str, members: tuple[str, ...] = ("etcd", "etcdctl")) -> Path:
+    """A tarball laid out as etcd's releases are (`etcd-<v>-linux-amd64/` with etcd, etcdctl, README.md),
+    its executables tiny fakes that pass setup's linux-x86_64 check."""
+    import io
+    import tarfile
+
+    binaries = fake_etcd_binary(directory)
+    folder = f"etcd-{version}-linux-amd64"
+    path = directory / f"{folder}.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        contents = {"etcd": binaries.read_bytes(), "etcdctl": binaries.with_name("etcdctl").read_bytes(),
+                    "README.md": b"etcd\n"}
+        for name in (*members, "README.md"):
+            info = tarfile.TarInfo(f"{folder}/{name}")
+            info.size, info.mode = len(contents[name]), 0o755
+            archive.addfile(info, io.BytesIO(contents[name]))
+    return path
+
+
+@dataclass
+class EtcdMirror:
+    """A loopback server laid out like etcd's GitHub releases (`<url>/<version>/<tarball>`)."""
+
+    url: str
+    root: Path
+    requests: list[str]
+    release: Any = None  # the EtcdRelease petctl pins while the fixture runs
+    etcd_sha256: str = ""  # the fake binaries inside its tarball
+    etcdctl_sha256: str = ""
+
+    def publish(self, tarball: Path, version: str) -> str:
+        """Serve `tarball` as `version`'s; its SHA-256."""
+        (self.root / version).mkdir(parents=True, exist_ok=True)
+        data = tarball.read_bytes()
+        (self.root / version / tarball.name).write_bytes(data)
+        return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def etcd_mirror(aws_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EtcdMirror]:
+    """A fake etcd release (v3.5.99) on loopback, pinned in place of the real one (etcdbin.RELEASES) and
+    named by PETCTL_ETCD_DOWNLOAD_URL, so `setup` with no etcd options downloads and verifies it."""
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    from petctl.providers.aws import etcdbin
+
+    root, requests = tmp_path / "mirror", []
+    root.mkdir()
+
+    class Handler(SimpleHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's spelling)
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    mirror = EtcdMirror(url=f"http://127.0.0.1:{server.server_address[1]}", root=root, requests=requests)
+    build = tmp_path / "build"
+    build.mkdir()
+    version = "v3.5.99"
+    mirror.release = etcdbin.EtcdRelease(version, mirror.publish(fake_etcd_tarball(build, version), version))
+    mirror.etcd_sha256 = hashlib.sha256((build / "fake-etcd").read_bytes()).hexdigest()
+    mirror.etcdctl_sha256 = hashlib.sha256((build / "etcdctl").read_bytes()).hexdigest()
+    monkeypatch.setattr(etcdbin, "RELEASES", (mirror.release,))
+    monkeypatch.setenv(etcdbin.DOWNLOAD_URL_ENV, mirror.url)
+    try:
+        yield mirror
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def fake_etcd_options(directory: Path) -> dict[str, str]:

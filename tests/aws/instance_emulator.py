@@ -35,6 +35,7 @@ from pathlib import Path
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
 from petctl.io.etcdauth import USER_RE, bootstrap, grant_job, job_users, revoke_user
 from petctl.io.etcdtls import EtcdTls
+from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
 from petctl.providers.aws.userdata import agent_config_from_user_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +59,7 @@ class InstanceEmulator:
     etcd: EtcdServer | None = None
     etcd_admin: EtcdTls | None = None
     secret_prefix: str = ""
+    bucket: str = ""  # the stack's (its etcd users' index)
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
     stopping: set[str] = field(default_factory=set)
@@ -102,7 +104,7 @@ class InstanceEmulator:
         assert "--client-cert-auth" in script, "the etcd host must require client certificates"
         ip = re.search(r"^ETCD_IP=(\S+)$", script, re.M).group(1).strip("'")
         prefix = re.search(r"^SECRET_PREFIX=(\S+)$", script, re.M).group(1).strip("'")
-        self.secret_prefix = prefix
+        self.secret_prefix, self.bucket = prefix, bucket
         host = self.root / "etcd-host"
         pki = host / "pki"
         admin = self.etcd_admin = self._host_certificates(f"{prefix}/host", pki)
@@ -130,14 +132,17 @@ class InstanceEmulator:
                        key=str(pki / "root-key.pem"))
 
     def sync_etcd_users(self) -> None:
-        """What the etcd host's user sync does (`sync_users`): a user per job credential secret."""
+        """What the etcd host's user sync does (`sync_users`): a user per entry run_job indexed in the
+        bucket (`etcd-users/<job>/<user>`)."""
         if self.etcd is None:
             return
-        pages = self._client("secretsmanager").get_paginator("list_secrets").paginate(
-            Filters=[{"Key": "name", "Values": [f"{self.secret_prefix}/jobs/"]},
-                     {"Key": "tag-key", "Values": ["petctl:etcd-user"]}])
-        wanted = {t["Value"] for page in pages for s in page["SecretList"] for t in s.get("Tags", [])
-                  if t["Key"] == "petctl:etcd-user" and USER_RE.match(t["Value"])}
+        pages = self._client("s3").get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                            Prefix=USERS_INDEX)
+        wanted = set()
+        for key in (o["Key"] for page in pages for o in page.get("Contents", [])):
+            user = key.rsplit("/", 1)[-1]
+            if USER_RE.match(user) and key == index_key(user[len("job-"):].rsplit("-", 1)[0], user):
+                wanted.add(user)
         root = etcd_client(self.etcd.endpoint, tls=self.etcd_admin)
         have = set(job_users(root))
         for user in sorted(wanted - have):

@@ -13,7 +13,14 @@ evaluator implements IAM's documented logic for one identity's policies:
   except for negated operators (`StringNotEquals`, ...: true), `...IfExists` (true) and `Null`;
 - operators: String(Not)Equals, String(Not)Like, Numeric(Not)Equals/LessThan/GreaterThan(Equals),
   Arn(Not)Equals/Like, Bool, Null, with IfExists. Any other operator raises: a condition this evaluator
-  does not understand must never pass silently.
+  does not understand must never pass silently;
+- a role with a permissions boundary (`evaluate_bounded`): allowed only when both its identity policies
+  and the boundary allow the request; an explicit Deny in either wins.
+
+Keys are whatever the request context holds: `iam:PermissionsBoundary` (the boundary a CreateRole or
+PutRolePermissionsBoundary asks for, or the one the target role has for PutRolePolicy, AttachRolePolicy,
+DeleteRolePolicy, DetachRolePolicy, DeleteRolePermissionsBoundary), `aws:RequestTag/...`,
+`iam:ResourceTag/...` (the role's tags: absent while a role has none) and so on.
 
 `resolve` turns the rendered templates' `!Sub`/`!Ref`/`!GetAtt` into strings with known names, so the
 statements can be evaluated without AWS.
@@ -155,3 +162,12 @@ def evaluate(statements: list[dict[str, Any]], request: Request) -> str:
 def allowed(statements: list[dict[str, Any]], action: str, resource: str,
             context: dict[str, Any] | None = None) -> bool:
     return evaluate(statements, Request(action, resource, context or {})) == ALLOW
+
+
+def evaluate_bounded(identity: list[dict[str, Any]], boundary: list[dict[str, Any]], request: Request) -> str:
+    """What a role whose permissions boundary is `boundary` may do: an explicit Deny in either policy set
+    wins; otherwise ALLOW only when both allow (a boundary grants nothing by itself)."""
+    verdicts = (evaluate(identity, request), evaluate(boundary, request))
+    if DENY in verdicts:
+        return DENY
+    return ALLOW if verdicts == (ALLOW, ALLOW) else IMPLICIT

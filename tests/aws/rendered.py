@@ -26,6 +26,7 @@ OUTPUTS = {
     "VpcId": "vpc-0123456789abcdef0", "EtcdSecurityGroupId": "sg-0123456789abcdef0",
     "LogGroupName": "/petctl/petctl",
     "WorkerPolicyArn": "arn:aws:iam::123456789012:policy/petctl-WorkerPolicy-ABC",
+    "JobBoundaryArn": "arn:aws:iam::123456789012:policy/petctl-JobBoundary-ABC",
     "EtcdEndpoint": "https://10.42.0.10:2379",
 }
 JOB_VARIANTS = {  # name -> (instance types, on demand, on-demand base)
@@ -102,7 +103,9 @@ def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = F
 # What the base stack's own names resolve to (tests/aws/policy_eval.resolve), for rendered templates.
 NAMES = {"Bucket": BUCKET, "Bucket.Arn": f"arn:aws:s3:::{BUCKET}", "LogGroup": f"/petctl/{STACK}",
          "Repository.Arn": f"arn:aws:ecr:us-east-1:123456789012:repository/{STACK}-worker",
-         "WorkerPolicy": OUTPUTS["WorkerPolicyArn"], "Vpc": OUTPUTS["VpcId"]}
+         "WorkerPolicy": OUTPUTS["WorkerPolicyArn"], "JobBoundary": OUTPUTS["JobBoundaryArn"],
+         "Vpc": OUTPUTS["VpcId"],
+         **{f"EtcdNetworkInterface{n}": f"eni-0123456789abcdef{n or 0}" for n in ("", "1", "2")}}
 
 
 # The longest names petctl accepts: a 24-character stack (basestack.STACK_NAME_RE) and a 32-character job

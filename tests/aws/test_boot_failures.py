@@ -104,7 +104,7 @@ case "$1 $2" in
     n=$(cat "$counter" 2>/dev/null || echo 0); echo $((n + 1)) > "$counter"
     [ "$n" -ge "${FAKE_FAIL_SECRET:-0}" ] || exit 255
     cat "$FAKE_DIR/host-secret" ;;
-  "secretsmanager list-secrets") true ;;
+  "s3api list-objects-v2") echo None ;;
   *) exit 2 ;;
 esac
 """

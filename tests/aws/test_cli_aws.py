@@ -29,7 +29,7 @@ def petctl(moto, aws_env):
     return run
 
 
-def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_name):
+def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_name, etcd_mirror):
     out = petctl(
         "setup",
         "--provider",

@@ -1,9 +1,10 @@
 """The etcd host's own auth steps (worker_image/etcd_boot.sh.j2), run by bash against a real etcd 3.5.
 
 On AWS the CLI cannot reach etcd, so the etcd host turns auth on and creates each job's user itself, from
-the job credentials' secrets in Secrets Manager (petctl/providers/aws/etcdsecrets.py). These tests source
-the rendered boot script (its functions only: PETCTL_BOOT_LIB_ONLY) with a fake `aws` that answers as
-Secrets Manager would, and real curl, etcdctl and etcd: the certificates split out of the host's secret,
+the users run_job indexes in the stack's bucket (petctl/providers/aws/etcdsecrets.py; the certificates are
+in Secrets Manager). These tests source the rendered boot script (its functions only:
+PETCTL_BOOT_LIB_ONLY) with a fake `aws` that answers as Secrets Manager and S3 would, and real curl,
+etcdctl and etcd: the certificates split out of the host's secret,
 the gate that admits only root's certificate until auth is on, the bootstrap (twice), and the sync of
 job users in both directions, with job A's certificate then refused everywhere but A's prefix.
 """
@@ -36,7 +37,7 @@ FAKE_AWS = r"""#!/bin/bash
 echo "$*" >> "$FAKE_DIR/aws.log"
 case "$1 $2" in
   "secretsmanager get-secret-value") cat "$FAKE_DIR/host-secret" ;;
-  "secretsmanager list-secrets") [ ! -e "$FAKE_DIR/list-fails" ] || exit 255; cat "$FAKE_DIR/job-users" ;;
+  "s3api list-objects-v2") [ ! -e "$FAKE_DIR/list-fails" ] || exit 255; cat "$FAKE_DIR/job-users" ;;
   *) exit 2 ;;
 esac
 """
@@ -84,9 +85,11 @@ class Host:
         self.server.stop()
         self.start(ports)
 
-    def job_users_listed(self, *users: str) -> None:
-        """What `aws secretsmanager list-secrets --query ... --output text` prints for these tags."""
-        (self.dir / "job-users").write_text("\t".join(users) + "\n" if users else "")
+    def job_users_listed(self, *users: str, keys: tuple[str, ...] = ()) -> None:
+        """What `aws s3api list-objects-v2 --query 'Contents[].Key' --output text` prints when run_job
+        indexed these users (`etcd-users/<job>/<user>`), plus `keys` as they are; "None" for no object."""
+        listed = [f"etcd-users/{u[len('job-'):].rsplit('-', 1)[0]}/{u}" for u in users] + list(keys)
+        (self.dir / "job-users").write_text("\t".join(listed) + "\n" if listed else "None\n")
 
     def job_tls(self, user: str) -> EtcdTls:
         pem = self.pki.job_client(user)
@@ -113,6 +116,7 @@ def host(tmp_path: Path) -> Iterator[Host]:
     root = tmp_path / "root"
     (root / "tmp").mkdir(parents=True)
     env = {"PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(root), "PETCTL_BOOT_LIB_ONLY": "1",
+           "PETCTL_BUCKET": "petctl-bucket",
            "FAKE_DIR": str(tmp_path), "ETCDCTL": etcdctl_binary(), "HOME": str(tmp_path)}
     h = Host(tmp_path, root, script, env, pki)
     h.job_users_listed()
@@ -156,20 +160,24 @@ def test_until_auth_is_on_only_roots_certificate_gets_in(host: Host) -> None:
     assert denied(lambda: etcd_client(host.server.endpoint, tls=job).write(JobKeys("ja").round, "r"))
 
 
-def test_job_users_follow_the_job_credentials_in_secrets_manager(host: Host) -> None:
+def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     host.bash("trust admin-ca jobs-ca")
     host.start()
     host.bash("bootstrap_auth")
     assert host.server is not None
     endpoint = host.server.endpoint
-    # Only well-formed user names become users: a tag is data, never part of a path or JSON.
-    host.job_users_listed(USER_A, USER_B, "job-evil", 'job-x"/*-00000000', "root")
+    # Only well-formed user names under their own job's entry become users: a key is data, never part
+    # of a path or JSON.
+    host.job_users_listed(USER_A, USER_B, keys=("etcd-users/evil/job-evil", 'etcd-users/x"/job-x"-00000000',
+                                               "etcd-users/root/root", "etcd-users/jx/job-jb-0000000b",
+                                               "job-ja-0000000c", "etcd-users/ja/sub/job-ja-0000000d"))
     host.bash("sync_users")
     root = host.root_client()
     assert job_users(root) == [USER_A, USER_B]
     assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
     log = (host.dir / "aws.log").read_text()
-    assert "--filters Key=name,Values=petctl/etcd/jobs/ Key=tag-key,Values=petctl:etcd-user" in log
+    assert "s3api list-objects-v2 --bucket petctl-bucket --prefix etcd-users/ --query Contents[].Key" in log
+    assert "secretsmanager list-secrets" not in log  # no secret name of the account is listed
     a = etcd_client(endpoint, tls=host.job_tls(USER_A))
     b = etcd_client(endpoint, tls=host.job_tls(USER_B))
     a.write(JobKeys("ja").round, "a's")
@@ -181,7 +189,7 @@ def test_job_users_follow_the_job_credentials_in_secrets_manager(host: Host) -> 
     assert host.bash("sync_users", check=False).returncode != 0
     assert job_users(root) == [USER_A, USER_B]
     (host.dir / "list-fails").unlink()
-    # kill_job deleted B's secret: its user goes, and its certificate authenticates as nobody.
+    # kill_job deleted B's index entry: its user goes, and its certificate authenticates as nobody.
     host.job_users_listed(USER_A)
     assert f"etcd user {USER_B} deleted" in host.bash("sync_users").stdout
     assert job_users(root) == [USER_A]

@@ -105,6 +105,7 @@ def test_a_job_cannot_touch_another_jobs_prefix(ab, action):
         assert not allowed(ab, action, f"{OBJ}/ab-c/{key}"), key  # ab is a prefix of ab-c
         assert not allowed(ab, action, f"{OBJ}-other/ab/{key}"), key
     assert not allowed(ab, action, f"arn:aws:s3:::{BUCKET}/dist/etcd/v3.5.1-abc/etcd")
+    assert not allowed(ab, action, f"arn:aws:s3:::{BUCKET}/etcd-users/ab/job-ab-0000000a")  # etcd's index
 
 
 def test_a_job_lists_only_below_its_own_prefix_with_its_slash(ab):

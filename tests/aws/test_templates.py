@@ -64,7 +64,9 @@ def test_single_type_spot_uses_launch_template_market_options(templates):
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
     assert "MixedInstancesPolicy" not in group and group["LaunchTemplate"]["LaunchTemplateId"] == {
         "Ref": "LaunchTemplate"}
-    assert group["CapacityRebalance"] is True
+    # One type in one AZ is one spot pool: Capacity Rebalancing would replace an at-risk instance from
+    # that same pool (issue 24.4). The agent still checkpoints on the recommendation.
+    assert group["CapacityRebalance"] is False
 
 
 def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(templates, tmp_path):
@@ -77,6 +79,7 @@ def test_several_types_use_a_price_capacity_optimized_mixed_instances_policy(tem
     assert dist["OnDemandBaseCapacity"] == 1 and dist["OnDemandPercentageAboveBaseCapacity"] == 0
     assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == ["g5.xlarge", "g5.2xlarge",
                                                                                   "g5.4xlarge"]
+    assert one(t, "AWS::AutoScaling::AutoScalingGroup")["CapacityRebalance"] is True  # several pools
     spec = rendered.job_spec("spot-mixed")
     spec.spot_strategy = "capacity-optimized"  # still selectable (run_job --spot-strategy)
     agent = rendered.AgentConfig(job=spec, node_id="", asg_name="petctl-job-spot-mixed")
@@ -292,7 +295,8 @@ def test_etcd_role_can_only_move_interfaces_of_its_stack(base):
 
 
 def test_worker_policy_pulls_only_its_repository_and_opens_only_session_manager(base):
-    statements = {s["Sid"]: s for s in one(base, "AWS::IAM::ManagedPolicy")["PolicyDocument"]["Statement"]}
+    statements = {s["Sid"]: s for s in base["Resources"]["WorkerPolicy"]["Properties"]["PolicyDocument"][
+        "Statement"]}
     assert statements["EcrPull"]["Resource"] == {"Fn::GetAtt": ["Repository", "Arn"]}
     assert "AgentLogs" not in statements  # log streams are each job's own (job stack, issue 17.9)
     assert [s for s in statements.values() if s["Resource"] == "*"] == [statements["EcrLogin"],
@@ -346,6 +350,21 @@ def test_multi_az_job_group_spans_every_subnet(tmp_path):
     text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
     group = one(parse(text), "AWS::AutoScaling::AutoScalingGroup")
     assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")
+    assert group["CapacityRebalance"] is True  # one type, but a pool per AZ
+
+
+@pytest.mark.parametrize(("types", "on_demand", "multi_az", "expected"), [
+    (["g5.xlarge"], False, False, False),  # the default job: one pool, nothing to rebalance to
+    (["g5.xlarge", "g5.2xlarge"], False, False, True),
+    (["g5.xlarge"], False, True, True),
+    (["g5.xlarge", "g5.2xlarge"], True, True, False),  # on-demand: no recommendations to act on
+])
+def test_capacity_rebalancing_only_with_several_types_or_azs(tmp_path, types, on_demand, multi_az, expected):
+    spec = rendered.job_spec("spot-single")
+    spec.instance_types, spec.on_demand, spec.multi_az = types, on_demand, multi_az
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    text = rendered.provider(tmp_path).render_job_template(spec, agent, "s3://b/jobs/spot-single/agent.json")
+    assert one(parse(text), "AWS::AutoScaling::AutoScalingGroup")["CapacityRebalance"] is expected
 
 
 # --- base stack with a 3-member etcd (setup --etcd-nodes 3) --------------------------------------------
@@ -399,10 +418,15 @@ def test_each_etcd_member_may_claim_only_its_own_interface_and_mark_only_its_own
         assert statements["MarkOwnHostUnhealthy"]["Resource"]["Fn::Sub"].endswith(
             f":autoScalingGroupName/{group}")
         everywhere = [s["Sid"] for s in statements.values() if s["Resource"] == "*"]
-        # ListSecrets has no resource scope, nor do Session Manager's channels
-        assert everywhere == ["Describe", "ListJobCredentials", "SessionManagerChannels"]
+        # Describe calls and Session Manager's channels have no resource scope; no ListSecrets (issue 24.2:
+        # it would show every secret name in the account): the job users come from the bucket's index
+        assert everywhere == ["Describe", "SessionManagerChannels"]
         assert "ManagedPolicyArns" not in role  # no AmazonSSMManagedInstanceCore (issue 17.3)
-        assert statements["ListJobCredentials"]["Action"] == "secretsmanager:ListSecrets"
+        assert not any(a.startswith("secretsmanager:List") for s in statements.values()
+                       for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
+        index = statements["ListJobUsers"]
+        assert (index["Action"], index["Resource"]) == ("s3:ListBucket", {"Fn::GetAtt": ["Bucket", "Arn"]})
+        assert index["Condition"] == {"StringEquals": {"s3:prefix": "etcd-users/"}}
         assert statements["ReadEtcdHostCertificates"]["Resource"]["Fn::Sub"].endswith(
             ":secret:petctl/etcd/host-??????")  # the hosts' own secret, never the operator's or a job's
         tags = cluster["Resources"][f"EtcdLaunchTemplate{suffix}"]["Properties"]["LaunchTemplateData"][

@@ -29,7 +29,7 @@ SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
     "root_volume_gb": "100", "etcd_binary": "", "etcd_sha256": "", "etcdctl_sha256": "", "etcd_nodes": "1",
-    "subnets": "public",
+    "subnets": "public", "etcd_download_url": "",
 }
 
 
@@ -49,8 +49,8 @@ def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[st
 def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     """Create or update the base stack; returns the settings recorded in the config. Options: region,
     profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
-    etcd_instance_type, root_volume_gb, etcd_binary (with etcd_sha256, etcdctl_sha256), etcd_nodes (1 or
-    3), subnets (public or private)."""
+    etcd_instance_type, root_volume_gb, etcd_binary (with etcd_sha256, etcdctl_sha256), etcd_download_url
+    (a mirror of etcd's releases), etcd_nodes (1 or 3), subnets (public or private)."""
     chosen = chosen_options(provider.settings, options)
     merged = {**SETUP_OPTIONS, **chosen}
     if not STACK_NAME_RE.match(merged["stack_name"]):
@@ -68,8 +68,9 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     if plan.etcd_cluster and plan.etcd_azs < len(plan.etcd_members):
         provider.progress(f"the stack has {len(plan.subnets)} AZs: {len(plan.etcd_members)} etcd members in "
                           f"{plan.etcd_azs} AZs survive losing any one member, not losing a whole AZ")
-    etcd = etcdbin.local_etcd(merged["etcd_binary"], with_etcdctl=True,  # etcdctl turns v3 auth on
-                              sha256=merged["etcd_sha256"], ctl_sha256=merged["etcdctl_sha256"])
+    # the pinned etcd release, downloaded and verified here (or the operator's etcd_binary): before any
+    # change to the account, so a bad checksum leaves nothing behind
+    etcd = etcdbin.setup_etcd(merged, provider.config.home / "cache" / "etcd")
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
     worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
@@ -172,6 +173,7 @@ def teardown(provider: AwsProvider, force: bool) -> None:
     # etcd's certificates go with the etcd they were for (a new setup makes new ones).
     etcdsecrets.delete(session.client("secretsmanager"), etcdsecrets.prefix(provider.base_stack) + "/")
     if bucket:
+        etcdsecrets.unindex(session.client("s3"), bucket, etcdsecrets.USERS_INDEX)
         provider.progress(f"kept bucket s3://{bucket} (checkpoints and code); delete it yourself when done")
     settings.update(ready=False, outputs={}, network={})  # a new stack may choose other AZs
     provider.config.save()

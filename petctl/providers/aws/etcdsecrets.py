@@ -14,9 +14,15 @@ can), so the etcd host creates the users itself from these secrets (worker_image
     <stack>/etcd/jobs/<job>/<run> one job run's client certificate, key and the CA that verifies etcd
                                  (JSON: ca, cert, key), tagged `petctl:etcd-user` = its etcd user. Readable
                                  by that job's instance role only (the job stack grants exactly its ARN).
-                                 The etcd hosts list these secrets' names and tags (never their values) and
-                                 keep etcd's job users equal to them: a new secret is a new user, a deleted
-                                 one a deleted user.
+
+Which users etcd must have is not learnt from Secrets Manager: listing secrets (ListSecrets) has no
+resource scope, so the etcd hosts would see the name of every secret in the account. Each run's user is
+instead indexed in the stack's bucket, as an empty object `etcd-users/<job>/<user>` (USERS_INDEX), which
+the etcd hosts list with `s3:ListBucket` on that prefix only, and keep etcd's job users equal to: a new
+object is a new user, a deleted one a deleted user. Only the CLI writes there (a job's role writes only
+its own state under jobs/<job>/); an entry alone grants nothing (a user authenticates with a certificate
+signed by the operator's CA, which only run_job makes), and kill_job deletes a job's entries before its
+secrets, so its users go first.
 
 `setup` creates the first two (once: the CA outlives updates of the stack), `run_job` one per run,
 `kill_job` (and the CLI's clean-up of an ended job) deletes a job's, `teardown` all of them. Deletion is
@@ -28,9 +34,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from petctl.core.errors import PetctlError
 from petctl.io.aws import aws_errors, error_code
 
 USER_TAG = "petctl:etcd-user"
+USERS_INDEX = "etcd-users/"  # in the stack's bucket: `<job>/<user>`, one empty object per run's etcd user
 HOST_PARTS = ("admin-ca", "jobs-ca", "server", "server-key", "root", "root-key")
 
 
@@ -115,9 +123,16 @@ def operator_pki(secrets: Any, stack: str):
     return EtcdPki.from_json(text)
 
 
-def create_job_credentials(secrets: Any, stack: str, job: str) -> tuple[str, str]:
-    """A new etcd user for one run of `job` and its certificate in a secret of its own; (the secret's
-    ARN, the user). Raises PetctlError or NotSetUp."""
+def index_key(job: str, user: str = "") -> str:
+    """Where a run's user is indexed in the bucket (the job's entries, without `user`): the slash keeps
+    job `a` from matching job `a-b`."""
+    return f"{USERS_INDEX}{job}/{user}"
+
+
+def create_job_credentials(secrets: Any, s3: Any, bucket: str, stack: str, job: str) -> tuple[str, str]:
+    """A new etcd user for one run of `job`, its certificate in a secret of its own, and the user indexed
+    in the bucket for the etcd hosts; (the secret's ARN, the user). Raises PetctlError or NotSetUp (the
+    secret is deleted again when the index cannot be written)."""
     from petctl.io.etcdauth import job_user, new_run_id
 
     pki = operator_pki(secrets, stack)
@@ -130,7 +145,25 @@ def create_job_credentials(secrets: Any, stack: str, job: str) -> tuple[str, str
             Name=name, SecretString=json.dumps({"ca": pki.admin_ca.cert, "cert": pem.cert, "key": pem.key}),
             Description=f"petctl {stack}: etcd client certificate of job {job} (its instances only)",
             Tags=_tags(stack, **{"petctl:job": job, USER_TAG: user}))
+    try:
+        with aws_errors(f"index etcd user {user} in s3://{bucket}/{index_key(job)}"):
+            s3.put_object(Bucket=bucket, Key=index_key(job, user), Body=b"")
+    except PetctlError:
+        delete(secrets, name)
+        raise
     return reply["ARN"], user
+
+
+def unindex(s3: Any, bucket: str, key_prefix: str) -> list[str]:
+    """Delete the index entries under `key_prefix` (the etcd hosts then delete those users); the keys
+    deleted. Raises PetctlError."""
+    keys: list[str] = []
+    with aws_errors(f"delete etcd users s3://{bucket}/{key_prefix}*"):
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        for key in keys:
+            s3.delete_object(Bucket=bucket, Key=key)
+    return keys
 
 
 def list_names(secrets: Any, name_prefix: str) -> list[str]:
@@ -160,7 +193,9 @@ def delete(secrets: Any, name_prefix: str) -> list[str]:
     return names
 
 
-def delete_job_credentials(secrets: Any, stack: str, job: str) -> list[str]:
-    """Every run of `job`'s credentials: the etcd hosts then delete the users (within their sync
-    interval), so a certificate the job's code kept authenticates as nobody."""
+def delete_job_credentials(secrets: Any, s3: Any, bucket: str, stack: str, job: str) -> list[str]:
+    """Every run of `job`'s credentials: its users' index entries first (the etcd hosts then delete the
+    users within their sync interval, so a certificate the job's code kept authenticates as nobody), then
+    its secrets (their names are returned)."""
+    unindex(s3, bucket, index_key(job))
     return delete(secrets, jobs_prefix(stack, job))

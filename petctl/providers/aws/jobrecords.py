@@ -93,7 +93,7 @@ def reap(provider: AwsProvider, session: AwsSession, stack: dict[str, Any], resu
         return
     provider.progress(f"job {job} ended ({result.state}): deleting its stack {stack['StackName']}")
     provider.stacks(session).start_delete(stack["StackName"], role)
-    etcdsecrets.delete_job_credentials(session.client("secretsmanager"), provider.base_stack, job)
+    delete_credentials(provider, session, job)
 
 
 def ended_stack(provider: AwsProvider, session: AwsSession, stack: dict[str, Any]) -> bool:
@@ -124,5 +124,12 @@ def kill(provider: AwsProvider, name: str) -> None:
             state=info.state if ended else "killed", reason=info.reason if ended else "petctl kill_job",
             ts=time.time(), job=name, node="cli").to_dict())
     stacks.delete(provider.job_stack(name), f"job {name}", provider.stack_role())
-    # Its etcd credentials: the etcd hosts delete its user once the secret is gone.
-    etcdsecrets.delete_job_credentials(session.client("secretsmanager"), provider.base_stack, name)
+    # Its etcd credentials: the etcd hosts delete its users once their index entries are gone.
+    delete_credentials(provider, session, name)
+
+
+def delete_credentials(provider: AwsProvider, session: AwsSession, job: str) -> None:
+    """The job's etcd credentials: its users' index entries in the bucket, then its secrets."""
+    bucket = provider.settings.get("outputs", {}).get("BucketName", "")
+    etcdsecrets.delete_job_credentials(session.client("secretsmanager"), session.client("s3"), bucket,
+                                       provider.base_stack, job)

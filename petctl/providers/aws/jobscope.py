@@ -10,6 +10,7 @@ ours (up to 512 characters) and the service role matches on it, not on the name.
 
 from __future__ import annotations
 
+from petctl.providers.aws.etcdsecrets import USERS_INDEX, jobs_prefix
 from petctl.providers.aws.storage import job_prefix
 
 # What a job writes under its prefix (petctl/agent/mirror.py, petctl.elastic's checkpointers); the rest of
@@ -39,11 +40,14 @@ def group_arn(group_name: str) -> str:
     return GROUP_ARN + group_name
 
 
-def base_scope(stack: str) -> dict[str, str]:
-    """The base template's variables for its CloudFormation service role's IAM scope (`Fn::Sub` strings)."""
+def base_scope(stack: str) -> dict[str, object]:
+    """The base template's variables for its CloudFormation service role's IAM scope (`Fn::Sub` strings)
+    and for the job roles' permissions boundary: every job's scope, with the job's name a wildcard."""
     arn = "arn:${AWS::Partition}:iam::${AWS::AccountId}"
     return {"job_iam_path": iam_path(stack), "job_role_arns": f"{arn}:role{iam_path(stack)}*",
-            "job_profile_arns": f"{arn}:instance-profile{iam_path(stack)}*"}
+            "job_profile_arns": f"{arn}:instance-profile{iam_path(stack)}*", "job_writable": JOB_WRITABLE,
+            "any_job_prefix": job_prefix("*"), "any_job_group_arn": group_arn(f"{stack}-job-*"),
+            "any_job_secret": f"{jobs_prefix(stack)}*", "users_index": USERS_INDEX}
 
 
 def template_scope(stack: str, job: str, group_name: str, log_group: str) -> dict[str, object]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from petctl.core.errors import JobExists, PetctlError, ProviderError
+from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
 from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.jobscope import template_scope
+from petctl.providers.aws.placement import capacity_rebalance
 from petctl.providers.aws.templates import render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, worker_user_data
 
@@ -48,16 +49,19 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     if stacks.describe(stack):
         raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick another name")
     role = provider.stack_role()
+    job_boundary(settings["outputs"])  # before anything is created
     check_quota(provider, session, spec)
     store = provider.store(session, spec.name)
     spec.code_url, _ = store.upload_code(job.script)
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
     placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
-    # This run's etcd user: its certificate in a secret only the job's instances may read (the etcd
-    # hosts create the user from the secret's tag; etcdsecrets.py). The spec names the secret, not its value.
-    secrets = session.client("secretsmanager")
-    spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, provider.base_stack, spec.name)
+    # This run's etcd user: its certificate in a secret only the job's instances may read, the user
+    # indexed in the bucket for the etcd hosts (etcdsecrets.py). The spec names the secret, not its value.
+    secrets, s3 = session.client("secretsmanager"), session.client("s3")
+    bucket = settings["outputs"]["BucketName"]
+    spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, s3, bucket, provider.base_stack,
+                                                                  spec.name)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
                         asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
@@ -72,7 +76,7 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     except PetctlError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
             stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
-        etcdsecrets.delete_job_credentials(secrets, provider.base_stack, spec.name)
+        etcdsecrets.delete_job_credentials(secrets, s3, bucket, provider.base_stack, spec.name)
         raise
     # The group was created empty (a stack waits for its group's desired capacity): AZRebalance is
     # suspended first (no template property can), then the group is started and watched.
@@ -81,6 +85,15 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     inventory.start_group(autoscaling, stack, spec.min_size, spec.size)
     inventory.wait_in_service(autoscaling, stack, spec.size, provider.wait_timeout, provider.poll_interval,
                               provider.progress, on_short=provider.fallback_poller(spec.name))
+
+
+def job_boundary(outputs: dict[str, str]) -> str:
+    """The job roles' permissions boundary (the base stack's JobBoundary). Raises NotSetUp for a base stack
+    from before it: its service role would refuse a bounded role, so setup must run again first."""
+    if not outputs.get("JobBoundaryArn"):
+        raise NotSetUp("the base stack predates the job roles' permissions boundary: run `petctl setup "
+                       "--provider aws` again (it updates the stack), then run the job")
+    return outputs["JobBoundaryArn"]
 
 
 def check_quota(provider: AwsProvider, session: AwsSession, spec: JobSpec) -> None:
@@ -111,9 +124,10 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
         subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
     base = {"stack_name": provider.base_stack, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
             "vpc_id": out["VpcId"], "etcd_security_group": out["EtcdSecurityGroupId"],
-            "worker_policy_arn": out["WorkerPolicyArn"]}
+            "worker_policy_arn": out["WorkerPolicyArn"], "boundary_arn": job_boundary(out)}
     return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
+                      capacity_rebalance=capacity_rebalance(spot, types, spec.multi_az),
                       on_demand_base=spec.on_demand_base, user_data=user_data,
                       spot_strategy=spec.spot_strategy, lifecycle_hook=LIFECYCLE_HOOK,
                       **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),

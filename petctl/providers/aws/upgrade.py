@@ -8,6 +8,10 @@ petctl has its role at path `/`: once the base stack is updated, that service ro
 running. So `setup` refuses the update while such a job stack exists and says which to kill first, while
 the old service role can still delete them; nothing is changed before that check.
 
+Since issue 24 every job role also has the base stack's JobBoundary as its permissions boundary, and the
+service role may change a role's policies (DeleteRolePolicy, DetachRolePolicy: what deleting a job stack
+does) only on a role with that boundary: a job stack from before it is refused the same way.
+
 Each job stack records its layout in the `petctl:layout` tag; a stack without it predates the tag.
 """
 
@@ -20,7 +24,8 @@ from petctl.core.errors import JobExists
 from petctl.providers.aws import jobrecords
 
 LAYOUT_TAG = "petctl:layout"
-LAYOUT = "job-iam-path"  # the job's role and profile under /petctl/<stack>/<job>/ (jobscope.py)
+# the job's role and profile under /petctl/<stack>/<job>/ (jobscope.py), the role bounded by JobBoundary
+LAYOUT = "job-iam-boundary"
 
 
 def layout_tags() -> dict[str, str]:

