@@ -75,12 +75,16 @@ class Rebuild:
 Verdict = Continue | Over | MembershipChange | EndJob | Rebuild
 
 
-def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
+def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
     """What the snapshot means for the round `info` describes.
 
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
     exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
     so one node pays for the CAS. Every member done ends the job `succeeded`.
+    Once the job's workers have finished (a member is done, or `finishing`: a worker of ours exited 0),
+    no membership change re-forms the round: re-forming would only restart every worker to load the
+    final step and exit (issue 25). A waiting node is not admitted, and a member lost from then on is
+    not replaced: the job ends `succeeded` once every member is done or gone.
     While the snapshot is not `settled` (etcd just failed, stalled or lost our own key: see
     agent/storehealth.py), or our own heartbeat is missing from it (every key expired together),
     nobody is judged lost or admitted: absences then are the outage's expiries.
@@ -98,6 +102,11 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
     if not snap.settled or s.node_id not in snap.alive:  # our own key gone too: the store's doing
         return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
     lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
+    if done or finishing:
+        if done and not all_done and set(lost) | done >= info.ranks.keys():
+            return EndJob("succeeded", f"all workers exited 0 ({','.join(lost)} lost after the others "
+                          "finished)", info.round)
+        return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
     waiting = tuple(sorted(snap.alive - info.ranks.keys()))

@@ -205,7 +205,7 @@ class RoundRunner:
     def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
         """Act on what the snapshot means; the outcome if the round is over for us."""
         p = self.p
-        verdict = judge(snap, info, p.settings)
+        verdict = judge(snap, info, p.settings, finishing=self.saves.finished())
         if isinstance(verdict, Over):
             return verdict.outcome
         if isinstance(verdict, MembershipChange) and verdict.event == "membership.waiting":
