@@ -225,12 +225,19 @@ class NodeSpan:
 
 
 def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> list[NodeSpan]:
-    """Each agent lifetime: its `agent.started` to its exit/leave, or to its last event if it vanished
-    (killed, frozen); one still running counts to `now` when given. Instance time and cost use this."""
+    """Each agent lifetime: its `agent.started` to its exit/leave, or to the provider's word that its
+    instance ended (`instance.terminated`, the local reconciler's), or to its last event if it vanished
+    without either (killed, frozen); one still running counts to `now` when given. Instance time and
+    cost use this.
+
+    Why the provider's word: an instance killed without a word used to count to `now` while the job ran
+    and to its last event (often the round's start) once it ended, so instance-hours fell after
+    `kill_job` (issue 25: 0.31 while running, 0.234 after)."""
     spans: list[NodeSpan] = []
     current: dict[str, NodeSpan] = {}
     for e in merge(events):
-        node = e.get("node")
+        ended = e.get("event") in ("agent.exit", "agent.left", "instance.terminated")
+        node = e.get("node") or (e.get("instance") if e.get("event") == "instance.terminated" else None)
         if not node:
             continue
         ts = float(e["ts"])
@@ -239,7 +246,7 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
             spans.append(current[node])
         elif node in current:
             current[node].end = ts
-            if e.get("event") in ("agent.exit", "agent.left"):
+            if ended:
                 current.pop(node).running = False
     if now is not None:
         for span in current.values():
