@@ -51,6 +51,9 @@ FAILED = dict(exited=True, first_failure=(1, 7), running=False)
 ])
 def test_who_gets_the_watchdog(timeout, reporting, limit):
     assert hang_limit(timeout, reporting) == limit
+    # Before the round's first progress: start-up, never cut shorter than the default.
+    assert hang_limit(timeout, reporting, progressed=False) == (None if limit is None else
+                                                               max(limit, DEFAULT_HANG))
 
 
 @pytest.mark.parametrize(("case", "look", "watch", "t", "timing", "step"), [

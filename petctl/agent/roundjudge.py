@@ -159,17 +159,24 @@ class Timing:
 DEFAULT_HANG = 300.0  # the watchdog of a script that reports progress, unless --timeout hang=SECONDS
 
 
-def hang_limit(timeout: float, reporting: bool) -> float | None:
+def hang_limit(timeout: float, reporting: bool, progressed: bool = True) -> float | None:
     """How long running workers may go without progress (a `train.step` line or another event of
     theirs) before their round is a hang; None: no watchdog.
 
     `timeout` is `--timeout hang=SECONDS` (0: not given). A script that reports progress gets the
     watchdog by default (DEFAULT_HANG); one that reports none only when asked, and then any line it
-    prints counts as progress (the runner's `idle`), since nothing else shows that it lives.
+    prints counts as progress (the runner's `idle`), since nothing else shows that it lives. Until the
+    round's first progress (`progressed` False) the limit is at least DEFAULT_HANG: start-up (imports,
+    a warm worker still importing, loading a checkpoint) is not a stalled step, and a limit sized for
+    steps would cut it short.
     """
     if timeout > 0:
-        return timeout
-    return DEFAULT_HANG if reporting else None
+        limit = timeout
+    elif reporting:
+        limit = DEFAULT_HANG
+    else:
+        return None
+    return limit if progressed else max(limit, DEFAULT_HANG)
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ class RoundRunner:
                        some_succeeded=workers.some_succeeded(), running=workers.running,
                        round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting,
                        idle=now - max(self._started, seen or 0.0))
-        hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting)
+        hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting, seen is not None)
         step, new = judge_workers(watch, look, now, replace(self.timing, hang=hang), p.node_id)
         if isinstance(step, StopLingering | FailedAfterFinish):  # the latter a mixed ending: never restarted
             p.events.emit("workers.failed_after_finish" if (mixed := isinstance(step, FailedAfterFinish))
