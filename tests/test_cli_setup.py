@@ -47,7 +47,8 @@ def test_setup_is_idempotent_and_teardown_removes_everything(petctl: Petctl):
     assert petctl.processes() == []
     assert not etcd_answers(local["etcd_endpoint"], root)
     assert not (petctl.home / "local").exists()
-    assert "local" not in config(petctl)["settings"]
+    assert not (petctl.home / "config.json").exists()  # issue 25: teardown leaves no local state
+    assert "nothing to tear down" in petctl.run("teardown").stdout
     assert_one_line_error(petctl.run("jobs", check=False), "petctl setup")
 
 
@@ -77,6 +78,20 @@ def test_teardown_refuses_while_a_job_runs_unless_forced(local: Petctl, tmp_path
     local.run("teardown", "--force")
     assert local.processes() == []
     assert not (local.home / "local").exists()
+    assert not (local.home / "config.json").exists()  # issue 25: README says teardown removes local state
+
+
+def test_teardown_keeps_another_providers_setup(tmp_path: Path):
+    from petctl.io.config import PetctlConfig
+
+    cfg = PetctlConfig(home=tmp_path / "home", provider="local",
+                       settings={"local": {"ready": True}, "aws": {"region": "us-east-1"}})
+    cfg.save()
+    cfg.forget("local")
+    again = PetctlConfig.load(cfg.home)
+    assert (again.provider, again.settings) == ("", {"aws": {"region": "us-east-1"}})
+    again.forget("aws")
+    assert not cfg.path.exists() and not cfg.home.exists()
 
 
 def test_run_job_with_etcd_gone_says_so_and_starts_nothing(local: Petctl, tmp_path: Path):

@@ -16,8 +16,9 @@ THEIR_ADMISSION = Preempt(node_id=OTHER, deadline=WALL + 50, reason="scale-up: d
 LEAVING_ME = Preempt(node_id=ME, deadline=WALL + 5, reason="leave", leaves=True)
 
 
-def look(request=None, protocol=True, running=True, saved=False) -> SaveLook:
-    return SaveLook(node_id=ME, request=request, protocol=protocol, running=running, saved=saved)
+def look(request=None, protocol=True, running=True, saved=False, finished=False) -> SaveLook:
+    return SaveLook(node_id=ME, request=request, protocol=protocol, running=running, saved=saved,
+                    finished=finished)
 
 
 @pytest.mark.parametrize(("case", "seen", "cause", "expected"), [
@@ -32,6 +33,10 @@ def look(request=None, protocol=True, running=True, saved=False) -> SaveLook:
     ("a notice of another node under way: its leave re-forms", look(NOTICE, saved=True), CAUSE, Hold()),
     ("another node's admission: it re-forms", look(THEIR_ADMISSION, saved=True), CAUSE, Hold()),
     ("our own leave under way: the leave re-forms", look(LEAVING_ME, saved=True), CAUSE, Hold()),
+    ("our workers finished (exit 0, no save asked): never re-formed for a waiting node",
+     look(running=False, finished=True), CAUSE, Hold()),
+    ("one of our workers finished, another still exits: hold", look(finished=True), CAUSE, Hold()),
+    ("plain script finished: hold", look(protocol=False, running=False, finished=True), CAUSE, Hold()),
 ])
 def test_admission(case, seen, cause, expected):
     assert admission(seen, cause, WALL, BUDGET) == expected, case

@@ -63,13 +63,23 @@ def _live_cases():
 
 @pytest.mark.parametrize("alive,done", _live_cases())
 @pytest.mark.parametrize("max_nodes", [3, 4])
-def test_lost_versus_done_versus_waiting(alive, done, max_nodes):
+@pytest.mark.parametrize("finishing", [False, True])
+def test_lost_versus_done_versus_waiting(alive, done, max_nodes, finishing):
+    """Once a member is done (or our own workers are finishing), the job's workers have finished: no
+    membership change re-forms the round (issue 25: a scale-up near the end restarted a finished job)."""
     snap = snapshot(alive, frozen_round(4, RANKS), done={4: set(done)})
     for me in sorted(set(RANKS) & alive):
-        verdict = judge(snap, info_of(RANKS, me), settings(me=me, max_nodes=max_nodes))
+        verdict = judge(snap, info_of(RANKS, me), settings(me=me, max_nodes=max_nodes), finishing=finishing)
         lost = sorted(n for n in RANKS if n not in alive and n not in done)
         lowest = min(RANKS[n] for n in RANKS if n in alive) == RANKS[me]
-        if lost:
+        if done >= set(RANKS):
+            assert verdict == EndJob("succeeded", "all workers exited 0", 4)
+        elif done and set(lost) | done >= set(RANKS):
+            assert verdict == EndJob("succeeded", f"all workers exited 0 ({','.join(lost)} lost after the "
+                                     "others finished)", 4)
+        elif done or finishing:
+            assert verdict == Continue(), (alive, done, me)
+        elif lost:
             assert verdict == MembershipChange("membership.lost", tuple(lost), f"node lost: {','.join(lost)}")
         elif "w" in alive and max_nodes > 3 and lowest:
             assert verdict == MembershipChange("membership.waiting", ("w",), "scale-up: w")

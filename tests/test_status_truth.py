@@ -159,7 +159,10 @@ def test_a_plain_job_status_says_n_a_for_steps_goodput_and_lost_steps():
     line = one_line(acc)
     assert line.startswith("goodput n/a (") and ", steps lost n/a, " in line
     assert "0%" not in line and "0 steps lost" not in line
-    assert f"{PLAIN_REFORM_SECONDS:.1f}s re-forming (until workers started)" in line
+    # Issue 25, defect 5: only the workers' restart is seen, not training again: a lower bound, so named.
+    bound = f"≥{PLAIN_REFORM_SECONDS:.1f}s re-forming (lower bound: until workers restarted, not training)"
+    assert bound in line
+    assert acc["reform_lower_bound"] is True
     _, rows = node_rows(data)
     assert [row[6] for row in rows] == ["n/a", "n/a"]  # the step column
 
@@ -169,7 +172,9 @@ def test_a_plain_job_report_says_n_a():
     rows = dict(report_rows(acc))
     assert rows["steps kept / lost"] == "n/a"
     assert rows["goodput (kept node-time / instance node-time)"].startswith("n/a (")
-    assert rows["time re-forming"].startswith(f"{PLAIN_REFORM_SECONDS:.1f}s (round end to workers started")
+    assert rows["time re-forming"].startswith(f"≥{PLAIN_REFORM_SECONDS:.1f}s (a lower bound: round end to "
+                                              "workers restarted")
+    assert f"≥{PLAIN_REFORM_SECONDS:.1f}s re-forming" in headline("plain", acc)
     assert (acc.to_dict()["steps_lost"], acc.to_dict()["steps_kept"]) == (None, None)
     assert "steps lost n/a" in headline("plain", acc) and "goodput n/a" in headline("plain", acc)
 
@@ -198,4 +203,6 @@ def test_a_job_that_reports_steps_keeps_its_step_based_re_forming():
               summary(30, 2, 8, 20, 14.0, 26.0)]
     acc = account(events)
     assert (acc.reform_seconds, acc.reform_basis, acc.steps_lost) == (3.0, "steps", 3)
-    assert "3.0s re-forming," in one_line({**acc.to_dict(), "instance_hours": 0.0, "cost": None})
+    assert acc.to_dict()["reform_lower_bound"] is False
+    line = one_line({**acc.to_dict(), "instance_hours": 0.0, "cost": None})
+    assert ", 3.0s re-forming," in line and "≥" not in line

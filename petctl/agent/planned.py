@@ -28,6 +28,7 @@ class SaveLook:
     protocol: bool  # every local worker speaks the save-now protocol (petctl.elastic)
     running: bool  # our workers still run (nothing to save once they exited)
     saved: bool  # our workers reported the requested save, exited, or its deadline passed
+    finished: bool = False  # a worker of ours exited 0 outside a save: the job's training is over
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,12 @@ def admission(look: SaveLook, cause: str | None, wall: float, budget: float) -> 
     re-form at once as before. Our own request: hold until our workers saved (every rank saved the same
     step: the save's broadcast is its barrier), then re-form, even if the waiting node has gone since
     (our workers exited after the save: only a new round trains again). Someone else's request (a notice,
-    a leave): hold; the round they re-form admits the waiting node too.
+    a leave): hold; the round they re-form admits the waiting node too. Workers that finished (exited 0
+    with no save asked) are never re-formed for a waiting node: hold, and the job ends.
     """
     request = look.request
     if request is None:
-        if cause is None:
+        if cause is None or look.finished:  # finished workers: re-forming would only restart them
             return Hold()
         if look.protocol and look.running:
             return RequestSave(Preempt(node_id=look.node_id, deadline=wall + budget, reason=cause,

@@ -75,12 +75,16 @@ class Rebuild:
 Verdict = Continue | Over | MembershipChange | EndJob | Rebuild
 
 
-def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
+def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
     """What the snapshot means for the round `info` describes.
 
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
     exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
     so one node pays for the CAS. Every member done ends the job `succeeded`.
+    Once the job's workers have finished (a member is done, or `finishing`: a worker of ours exited 0),
+    no membership change re-forms the round: re-forming would only restart every worker to load the
+    final step and exit (issue 25). A waiting node is not admitted, and a member lost from then on is
+    not replaced: the job ends `succeeded` once every member is done or gone.
     While the snapshot is not `settled` (etcd just failed, stalled or lost our own key: see
     agent/storehealth.py), or our own heartbeat is missing from it (every key expired together),
     nobody is judged lost or admitted: absences then are the outage's expiries.
@@ -98,6 +102,11 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings) -> Verdict:
     if not snap.settled or s.node_id not in snap.alive:  # our own key gone too: the store's doing
         return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
     lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
+    if done or finishing:
+        if done and not all_done and set(lost) | done >= info.ranks.keys():
+            return EndJob("succeeded", f"all workers exited 0 ({','.join(lost)} lost after the others "
+                          "finished)", info.round)
+        return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
     waiting = tuple(sorted(snap.alive - info.ranks.keys()))
@@ -125,6 +134,7 @@ class Workers:
     running: bool
     round_done_elsewhere: bool  # another member of the round is done
     preempting: bool  # the round carries a preemption notice: exits are neither success nor failure
+    idle: float = 0.0  # seconds since the workers last showed progress (or started, if they never did)
 
 
 @dataclass(frozen=True)
@@ -136,12 +146,37 @@ class WorkerWatch:
     restart_asked: bool = False  # we asked for the next round once; the snapshot will show it
     finishing_since: float | None = None
     finished: bool = False
+    hung: bool = False  # the hang watchdog fired: the restart it asks for is counted as a failure
 
 
 @dataclass(frozen=True)
 class Timing:
     finish_grace: float  # once a rank exited 0, how long the others get to exit too
     fail_grace: float  # how long a failure waits for a vanished peer's heartbeat to expire
+    hang: float | None = None  # running workers without progress this long are hung; None: no watchdog
+
+
+DEFAULT_HANG = 300.0  # the watchdog of a script that reports progress, unless --timeout hang=SECONDS
+
+
+def hang_limit(timeout: float, reporting: bool, progressed: bool = True) -> float | None:
+    """How long running workers may go without progress (a `train.step` line or another event of
+    theirs) before their round is a hang; None: no watchdog.
+
+    `timeout` is `--timeout hang=SECONDS` (0: not given). A script that reports progress gets the
+    watchdog by default (DEFAULT_HANG); one that reports none only when asked, and then any line it
+    prints counts as progress (the runner's `idle`), since nothing else shows that it lives. Until the
+    round's first progress (`progressed` False) the limit is at least DEFAULT_HANG: start-up (imports,
+    a warm worker still importing, loading a checkpoint) is not a stalled step, and a limit sized for
+    steps would cut it short.
+    """
+    if timeout > 0:
+        limit = timeout
+    elif reporting:
+        limit = DEFAULT_HANG
+    else:
+        return None
+    return limit if progressed else max(limit, DEFAULT_HANG)
 
 
 @dataclass(frozen=True)
@@ -170,7 +205,22 @@ class AskRestart:
     cause: str
 
 
-WorkerStep = Idle | StopLingering | Succeeded | ReportFailure | AskRestart
+@dataclass(frozen=True)
+class ReportHang:
+    """Every worker runs, none made progress for `seconds`: a fault (`workers.hung`), restarted like a
+    failure next (AskRestart, counted against --max-restarts)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FailedAfterFinish:
+    """A mixed ending: our workers failed after a rank of the job had exited 0 (ours or another node's).
+    The job's training is over: the node counts as done, the failure is reported, and nothing restarts,
+    so the finished rank's work is not redone (docs/reliability.md, "Mixed endings")."""
+
+
+WorkerStep = Idle | StopLingering | Succeeded | ReportFailure | AskRestart | ReportHang | FailedAfterFinish
 
 
 def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
@@ -181,7 +231,9 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
     finish_grace is stuck at exit (seen in destroy_process_group once its peers had gone), so it is
     stopped and the node counts as done rather than hang the job. A failure waits fail_grace before it
     asks for a restart: a peer that vanished makes our workers fail too, and its heartbeat expiring
-    first makes that a membership change, not a failure.
+    first makes that a membership change, not a failure. A failure once a rank has finished (exited 0
+    here, or a member done) is a mixed ending: FailedAfterFinish, never a restart. Running workers idle
+    past `t.hang` are hung: ReportHang, then AskRestart.
     """
     if watch.finished or w.preempting:
         return Idle(), watch
@@ -189,7 +241,14 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
         watch = dataclasses.replace(watch, finishing_since=now)
     if watch.finishing_since is not None and now - watch.finishing_since > t.finish_grace and w.running:
         return StopLingering(), dataclasses.replace(watch, finished=True)
+    if watch.hung:
+        if watch.restart_asked:
+            return Idle(), watch
+        return AskRestart(watch.failure), dataclasses.replace(watch, restart_asked=True)
     if not w.exited:
+        if t.hang is not None and watch.finishing_since is None and w.idle > t.hang:
+            cause = f"hang on {node_id}: workers alive, no progress for {w.idle:.0f}s"
+            return ReportHang(w.idle), dataclasses.replace(watch, failure=cause, failed_at=now, hung=True)
         return Idle(), watch
     if w.succeeded:
         return Succeeded(), dataclasses.replace(watch, finished=True)
@@ -197,6 +256,8 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
         local_rank, code = w.first_failure or (0, -1)
         failure = f"worker failure on {node_id} (local rank {local_rank}, exit code {code})"
         return ReportFailure(local_rank, code), dataclasses.replace(watch, failure=failure, failed_at=now)
+    if watch.finishing_since is not None and not watch.restart_asked:
+        return FailedAfterFinish(), dataclasses.replace(watch, finished=True)
     if not watch.restart_asked and now - watch.failed_at > t.fail_grace:
         return AskRestart(watch.failure), dataclasses.replace(watch, restart_asked=True)
     return Idle(), watch

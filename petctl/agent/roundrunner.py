@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -33,16 +33,19 @@ from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
     AskRestart,
     Continue,
+    FailedAfterFinish,
     MembershipChange,
     Over,
     Rebuild,
     ReportFailure,
+    ReportHang,
     RoundOutcome,
     StopLingering,
     Succeeded,
     Timing,
     Workers,
     WorkerWatch,
+    hang_limit,
     judge,
     judge_workers,
 )
@@ -52,11 +55,10 @@ from petctl.agent.view import RoundInfo, Snapshot
 from petctl.agent.warm_pool import WarmPool, refill
 from petctl.agent.watcher import LiveWatcher
 from petctl.agent.workers import WorkerGroup
-from petctl.agent.workerspec import WorkerSpec
+from petctl.agent.workerspec import WorkerSpec, round_env
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Phase, Round
-from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
 from petctl.io.etcd import store_errors
 
@@ -113,7 +115,9 @@ class RoundRunner:
         workers = WorkerGroup(p.worker_spec, p.out, on_event=p.progress.on_worker_event, pool=p.pool)
         workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,
                       master_port=info.master_port, restart_count=info.round - 1,
-                      max_restarts=p.spec.max_restarts, run_id=p.spec.name, extra_env=self._extra_env(info))
+                      max_restarts=p.spec.max_restarts, run_id=p.spec.name,
+                      extra_env=round_env(p.spec, p.node_id, info.round, p.control_dir, p.work_dir,
+                                          p.snapshot_dir))
         p.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
                       nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready)
         p.status.set_state("running")
@@ -122,7 +126,7 @@ class RoundRunner:
         self.saves.begin(workers)
         watch = WorkerWatch()
         self._fenced, self._done_pending = False, None
-        started = last_publish = time.monotonic()
+        started = last_publish = self._started = time.monotonic()
         last_snapshot = 0.0  # look at once
         snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
@@ -205,7 +209,7 @@ class RoundRunner:
     def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
         """Act on what the snapshot means; the outcome if the round is over for us."""
         p = self.p
-        verdict = judge(snap, info, p.settings)
+        verdict = judge(snap, info, p.settings, finishing=self.saves.finished())
         if isinstance(verdict, Over):
             return verdict.outcome
         if isinstance(verdict, MembershipChange) and verdict.event == "membership.waiting":
@@ -227,13 +231,18 @@ class RoundRunner:
         p = self.p
         preempting = snap.round is not None and snap.round.preempt is not None
         result = None if watch.finished or preempting else workers.poll()
+        seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),
                        first_failure=result.first_failure() if result else None,
                        some_succeeded=workers.some_succeeded(), running=workers.running,
-                       round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting)
-        step, new = judge_workers(watch, look, now, self.timing, p.node_id)
-        if isinstance(step, StopLingering):
-            p.events.emit("workers.lingered", round=info.round, seconds=self.timing.finish_grace)
+                       round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting,
+                       idle=now - max(self._started, seen or 0.0))
+        hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting, seen is not None)
+        step, new = judge_workers(watch, look, now, replace(self.timing, hang=hang), p.node_id)
+        if isinstance(step, StopLingering | FailedAfterFinish):  # the latter a mixed ending: never restarted
+            p.events.emit("workers.failed_after_finish" if (mixed := isinstance(step, FailedAfterFinish))
+                          else "workers.lingered", round=info.round,
+                          **({"failure": new.failure} if mixed else {"seconds": self.timing.finish_grace}))
             workers.stop(p.spec.timeouts.stop_grace)
             self._done_pending = info.round  # stored by the loop, however long etcd takes to answer
             p.status.set_state("succeeded")
@@ -241,6 +250,9 @@ class RoundRunner:
             self._done_pending = info.round
             p.events.emit("workers.succeeded", round=info.round)
             p.status.set_state("succeeded")
+        elif isinstance(step, ReportHang):
+            p.status.last_error = [new.failure]
+            p.events.emit("workers.hung", round=info.round, reason=new.failure, last_step=p.progress.step)
         elif isinstance(step, ReportFailure):
             p.status.last_error = workers.error_tail(step.local_rank)
             p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code,
@@ -283,10 +295,3 @@ class RoundRunner:
                       first_step=span.get("first"), last_step=span.get("last"),
                       first_step_ts=span.get("first_ts"), last_step_ts=span.get("last_ts"))
         return outcome
-
-    def _extra_env(self, info: RoundInfo) -> dict[str, str]:
-        p = self.p
-        snapshots = {ENV_SNAPSHOT_DIR: str(p.snapshot_dir)} if p.snapshot_dir is not None else {}
-        return {"PETCTL_JOB": p.spec.name, "PETCTL_NODE_ID": p.node_id, "PETCTL_ROUND": str(info.round),
-                "PETCTL_CHECKPOINT_URL": p.spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(p.control_dir),
-                "PETCTL_CACHE_DIR": str(p.work_dir / "cache"), **snapshots}

@@ -56,11 +56,16 @@ class SaveFirst:
                 or controlfiles.all_saved(self.control_dir, self.spec.nproc_per_node)
                 or (request is not None and time.time() >= request.deadline))
 
+    def finished(self) -> bool:
+        """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
+        return self.workers is not None and not self.flagged and self.workers.some_succeeded()
+
     def _look(self, snap: Snapshot) -> SaveLook:
         request = snap.round.preempt if snap.round is not None else None
         return SaveLook(node_id=self.node_id, request=request,
                         running=self.workers is not None and self.workers.running, saved=self._saved(request),
-                        protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node))
+                        protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
+                        finished=request is None and self.finished())
 
     # --- a request on the round: flag our workers ---------------------------------------------------
     def flag(self, snap: Snapshot, info: RoundInfo) -> None:

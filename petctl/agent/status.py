@@ -39,12 +39,15 @@ class Progress:
         self.span: dict[str, Any] = {}  # first/last step of the current round (goodput)
         self.last_step_at: float | None = None  # monotonic: the round's latest step (fencing.py)
         self.longest_gap = 0.0  # the round's longest time between two steps
+        self.progress_at: float | None = None  # monotonic: the round's latest event of any worker
+        self.reporting = False  # the workers ever reported progress (events): the hang watchdog's default
 
     def begin_round(self) -> None:
         self.span = {}
         self.round_step_seen = False
         self.last_step_at = None
         self.longest_gap = 0.0
+        self.progress_at = None
 
     def stalled_for(self, now: float) -> float | None:
         """Seconds since the round's latest step; None when the workers reported none this round."""
@@ -52,6 +55,7 @@ class Progress:
 
     def on_worker_event(self, record: dict[str, Any]) -> None:
         event = record.get("event")
+        self.progress_at, self.reporting = time.monotonic(), True  # any worker's event is progress
         if int(record.get("local_rank", record.get("rank", 0)) or 0) % self.nproc != 0:
             return
         if event == "train.step":

@@ -71,6 +71,7 @@ class WorkerGroup:
         self._out_lock = threading.Lock()
         self._preexec = die_with_parent(signal.SIGKILL)
         self.started_at = 0.0
+        self.output_at: float | None = None  # monotonic: the latest line any worker printed
 
     def start(self, *, node_rank: int, num_nodes: int, master_addr: str, master_port: int,
               restart_count: int, max_restarts: int, run_id: str, extra_env: dict[str, str]) -> None:
@@ -116,6 +117,7 @@ class WorkerGroup:
         in_launcher = False  # the line after a launcher frame is that frame's source line
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace")
+            self.output_at = time.monotonic()
             record = parse_line(line)
             with self._out_lock:
                 keep = record is None and line.strip() and not (in_launcher and line.startswith("    "))

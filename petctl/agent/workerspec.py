@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
+from petctl.core.spec import JobSpec
 
 
 def worker_base_env() -> dict[str, str]:
@@ -73,3 +77,13 @@ def rank_env(spec: WorkerSpec, placement: RoundPlacement, local_rank: int,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, work_dir: Path,
+              snapshot_dir: Path | None) -> dict[str, str]:
+    """What petctl adds to torchrun's environment for one round's workers (README's environment
+    contract): the job, this instance, the round, the shared checkpoint location and the node's dirs."""
+    snapshots = {ENV_SNAPSHOT_DIR: str(snapshot_dir)} if snapshot_dir is not None else {}
+    return {"PETCTL_JOB": spec.name, "PETCTL_NODE_ID": node_id, "PETCTL_ROUND": str(round_no),
+            "PETCTL_CHECKPOINT_URL": spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(control_dir),
+            "PETCTL_CACHE_DIR": str(work_dir / "cache"), **snapshots}

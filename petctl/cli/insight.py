@@ -64,9 +64,9 @@ def events_cmd(name: str, show_all: bool, output: str) -> None:
 def report_rows(acc) -> list[tuple[str, Any]]:
     """The report's table (an `Accounting`): n/a for what a job without step lines cannot tell."""
     goodput = f"{acc.goodput:.1%}" if acc.goodput is not None else f"n/a ({acc.goodput_note})"
-    reforming = f"{acc.reform_seconds:.1f}s" + (" (round end to workers started: no step events, so "
-                                                "their start-up is not seen)" if acc.reform_basis == "rounds"
-                                                else "")
+    reforming = (f"≥{acc.reform_seconds:.1f}s (a lower bound: round end to workers restarted; with no "
+                 "step events, when training resumed is not seen)" if acc.reform_lower_bound
+                 else f"{acc.reform_seconds:.1f}s (disruption to training again)")
     return [
         ("goodput (kept node-time / instance node-time)", goodput),
         ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}" if acc.steps_reported else "n/a"),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 Sink = Callable[[dict[str, Any]], None]
+EVENT_START = '{"ts":'  # how every line `EventLog.emit` writes begins
 
 
 class EventLog:
@@ -62,10 +63,21 @@ class EventLog:
 
 
 def parse_line(line: str) -> dict[str, Any] | None:
-    """The event on this log line, or None if the line is not an event (worker output, say)."""
+    """The event on this log line, or None if the line is not an event (worker output, say).
+
+    An event may share its line with what another stream of the same process wrote without a newline
+    just before it: a progress bar (tqdm, the Hugging Face Trainer's default) redraws itself with `\r`
+    and no `\n` on stderr, which the agent reads merged with stdout, so `\r 8%|...| 1/12{"ts": ...}`
+    is one line there. Every event this module writes starts with `{"ts":`, so the event is read from
+    there: losing those lines lost a round's first and last steps (its kept and lost steps)."""
     line = line.strip()
-    if not line.startswith("{") or '"event"' not in line:
+    if '"event"' not in line:
         return None
+    if not line.startswith("{"):
+        start = line.find(EVENT_START)
+        if start < 0:
+            return None
+        line = line[start:]
     try:
         record = json.loads(line)
     except ValueError:

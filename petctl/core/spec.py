@@ -56,6 +56,10 @@ class Timeouts:
     # Once any rank of the job exited 0, the others get this long to exit too; stragglers (seen stuck in
     # destroy_process_group after their peers left) are then stopped and the job still succeeds.
     finish_grace: float = 60.0
+    # The hang watchdog: a round whose workers all run but made no progress (a `train.step` line or
+    # another event of theirs) this long is a fault, restarted like a failure. 0: the default, 300 s for
+    # a script that reports progress and none for one that does not (agent/roundjudge.py `hang_limit`).
+    hang: float = 0.0
     # Metadata polling period: three local HTTP GETs per pass (spot, ASG, rebalance). AWS suggests every
     # 5 s; IMDS is link-local and cheap, and each second of detection is a second of every recovery.
     imds_interval: float = 0.5

@@ -47,6 +47,21 @@ class PetctlConfig:
         atomic_write(self.path, json.dumps({"provider": self.provider, "settings": self.settings}, indent=2,
                                            sort_keys=True))
 
+    def forget(self, provider: str) -> None:
+        """Drop what `setup` recorded for `provider` (its teardown). With nothing left, remove the file,
+        and the home directory if that leaves it empty: teardown leaves no local state behind."""
+        self.settings.pop(provider, None)
+        if self.provider == provider:
+            self.provider = ""
+        if self.settings:
+            self.save()
+            return
+        self.path.unlink(missing_ok=True)
+        try:
+            self.home.rmdir()
+        except OSError:
+            pass  # not empty (the user keeps files there) or already gone: leave it
+
     def section(self, provider: str | None = None) -> dict[str, Any]:
         return self.settings.setdefault(provider or self.provider, {})
 

@@ -7,11 +7,14 @@ petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous ge
 - resume(r+1) is the first step round r+1 ran (it resumed from the checkpoint before it);
 - steps lost in r = last step run in r - resume(r+1) + 1 (>= 0): work done and thrown away;
 - kept node-seconds in r = kept steps x mean step time in r x world size;
-- re-forming = from the last step of a round that trained to the first step of the next one that did:
-  the stall users see (rounds that re-formed again before training fall inside it). A job that prints no
-  step lines is timed from what the agents saw themselves: from the end of a round (its first worker
+- re-forming = from the last step of a round that trained (the disruption: training stopped there) to
+  the first step of the next one that did (training resumed): the stall users see (rounds that re-formed
+  again before training fall inside it). A job that prints no step lines cannot say when training
+  resumed: it is timed from what the agents saw themselves, from the end of a round (its first worker
   failure, the restart that replaced it, or its workers stopping, whichever came first) to the next
-  round's workers starting; the workers' start-up before their first step is then not in it;
+  round's workers starting, and shown as a lower bound (`reform_lower_bound`): the workers' start-up,
+  imports and checkpoint loading before their first step are not in it (issue 25 measured 0.5 s against
+  19 s without training);
 - re-forms = rounds opened after the first, whatever the cause (a node lost or joining, a planned change,
   a worker failure); failure restarts = those opened after a worker failure, the ones `--max-restarts`
   bounds (the round record's `restarts`);
@@ -58,6 +61,11 @@ class Accounting:
     nodes: int = 0
 
     @property
+    def reform_lower_bound(self) -> bool:
+        """Re-forming was timed to the workers' start, not to training resumed: the true figure is more."""
+        return self.reform_basis == "rounds"
+
+    @property
     def steps_reported(self) -> bool:
         """Whether any round reported a training step: without one, kept and lost work are unknown."""
         return any(r.first_step is not None for r in self.rounds)
@@ -89,6 +97,7 @@ class Accounting:
         d["goodput"] = self.goodput
         d["goodput_note"] = self.goodput_note
         d["steps_reported"] = self.steps_reported
+        d["reform_lower_bound"] = self.reform_lower_bound
         d["restarts"] = self.reforms
         if not self.steps_reported:
             d["steps_kept"] = d["steps_lost"] = None
@@ -216,12 +225,19 @@ class NodeSpan:
 
 
 def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> list[NodeSpan]:
-    """Each agent lifetime: its `agent.started` to its exit/leave, or to its last event if it vanished
-    (killed, frozen); one still running counts to `now` when given. Instance time and cost use this."""
+    """Each agent lifetime: its `agent.started` to its exit/leave, or to the provider's word that its
+    instance ended (`instance.terminated`, the local reconciler's), or to its last event if it vanished
+    without either (killed, frozen); one still running counts to `now` when given. Instance time and
+    cost use this.
+
+    Why the provider's word: an instance killed without a word used to count to `now` while the job ran
+    and to its last event (often the round's start) once it ended, so instance-hours fell after
+    `kill_job` (issue 25: 0.31 while running, 0.234 after)."""
     spans: list[NodeSpan] = []
     current: dict[str, NodeSpan] = {}
     for e in merge(events):
-        node = e.get("node")
+        ended = e.get("event") in ("agent.exit", "agent.left", "instance.terminated")
+        node = e.get("node") or (e.get("instance") if e.get("event") == "instance.terminated" else None)
         if not node:
             continue
         ts = float(e["ts"])
@@ -230,7 +246,7 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
             spans.append(current[node])
         elif node in current:
             current[node].end = ts
-            if e.get("event") in ("agent.exit", "agent.left"):
+            if ended:
                 current.pop(node).running = False
     if now is not None:
         for span in current.values():

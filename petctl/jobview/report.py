@@ -12,7 +12,7 @@ from typing import Any
 
 from petctl.core.errors import PetctlError
 from petctl.jobview.accounting import Accounting
-from petctl.jobview.summary import reforms_text
+from petctl.jobview.summary import reforming_text, reforms_text
 
 MARKED = {  # event -> (legend label, colour)
     "preemption.notice": ("preemption notice", "tab:orange"),
@@ -27,7 +27,7 @@ def headline(job: str, acc: Accounting) -> str:
     goodput = f"{acc.goodput:.0%}" if acc.goodput is not None else "n/a"
     lost = f"{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
     return (f"{job}: goodput {goodput}, {lost}, {reforms_text(acc.reforms, acc.failure_restarts)}, "
-            f"{acc.reform_seconds:.1f}s re-forming")
+            f"{reforming_text(acc.reform_seconds, acc.reform_lower_bound)}")
 
 
 def render_timeline(job: str, events: list[dict[str, Any]], acc: Accounting, out: Path) -> Path:

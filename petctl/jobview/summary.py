@@ -41,7 +41,7 @@ def summarize(view: JobView, running: bool, live_steps: bool = False) -> dict[st
             "steps_lost": acc.steps_lost if reported else None,
             "reforms": acc.reforms, "restarts": acc.reforms, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
-            "reform_basis": acc.reform_basis,
+            "reform_basis": acc.reform_basis, "reform_lower_bound": acc.reform_lower_bound,
             "instance_hours": acc.instance_seconds / 3600.0,
             "cost": cost.to_dict() if cost is not None else None, "cost_error": cost_error,
             "events_error": events_error}
@@ -55,11 +55,18 @@ def one_line(summary: dict[str, Any]) -> str:
              f"{summary['steps_lost']} steps lost" if summary.get("steps_lost") is not None else
              "steps lost n/a", reforms_text(summary.get("reforms", summary.get("restarts", 0)),
                                            summary.get("failure_restarts", 0)),
-             f"{summary['reform_seconds']:.1f}s re-forming" + (
-                 " (until workers started)" if summary.get("reform_basis") == "rounds" else ""),
+             reforming_text(summary['reform_seconds'], summary.get("reform_basis") == "rounds"),
              f"{summary['instance_hours']:.2f} instance-hours"]
     parts.append(cost_text(summary.get("cost")))
     return ", ".join(parts)
+
+
+def reforming_text(seconds: float, lower_bound: bool) -> str:
+    """"12.0s re-forming": from the disruption to training again; for a script that reports no steps
+    "≥0.5s re-forming (lower bound: ...)", since only the workers' restart is seen, not training."""
+    if not lower_bound:
+        return f"{seconds:.1f}s re-forming"
+    return f"≥{seconds:.1f}s re-forming (lower bound: until workers restarted, not training)"
 
 
 def reforms_text(reforms: int, failure_restarts: int) -> str:

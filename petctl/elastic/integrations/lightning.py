@@ -69,23 +69,38 @@ class PetctlCallback(ProtocolCallback, Callback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off.
-    dirpath: where the save-now checkpoint goes, as `last.ckpt` (default `<default_root_dir>/checkpoints`,
-        which `last_checkpoint(default_root_dir)` reads; with another dirpath, pass it to both). Not the
-        ModelCheckpoint's directory: with a logger that is a new `version_N/` in every round.
+    dirpath: where the save-now checkpoint goes, as `last.ckpt`. Default: the script's own
+        `ModelCheckpoint(dirpath=...)`, where a script resumes from (`ckpt_path="last"` finds it there,
+        as does `last_checkpoint(dirpath=...)`); without one, `<default_root_dir>/checkpoints`, which
+        `last_checkpoint(default_root_dir)` reads (not Lightning's own choice with a logger: a new
+        `version_N/` in every round). Under petctl a directory inside the worker's working directory is
+        refused at start (`setup` raises ValueError): each instance has its own, so a replacement would
+        never see the save and redo the steps.
     """
 
     def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None) -> None:
         super().__init__(check_every)
         self.dirpath = dirpath
+        self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Lightning runs checkpoint callbacks' hooks last: their dirpath is still the script's (or None).
+        if self.dirpath is None:
+            self.dirpath = next((cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", [])
+                                 if getattr(cb, "dirpath", None)), None)
+        check_shared(self.base(trainer))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning has restored `ckpt_path` by now: global_step is the resumed step.
         self.start(trainer.global_step)
 
+    def base(self, trainer: Any) -> Path:
+        """The save-now checkpoint's directory (the same on every rank)."""
+        return Path(self.dirpath) if self.dirpath is not None else checkpoint_dir(trainer.default_root_dir)
+
     def path(self, trainer: Any) -> str:
         """The save-now checkpoint's path (the same on every rank)."""
-        base = Path(self.dirpath) if self.dirpath is not None else checkpoint_dir(trainer.default_root_dir)
-        return str(base / LAST)
+        return str(self.base(trainer) / LAST)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -98,10 +113,30 @@ class PetctlCallback(ProtocolCallback, Callback):
         path = self.path(trainer)
         trainer.save_checkpoint(path)  # collective: every rank calls it at this step
         self.protocol.saved(step, path)
+        self._reported_step = step  # a ModelCheckpoint save at this step is the same state: not again
         if action is Action.STOP:
             trainer.should_stop = True
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        # Every save goes through here (ModelCheckpoint's too); ours is reported by `saved` above.
-        if self.protocol is not None and self.protocol.pending is Action.NONE and trainer.global_rank == 0:
-            self.protocol.events.emit("checkpoint.saved", step=trainer.global_step, reason="periodic")
+        # Every save goes through here (ModelCheckpoint's too); ours is reported by `saved` above. One
+        # line per step: ModelCheckpoint(save_last=True) saves a step twice (its file and last.ckpt).
+        step = trainer.global_step
+        if (self.protocol is not None and self.protocol.pending is Action.NONE and trainer.global_rank == 0
+                and step != self._reported_step):
+            self._reported_step = step
+            self.protocol.events.emit("checkpoint.saved", step=step, reason="periodic")
+
+
+def check_shared(directory: Path, environ: dict[str, str] | None = None) -> None:
+    """Under petctl, refuse a checkpoint directory inside the worker's working directory, in one line:
+    each instance has its own, so a replacement instance would never see what was saved there."""
+    env = os.environ if environ is None else environ
+    if not env.get("PETCTL_NODE_ID"):
+        return  # plain torchrun: every rank shares the working directory
+    cwd, where = Path.cwd().resolve(), directory.resolve()
+    if where == cwd or cwd in where.parents:
+        raise ValueError(
+            f"petctl: Lightning checkpoints would go to {where}, inside this instance's own working "
+            "directory, which a replacement instance never sees: give ModelCheckpoint(dirpath=...) or "
+            "Trainer(default_root_dir=...) a directory every node shares, such as "
+            "petctl.elastic.integrations.paths.output_dir(...) ($PETCTL_CHECKPOINT_URL's directory)")

@@ -86,8 +86,7 @@ class LocalProvider(Provider):
             jobstart.stop_processes(JobDir.of(self.config.home, job.name), grace=5.0)
         etcdhost.stop(self.settings)
         shutil.rmtree(self.root, ignore_errors=True)
-        self.config.settings.pop(self.name, None)
-        self.config.save()
+        self.config.forget(self.name)  # config.json too, unless another provider's setup is in it
 
     def etcd_endpoint(self) -> str:
         if self.config.provider != self.name or not self.settings.get("ready"):
