@@ -82,8 +82,8 @@ def job_spec(variant: str) -> JobSpec:
 def job_template(home: Path, variant: str) -> str:
     spec = job_spec(variant)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK,
-                        region="us-east-1",
+                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK,
+                        launch_hook=LAUNCH_HOOK, region="us-east-1",
                         status_url=f"s3://{BUCKET}/jobs/{variant}/")
     return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
 
@@ -95,8 +95,8 @@ def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = F
     prefix = f"s3://{BUCKET}/jobs/{name}"
     spec.code_url, spec.checkpoint_url = f"{prefix}/code/train.py", f"{prefix}/checkpoints"
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK,
-                        region="us-east-1",
+                        asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK,
+                        launch_hook=LAUNCH_HOOK, region="us-east-1",
                         status_url=f"{prefix}/")
     return provider(home, stack).render_job_template(spec, agent, f"{prefix}/agent.json")
 

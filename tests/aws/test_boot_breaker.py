@@ -46,8 +46,8 @@ CASES = {
     "boots still inside the timeout neither count nor reset": (
         [(20, A, "failed"), (30, B, "failed"), (NOW - 10, C, "started")], 2, False, B),
     "a joined instance whose agent failed later is a join": (
-        [(100, A, "started"), (200, A, "joined"), (300, B, "failed"), (400, C, "failed"), (5000, A, "failed")],
-        2, False, C),
+        [(100, A, "started"), (200, A, "joined"), (300, B, "failed"), (400, C, "failed"),
+         (5000, A, "failed")], 2, False, C),
     "a failure and a join in the same second: the join is the later": (
         [(30, A, "failed"), (30, B, "failed"), (30, C, "failed"), (30, D, "joined")], 0, False, ""),
     "a hung boot among failures": ([(10, A, "started"), (NOW - 5, B, "failed"), (NOW - 4, C, "failed")],

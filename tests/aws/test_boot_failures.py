@@ -69,7 +69,9 @@ case "$url" in
     fail AUTOSCALING && exit 22
     case "$data" in *Action=CompleteLifecycleAction*) fail LAUNCH && exit 22 ;; esac
     echo "<Response/>" ;;
-  https://*.s3.*.amazonaws.com/*) fail S3 && exit 22; python3 "$FAKE_DIR/s3.py" "$method" "$url" "$data" || exit 22 ;;
+  https://*.s3.*.amazonaws.com/*)
+    fail S3 && exit 22
+    python3 "$FAKE_DIR/s3.py" "$method" "$url" "$data" || exit 22 ;;
   https://127.0.0.1:2379/health) fail HEALTH && exit 7; echo '{"health":"true","reason":""}' ;;
   https://127.0.0.1:2379/v2/auth/*)  # etcd's v2 auth API, as root: auth already on
     case "$method ${url#*/v2/auth/}" in

@@ -130,7 +130,8 @@ def test_launches_wait_in_a_hook_that_abandons_a_boot_that_never_joins(templates
     script = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
     config = agent_config_from_user_data(script)
     assert config.launch_hook == launch["LifecycleHookName"] == "petctl-boot"
-    assert f"LifecycleHookName={launch['LifecycleHookName']}&" in script and "LifecycleActionResult=$1" in script
+    assert f"LifecycleHookName={launch['LifecycleHookName']}&" in script
+    assert "LifecycleActionResult=$1" in script
     assert "BOOT_TIMEOUT=900" in script and "BREAKER_LIMIT=3" in script
     statements = {s["Sid"]: s for s in t["Resources"]["WorkerRole"]["Properties"]["Policies"][0]
                   ["PolicyDocument"]["Statement"]}
