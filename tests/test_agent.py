@@ -230,7 +230,8 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     assert status["state"] == "succeeded"
     # Every service's failure count is published, even when (as here) nothing failed.
     assert status["failures"] == {"watch": 0, "heartbeat": 0, "peers": 0, "events": 0, "status": 0,
-                                  "records": 0, "sinks": 0, "mirror": 0, "rendezvous": 0, "store_outages": 0}
+                                  "records": 0, "sinks": 0, "mirror": 0, "rendezvous": 0, "store_outages": 0,
+                                  "launch_hook": 0}
     assert '"event": "train.step"' in stream("logs")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from petctl.core import records
 from petctl.core.records import (
+    BootRecord,
     Checkpoint,
     DoneRecord,
     JobResult,
@@ -47,6 +48,8 @@ SAMPLES: dict[type[WireRecord], WireRecord] = {
                            last_error=["Traceback (most recent call last):", "RuntimeError: boom"]),
     JobResult: JobResult(state="failed", reason="max_restarts=3 exhausted", ts=1700000020.0, round=9, job="j",
                          node="n1"),
+    BootRecord: BootRecord(instance_id="i-0123456789abcdef0", event="failed", ts=1700000030.0,
+                           error="cannot pull the image", log_tail=["attempt 1/6 failed", "FATAL: no"]),
 }
 
 

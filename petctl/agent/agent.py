@@ -116,7 +116,8 @@ class Agent:
         counts = {"watch": self.watcher.outage.failures, "heartbeat": self.heartbeat.outage.failures,
                   "events": self.event_sink.dropped, "status": self.status.outage.failures,
                   "records": self.rdzv.reader.corrupt_records, "sinks": self.events.sink_failures,
-                  "rendezvous": self.rdzv.outage.failures, "store_outages": self.store.outages}
+                  "rendezvous": self.rdzv.outage.failures, "store_outages": self.store.outages,
+                  "launch_hook": self.preemption.launch_failures}
         if self.peers is not None:
             counts["peers"] = self.peers.outage.failures
         if self.mirror is not None:  # the mirror counts its own (petctl/agent/mirror.py)
@@ -151,6 +152,7 @@ class Agent:
         pool = get_ready(self.spec, worker_spec, self.work_dir, self.events, self.out, services)
         if not self._until_store_answers(self.heartbeat.start):
             return self._leave(None)
+        self.preemption.registered()  # our heartbeat is in etcd: the boot worked (the launch hook)
         services.callback(self.heartbeat.stop, delete=True)  # a no-op after a leave or the job's end
         self.watcher.start()
         services.callback(self.watcher.stop)
@@ -202,26 +204,24 @@ class Agent:
         return self.leave.is_set() or self.preemption.notice is not None
 
     def _until_store_answers(self, call) -> bool:
-        """Run `call` (an etcd write) until etcd answers (it may be being replaced), with backoff; False
-        if the agent was asked to leave meanwhile."""
+        """Run `call` (an etcd write) until etcd (maybe being replaced) answers, with backoff; False if
+        the agent was asked to leave meanwhile."""
         pause = 0.5
         while not self.leave.is_set():
             try:
                 call()
+                self.store.succeeded(service="start")
+                return True
             except store_errors() as e:
                 self.store.failed(e, "start")
-                self.leave.wait(pause)
-                pause = min(2 * pause, START_RETRY_MAX)
-                continue
-            self.store.succeeded(service="start")
-            return True
+            self.leave.wait(pause)
+            pause = min(2 * pause, START_RETRY_MAX)
         return False
 
     # --- leaving -----------------------------------------------------------------------------------
     def _depart(self, cause: str) -> None:
         """Out of the job in etcd: the next round opened (with the real cause), then our heartbeat deleted
-        (which wakes its closer). The round runner calls it once our save is done, before our workers
-        exit; `_leave` calls it again (a no-op then)."""
+        (waking its closer). The round runner calls it once our save is done; `_leave` again (a no-op)."""
         self.status.set_state("leaving")
         if self.heartbeat.deleted:
             return

@@ -1,10 +1,20 @@
-"""Finishing an Auto Scaling termination lifecycle action from the instance being terminated.
+"""Finishing an Auto Scaling group's lifecycle actions from the instance itself: the termination hook's
+(a drain) and the launch hook's (a boot that worked).
 
 The ASG holds a terminating instance in `Terminating:Wait` until the hook times out or someone completes
 the action. The agent heartbeats the action while its workers checkpoint (so a slow save is not cut off
 at the hook's timeout) and completes it once they are done, so the instance goes (and its replacement
 comes) as soon as possible. Both calls are best effort: a failure is one structured line, never an
 exception, because the instance is going away either way and the agent still has to leave cleanly.
+
+The launch hook holds a new instance (Pending:Wait, not InService) until its agent is registered in the
+rendezvous; `LaunchCompletion` then records the boot as `joined` (petctl/core/boots.py) and completes the
+action with CONTINUE. Not at the first round it is admitted to: with --min 2 a healthy first instance
+waits for a second one, perhaps for a spot shortage's time, and the hook would abandon it meanwhile. Being
+registered already proves the boot end to end: petctl installed and running, the job's code fetched, its
+workers' environment ready, the job's etcd credentials accepted. Those calls are retried in a thread of
+their own (the rendezvous does not wait for them); failures are counted (`failures`, published with the
+node's status) and reported once when they start and once when they end.
 
 The AWS calls go through `LifecycleClient` (a boto3 autoscaling client satisfies it), so tests use a
 recorder: moto answers CompleteLifecycleAction with HTTP 500. boto3 is imported only when needed.
@@ -13,10 +23,15 @@ recorder: moto answers CompleteLifecycleAction with HTTP 500. boto3 is imported 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from petctl.agent.outage import describe
+from petctl.core.boots import boot_key
 from petctl.core.eventlog import EventLog
+from petctl.core.records import BootRecord
+from petctl.core.spec import AgentConfig
 
 
 class LifecycleClient(Protocol):
@@ -113,3 +128,86 @@ class LifecycleHeartbeat:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+# Pauses between tries of the launch calls: about four minutes in all, well inside the boot timeout.
+LAUNCH_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0)
+
+
+class LaunchCompletion:
+    """Once the agent is registered: the `joined` boot record, then CONTINUE on the launch hook, each
+    retried until it succeeds (see the module doc). `run()` is the whole job; `start()` runs it in a
+    thread. `client`/`store` stand in for AWS in tests."""
+
+    def __init__(self, config: AgentConfig, log: EventLog, client: LifecycleClient | None = None,
+                 store: Any = None, delays: Sequence[float] = LAUNCH_RETRY_DELAYS) -> None:
+        self.config = config
+        self.log = log
+        self._client = client
+        self._store = store
+        self.delays = delays
+        self.failures = 0  # failed calls, both kinds
+        self.recorded = self.completed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> None:
+        if self._store is None:
+            from petctl.io.objstore import open_store
+
+            self._store = open_store(self.config.status_url)
+        record = BootRecord(instance_id=self.config.node_id, event="joined", ts=time.time())
+        self._store.put_bytes(boot_key(record), record.to_json().encode(), "application/json")
+
+    def _complete(self) -> None:
+        if self._client is None:
+            self._client = make_client(self.config.region)
+        self._client.complete_lifecycle_action(
+            **_args(self.config.asg_name, self.config.launch_hook, self.config.node_id),
+            LifecycleActionResult="CONTINUE")
+
+    def _try(self, name: str, call) -> bool:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - botocore errors, credentials, network: counted, retried
+            from petctl.io.aws import error_code
+
+            if name == "complete" and error_code(e) == "ValidationError":
+                # No pending launch action: this agent was restarted on an instance that already
+                # completed it (or the hook timed out): nothing to retry.
+                self.log.emit("lifecycle.launch_not_pending", error=describe(e), hook=self.config.launch_hook)
+                return True
+            self.failures += 1
+            if self.failures == 1:
+                self.log.emit("lifecycle.launch_failing", step=name, error=describe(e),
+                              hook=self.config.launch_hook)
+            return False
+        return True
+
+    def run(self) -> bool:
+        """Both calls until they succeed or the tries run out; True when both succeeded."""
+        for delay in (*self.delays, None):
+            if self.config.status_url and not self.recorded:
+                self.recorded = self._try("record", self._record)
+            if not self.completed:
+                self.completed = self._try("complete", self._complete)
+            if (self.recorded or not self.config.status_url) and self.completed:
+                break
+            if delay is None or self._stop.wait(delay):
+                break
+        done = self.completed and (self.recorded or not self.config.status_url)
+        self.log.emit("lifecycle.launch_completed" if done else "lifecycle.launch_gave_up",
+                      failures=self.failures, recorded=self.recorded, hook=self.config.launch_hook,
+                      asg=self.config.asg_name, instance_id=self.config.node_id)
+        return done
+
+    def start(self) -> LaunchCompletion:
+        self._thread = threading.Thread(target=self.run, name="petctl-launch-hook", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=15)

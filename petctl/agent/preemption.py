@@ -51,6 +51,7 @@ class PreemptionHandler:
         self._lock = threading.Lock()
         self.wake: Callable[[], None] | None = None  # the round runner's wake-up (LiveWatcher.nudge)
         self.on_rebalance: Callable[[Any], None] | None = None  # set by the agent (agent/rebalance.py)
+        self.launch: Any = None  # lifecycle.LaunchCompletion, once registered (AWS)
 
     def start(self) -> None:
         if not self.config.imds_endpoint:
@@ -64,6 +65,21 @@ class PreemptionHandler:
     def stop(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        if self.launch is not None:
+            self.launch.stop()
+
+    def registered(self) -> None:
+        """The agent is registered in the rendezvous, so this instance's boot worked: on AWS, its boot
+        record and the launch hook's CONTINUE, in the background (lifecycle.LaunchCompletion)."""
+        if self.config.asg_name and self.config.launch_hook and self.launch is None:
+            from petctl.agent.lifecycle import LaunchCompletion
+
+            self.launch = LaunchCompletion(self.config, self.events).start()
+
+    @property
+    def launch_failures(self) -> int:
+        """Failed calls completing the launch hook (and recording the boot), for the node's status."""
+        return self.launch.failures if self.launch is not None else 0
 
     def identity(self) -> dict[str, str]:
         """Instance type, market (spot/on-demand) and AZ from the metadata service, for pricing."""

@@ -73,7 +73,10 @@ def wait_formed(provider, name: str, timeout: float) -> None:
               help="A heavy module warm workers import ahead, so restarts skip it (repeatable).")
 @click.option("--keep", is_flag=True,
               help="Keep the capacity when the job ends (debugging); by default it is released by itself.")
-@click.option("--wait", is_flag=True, help="Return once the first round has formed.")
+@click.option("--wait", is_flag=True,
+              help="Return once the job is up, with progress: its first round formed (local), its first "
+                   "agent joined (aws; boot failures shown as they happen, non-zero if the boot breaker "
+                   "stops the job).")
 @click.option("--wait-timeout", type=float, default=300.0, show_default=True)
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -93,7 +96,14 @@ def run_job(name, min_size, max_size, size, nproc_per_node, max_restarts, env, e
     click.echo(f"job {info.name} started: {info.desired} nodes (min {info.min_size}, max {info.max_size}); "
                f"follow it with `petctl status {info.name}`")
     if wait:
-        wait_formed(provider, name, wait_timeout)
+        from petctl.providers.capabilities import BootInsight
+
+        if isinstance(provider, BootInsight):  # instances that boot: up once an agent joined
+            from petctl.cli.boots import wait_joined
+
+            wait_joined(provider, name, wait_timeout)
+        else:
+            wait_formed(provider, name, wait_timeout)
 
 
 @click.command("kill_job")

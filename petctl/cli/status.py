@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from petctl.cli.boots import boot_section, echo_boots
 from petctl.cli.context import job_view, provider_for
 from petctl.cli.render import output_option, print_json, status_summary, table
 
@@ -99,7 +100,8 @@ def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 def status(name: str, output: str) -> None:
     """A job's state and its nodes: rank, world size, round, failure restarts, state, step, and each node's
     counted failures (etcd, mirror, heartbeat, ...) when it has any. For a failed job, the failing
-    worker's last error lines."""
+    worker's last error lines; where instances boot (AWS), boot failures and the newest one's boot log
+    lines."""
     from petctl.jobview.summary import one_line, summarize
     from petctl.providers.capabilities import CapacityInsight
 
@@ -114,6 +116,7 @@ def status(name: str, output: str) -> None:
     data["corrupt_records"] = view.corrupt.to_dict()
     data["last_error"] = worker_failure(view, data["state"])
     data["notes"] = view.notes()
+    data["boots"] = boot_section(provider, name, data["notes"])
     if output == "json":
         print_json(data)
         return
@@ -121,6 +124,7 @@ def status(name: str, output: str) -> None:
     click.echo(one_line(data["accounting"]))
     echo_activities(data["scaling_activities"])
     echo_failure(data["last_error"])
+    echo_boots(data["boots"], data["state"])
     for note in data["notes"]:
         click.echo(f"note: {note}")
     if data["source"] == "mirror":

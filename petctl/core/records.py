@@ -201,3 +201,19 @@ class JobResult(WireRecord):
     round: int | None = None
     job: str = ""
     node: str = ""  # the agent that wrote it ("" when a provider did: kill_job, the local reconciler)
+
+
+@dataclass(frozen=True)
+class BootRecord(WireRecord):
+    """`boots/<ts>.<instance_id>.<event>.json` in the job's prefix (AWS): one step of one instance's boot.
+
+    Written by the boot script in bash (`started`, `installing`, `failed`: worker_image/boot_record.sh.j2)
+    and by the agent once it is registered in the rendezvous (`joined`). The key repeats the event and
+    its time, so the boot breaker (petctl/core/boots.py) decides from one listing; the body adds what a
+    failure said (`error`, the boot log's last lines) for `petctl status`."""
+
+    instance_id: str
+    event: str  # started | installing | joined | failed
+    ts: float  # epoch seconds on the writer's clock
+    error: str = ""  # failed: what `fatal` said
+    log_tail: list[str] = field(default_factory=list)  # failed: the boot log's last lines

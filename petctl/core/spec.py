@@ -63,6 +63,13 @@ class Timeouts:
     # Metadata polling period: three local HTTP GETs per pass (spot, ASG, rebalance). AWS suggests every
     # 5 s; IMDS is link-local and cheap, and each second of detection is a second of every recovery.
     imds_interval: float = 0.5
+    # AWS: from an instance's launch to its agent registered in the rendezvous. The job's launch lifecycle
+    # hook times out after this long and abandons the instance (terminated), and a boot that neither
+    # joined nor failed by then counts as never joined for the boot breaker (petctl/core/boots.py).
+    # 15 minutes: a Deep Learning AMI's first boot (1-3 min: a 100 GB root volume restored lazily from
+    # its snapshot), the pip install of petctl and the job's requirements (1-5 min), the agent's start and
+    # join (seconds), with about twice that as margin. AWS allows 30-7200 s (the hook's HeartbeatTimeout).
+    boot_timeout: float = 900.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeouts:
@@ -210,6 +217,7 @@ class AgentConfig:
     imds_endpoint: str = ""  # instance metadata service; "" disables the preemption watcher
     asg_name: str = ""  # for completing the termination lifecycle action on AWS
     lifecycle_hook: str = ""
+    launch_hook: str = ""  # AWS: the launch lifecycle hook the agent completes once it joined
     region: str = ""
     status_url: str = ""  # optional s3://... or file://... prefix the agent mirrors status/events/logs to
 

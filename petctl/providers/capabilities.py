@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 from petctl.core.errors import ProviderError
 
 if TYPE_CHECKING:
+    from petctl.core.boots import BootReport
     from petctl.jobview.cost import Prices
     from petctl.providers.base import Check, Provider
 
@@ -52,6 +53,16 @@ class CapacityInsight(Protocol):
 
     def scaling_activities(self, name: str) -> list[str]:
         """The job's recent scaling activities, newest first, one line each."""
+        ...
+
+
+@runtime_checkable
+class BootInsight(Protocol):
+    """How the job's instances boot (launching, booting, installing, joined, failed), and the boot
+    breaker's view of them (petctl/core/boots.py): for `status` and `run_job --wait`."""
+
+    def boots(self, name: str) -> BootReport:
+        """The job's boot report. Raises PetctlError when its records cannot be read."""
         ...
 
 

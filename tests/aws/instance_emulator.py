@@ -189,6 +189,44 @@ class InstanceEmulator:
         self.booted[instance_id] = Booted(instance_id, proc, log, grace)
         return self.booted[instance_id]
 
+    def fail_boot(self, instance_id: str, error: str, log_lines: list[str]) -> subprocess.CompletedProcess:
+        """Run the instance's own boot script (its user data) up to a step that fails for good: its boot
+        helpers, then `identify`, `boot_started` and `fatal ERROR`, as a boot that cannot install would.
+        Its AWS calls are the script's own signed requests, sent to moto (PETCTL_AWS_ENDPOINT); the
+        metadata service is two shell functions (moto has none), `sleep` and `shutdown` are no-ops that
+        leave a trace. The boot log holds `log_lines`, what the failed step printed."""
+        root = self.root / instance_id / "root"
+        (root / "var" / "log").mkdir(parents=True, exist_ok=True)
+        (root / "var" / "log" / "petctl-boot.log").write_text("".join(f"{line}\n" for line in log_lines))
+        bin_dir = self.root / "fake-bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("sleep", "shutdown"):
+            (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "$PETCTL_ROOT/calls"\n')
+            (bin_dir / name).chmod(0o755)
+        script = root / "user-data.sh"
+        script.write_text(self.user_data(instance_id))
+        creds = '{"AccessKeyId": "testing", "SecretAccessKey": "testing", "Token": "testing"}'
+        steps = f"""
+. {script}
+imds_token() {{ echo token; }}
+md() {{
+  case "$1" in
+    instance-id) echo {instance_id} ;;
+    local-ipv4) echo 127.0.0.1 ;;
+    placement/region) echo {self.region} ;;
+    iam/security-credentials/) echo petctl-worker ;;
+    iam/security-credentials/petctl-worker) echo '{creds}' ;;
+    *) return 1 ;;
+  esac
+}}
+identify || exit 9
+boot_started
+fatal "$PETCTL_TEST_ERROR"
+"""
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PETCTL_ROOT": str(root), "HOME": str(root),
+               "PETCTL_BOOT_LIB_ONLY": "1", "PETCTL_AWS_ENDPOINT": self.moto_url, "PETCTL_TEST_ERROR": error}
+        return subprocess.run(["bash", "-c", steps], env=env, capture_output=True, text=True, timeout=120)
+
     def sync(self, asg_name: str) -> None:
         """Boot new in-service instances; kill the agents of instances that are gone; the etcd host's
         job users follow the job credentials."""

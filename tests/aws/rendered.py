@@ -11,7 +11,7 @@ import yaml
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.config import PetctlConfig
 from petctl.providers.aws.etcdbin import EtcdArtifact
-from petctl.providers.aws.launch import LIFECYCLE_HOOK
+from petctl.providers.aws.launch import LAUNCH_HOOK, LIFECYCLE_HOOK
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import AwsProvider
 from petctl.providers.aws.templates import render_base
@@ -83,7 +83,8 @@ def job_spec(variant: str) -> JobSpec:
 def job_template(home: Path, variant: str) -> str:
     spec = job_spec(variant)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK, region="us-east-1",
+                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK,
+                        launch_hook=LAUNCH_HOOK, region="us-east-1",
                         status_url=f"s3://{BUCKET}/jobs/{variant}/")
     return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
 
@@ -95,7 +96,8 @@ def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = F
     prefix = f"s3://{BUCKET}/jobs/{name}"
     spec.code_url, spec.checkpoint_url = f"{prefix}/code/train.py", f"{prefix}/checkpoints"
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK, region="us-east-1",
+                        asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK,
+                        launch_hook=LAUNCH_HOOK, region="us-east-1",
                         status_url=f"{prefix}/")
     return provider(home, stack).render_job_template(spec, agent, f"{prefix}/agent.json")
 

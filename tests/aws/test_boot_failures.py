@@ -1,6 +1,8 @@
 """The rendered boot scripts, run for real by bash with fake `docker`, `aws`, `curl` (IMDS and the AWS
-APIs), `systemctl`, `sleep` and `shutdown` on PATH: retries with backoff, and a boot that fails for good
-has the Auto Scaling group replace the instance (SetInstanceHealth Unhealthy, else a shutdown).
+APIs, the job's bucket), `systemctl`, `sleep` and `shutdown` on PATH: retries with backoff; a worker's
+boot that fails for good records why and abandons its launch lifecycle hook (tests/aws/test_boot_breaker.py
+has the breaker); the etcd host's has the Auto Scaling group replace it (SetInstanceHealth Unhealthy), and
+either shuts down when neither works.
 
 The SigV4 signing the scripts do in bash (the ECS GPU AMI has no AWS CLI) is checked against botocore's
 signer for the same request."""
@@ -18,6 +20,7 @@ from urllib.parse import parse_qs
 
 import pytest
 
+from petctl.core.records import BootRecord
 from petctl.io.etcdpki import EtcdPki
 from petctl.providers.aws.etcdsecrets import host_bundle
 from petctl.providers.aws.userdata import etcd_user_data
@@ -62,7 +65,13 @@ case "$url" in
   */meta-data/iam/security-credentials/) echo -n petctl-role ;;
   */meta-data/iam/security-credentials/petctl-role) cat "$FAKE_DIR/creds.json" ;;
   https://api.ecr.*) fail ECR && exit 22; cat "$FAKE_DIR/ecr.json" ;;
-  https://autoscaling.*) fail AUTOSCALING && exit 22; echo "<SetInstanceHealthResponse/>" ;;
+  https://autoscaling.*)
+    fail AUTOSCALING && exit 22
+    case "$data" in *Action=CompleteLifecycleAction*) fail LAUNCH && exit 22 ;; esac
+    echo "<Response/>" ;;
+  https://*.s3.*.amazonaws.com/*)
+    fail S3 && exit 22
+    python3 "$FAKE_DIR/s3.py" "$method" "$url" "$data" || exit 22 ;;
   https://127.0.0.1:2379/health) fail HEALTH && exit 7; echo '{"health":"true","reason":""}' ;;
   https://127.0.0.1:2379/v2/auth/*)  # etcd's v2 auth API, as root: auth already on
     case "$method ${url#*/v2/auth/}" in
@@ -72,6 +81,28 @@ case "$url" in
     esac ;;
   *) exit 6 ;;
 esac
+"""
+
+FAKE_S3 = r"""
+# The job's bucket, as far as the boot records use it: PUT, GET and ListObjectsV2 on files under s3/.
+import pathlib, sys, urllib.parse
+method, url, data = sys.argv[1:4]
+parts = urllib.parse.urlsplit(url)
+root = pathlib.Path(__file__).parent / "s3"
+key = parts.path.lstrip("/")
+query = urllib.parse.parse_qs(parts.query)
+if method == "PUT":
+    (root / key).parent.mkdir(parents=True, exist_ok=True)
+    (root / key).write_text(data)
+elif "list-type" in query:
+    prefix = query["prefix"][0]
+    keys = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    print("<ListBucketResult>" + "".join(f"<Contents><Key>{k}</Key></Contents>" for k in keys
+                                          if k.startswith(prefix)) + "</ListBucketResult>")
+elif (root / key).is_file():
+    print((root / key).read_text(), end="")
+else:
+    sys.exit(1)
 """
 
 FAKE_DOCKER = r"""#!/bin/bash
@@ -146,6 +177,8 @@ class Boot:
         (tmp_path / "ecr.json").write_text(json.dumps({"authorizationData": [
             {"authorizationToken": token, "proxyEndpoint": "https://" + IMAGE.split("/")[0]}]}))
         (tmp_path / "etcd").write_bytes(ETCD_BINARY)
+        (tmp_path / "s3.py").write_text(FAKE_S3)
+        self.s3 = tmp_path / "s3"  # the job's bucket
         (tmp_path / "host-secret").write_text(host_bundle(EtcdPki.new("petctl"), ("10.42.0.10",)))
         self.log = tmp_path / "calls.jsonl"
         self.env = {"PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(self.root),
@@ -169,8 +202,17 @@ class Boot:
     def docker(self, sub: str) -> int:
         return sum(1 for c in self.calls("docker") if c["args"].split()[0] == sub)
 
+    def autoscaling(self, action: str) -> list[dict[str, list[str]]]:
+        """The Auto Scaling API calls of one action the script made (tries included)."""
+        return [q for c in self.calls("curl") if c["url"].startswith("https://autoscaling.")
+                and (q := parse_qs(c["data"]))["Action"] == [action]]
+
     def unhealthy_calls(self) -> list[dict[str, list[str]]]:
-        return [parse_qs(c["data"]) for c in self.calls("curl") if c["url"].startswith("https://autoscaling.")]
+        return self.autoscaling("SetInstanceHealth")
+
+    def boot_records(self) -> list[str]:
+        """The boot records' keys in the job's prefix (the fake bucket), in order."""
+        return sorted(p.name for p in (self.s3 / "jobs/demo/boots").glob("*.json"))
 
 
 @pytest.fixture
@@ -192,35 +234,50 @@ def test_worker_boot_retries_each_step_with_backoff_then_starts_the_agent(boot):
     assert {"cmd": "systemctl", "args": "enable --now petctl-agent.service"} in boot.calls()
     assert json.loads((boot.root / "etc/petctl/agent.json").read_text())["job"]["name"] == "demo"
     assert boot.unhealthy_calls() == [] and boot.calls("shutdown") == []
+    # its boot recorded (started, then installing: `run_job --wait`'s progress); the agent records `joined`
+    assert [name.split(".")[1:3] for name in boot.boot_records()] == [[INSTANCE, "started"],
+                                                                      [INSTANCE, "installing"]]
+    assert boot.autoscaling("CompleteLifecycleAction") == []  # the agent completes it, once joined
 
 
-def test_worker_whose_pull_keeps_failing_is_marked_unhealthy(boot):
+def test_worker_whose_pull_keeps_failing_records_why_and_abandons_its_launch(boot):
     result = boot.run(worker(), docker_pull=99)
     assert result.returncode == 1
     assert boot.docker("pull") == 6 and boot.sleeps() == [5, 10, 20, 40, 60]
-    (call,) = boot.unhealthy_calls()
-    assert call == {"Action": ["SetInstanceHealth"], "Version": ["2011-01-01"], "InstanceId": [INSTANCE],
-                    "HealthStatus": ["Unhealthy"], "ShouldRespectGracePeriod": ["false"]}
-    assert boot.calls("shutdown") == []
+    (call,) = boot.autoscaling("CompleteLifecycleAction")
+    assert call == {"Action": ["CompleteLifecycleAction"], "Version": ["2011-01-01"],
+                    "AutoScalingGroupName": ["petctl-job-demo"], "LifecycleHookName": ["petctl-boot"],
+                    "InstanceId": [INSTANCE], "LifecycleActionResult": ["ABANDON"]}
+    assert boot.unhealthy_calls() == [] and boot.calls("shutdown") == []  # terminated by the group
+    assert boot.autoscaling("UpdateAutoScalingGroup") == []  # one failure trips no breaker
+    failed = [n for n in boot.boot_records() if n.endswith(".failed.json")]
+    (record,) = [BootRecord.from_json((boot.s3 / "jobs/demo/boots" / n).read_text()) for n in failed]
+    assert (record.instance_id, record.event) == (INSTANCE, "failed")
+    assert record.error == f"cannot pull {IMAGE}"
+    assert any("giving up after 6 attempts: docker pull" in line for line in record.log_tail)
     assert not [c for c in boot.calls("systemctl") if "petctl-agent" in c["args"]]  # never started
 
 
-def test_worker_that_cannot_mark_itself_unhealthy_shuts_down(boot):
+def test_worker_that_can_neither_abandon_nor_mark_itself_unhealthy_shuts_down(boot):
     result = boot.run(worker(), docker_info=99, autoscaling=99)
     assert result.returncode == 1
     assert boot.docker("info") == 8 and boot.docker("pull") == 0
-    assert len(boot.unhealthy_calls()) == 3  # retried, then the fallback
+    assert len(boot.autoscaling("CompleteLifecycleAction")) == 3  # retried,
+    assert len(boot.unhealthy_calls()) == 3  # then the group's health check, retried, then the fallback
     assert boot.calls("shutdown") == [{"cmd": "shutdown", "args": "-h now"}]
 
 
-def test_agent_unit_failure_marks_the_instance_unhealthy(boot):
+def test_agent_unit_failure_after_joining_marks_the_instance_unhealthy(boot):
     assert boot.run(worker()).returncode == 0
     helper = boot.root / "usr/local/bin/petctl-mark-unhealthy"  # what petctl-unhealthy.service runs
     unit = (boot.root / "etc/systemd/system/petctl-unhealthy.service").read_text()
     assert "ExecStart=/usr/local/bin/petctl-mark-unhealthy" in unit
-    result = subprocess.run([str(helper), "agent failed"], env=boot.env, capture_output=True, text=True,
-                            timeout=30)
+    # InService: no launch action is pending any more (AWS answers CompleteLifecycleAction with an error)
+    env = {**boot.env, "FAKE_FAIL_LAUNCH": "99"}
+    result = subprocess.run([str(helper), "agent failed"], env=env, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 1 and "FATAL: agent failed" in result.stderr
+    assert len(boot.autoscaling("CompleteLifecycleAction")) == 3
     assert [c["InstanceId"] for c in boot.unhealthy_calls()] == [[INSTANCE]]
 
 

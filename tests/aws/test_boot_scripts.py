@@ -34,7 +34,8 @@ def agent_config(**job) -> AgentConfig:
                    **job)
     return AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work",
                        imds_endpoint="http://169.254.169.254", asg_name="petctl-job-demo",
-                       lifecycle_hook="petctl-drain", region="us-west-2", status_url="s3://b/jobs/demo/")
+                       lifecycle_hook="petctl-drain", launch_hook="petctl-boot", region="us-west-2",
+                       status_url="s3://b/jobs/demo/")
 
 
 def worker(gpus: bool = True, **job) -> str:

@@ -78,7 +78,7 @@ def test_a_group_that_never_fills_neither_hangs_nor_fails_the_stack(ready, moto,
     g = group(moto, name)
     assert (g["MinSize"], g["DesiredCapacity"], len(g["Instances"])) == (1, 2, 0)  # still trying
     assert (info.state, info.desired) == ("running", 2)
-    assert any("only 0/2 instances in service" in line for line in ready.lines)
+    assert any("only 0/2 instances launched" in line for line in ready.lines)
     explained = [line for line in ready.lines if "scaling activity Failed" in line]
     assert explained and "InsufficientInstanceCapacity" in explained[0] and "keeps trying" in explained[0]
     # status/hosts show the same explanation

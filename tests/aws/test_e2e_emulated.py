@@ -108,6 +108,9 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
         return states if set(states) == instance_ids and "succeeded" in states.values() else None
 
     wait_for(all_reported, 60, "every node's final status in S3", emulator)
+    # each agent, once registered, recorded its boot as joined (and tried the launch hook's CONTINUE,
+    # which moto does not model: tests/test_lifecycle.py checks that call against the service model)
+    assert set(ready.boots("e2e").joined) == instance_ids
     listing = boto(moto, "s3").list_objects_v2(Bucket=outputs["BucketName"], Prefix="jobs/e2e/checkpoints/")
     assert listing.get("KeyCount", 0) > 0, "no checkpoint reached the job's S3 prefix"
     steps = [line for line in view(ready, "e2e").logs() if '"event": "train.step"' in line]

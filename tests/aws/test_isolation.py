@@ -189,10 +189,16 @@ def test_no_other_scaling_or_instance_control(ab):
     assert not allowed(ab, "autoscaling:CompleteLifecycleAction", GROUP + f"{STACK}-job-ab-c")
 
 
-def test_keep_leaves_the_group_alone(base, tmp_path):
+def test_keep_keeps_the_termination_hook_but_not_a_boot_loop(base, tmp_path):
+    """--keep: the finished job's agent does not release it (no hook deletion), but the boot breaker
+    (worker_image/boot_record.sh.j2) may still stop a group whose boots never join, and only to 0."""
     kept = worker(base, tmp_path, "ab", keep=True)
-    assert not allowed(kept, "autoscaling:UpdateAutoScalingGroup", GROUP + f"{STACK}-job-ab",
-                       {"autoscaling:MinSize": 0, "autoscaling:MaxSize": 0})
+    group = GROUP + f"{STACK}-job-ab"
+    assert not allowed(kept, "autoscaling:DeleteLifecycleHook", group)
+    assert allowed(kept, "autoscaling:UpdateAutoScalingGroup", group,
+                   {"autoscaling:MinSize": 0, "autoscaling:MaxSize": 0})
+    assert not allowed(kept, "autoscaling:UpdateAutoScalingGroup", group,
+                       {"autoscaling:MinSize": 0, "autoscaling:MaxSize": 4})
 
 
 # --- Systems Manager, IAM, CloudFormation (17.1, 17.3) ------------------------------------------------

@@ -227,7 +227,7 @@ def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_pa
     assert tags["petctl:job"] == "demo" and tags["petctl:stack"] == stack_name
     assert len([i for i in g["Instances"] if i["LifecycleState"] == "InService"]) == 3
     assert g["VPCZoneIdentifier"] == ready.settings["outputs"]["SubnetIds"].split(",")[0]  # one AZ per job
-    assert "instances in service: 3/3" in ready.lines
+    assert "instances launched: 3/3" in ready.lines  # launched; joining is `run_job --wait`'s
     hosts = ready.hosts("demo")
     assert len(hosts) == 3 and {h.state for h in hosts} == {"running"}
     assert {h.instance_type for h in hosts} == {"g5.xlarge"}

@@ -106,12 +106,69 @@ def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
     assert policy == {"IgnoreUnmodifiedGroupSizeProperties": True}
     assert group["VPCZoneIdentifier"] == OUTPUTS["SubnetIds"].split(",")[:1]  # one AZ per job (all-reduce)
     assert group["AutoScalingGroupName"] == f"petctl-job-{variant}"
-    (hook,) = group["LifecycleHookSpecificationList"]
+    hook, _launch = group["LifecycleHookSpecificationList"]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
     assert hook["LifecycleHookName"] == "petctl-drain" and hook["DefaultResult"] == "CONTINUE"
     assert hook["HeartbeatTimeout"] >= 90  # at least the agent's preemption deadline
     tags = {tag["Key"]: tag for tag in group["Tags"]}
     assert tags["petctl:job"]["Value"] == variant and tags["petctl:job"]["PropagateAtLaunch"] is True
+
+
+@pytest.mark.parametrize("variant", list(rendered.JOB_VARIANTS))
+def test_launches_wait_in_a_hook_that_abandons_a_boot_that_never_joins(templates, variant):
+    """AWS's contract (PutLifecycleHook, the lifecycle hooks guide): a launching instance waits in
+    Pending:Wait, not InService, until CompleteLifecycleAction or the heartbeat timeout (30-7200 s), then
+    the DefaultResult applies; ABANDON terminates it. The agent completes the hook of the name its config
+    carries; the boot script abandons the same one; the role may complete its group's actions (any hook)."""
+    from petctl.core.spec import Timeouts
+    from petctl.providers.aws.userdata import agent_config_from_user_data
+
+    t = job(templates, variant)
+    group = one(t, "AWS::AutoScaling::AutoScalingGroup")
+    (launch,) = [h for h in group["LifecycleHookSpecificationList"]
+                 if h["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_LAUNCHING"]
+    assert launch["DefaultResult"] == "ABANDON"
+    assert 30 <= launch["HeartbeatTimeout"] <= 7200
+    assert launch["HeartbeatTimeout"] == Timeouts().boot_timeout == 900  # docs/aws.md says why 15 minutes
+    script = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+    config = agent_config_from_user_data(script)
+    assert config.launch_hook == launch["LifecycleHookName"] == "petctl-boot"
+    assert f"LifecycleHookName={launch['LifecycleHookName']}&" in script
+    assert "LifecycleActionResult=$1" in script
+    assert "BOOT_TIMEOUT=900" in script and "BREAKER_LIMIT=3" in script
+    statements = {s["Sid"]: s for s in t["Resources"]["WorkerRole"]["Properties"]["Policies"][0]
+                  ["PolicyDocument"]["Statement"]}
+    actions = statements["OwnLifecycleActions"]
+    assert "autoscaling:CompleteLifecycleAction" in actions["Action"] and "Condition" not in actions
+    assert actions["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:autoscaling:${AWS::Region}:"
+                                   "${AWS::AccountId}:autoScalingGroup:*:autoScalingGroupName/"
+                                   f"petctl-job-{variant}"}
+
+
+def test_the_boot_breaker_may_stop_a_kept_job_too(tmp_path):
+    """--keep keeps a finished job's capacity, but never a boot loop: scaling the group to 0 stays."""
+    for keep in (False, True):
+        t = parse(rendered.named_job_template(tmp_path, "kept", keep=keep))
+        sids = {s["Sid"]: s for s in t["Resources"]["WorkerRole"]["Properties"]["Policies"][0]
+                ["PolicyDocument"]["Statement"]}
+        assert sids["ReleaseOwnGroupToZero"]["Condition"] == {
+            "NumericEquals": {"autoscaling:MinSize": "0", "autoscaling:MaxSize": "0"}}
+        assert "NoGroupChangeInstanceTypes" in sids
+        assert ("ReleaseOwnGroupHook" in sids) is not keep
+
+
+def test_boot_timeout_outside_the_hooks_range_is_refused(tmp_path):
+    from petctl.core.errors import ValidationError
+    from petctl.core.spec import JobSubmission
+    from petctl.providers.aws.launch import validate
+
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    for bad in (29, 7201):
+        spec = rendered.job_spec("spot-single")
+        spec.timeouts.boot_timeout = bad
+        with pytest.raises(ValidationError, match=r"boot_timeout must be within \[30, 7200\]"):
+            validate(rendered.provider(tmp_path), JobSubmission(spec, script))
 
 
 @pytest.mark.parametrize("variant", list(rendered.JOB_VARIANTS))
@@ -134,7 +191,7 @@ def test_job_role_is_scoped_to_its_prefix_and_its_group(templates):
     assert statements["ReadJobPrefix"]["Resource"] == {"Fn::Sub": f"{prefix}*"}
     # issue 17.5: writes only to its own state, never to its code or the config replacements run
     assert statements["WriteJobState"]["Resource"] == [{"Fn::Sub": prefix + w} for w in (
-        "checkpoints/*", "status/*", "events/*", "logs/*", "result.json")]
+        "checkpoints/*", "status/*", "events/*", "logs/*", "boots/*", "result.json")]
     assert statements["PruneCheckpoints"]["Resource"] == {"Fn::Sub": f"{prefix}checkpoints/*"}
     # issue 17.6: with the trailing slash, "jobs/spot-single" (which lists jobs/spot-single-x/) is refused
     assert statements["ListJobPrefix"]["Condition"] == {
@@ -340,7 +397,9 @@ def test_checkov_passes(templates):
 def test_user_data_is_base64_encodable_and_small(templates):
     for variant in rendered.JOB_VARIANTS:
         script = one(job(templates, variant), "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]
-        assert len(base64.b64encode(script["Fn::Base64"].encode())) < 16 * 1024  # EC2's user data limit
+        # EC2: "User data is limited to 16 KB, in raw form, before it is base64-encoded"
+        assert len(script["Fn::Base64"].encode()) <= 16 * 1024
+        assert len(base64.b64encode(script["Fn::Base64"].encode())) <= 21847  # the API's base64 limit
 
 
 def test_multi_az_job_group_spans_every_subnet(tmp_path):

@@ -15,6 +15,7 @@ from petctl.core.errors import NotSetUp, ProviderError
 from petctl.core.spec import JobSpec
 from petctl.io.aws import AwsSession
 from petctl.providers.aws import capacity, inventory
+from petctl.providers.aws.boots import launched
 from petctl.providers.aws.placement import MULTI_AZ_WARNING, Placement, decide_fallback, plan_placement
 from petctl.providers.aws.storage import JobStore
 
@@ -74,7 +75,7 @@ def fall_back(session: AwsSession, store: JobStore, group_name: str, name: str, 
     autoscaling = session.client("autoscaling")
     g = inventory.group(autoscaling, group_name, name)
     if in_service is None:
-        in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
+        in_service = len(launched(g))  # capacity EC2 delivered (a booting instance holds its slot)
     decision = decide_fallback(placement, capacity.activities(autoscaling, group_name), in_service,
                                int(g["DesiredCapacity"]))
     if not decision.move:

@@ -85,37 +85,40 @@ def start_group(autoscaling, asg_name: str, min_size: int, size: int) -> None:
                                               DesiredCapacity=size)
 
 
-def wait_in_service(autoscaling, asg_name: str, size: int, timeout: float, poll: float,
-                    progress: Callable[[str], None],
-                    on_short: Callable[[int], None] | None = None) -> int:
-    """Wait until `size` instances are InService; returns how many are. A spot shortage is reported, not
-    fatal: the group keeps trying, and the job runs as soon as `min` nodes are up. Each new scaling
-    activity that did not succeed is reported with EC2's reason (quota, capacity, IAM propagation).
-    `on_short(in_service)` runs at each poll that finds the group short (the AZ fallback hooks in there)."""
+def wait_launched(autoscaling, asg_name: str, size: int, timeout: float, poll: float,
+                  progress: Callable[[str], None],
+                  on_short: Callable[[int], None] | None = None) -> int:
+    """Wait until EC2 has launched `size` instances for the group; returns how many it has. Launched, not
+    InService: the launch lifecycle hook holds each instance (Pending:Wait) until its agent has joined
+    the rendezvous, which `run_job --wait` follows from the boot records (boots.py); this wait is about
+    capacity. A spot shortage is reported, not fatal: the group keeps trying, and the job runs as soon
+    as `min` nodes are up. Each new scaling activity that did not succeed is reported with EC2's reason
+    (quota, capacity, IAM propagation). `on_short(launched)` runs at each poll that finds the group short
+    (the AZ fallback hooks in there)."""
     from petctl.providers.aws import activities
+    from petctl.providers.aws.boots import launched
 
     deadline = time.monotonic() + timeout
     last = -1
     seen: set[str] = set()
     while True:
-        g = group(autoscaling, asg_name, asg_name)
-        in_service = sum(1 for i in g.get("Instances", []) if i.get("LifecycleState") == "InService")
-        if in_service != last:
-            progress(f"instances in service: {in_service}/{size}")
-            last = in_service
+        count = len(launched(group(autoscaling, asg_name, asg_name)))
+        if count != last:
+            progress(f"instances launched: {count}/{size}")
+            last = count
         for activity in reversed(activities.recent(autoscaling, asg_name)):
             if activity.activity_id not in seen:
                 seen.add(activity.activity_id)
                 if activity.status != "Successful":
                     progress(f"  scaling activity {activities.explain(activity)}")
-        if in_service >= size:
-            return in_service
+        if count >= size:
+            return count
         if on_short is not None:
-            on_short(in_service)
+            on_short(count)
         if time.monotonic() > deadline:
-            progress(f"only {in_service}/{size} instances in service after {timeout:.0f}s (spot capacity "
-                     "may be short); the Auto Scaling group keeps trying (`petctl status` shows why)")
-            return in_service
+            progress(f"only {count}/{size} instances launched after {timeout:.0f}s (spot capacity may be "
+                     "short); the Auto Scaling group keeps trying (`petctl status` shows why)")
+            return count
         time.sleep(poll)
 
 

@@ -15,7 +15,8 @@ from petctl.providers.aws.storage import job_prefix
 
 # What a job writes under its prefix (petctl/agent/mirror.py, petctl.elastic's checkpointers); the rest of
 # the prefix (code/, agent.json, job.json, placement.json) is written by the CLI and only read by the job.
-JOB_WRITABLE = ("checkpoints/*", "status/*", "events/*", "logs/*", "result.json")
+# boots/: each instance's boot records (petctl/core/boots.py), written by its boot script and its agent.
+JOB_WRITABLE = ("checkpoints/*", "status/*", "events/*", "logs/*", "boots/*", "result.json")
 GROUP_ARN = ("arn:${AWS::Partition}:autoscaling:${AWS::Region}:${AWS::AccountId}:autoScalingGroup:*:"
              "autoScalingGroupName/")
 

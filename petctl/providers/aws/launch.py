@@ -3,7 +3,7 @@ from leaving anything behind.
 
 Input is validated first with no AWS call (the submission, then the instance types); then what AWS
 must confirm (the worker image, the job's name, the vCPU quota) is asked; only then are the code and the
-job's records uploaded, its stack created, and its group raised and watched until it is in service.
+job's records uploaded, its stack created, and its group raised and watched until EC2 launched it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError
+from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
 from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from petctl.providers.aws.provider import AwsProvider
 
 LIFECYCLE_HOOK = "petctl-drain"
+# The launch hook (cfn/job.yaml.j2): an instance is InService only once its agent joined the rendezvous
+# and completed it; one that does not within `Timeouts.boot_timeout` is abandoned (terminated).
+LAUNCH_HOOK = "petctl-boot"
+HOOK_TIMEOUT_RANGE = (30, 7200)  # AWS: a lifecycle hook's HeartbeatTimeout, in seconds
 
 
 def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
@@ -34,12 +38,17 @@ def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
     types = [t for item in spec.instance_types for t in item.split(",")]
     spec.instance_types = validate_instance_types(types)
     check_uniform_gpus(spec.instance_types, spec.nproc_per_node)
+    low, high = HOOK_TIMEOUT_RANGE
+    if not low <= spec.timeouts.boot_timeout <= high:
+        raise ValidationError(f"boot_timeout must be within [{low}, {high}] seconds (an Auto Scaling "
+                              f"lifecycle hook's range; got {spec.timeouts.boot_timeout:g})")
     return spec
 
 
 def create_job(provider: AwsProvider, job: JobSubmission) -> None:
-    """Create the job's stack and start its group; returns once `size` instances are in service (or
-    `provider.wait_timeout` passed: a spot shortage is reported, not fatal)."""
+    """Create the job's stack and start its group; returns once EC2 launched `size` instances (or
+    `provider.wait_timeout` passed: a spot shortage is reported, not fatal). Whether they boot and join
+    is `run_job --wait`'s to follow (AwsProvider.wait_joined)."""
     settings = provider.require_ready()
     spec = validate(provider, job)
     session = provider.session()
@@ -63,7 +72,8 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, s3, bucket, provider.base_stack,
                                                                   spec.name)
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, region=session.region,
+                        asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK,
+                        region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
     try:  # from here on a failure deletes the credentials again: no secret outlives a job not started
         store.put_json("job.json", spec.to_dict())
@@ -83,8 +93,8 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     autoscaling = session.client("autoscaling")
     capacity.suspend_processes(autoscaling, stack)
     inventory.start_group(autoscaling, stack, spec.min_size, spec.size)
-    inventory.wait_in_service(autoscaling, stack, spec.size, provider.wait_timeout, provider.poll_interval,
-                              provider.progress, on_short=provider.fallback_poller(spec.name))
+    inventory.wait_launched(autoscaling, stack, spec.size, provider.wait_timeout, provider.poll_interval,
+                            provider.progress, on_short=provider.fallback_poller(spec.name))
 
 
 def job_boundary(outputs: dict[str, str]) -> str:
@@ -130,6 +140,7 @@ def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig
                       capacity_rebalance=capacity_rebalance(spot, types, spec.multi_az),
                       on_demand_base=spec.on_demand_base, user_data=user_data,
                       spot_strategy=spec.spot_strategy, lifecycle_hook=LIFECYCLE_HOOK,
+                      launch_hook=LAUNCH_HOOK, boot_timeout=int(spec.timeouts.boot_timeout),
                       **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),
                       etcd_secret_arn=spec.etcd_credentials,
                       root_volume_gb=settings.get("root_volume_gb", 100),

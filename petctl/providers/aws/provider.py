@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from petctl.core.errors import NotSetUp, ProviderError, ValidationError
+from petctl.core.errors import JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission, Timeouts
 from petctl.io.aws import AwsSession, aws_errors
 from petctl.io.config import PetctlConfig
@@ -27,6 +27,7 @@ from petctl.providers.base import Check, HostInfo, JobInfo, Provider
 from petctl.providers.capabilities import check_chaos_mode
 
 if TYPE_CHECKING:
+    from petctl.core.boots import BootReport
     from petctl.providers.aws.pricing import AwsPrices
 
 AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
@@ -41,7 +42,7 @@ class AwsProvider(Provider):
     def __init__(self, config: PetctlConfig) -> None:
         super().__init__(config)
         self.poll_interval = 5.0  # seconds between CloudFormation / Auto Scaling polls (tests lower it)
-        self.wait_timeout = 1200.0  # how long run_job waits for instances to be in service
+        self.wait_timeout = 1200.0  # how long run_job waits for EC2 to launch the instances
         self.progress: Callable[[str], None] = stderr_progress
         self._cached: tuple[tuple[str, str, str], AwsSession] | None = None
         self._etcd_answers: dict[str, bool] = {}  # endpoint -> whether it answered (once per provider)
@@ -198,6 +199,18 @@ class AwsProvider(Provider):
         from petctl.providers.aws.doctor import run_checks
 
         return run_checks(self.session(), self.settings, self.base_stack)
+
+    def boots(self, name: str) -> BootReport:
+        """Each instance's boot stage, the boot breaker's view and the newest failure (boots.py)."""
+        from petctl.providers.aws import boots
+
+        self.require_ready()
+        session = self.session()
+        try:
+            group = inventory.group(session.client("autoscaling"), self.job_stack(name), name)
+        except JobNotFound:  # its stack is gone: the records say how it booted
+            group = None
+        return boots.report(self.store(session, name), group)
 
     def scaling_activities(self, name: str) -> list[str]:
         """The group's latest scaling activities, explained (why instances are not launching)."""

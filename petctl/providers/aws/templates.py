@@ -7,6 +7,7 @@ to CloudFormation is exactly what the tests, cfn-lint and checkov read.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from functools import lru_cache
 from pathlib import Path
@@ -69,3 +70,29 @@ def render_job(**context: Any) -> str:
 
 def render_boot(template: str, **context: Any) -> str:
     return render(BOOT_DIR, template, **context)
+
+
+_HEREDOC_RE = re.compile(r"(?<!<)<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
+
+
+def compact_shell(script: str) -> str:
+    """A boot script without its comment lines, blank lines and indentation, for EC2's 16 KB user data
+    (the templates keep their comments; the instance runs the same commands). Heredoc bodies (the agent
+    config, systemd units, helper scripts) and the shebang are kept exactly; a line continued with a
+    backslash right after a word keeps the next line's indentation, which then separates two words."""
+    out: list[str] = []
+    end: str | None = None  # the heredoc we are in
+    for i, line in enumerate(script.splitlines()):
+        if end is not None:
+            out.append(line)
+            end = None if line.strip() == end else end
+            continue
+        stripped = line.strip()
+        if i and (not stripped or stripped.startswith("#")):
+            continue
+        glued = bool(out) and out[-1].endswith("\\") and not out[-1][-2:-1].isspace()
+        out.append(line if i == 0 or glued else stripped)
+        match = _HEREDOC_RE.search(line)
+        if match:
+            end = match.group(2)
+    return "\n".join(out) + "\n"

@@ -33,12 +33,14 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
     """The worker's boot script. Its container logs to `log_group`, stream `<job>/<instance id>` (the
     job's role may write only its own streams). Raises ValidationError when it is too big."""
     from petctl.core.errors import ValidationError
+    from petctl.providers.aws.boots import boot_settings
     from petctl.providers.aws.jobscope import log_stream_prefix
-    from petctl.providers.aws.templates import render_boot
+    from petctl.providers.aws.templates import compact_shell, render_boot
 
-    text = render_boot("worker_boot.sh.j2", agent_config=config.to_json(), image=image, log_group=log_group,
-                       config_url=config_url, gpus=gpus,
-                       log_stream_prefix=log_stream_prefix(config.job.name))
+    text = compact_shell(render_boot(
+        "worker_boot.sh.j2", agent_config=config.to_json(), image=image, log_group=log_group,
+        config_url=config_url, gpus=gpus, boot=boot_settings(config),
+        log_stream_prefix=log_stream_prefix(config.job.name)))
     if len(text.encode()) > MAX_USER_DATA:
         raise ValidationError(f"the job's boot script is {len(text.encode())} bytes (limit {MAX_USER_DATA}): "
                               "shorten the job's arguments or environment")
