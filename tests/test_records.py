@@ -38,7 +38,7 @@ SAMPLES: dict[type[WireRecord], WireRecord] = {
                  frozen_ts=1700000001.0, state="x", reason="y"),
     JoinRecord: JoinRecord(node_id="n4", addr="10.0.0.9", port=40123, ts=1700000000.5, prev_rank=3),
     NodeRecord: NodeRecord(node_id="n4", host_addr="10.0.0.9", pid=4242),
-    DoneRecord: DoneRecord(ts=1700000009.0),
+    DoneRecord: DoneRecord(ts=1700000009.0, failure="local rank 1 exited with code 1"),
     Checkpoint: Checkpoint(step=120, url="s3://b/jobs/j/checkpoints/ckpt-120"),
     NodeStatus: NodeStatus(node_id="n4", state="running", updated=1700000010.0, host_addr="10.0.0.9",
                            pid=4242, round=7, rank=2, world_size=3, restarts=2, step=130,

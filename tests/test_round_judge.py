@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -193,3 +194,42 @@ def test_the_agent_reads_the_words_from_the_control_files(tmp_path):
         "preempted: workers exited before saving, 1 of 2 local workers saved")
     controlfiles.write_saved(tmp_path, 1, 41)
     assert handler.why_stopped(tmp_path, 2) == DONE
+
+
+# --- a mixed ending names its failure in the job's reason -----------------------------------------------
+def test_a_mixed_ending_is_succeeded_and_its_reason_names_the_failure():
+    """A node whose workers failed after a rank had exited 0 is done (nothing restarts, docs/reliability.md),
+    but the job's reason must not read as a clean finish: it names the node and the failure."""
+    rnd = frozen_round(4, RANKS)
+    clean = snapshot({"a", "b", "c"}, rnd, done={4: {"a", "b", "c"}})
+    assert judge(clean, info_of(RANKS, "a"), settings("a")) == EndJob("succeeded", "all workers exited 0", 4)
+    mixed = dataclasses.replace(clean, mixed={4: {"c": "local rank 0 exited with code 1"}})
+    verdict = judge(mixed, info_of(RANKS, "a"), settings("a"))
+    assert isinstance(verdict, EndJob) and verdict.state == "succeeded"
+    assert "all workers exited 0" not in verdict.reason
+    assert "c: local rank 0 exited with code 1" in verdict.reason and "failed after" in verdict.reason
+    # A mixed failure in another round says nothing of this one.
+    other = dataclasses.replace(clean, mixed={3: {"c": "exit 1"}})
+    assert judge(other, info_of(RANKS, "a"), settings("a")).reason == "all workers exited 0"
+    # A member lost after the others finished is still named beside the failure.
+    lost = dataclasses.replace(mixed, alive=frozenset({"a", "c"}), done={4: frozenset({"a", "c"})})
+    assert judge(lost, info_of(RANKS, "a"), settings("a")).reason.endswith("(b lost after the others finished)")
+
+
+def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
+    """The failure a node stores with its `done` mark is what every other node's reader sees (real etcd)."""
+    from petctl.agent.livereader import LiveReader
+    from petctl.agent.watcher import RequestStats
+    from petctl.core.eventlog import EventLog
+    from petctl.core.keys import JobKeys
+    from petctl.core.records import DoneRecord
+    from petctl.io.etcd import etcd_client
+
+    keys, client = JobKeys("mixed-done"), etcd_client(etcd_server.endpoint)
+    client.write(f"{keys.done(4)}/a", DoneRecord(ts=WALL).to_json())
+    failed = DoneRecord(ts=WALL, failure="local rank 0 exited with code 1")
+    client.write(f"{keys.done(4)}/c", failed.to_json())
+    client.write(f"{keys.done(4)}/d", "not json")  # corrupt: still done (its presence), counted, no failure
+    snap = LiveReader(client, keys, RequestStats(), EventLog("test")).snapshot()
+    assert snap.done_in(4) == {"a", "c", "d"}
+    assert snap.mixed == {4: {"c": "local rank 0 exited with code 1"}}

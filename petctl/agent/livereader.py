@@ -13,7 +13,7 @@ from petctl.agent.view import Member, Snapshot
 from petctl.agent.watcher import RequestStats
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
-from petctl.core.records import JoinRecord, NodeRecord, Round, WireFormatError
+from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Round, WireFormatError
 
 
 class LiveReader:
@@ -36,6 +36,7 @@ class LiveReader:
         alive: set[str] = set()
         nodes: dict[str, NodeRecord] = {}
         done: dict[int, set[str]] = {}
+        mixed: dict[int, dict[str, str]] = {}
         rnd, index = None, None
         nodes_prefix, done_prefix = self.keys.nodes + "/", self.keys.live + "/done/"
         for leaf in r.leaves:
@@ -52,9 +53,14 @@ class LiveReader:
                 rnd, index = Round.from_json(leaf.value), leaf.modifiedIndex
             elif leaf.key.startswith(done_prefix):
                 round_no, node = leaf.key[len(done_prefix):].split("/", 1)
-                done.setdefault(int(round_no), set()).add(node)
+                done.setdefault(int(round_no), set()).add(node)  # its presence is what done means
+                try:
+                    if failure := DoneRecord.from_json(leaf.value).failure:
+                        mixed.setdefault(int(round_no), {})[node] = failure
+                except WireFormatError as e:
+                    self._corrupt(leaf.key, e)
         return Snapshot(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
-                        done={n: frozenset(s) for n, s in done.items()}, etcd_index=r.etcd_index)
+                        done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.etcd_index)
 
     def members(self, round_no: int) -> dict[str, Member]:
         """The join records of `round_no` (unreadable ones skipped and counted)."""

@@ -159,10 +159,10 @@ class EtcdRendezvous:
         return ours and index is not None and self._cas_round(dataclasses.replace(rnd, preempt=request),
                                                               index)
 
-    def mark_done(self, round_no: int) -> None:
+    def mark_done(self, round_no: int, failure: str = "") -> None:
         self.stats.writes += 1
-        self.client.write(f"{self.keys.done(round_no)}/{self.node_id}", DoneRecord(ts=time.time()).to_json(),
-                          ttl=JOIN_RECORD_TTL)
+        record = DoneRecord(ts=time.time(), failure=failure)  # failure: a mixed ending's, else ""
+        self.client.write(f"{self.keys.done(round_no)}/{self.node_id}", record.to_json(), ttl=JOIN_RECORD_TTL)
 
     def end_job(self, state: str, reason: str, round_no: int | None) -> bool:
         """Record the final result; True for the one agent whose write it was (it releases capacity)."""

@@ -100,21 +100,30 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False)
     done = snap.done_in(info.round)
     all_done = done >= info.ranks.keys()
     if not snap.settled or s.node_id not in snap.alive:  # our own key gone too: the store's doing
-        return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
+        return EndJob("succeeded", finished(snap, info.round), info.round) if all_done else Continue()
     lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
     if done or finishing:
         if done and not all_done and set(lost) | done >= info.ranks.keys():
-            return EndJob("succeeded", f"all workers exited 0 ({','.join(lost)} lost after the others "
-                          "finished)", info.round)
-        return EndJob("succeeded", "all workers exited 0", info.round) if all_done else Continue()
+            return EndJob("succeeded", finished(snap, info.round, lost), info.round)
+        return EndJob("succeeded", finished(snap, info.round), info.round) if all_done else Continue()
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
     waiting = tuple(sorted(snap.alive - info.ranks.keys()))
     if waiting and len(info.ranks) < s.max_nodes and is_lowest_live_rank(info, snap.alive):
         return MembershipChange("membership.waiting", waiting, f"scale-up: {','.join(waiting)}")
     if all_done:
-        return EndJob("succeeded", "all workers exited 0", info.round)
+        return EndJob("succeeded", finished(snap, info.round), info.round)
     return Continue()
+
+
+def finished(snap: Snapshot, round_no: int, lost: tuple[str, ...] = ()) -> str:
+    """The reason of a job that finished in `round_no`: clean, or a mixed ending (a node's workers failed
+    after a rank had exited 0: docs/reliability.md), whose failures the reason names so a user sees them."""
+    reason = "all workers exited 0"
+    if mixed := snap.mixed.get(round_no):
+        failed = "; ".join(f"{node}: {failure}" for node, failure in sorted(mixed.items()))
+        reason = f"finished: a rank exited 0, then workers failed after it (not restarted) ({failed})"
+    return f"{reason} ({','.join(lost)} lost after the others finished)" if lost else reason
 
 
 def is_lowest_live_rank(info: RoundInfo, alive: frozenset[str]) -> bool:

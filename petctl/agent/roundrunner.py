@@ -102,7 +102,7 @@ class RoundRunner:
         self.timing = Timing(finish_grace=t.finish_grace, fail_grace=t.heartbeat_ttl + t.heartbeat_interval)
         self.outage = OutageReporter("round", parts.events.emit, parent=parts.rdzv.store)
         self.errors = store_errors()
-        self._done_pending: int | None = None  # a round we finished whose `done` mark is not stored yet
+        self._done_pending: tuple[int, str] | None = None  # (round, mixed failure): done, mark not stored
         self._fenced = False
         self.saves = SaveFirst(parts.spec, parts.node_id, parts.rdzv, parts.preemption, parts.events,
                                parts.control_dir)
@@ -202,7 +202,7 @@ class RoundRunner:
 
     def _mark_done(self) -> None:
         if self._done_pending is not None:
-            self.p.rdzv.mark_done(self._done_pending)
+            self.p.rdzv.mark_done(*self._done_pending)
         self._done_pending = None
 
     # --- live/ ---------------------------------------------------------------------------------------
@@ -244,10 +244,10 @@ class RoundRunner:
                           else "workers.lingered", round=info.round,
                           **({"failure": new.failure} if mixed else {"seconds": self.timing.finish_grace}))
             workers.stop(p.spec.timeouts.stop_grace)
-            self._done_pending = info.round  # stored by the loop, however long etcd takes to answer
+            self._done_pending = (info.round, new.failure if mixed else "")  # stored by the loop, later
             p.status.set_state("succeeded")
         elif isinstance(step, Succeeded):
-            self._done_pending = info.round
+            self._done_pending = (info.round, "")
             p.events.emit("workers.succeeded", round=info.round)
             p.status.set_state("succeeded")
         elif isinstance(step, ReportHang):

@@ -21,6 +21,7 @@ class Snapshot:
     round: Round | None = None
     round_index: int | None = None  # the modifiedIndex of `live/round`: what a CAS on it compares
     done: Mapping[int, frozenset[str]] = field(default_factory=dict)  # round -> nodes done in it
+    mixed: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # round -> {done node: its failure}
     etcd_index: int = 0
     # False while etcd recently failed, stalled or lost our own heartbeat (agent/storehealth.py): a node
     # missing from `alive` may then be an expiry of the outage, not a loss, so nobody is judged by it.

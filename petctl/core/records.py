@@ -155,9 +155,11 @@ class NodeRecord(WireRecord):
 
 @dataclass(frozen=True)
 class DoneRecord(WireRecord):
-    """`live/done/<n>/<node_id>`: the node finished round n with every worker exiting 0."""
+    """`live/done/<n>/<node_id>`: the node finished round n: every worker exited 0, or (a mixed ending,
+    docs/reliability.md) its workers failed after a rank of the job had exited 0; `failure` says how."""
 
     ts: float
+    failure: str = ""  # "" for a clean finish; the failure of a mixed ending, which ends the job's reason
 
 
 @dataclass(frozen=True)
