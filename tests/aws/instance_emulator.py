@@ -12,7 +12,10 @@ EC2 and the VPC for petctl's end-to-end test:
 * each worker: the job config is read from the instance's own user data (the heredoc the boot script
   writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
-  so code download, checkpoints and the status mirror all go to the emulated S3;
+  so code download, checkpoints and the status mirror all go to the emulated S3. A default-path worker
+  (no image: the Deep Learning AMI) first runs its real boot script against a fake AMI root
+  (tests/aws/fake_ami.py), which pip-installs the launching petctl's wheel from the job's S3 prefix; its
+  agent is then the unit's ExecStart, run by that AMI's Python with the installed petctl;
 * an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
   SIGTERM (`docker stop`), then everything on the machine is killed after the container's stop timeout
   (`--stop-timeout` in the user data).
@@ -60,6 +63,7 @@ class InstanceEmulator:
     secret_prefix: str = ""
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
+    amis: dict = field(default_factory=dict)  # instance id -> its FakeAmi (default-path workers)
     stopping: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -149,7 +153,11 @@ class InstanceEmulator:
     def boot_worker(self, instance_id: str) -> Booted:
         user_data = self.user_data(instance_id)
         config = agent_config_from_user_data(user_data)
-        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data)
+        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data) or re.search(r"TimeoutStopSec=(\d+)",
+                                                                                   user_data)
+        python, pythonpath = sys.executable, [str(REPO)]
+        if "docker run" not in user_data:  # the default boot: the Deep Learning AMI, no image
+            python, pythonpath = self.boot_on_ami(instance_id, user_data), []
         config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
         work = self.root / instance_id
         work.mkdir(parents=True, exist_ok=True)
@@ -159,7 +167,7 @@ class InstanceEmulator:
         path.write_text(config.to_json())
         log = work / "console.log"
         cmd = [
-            sys.executable,
+            python,
             "-m",
             "petctl.agent.main",
             "--config",
@@ -174,8 +182,10 @@ class InstanceEmulator:
             **self.env,
             "AWS_ENDPOINT_URL": self.moto_url,
             "AWS_DEFAULT_REGION": self.region,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [*pythonpath, os.environ.get("PYTHONPATH")])),
         }
+        if not pythonpath:  # the AMI's Python imports the petctl its boot installed, not this checkout
+            env.pop("PYTHONPATH")
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
@@ -183,6 +193,25 @@ class InstanceEmulator:
         grace = float(stop_timeout.group(1)) if stop_timeout else 10.0  # docker's default
         self.booted[instance_id] = Booted(instance_id, proc, log, grace)
         return self.booted[instance_id]
+
+    def boot_on_ami(self, instance_id: str, user_data: str) -> str:
+        """Run the worker's boot script on a fake Deep Learning AMI; returns the Python its unit runs the
+        agent with. A failed boot is recorded in `errors` (with its log) and raises."""
+        from tests.aws.fake_ami import FakeAmi
+
+        ami = self.amis[instance_id] = FakeAmi(self.root / instance_id / "ami", instance_id, self.moto_url,
+                                                self.region)
+        result = ami.boot(user_data)
+        if result.returncode != 0:
+            log = (ami.root / "var/log/petctl-boot.log")
+            self.errors.append(f"{instance_id}: boot failed ({result.returncode}): {result.stderr[-2000:]}"
+                               + (log.read_text()[-2000:] if log.exists() else ""))
+            raise RuntimeError(f"the boot script of {instance_id} failed")
+        exec_start = ami.unit()["ExecStart"].split()
+        assert exec_start[:3] == ["/opt/pytorch/bin/python", "-m", "petctl.agent.main"], exec_start
+        assert exec_start[3:] == ["--config", "/etc/petctl/agent.json", "--node-id", instance_id,
+                                  "--host-addr", "127.0.0.1"], exec_start
+        return str(ami.python)
 
     def sync(self, asg_name: str) -> None:
         """Boot new in-service instances; kill the agents of instances that are gone; the etcd host's

@@ -1,5 +1,7 @@
 """End to end on the AWS code path: `setup` and `run_job` against moto, the instances moto launches booted
-as real agents from their own user data (tests/aws/instance_emulator.py), a real etcd for the etcd host,
+as real agents from their own user data (tests/aws/instance_emulator.py): by default (no image) the
+worker's real boot script runs on a fake Deep Learning AMI and pip-installs the launching petctl's wheel
+from the job's S3 prefix, whose agent then runs; a real etcd for the etcd host,
 and a real DDP job that trains, checkpoints to the job's S3 prefix, finishes and releases its own
 capacity; `status`, `hosts`, `logs`, `jobs` and `teardown` through the same provider; and an instance
 taken mid-training, replaced by the group, resuming from the S3 checkpoint."""
@@ -114,9 +116,31 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     assert any('"step": 5' in line for line in steps), steps
     assert {line.split("]")[0][1:] for line in steps} == instance_ids, steps
 
+    # The default boot, no image: each instance's boot script installed the petctl that launched the job
+    # (the wheel in the job's prefix, content-addressed) into the AMI's Python, and systemd runs it.
+    (wheel,) = [o["Key"] for o in boto(moto, "s3").list_objects_v2(
+        Bucket=outputs["BucketName"], Prefix="jobs/e2e/wheelhouse/")["Contents"]]
+    version = wheel.rsplit("/", 1)[1].split("-")[1]
+    assert version.startswith("0.1.0+")
+    for instance_id in instance_ids:
+        ami = emulator.amis[instance_id]
+        installed, where = ami.installed_petctl()
+        assert installed == version and where.startswith(str(ami.root / "opt" / "pytorch")), where
+        assert [c["args"] for c in ami.calls("aws")] == [
+            f"s3 cp --only-show-errors s3://{outputs['BucketName']}/{wheel} "
+            f"{ami.root}/var/lib/petctl/wheelhouse/{wheel.rsplit('/', 1)[1]}"]
+        unit = ami.unit()
+        assert (unit["User"], unit["KillMode"], unit["OnFailure"]) == ("petctl", "mixed",
+                                                                       "petctl-unhealthy.service")
+        assert {"cmd": "systemctl", "args": "enable --now petctl-agent.service"} in ami.calls()
+        assert "docker" not in " ".join(c["cmd"] for c in ami.calls())
+    # TODO(aws-boot, issue 24 section 3): once the job template has the launch lifecycle hook, assert here
+    # that each agent completed it after joining (the other branch builds the hook and its completion).
+
     emulator.stop_following()  # before stacks are deleted: moto's backends are not safe for concurrent use
     assert emulator.errors == []
     ready.teardown()  # no job stack is left to refuse it
+    assert stack_gone(moto, stack_name) and stack_gone(moto, f"{stack_name}-job-e2e")
 
 
 def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, moto, emulator, stack_name):
