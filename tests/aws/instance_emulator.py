@@ -63,6 +63,8 @@ class InstanceEmulator:
     secret_prefix: str = ""
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
+    booting: set[str] = field(default_factory=set)  # instances whose boot started (in the background)
+    _boots: list[threading.Thread] = field(default_factory=list)
     amis: dict = field(default_factory=dict)  # instance id -> its FakeAmi (default-path workers)
     stopping: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -150,8 +152,8 @@ class InstanceEmulator:
             revoke_user(root, user)
 
     # --- workers -------------------------------------------------------------------------------------
-    def boot_worker(self, instance_id: str) -> Booted:
-        user_data = self.user_data(instance_id)
+    def boot_worker(self, instance_id: str, user_data: str | None = None) -> Booted:
+        user_data = user_data if user_data is not None else self.user_data(instance_id)
         config = agent_config_from_user_data(user_data)
         stop_timeout = re.search(r"--stop-timeout (\d+)", user_data) or re.search(r"TimeoutStopSec=(\d+)",
                                                                                    user_data)
@@ -186,6 +188,8 @@ class InstanceEmulator:
         }
         if not pythonpath:  # the AMI's Python imports the petctl its boot installed, not this checkout
             env.pop("PYTHONPATH")
+        if self._stop.is_set():
+            raise _Stopped(instance_id)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
@@ -214,19 +218,33 @@ class InstanceEmulator:
         return str(ami.python)
 
     def sync(self, asg_name: str) -> None:
-        """Boot new in-service instances; kill the agents of instances that are gone; the etcd host's
-        job users follow the job credentials."""
+        """Kill the agents of instances that are gone; boot new in-service instances; the etcd host's
+        job users follow the job credentials. Instances boot in parallel, in the background, as EC2's do:
+        a default-path boot runs a real `pip install`, and a loop busy with it must not keep a terminated
+        instance's agent alive (it would go on training with its peers)."""
         self.sync_etcd_users()
         members = self.group_instances(asg_name)
         alive = self.running(members)
-        for instance_id in members:
-            if instance_id in alive and instance_id not in self.booted:
-                self.boot_worker(instance_id)
         gone = [i for i in self.booted if i not in alive and i not in self.stopping
                 and self.booted[i].proc.poll() is None]
         for instance_id in gone:  # shut down in the background, as EC2 does, while the loop goes on
             self.stopping.add(instance_id)
             threading.Thread(target=self.shutdown, args=(instance_id,), daemon=True).start()
+        for instance_id in members:
+            if instance_id in alive and instance_id not in self.booted and instance_id not in self.booting:
+                self.booting.add(instance_id)
+                user_data = self.user_data(instance_id)  # moto is read here, in the loop, not in threads
+                thread = threading.Thread(target=self._boot, args=(instance_id, user_data), daemon=True)
+                self._boots.append(thread)
+                thread.start()
+
+    def _boot(self, instance_id: str, user_data: str) -> None:
+        try:
+            self.boot_worker(instance_id, user_data)
+        except _Stopped:
+            pass  # the emulator stopped while this instance booted: nothing was started
+        except Exception as exc:  # noqa: BLE001 keep emulating; the test reports what went wrong
+            self.errors.append(f"{instance_id}: {exc!r}")
 
     def shutdown(self, instance_id: str) -> None:
         """EC2 terminated the instance: the OS shuts down and `docker stop` sends the agent SIGTERM, then
@@ -277,6 +295,8 @@ class InstanceEmulator:
 
     def stop(self) -> None:
         self.stop_following()
+        for thread in self._boots:  # a boot still installing starts nothing once stopped (_Stopped)
+            thread.join(timeout=300)
         for instance_id, booted in self.booted.items():
             if booted.proc.poll() is None:
                 self.kill(instance_id)
@@ -305,3 +325,7 @@ def session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid and int(entry) != sid:  # fields: state, ppid, pgrp, session, ...
             pids.append(int(entry))
     return pids
+
+
+class _Stopped(Exception):
+    """The emulator stopped while an instance booted."""

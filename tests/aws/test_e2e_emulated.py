@@ -151,12 +151,13 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
                    env={"STEPS": "30", "STEP_TIME": "0.3"}, timeouts=timeouts(), instance_types=["c5.xlarge"])
     ready.create_job(submit(spec, HERE / "workload_train.py"))
     emulator.follow(f"{stack_name}-job-spot")
-    first = wait_for(lambda: len(emulator.booted) == 2 and set(emulator.booted), 60, "two agents", emulator)
+    # each boot is a real `pip install` of the job's wheel on its fake AMI (seconds; more on a loaded host)
+    first = wait_for(lambda: len(emulator.booted) == 2 and set(emulator.booted), 120, "two agents", emulator)
     wait_for(lambda: all(max(emulator.steps(i), default=-1) >= 5 for i in first), 120, "step 5", emulator)
 
     victim = ready.terminate_host("spot", sorted(first)[0])
     assert {h.host_id: h.state for h in ready.hosts("spot")}[victim] == "terminated"
-    replacement = wait_for(lambda: set(emulator.booted) - first, 30, "a replacement instance", emulator)
+    replacement = wait_for(lambda: emulator.booting - first, 30, "a replacement instance", emulator)
     job = wait_for(lambda: finished(ready, "spot"), 240, "the job to finish", emulator)
     assert job.state == "succeeded", emulator.console()
 
