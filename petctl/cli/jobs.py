@@ -15,7 +15,7 @@ from petctl.core.spec import SPOT_STRATEGIES
 
 def build_submission(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
                      entrypoint, script: Path, args, instance_types, on_demand, on_demand_base, spot_strategy,
-                     multi_az, warm_imports, keep, replace_delay):
+                     multi_az, warm_imports, keep, replace_delay, image=None, requirements=None):
     """The job as the command line describes it, validated before a provider is even loaded (its
     provider-specific options are checked against the provider later, in `Provider.validate`)."""
     from petctl.cli.parse import key_values, timeouts
@@ -27,7 +27,8 @@ def build_submission(name, min_size, max_size, size, nproc_per_node, max_restart
                    env=key_values(env, "--env"), timeouts=timeouts(timeout_items, Timeouts()),
                    instance_types=list(instance_types), on_demand=on_demand, on_demand_base=on_demand_base,
                    spot_strategy=spot_strategy, multi_az=multi_az, keep=keep, warm_imports=list(warm_imports))
-    return JobSubmission(spec, script, replace_delay=replace_delay).validate()
+    return JobSubmission(spec, script, replace_delay=replace_delay, image=image or "",
+                         requirements=requirements).validate()
 
 
 def wait_formed(provider, name: str, timeout: float) -> None:
@@ -69,6 +70,11 @@ def wait_formed(provider, name: str, timeout: float) -> None:
               help="Spot allocation strategy of a mixed-instances group (aws).")
 @click.option("--multi-az", is_flag=True,
               help="Spread the job over every AZ (aws). Costly: all-reduce across AZs is billed per GB.")
+@click.option("--image", metavar="URI",
+              help="Run the agent in this linux/amd64 image from this region's ECR (aws; default: the Deep "
+                   "Learning AMI's Python with this petctl installed).")
+@click.option("--requirements", type=click.Path(path_type=Path), metavar="FILE",
+              help="pip requirements the instances install next to petctl (aws, without --image).")
 @click.option("--warm-import", "warm_imports", multiple=True, metavar="MODULE",
               help="A heavy module warm workers import ahead, so restarts skip it (repeatable).")
 @click.option("--keep", is_flag=True,
@@ -81,14 +87,14 @@ def wait_formed(provider, name: str, timeout: float) -> None:
 @click.argument("script", type=click.Path(path_type=Path))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run_job(name, min_size, max_size, size, nproc_per_node, max_restarts, env, entrypoint, timeout_items,
-            replace_delay, instance_types, on_demand, on_demand_base, spot_strategy, multi_az, warm_imports,
-            keep, wait, wait_timeout, script, args):
+            replace_delay, instance_types, on_demand, on_demand_base, spot_strategy, multi_az, image,
+            requirements, warm_imports, keep, wait, wait_timeout, script, args):
     """Start an elastic job running SCRIPT (a file, or a directory with --entrypoint) -- ARGS."""
     from petctl.cli.parse import timeouts
 
     job = build_submission(name, min_size, max_size, size, nproc_per_node, max_restarts, env, timeout_items,
                            entrypoint, script, args, instance_types, on_demand, on_demand_base, spot_strategy,
-                           multi_az, warm_imports, keep, replace_delay)
+                           multi_az, warm_imports, keep, replace_delay, image, requirements)
     provider = provider_for()
     # The provider's defaults (a networked etcd on AWS needs longer heartbeats than a LAN), then --timeout.
     job.spec.timeouts = timeouts(timeout_items, provider.default_timeouts())

@@ -29,6 +29,8 @@ PROVIDER_OPTIONS: dict[str, str] = {
     "on_demand_base": "--on-demand-base",
     "spot_strategy": "--spot-strategy",
     "multi_az": "--multi-az",
+    "image": "--image",
+    "requirements": "--requirements",
 }
 
 
@@ -155,14 +157,16 @@ class JobSubmission:
     spec: JobSpec
     script: Path  # a file to run, or a directory whose `spec.entrypoint` is run
     replace_delay: float | None = None  # local: seconds before a lost instance is replaced
+    image: str = ""  # aws: run the agent in this container image instead of on the Deep Learning AMI
+    requirements: Path | None = None  # aws: a pip requirements file the instances install
 
     def options_set(self) -> list[str]:
         """The provider-specific options (`PROVIDER_OPTIONS`) this submission sets to non-default values."""
         defaults = JobSpec(name="", min_size=0, max_size=0, size=0, entrypoint="")
         names = [name for name in PROVIDER_OPTIONS
                  if hasattr(defaults, name) and getattr(self.spec, name) != getattr(defaults, name)]
-        if self.replace_delay is not None:
-            names.append("replace_delay")
+        names += [name for name in ("replace_delay", "image", "requirements")
+                  if getattr(self, name) not in (None, "")]
         return sorted(names, key=list(PROVIDER_OPTIONS).index)
 
     def validate(self, provider: str = "", accepts: Collection[str] | None = None) -> JobSubmission:

@@ -182,19 +182,55 @@ def fake_etcd_options(directory: Path) -> dict[str, str]:
 
 @pytest.fixture
 def ready(provider, moto: str, stack_name: str, tmp_path: Path):
-    """A provider after `setup` against moto, under a base stack of its own."""
+    """A provider after `setup` against moto, under a base stack of its own; AWS's public parameter
+    names a Deep Learning AMI moto knows (`publish_dlami`)."""
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, **fake_etcd_options(tmp_path))
-    push_worker_image(moto, provider.settings["image"])
+    publish_dlami(moto)
     return provider
 
 
-def push_worker_image(moto: str, image: str) -> None:
-    """What `docker push` of worker_image/ does, as far as ECR's API can tell."""
+DLAMI_NAME = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023) 20261003"
+DLAMI_DESCRIPTION = ("Supported EC2 instances: G4dn, G5, G6, Gr6, G6e, P4, P4de, P5, P5e, P5en, P6-B200. "
+                     "PyTorch-2.13, NVIDIA driver 595.91.07, CUDA version 13.0")
+
+
+def publish_dlami(moto: str, name: str = DLAMI_NAME, description: str = DLAMI_DESCRIPTION) -> str:
+    """What AWS publishes: a DLAMI, and its ID in the public SSM parameter amis.DLAMI_PARAM. Nobody may
+    put a parameter under /aws/ (moto refuses it, as AWS does), so it goes into moto's backend directly
+    (the server runs in this process). The newest value wins, as in AWS. Returns the AMI's ID."""
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.core.utils import utcnow
+    from moto.ssm.models import Parameter, ssm_backends
+
+    from petctl.providers.aws.amis import DLAMI_PARAM
+
+    image_id = boto(moto, "ec2").register_image(Name=name, Description=description, Architecture="x86_64",
+                                                RootDeviceName="/dev/xvda")["ImageId"]
+    versions = ssm_backends[DEFAULT_ACCOUNT_ID][REGION]._parameters[DLAMI_PARAM]
+    versions.append(Parameter(account_id=DEFAULT_ACCOUNT_ID, name=DLAMI_PARAM, value=image_id,
+                              parameter_type="String", description=None, allowed_pattern=None, keyid=None,
+                              last_modified_date=utcnow(), version=len(versions) + 1,
+                              data_type="aws:ec2:image"))
+    return image_id
+
+
+def push_worker_image(moto: str, image: str, architecture: str = "amd64") -> None:
+    """What `docker buildx build --platform linux/<architecture> --push` leaves in ECR, as far as its API
+    can tell: an OCI image index naming the image's platform, and an attestation entry (unknown/unknown)."""
     repository, tag = image.split("/", 1)[1].rsplit(":", 1)
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 1,
-                           "digest": "sha256:" + "0" * 64}, "layers": []}
-    boto(moto, "ecr").put_image(repositoryName=repository, imageManifest=json.dumps(manifest), imageTag=tag)
+    entry = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "size": 1}
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
+        {**entry, "digest": "sha256:" + "1" * 64, "platform": {"architecture": architecture, "os": "linux"}},
+        {**entry, "digest": "sha256:" + "2" * 64, "platform": {"architecture": "unknown", "os": "unknown"}}]}
+    boto(moto, "ecr").put_image(repositoryName=repository, imageManifest=json.dumps(index), imageTag=tag,
+                                imageManifestMediaType=index["mediaType"])
+
+
+def worker_image(provider) -> str:
+    """The base stack's repository, at this petctl's version: where a user pushes an --image."""
+    from petctl import __version__
+
+    return f"{provider.settings['outputs']['RepositoryUri']}:{__version__}"
 
 
 def boto(moto: str, service: str):

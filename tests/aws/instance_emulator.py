@@ -12,7 +12,10 @@ EC2 and the VPC for petctl's end-to-end test:
 * each worker: the job config is read from the instance's own user data (the heredoc the boot script
   writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
-  so code download, checkpoints and the status mirror all go to the emulated S3;
+  so code download, checkpoints and the status mirror all go to the emulated S3. A default-path worker
+  (no image: the Deep Learning AMI) first runs its real boot script against a fake AMI root
+  (tests/aws/fake_ami.py), which pip-installs the launching petctl's wheel from the job's S3 prefix; its
+  agent is then the unit's ExecStart, run by that AMI's Python with the installed petctl;
 * an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
   SIGTERM (`docker stop`), then everything on the machine is killed after the container's stop timeout
   (`--stop-timeout` in the user data).
@@ -62,6 +65,9 @@ class InstanceEmulator:
     bucket: str = ""  # the stack's (its etcd users' index)
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
     errors: list[str] = field(default_factory=list)
+    booting: set[str] = field(default_factory=set)  # instances whose boot started (in the background)
+    _boots: list[threading.Thread] = field(default_factory=list)
+    amis: dict = field(default_factory=dict)  # instance id -> its FakeAmi (default-path workers)
     stopping: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -151,10 +157,14 @@ class InstanceEmulator:
             revoke_user(root, user)
 
     # --- workers -------------------------------------------------------------------------------------
-    def boot_worker(self, instance_id: str) -> Booted:
-        user_data = self.user_data(instance_id)
+    def boot_worker(self, instance_id: str, user_data: str | None = None) -> Booted:
+        user_data = user_data if user_data is not None else self.user_data(instance_id)
         config = agent_config_from_user_data(user_data)
-        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data)
+        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data) or re.search(r"TimeoutStopSec=(\d+)",
+                                                                                   user_data)
+        python, pythonpath = sys.executable, [str(REPO)]
+        if "docker run" not in user_data:  # the default boot: the Deep Learning AMI, no image
+            python, pythonpath = self.boot_on_ami(instance_id, user_data), []
         config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
         work = self.root / instance_id
         work.mkdir(parents=True, exist_ok=True)
@@ -164,7 +174,7 @@ class InstanceEmulator:
         path.write_text(config.to_json())
         log = work / "console.log"
         cmd = [
-            sys.executable,
+            python,
             "-m",
             "petctl.agent.main",
             "--config",
@@ -179,8 +189,12 @@ class InstanceEmulator:
             **self.env,
             "AWS_ENDPOINT_URL": self.moto_url,
             "AWS_DEFAULT_REGION": self.region,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": os.pathsep.join(filter(None, [*pythonpath, os.environ.get("PYTHONPATH")])),
         }
+        if not pythonpath:  # the AMI's Python imports the petctl its boot installed, not this checkout
+            env.pop("PYTHONPATH")
+        if self._stop.is_set():
+            raise _Stopped(instance_id)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
@@ -227,20 +241,53 @@ fatal "$PETCTL_TEST_ERROR"
                "PETCTL_BOOT_LIB_ONLY": "1", "PETCTL_AWS_ENDPOINT": self.moto_url, "PETCTL_TEST_ERROR": error}
         return subprocess.run(["bash", "-c", steps], env=env, capture_output=True, text=True, timeout=120)
 
+    def boot_on_ami(self, instance_id: str, user_data: str) -> str:
+        """Run the worker's boot script on a fake Deep Learning AMI; returns the Python its unit runs the
+        agent with. A failed boot is recorded in `errors` (with its log) and raises."""
+        from tests.aws.fake_ami import FakeAmi
+
+        ami = self.amis[instance_id] = FakeAmi(self.root / instance_id / "ami", instance_id, self.moto_url,
+                                                self.region)
+        result = ami.boot(user_data)
+        if result.returncode != 0:
+            log = (ami.root / "var/log/petctl-boot.log")
+            self.errors.append(f"{instance_id}: boot failed ({result.returncode}): {result.stderr[-2000:]}"
+                               + (log.read_text()[-2000:] if log.exists() else ""))
+            raise RuntimeError(f"the boot script of {instance_id} failed")
+        exec_start = ami.unit()["ExecStart"].split()
+        assert exec_start[:3] == ["/opt/pytorch/bin/python", "-m", "petctl.agent.main"], exec_start
+        assert exec_start[3:] == ["--config", "/etc/petctl/agent.json", "--node-id", instance_id,
+                                  "--host-addr", "127.0.0.1"], exec_start
+        return str(ami.python)
+
     def sync(self, asg_name: str) -> None:
-        """Boot new in-service instances; kill the agents of instances that are gone; the etcd host's
-        job users follow the job credentials."""
+        """Kill the agents of instances that are gone; boot new in-service instances; the etcd host's
+        job users follow the job credentials. Instances boot in parallel, in the background, as EC2's do:
+        a default-path boot runs a real `pip install`, and a loop busy with it must not keep a terminated
+        instance's agent alive (it would go on training with its peers)."""
         self.sync_etcd_users()
         members = self.group_instances(asg_name)
         alive = self.running(members)
-        for instance_id in members:
-            if instance_id in alive and instance_id not in self.booted:
-                self.boot_worker(instance_id)
         gone = [i for i in self.booted if i not in alive and i not in self.stopping
                 and self.booted[i].proc.poll() is None]
         for instance_id in gone:  # shut down in the background, as EC2 does, while the loop goes on
             self.stopping.add(instance_id)
             threading.Thread(target=self.shutdown, args=(instance_id,), daemon=True).start()
+        for instance_id in members:
+            if instance_id in alive and instance_id not in self.booted and instance_id not in self.booting:
+                self.booting.add(instance_id)
+                user_data = self.user_data(instance_id)  # moto is read here, in the loop, not in threads
+                thread = threading.Thread(target=self._boot, args=(instance_id, user_data), daemon=True)
+                self._boots.append(thread)
+                thread.start()
+
+    def _boot(self, instance_id: str, user_data: str) -> None:
+        try:
+            self.boot_worker(instance_id, user_data)
+        except _Stopped:
+            pass  # the emulator stopped while this instance booted: nothing was started
+        except Exception as exc:  # noqa: BLE001 keep emulating; the test reports what went wrong
+            self.errors.append(f"{instance_id}: {exc!r}")
 
     def shutdown(self, instance_id: str) -> None:
         """EC2 terminated the instance: the OS shuts down and `docker stop` sends the agent SIGTERM, then
@@ -291,6 +338,8 @@ fatal "$PETCTL_TEST_ERROR"
 
     def stop(self) -> None:
         self.stop_following()
+        for thread in self._boots:  # a boot still installing starts nothing once stopped (_Stopped)
+            thread.join(timeout=300)
         for instance_id, booted in self.booted.items():
             if booted.proc.poll() is None:
                 self.kill(instance_id)
@@ -319,3 +368,7 @@ def session_members(sid: int) -> list[int]:
         if int(fields[3]) == sid and int(entry) != sid:  # fields: state, ppid, pgrp, session, ...
             pids.append(int(entry))
     return pids
+
+
+class _Stopped(Exception):
+    """The emulator stopped while an instance booted."""

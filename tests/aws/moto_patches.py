@@ -107,3 +107,37 @@ def _patch_ecr_empty_on_delete() -> None:
 
     Repository.create_from_cloudformation_json = classmethod(create_from_cloudformation_json)
     Repository.delete = delete
+
+
+def record_lifecycle_actions(monkeypatch) -> list[dict[str, str]]:
+    """moto has no CompleteLifecycleAction (an unknown action to it). This gives it one for the test that
+    uses `monkeypatch` (undone with it), checked as AWS's API reference states: the group must exist and
+    have that hook, the instance must be in the group, the result must be CONTINUE or ABANDON (else a
+    ValidationError, as AWS answers). Each accepted call is appended to the list returned, for the test
+    to assert on; what the result then does (an instance leaving Pending:Wait, or ABANDON terminating it)
+    is not modelled: moto's instances are in service from launch."""
+    from moto.autoscaling.exceptions import ValidationError
+    from moto.autoscaling.responses import AutoScalingResponse, EmptyResult
+
+    calls: list[dict[str, str]] = []
+
+    def complete_lifecycle_action(self):
+        call = {name: self._get_param(name) or "" for name in ("AutoScalingGroupName", "LifecycleHookName",
+                                                                "InstanceId", "LifecycleActionResult")}
+        backend = self.autoscaling_backend
+        group = backend.autoscaling_groups.get(call["AutoScalingGroupName"])
+        if group is None:
+            raise ValidationError(f"Group {call['AutoScalingGroupName']} not found")
+        hooks = backend.describe_lifecycle_hooks(call["AutoScalingGroupName"], [call["LifecycleHookName"]])
+        if not hooks:
+            raise ValidationError(f"No Lifecycle Hook found with name {call['LifecycleHookName']}")
+        if call["InstanceId"] not in {state.instance.id for state in group.instance_states}:
+            raise ValidationError(f"No active Lifecycle Action found with instance ID {call['InstanceId']}")
+        if call["LifecycleActionResult"] not in ("CONTINUE", "ABANDON"):
+            raise ValidationError("LifecycleActionResult must be CONTINUE or ABANDON")
+        calls.append(call)
+        return EmptyResult()
+
+    monkeypatch.setattr(AutoScalingResponse, "complete_lifecycle_action", complete_lifecycle_action,
+                        raising=False)
+    return calls

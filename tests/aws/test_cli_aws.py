@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from petctl.core.errors import PetctlError
 from petctl.io.config import PetctlConfig
-from tests.aws.conftest import REGION, boto, push_worker_image, write_script
+from tests.aws.conftest import REGION, boto, publish_dlami, write_script
 
 
 @pytest.fixture
@@ -43,9 +43,12 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
     ).output
     assert "petctl is set up (aws)" in out and "https://10.42.0.10:2379" in out
     settings = PetctlConfig.load().section("aws")
-    push_worker_image(moto, settings["image"])
+    assert settings["image"] == ""  # nothing to build: jobs boot the Deep Learning AMI
+    publish_dlami(moto)
 
     script = write_script(tmp_path / "src")
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("einops>=0.7  # what the script imports\n")
     petctl(
         "run_job",
         "--name",
@@ -66,6 +69,8 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
         "capacity-optimized",
         "--timeout",
         "heartbeat_interval=3",
+        "--requirements",
+        str(requirements),
         str(script),
         "--",
         "--lr",
@@ -80,6 +85,11 @@ def test_every_command_through_the_cli(petctl, moto, aws_env, tmp_path, stack_na
     # AWS's heartbeat defaults (a networked etcd), under the user's --timeout overrides
     assert (job["timeouts"]["heartbeat_ttl"], job["timeouts"]["heartbeat_interval"]) == (10.0, 3.0)
     assert job["args"] == ["--lr", "0.1"] and job["entrypoint"] == "train.py"
+    house = boto(moto, "s3").list_objects_v2(Bucket=settings["outputs"]["BucketName"],
+                                             Prefix="jobs/cli/wheelhouse/")["Contents"]
+    names = sorted(o["Key"].rsplit("/", 1)[1] for o in house)
+    assert names[0].startswith("petctl-0.1.0+") and names[0].endswith("-py3-none-any.whl")
+    assert names[1:] == ["requirements.txt"]
 
     hosts = json.loads(petctl("hosts", "cli", "-o", "json").output)
     assert len(hosts) == 2 and {h["state"] for h in hosts} == {"running"}

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from petctl.providers.aws.doctor import principal_arn
-from tests.aws.conftest import REGION, boto
+from tests.aws.conftest import REGION, boto, publish_dlami, push_worker_image, worker_image
 
 
 def run(*args: str):
@@ -37,18 +37,40 @@ def test_doctor_on_a_ready_installation(ready, doctor, stack_name):
     checks = doctor()
     assert checks["credentials"].status == "OK" and REGION in checks["credentials"].reason
     assert checks["base stack"].status == "OK" and "CREATE_COMPLETE" in checks["base stack"].reason
-    assert checks["worker image"].status == "OK"  # conftest's `ready` pushed it
+    assert checks["worker image"].status == "OK" and "none" in checks["worker image"].reason  # the AMI's
     quota = checks["spot vCPU quota L-3819A6DF (All G and VT Spot Instance Requests)"]
     assert quota.status == "SKIP" and "does not report" in quota.reason  # moto: vpc quotas only
     assert checks["operator permissions"].status == "SKIP"  # moto lacks SimulatePrincipalPolicy
     assert "does not implement" in checks["operator permissions"].reason
-    assert checks["worker AMI"].status in ("OK", "FAIL")  # moto knows some AMIs, not every SSM value
+    # which torch and CUDA a job started now gets: the Deep Learning AMI's, from its public parameter
+    ami = checks["worker AMI"]
+    assert ami.status == "OK" and "jobs get torch 2.13 with CUDA 13.0 (/opt/pytorch/bin/python)" in ami.reason
+    assert "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023)" in ami.reason
+
+
+def test_doctor_fails_on_a_dlami_outside_the_supported_torch_range(ready, doctor, moto):
+    publish_dlami(moto, name="Deep Learning OSS Nvidia Driver AMI GPU PyTorch 3.1 (Amazon Linux 2023) 2027")
+    try:
+        check = doctor()["worker AMI"]
+        assert check.status == "FAIL" and "outside petctl's supported range >=2.5,<3" in check.reason
+    finally:
+        publish_dlami(moto)
 
 
 def test_doctor_fails_on_a_missing_image_and_says_why(ready, doctor, moto):
-    ready.settings["image"] = ready.settings["image"].rsplit(":", 1)[0] + ":not-pushed"
+    ready.settings["image"] = worker_image(ready)  # an installation-wide --image (setup's image option)
     check = doctor()["worker image"]
     assert check.status == "FAIL" and "not in ECR" in check.reason
+    ready.settings["image"] = worker_image(ready) + "-arm"
+    push_worker_image(moto, ready.settings["image"], architecture="arm64")
+    check = doctor()["worker image"]
+    assert check.status == "FAIL" and "built for linux/arm64" in check.reason
+    ready.settings["image"] = worker_image(ready)
+    push_worker_image(moto, worker_image(ready))
+    checks = doctor()
+    assert checks["worker image"].status == "OK" and checks["worker image"].reason.endswith("linux/amd64")
+    ami = checks["worker AMI"]
+    assert ami.status == "OK" and "torch and CUDA: the image's" in ami.reason
 
 
 def test_doctor_reports_a_zero_quota_as_fail(ready, doctor, monkeypatch):
@@ -62,7 +84,7 @@ def test_doctor_reports_a_zero_quota_as_fail(ready, doctor, monkeypatch):
 
 
 def test_doctor_cli_prints_one_line_per_check_and_exits_non_zero_on_a_failure(ready, moto, monkeypatch):
-    ready.settings["image"] = ready.settings["image"].rsplit(":", 1)[0] + ":not-pushed"
+    ready.settings["image"] = worker_image(ready) + "-not-pushed"
     ready.config.save()
     result = run("doctor", "--provider", "aws")
     assert result.exit_code == 1

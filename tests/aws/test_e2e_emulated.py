@@ -1,5 +1,7 @@
 """End to end on the AWS code path: `setup` and `run_job` against moto, the instances moto launches booted
-as real agents from their own user data (tests/aws/instance_emulator.py), a real etcd for the etcd host,
+as real agents from their own user data (tests/aws/instance_emulator.py): by default (no image) the
+worker's real boot script runs on a fake Deep Learning AMI and pip-installs the launching petctl's wheel
+from the job's S3 prefix, whose agent then runs; a real etcd for the etcd host,
 and a real DDP job that trains, checkpoints to the job's S3 prefix, finishes and releases its own
 capacity; `status`, `hosts`, `logs`, `jobs` and `teardown` through the same provider; and an instance
 taken mid-training, replaced by the group, resuming from the S3 checkpoint."""
@@ -49,6 +51,14 @@ def wait_for(predicate, timeout: float, what: str, emulator: InstanceEmulator, i
 
 
 @pytest.fixture
+def lifecycle_calls(monkeypatch):
+    """CompleteLifecycleAction calls moto received (it has none of its own: moto_patches adds one)."""
+    from tests.aws.moto_patches import record_lifecycle_actions
+
+    return record_lifecycle_actions(monkeypatch)
+
+
+@pytest.fixture
 def emulator(moto, aws_env, tmp_path):
     pytest.importorskip("torch", reason="the end-to-end job trains with torch")
     pytest.importorskip("petctl.agent.main", reason="the agent is not there yet")
@@ -77,7 +87,8 @@ def reaped(provider, moto: str, name: str) -> bool:
     return stack_gone(moto, name)
 
 
-def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto, emulator, stack_name):
+def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto, emulator, stack_name,
+                                                                    lifecycle_calls):
     outputs = ready.settings["outputs"]
     emulator.boot_etcd_host(outputs["EtcdGroupName"])
     spec = JobSpec(name="e2e", min_size=2, max_size=2, size=2, entrypoint="", env={"STEPS": "6"},
@@ -108,8 +119,8 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
         return states if set(states) == instance_ids and "succeeded" in states.values() else None
 
     wait_for(all_reported, 60, "every node's final status in S3", emulator)
-    # each agent, once registered, recorded its boot as joined (and tried the launch hook's CONTINUE,
-    # which moto does not model: tests/test_lifecycle.py checks that call against the service model)
+    # each agent, once registered, recorded its boot as joined (its launch hook's CONTINUE: below;
+    # tests/test_lifecycle.py checks that call against the service model)
     assert set(ready.boots("e2e").joined) == instance_ids
     listing = boto(moto, "s3").list_objects_v2(Bucket=outputs["BucketName"], Prefix="jobs/e2e/checkpoints/")
     assert listing.get("KeyCount", 0) > 0, "no checkpoint reached the job's S3 prefix"
@@ -117,9 +128,36 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     assert any('"step": 5' in line for line in steps), steps
     assert {line.split("]")[0][1:] for line in steps} == instance_ids, steps
 
+    # The default boot, no image: each instance's boot script installed the petctl that launched the job
+    # (the wheel in the job's prefix, content-addressed) into the AMI's Python, and systemd runs it.
+    (wheel,) = [o["Key"] for o in boto(moto, "s3").list_objects_v2(
+        Bucket=outputs["BucketName"], Prefix="jobs/e2e/wheelhouse/")["Contents"]]
+    version = wheel.rsplit("/", 1)[1].split("-")[1]
+    assert version.startswith("0.1.0+")
+    for instance_id in instance_ids:
+        ami = emulator.amis[instance_id]
+        installed, where = ami.installed_petctl()
+        assert installed == version and where.startswith(str(ami.root / "opt" / "pytorch")), where
+        assert [c["args"] for c in ami.calls("aws")] == [
+            f"s3 cp --only-show-errors s3://{outputs['BucketName']}/{wheel} "
+            f"{ami.root}/var/lib/petctl/wheelhouse/{wheel.rsplit('/', 1)[1]}"]
+        unit = ami.unit()
+        assert (unit["User"], unit["KillMode"], unit["OnFailure"]) == ("petctl", "mixed",
+                                                                       "petctl-unhealthy.service")
+        assert {"cmd": "systemctl", "args": "enable --now petctl-agent.service"} in ami.calls()
+        assert "docker" not in " ".join(c["cmd"] for c in ami.calls())
+    # ... and each agent, once registered, completed its instance's launch hook with CONTINUE: the call
+    # AWS needs before the instance leaves Pending:Wait (moto_patches.record_lifecycle_actions checks it as
+    # AWS's API does: the group, its hook, the instance in it)
+    launches = [c for c in lifecycle_calls if c["LifecycleHookName"] == "petctl-boot"]
+    assert {c["InstanceId"] for c in launches} == instance_ids, lifecycle_calls
+    assert {(c["AutoScalingGroupName"], c["LifecycleActionResult"]) for c in launches} == {
+        (f"{stack_name}-job-e2e", "CONTINUE")}
+
     emulator.stop_following()  # before stacks are deleted: moto's backends are not safe for concurrent use
     assert emulator.errors == []
     ready.teardown()  # no job stack is left to refuse it
+    assert stack_gone(moto, stack_name) and stack_gone(moto, f"{stack_name}-job-e2e")
 
 
 def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, moto, emulator, stack_name):
@@ -130,12 +168,13 @@ def test_a_lost_spot_instance_is_replaced_and_training_resumes_from_s3(ready, mo
                    env={"STEPS": "30", "STEP_TIME": "0.3"}, timeouts=timeouts(), instance_types=["c5.xlarge"])
     ready.create_job(submit(spec, HERE / "workload_train.py"))
     emulator.follow(f"{stack_name}-job-spot")
-    first = wait_for(lambda: len(emulator.booted) == 2 and set(emulator.booted), 60, "two agents", emulator)
+    # each boot is a real `pip install` of the job's wheel on its fake AMI (seconds; more on a loaded host)
+    first = wait_for(lambda: len(emulator.booted) == 2 and set(emulator.booted), 120, "two agents", emulator)
     wait_for(lambda: all(max(emulator.steps(i), default=-1) >= 5 for i in first), 120, "step 5", emulator)
 
     victim = ready.terminate_host("spot", sorted(first)[0])
     assert {h.host_id: h.state for h in ready.hosts("spot")}[victim] == "terminated"
-    replacement = wait_for(lambda: set(emulator.booted) - first, 30, "a replacement instance", emulator)
+    replacement = wait_for(lambda: emulator.booting - first, 30, "a replacement instance", emulator)
     job = wait_for(lambda: finished(ready, "spot"), 240, "the job to finish", emulator)
     assert job.state == "succeeded", emulator.console()
 

@@ -16,7 +16,18 @@ import pytest
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import JobSpec
 from petctl.io.config import PetctlConfig
-from tests.aws.conftest import REGION, all_stacks, boto, submit, view, write_script
+from petctl.providers.aws.amis import CONTAINER_AMI_PARAM
+from tests.aws.conftest import (
+    REGION,
+    all_stacks,
+    boto,
+    publish_dlami,
+    push_worker_image,
+    submit,
+    view,
+    worker_image,
+    write_script,
+)
 
 
 def spec(name: str = "demo", min_size: int = 1, max_size: int = 4, size: int = 2, **kw) -> JobSpec:
@@ -61,7 +72,7 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
     fixed = [e["PrivateIpAddress"] for e in eni if e["Description"] == "petctl etcd fixed address"]
     assert fixed == ["10.42.0.10"]
     assert group(moto, f"{stack_name}-etcd")["DesiredCapacity"] == 1
-    assert settings["image"].endswith(f"/{stack_name}-worker:0.1.0")
+    assert settings["image"] == "" and settings["worker_ami"] == ""  # the AMI is resolved by each run_job
     assert PetctlConfig.load(tmp_path / "home").provider == "aws"
     assert any("creating petctl base stack" in line for line in ready.lines)
 
@@ -236,8 +247,11 @@ def test_run_job_creates_stack_and_group_with_sizes_and_tags(ready, moto, tmp_pa
 def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name):
     ready.create_job(submit(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
-    assert keys(moto, bucket, "jobs/demo/") == ["jobs/demo/agent.json", "jobs/demo/code/train.py",
-                                                "jobs/demo/job.json", "jobs/demo/placement.json"]
+    listed = keys(moto, bucket, "jobs/demo/")
+    assert listed[:4] == ["jobs/demo/agent.json", "jobs/demo/code/train.py", "jobs/demo/job.json",
+                          "jobs/demo/placement.json"]
+    (wheel,) = listed[4:]  # what the instances install (the default boot)
+    assert wheel.startswith("jobs/demo/wheelhouse/petctl-0.1.0+") and wheel.endswith("-py3-none-any.whl")
     agent = json.loads(boto(moto, "s3").get_object(Bucket=bucket, Key="jobs/demo/agent.json")["Body"].read())
     job = agent["job"]
     assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"
@@ -305,12 +319,54 @@ def test_validation_happens_before_any_aws_call(ready, moto, tmp_path, stack_nam
 
 
 def test_run_job_refuses_when_the_worker_image_was_never_pushed(ready, moto, tmp_path, stack_name):
-    ready.settings["image"] = ready.settings["image"].rsplit(":", 1)[0] + ":not-pushed"
-    with pytest.raises(ValidationError, match="worker image .*:not-pushed is not in ECR"):
+    image = worker_image(ready)
+    with pytest.raises(ValidationError, match="worker image .*:0.1.0 is not in ECR"):
+        ready.create_job(submit(spec(), write_script(tmp_path / "src"), image=image))
+    with pytest.raises(ValidationError, match="must be in this region's ECR"):  # cannot check its platform
+        ready.create_job(submit(spec(), write_script(tmp_path / "src"), image="ghcr.io/example/w:1"))
+    push_worker_image(moto, image + "-arm", architecture="arm64")  # `docker build` on Apple silicon
+    with pytest.raises(ValidationError, match=r"built for linux/arm64, not linux/amd64 .*--platform"):
+        ready.create_job(submit(spec(), write_script(tmp_path / "src"), image=image + "-arm"))
+    assert stack_names(moto, stack_name) == {stack_name}
+    assert keys(moto, ready.settings["outputs"]["BucketName"], "jobs/") == []  # refused before any upload
+    push_worker_image(moto, image)
+    ready.create_job(submit(spec(), write_script(tmp_path / "src"), image=image))
+    template = boto(moto, "cloudformation").get_template(StackName=f"{stack_name}-job-demo")["TemplateBody"]
+    assert "docker run" in template and image in template  # today's container path
+    ecs_ami = boto(moto, "ssm").get_parameter(Name=CONTAINER_AMI_PARAM)["Parameter"]["Value"]
+    assert ecs_ami in template  # on the ECS GPU AMI (Docker and the NVIDIA container toolkit)
+
+
+def test_run_job_boots_the_deep_learning_ami_with_this_petctls_wheel(ready, moto, tmp_path, stack_name):
+    dlami = publish_dlami(moto)
+    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    template = boto(moto, "cloudformation").get_template(StackName=f"{stack_name}-job-demo")["TemplateBody"]
+    assert dlami in template and "docker pull" not in template and "docker run" not in template
+    bucket = ready.settings["outputs"]["BucketName"]
+    (wheel,) = [k for k in keys(moto, bucket, "jobs/demo/wheelhouse/")]
+    assert f"s3://{bucket}/{wheel}" in template and "/opt/pytorch/bin/python -m petctl.agent.main" in template
+    assert any("torch 2.13, CUDA 13.0" in line for line in ready.lines), ready.lines
+
+
+def test_run_job_refuses_a_dlami_whose_torch_is_outside_the_supported_range(ready, moto, tmp_path,
+                                                                           stack_name):
+    publish_dlami(moto, name="Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.4 (Amazon Linux 2023) 2024")
+    with pytest.raises(ProviderError, match=r"torch 2.4, .* outside petctl's supported range >=2.5,<3"):
         ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     assert stack_names(moto, stack_name) == {stack_name}
-    ready.settings["image"] = "ghcr.io/example/petctl-worker:1"  # another registry: the user's business
-    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    publish_dlami(moto)  # what the next test's `ready` expects
+
+
+def test_run_job_refuses_private_subnets_on_the_default_path(ready, moto, tmp_path, stack_name):
+    ready.settings["network"]["subnets"] = "private"
+    with pytest.raises(ValidationError, match="private subnets cannot reach the package index.*--image"):
+        ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    with pytest.raises(ValidationError, match="--requirements is for the default"):
+        requirements = tmp_path / "req.txt"
+        requirements.write_text("einops\n")
+        ready.create_job(submit(spec(), write_script(tmp_path / "src"), image=worker_image(ready),
+                                requirements=requirements))
+    assert stack_names(moto, stack_name) == {stack_name}
 
 
 def test_existing_job_is_refused_without_touching_it(ready, moto, tmp_path, stack_name):

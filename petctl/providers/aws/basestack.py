@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from petctl.providers.aws.provider import AwsProvider
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
-WORKER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
 NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
@@ -73,7 +72,8 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     etcd = etcdbin.setup_etcd(merged, provider.config.home / "cache" / "etcd")
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
-    worker_ami = merged["worker_ami"] or inventory.ssm_parameter(ssm, WORKER_AMI_PARAM)
+    # The workers' AMI is resolved by each run_job (amis.py: the Deep Learning AMI, or the ECS GPU AMI
+    # for an --image job), so every job boots AWS's current one unless the user pinned worker_ami.
     hosts, boot_script = etcd_hosts(stack, plan, etcd)
     body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
                        etcd_instance_type=merged["etcd_instance_type"], etcd_members=hosts,
@@ -99,10 +99,8 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     # The etcd hosts' boot waits for these objects (on a first setup they boot before they exist).
     if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd, boot_script):
         provider.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
-    from petctl import __version__
-
-    settings.update(outputs=outputs, worker_ami=worker_ami, etcd_ami=etcd_ami, root_volume_gb=root_gb,
-                    image=merged["image"] or f"{outputs['RepositoryUri']}:{__version__}",
+    settings.update(outputs=outputs, worker_ami=merged["worker_ami"], etcd_ami=etcd_ami,
+                    root_volume_gb=root_gb, image=merged["image"],
                     etcd_endpoint=outputs["EtcdEndpoint"], ready=True)
     provider.config.provider = provider.name
     provider.config.save()

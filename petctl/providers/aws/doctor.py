@@ -22,7 +22,8 @@ OPERATOR_ACTIONS = (
     "autoscaling:DescribeAutoScalingGroups", "autoscaling:UpdateAutoScalingGroup",
     "autoscaling:SetDesiredCapacity", "autoscaling:DescribeScalingActivities", "ec2:DescribeInstances",
     "ec2:DescribeInstanceTypes", "ec2:DescribeImages", "ec2:TerminateInstances",
-    "ec2:DescribeAvailabilityZones", "ec2:DescribeSpotPriceHistory", "ecr:DescribeImages",
+    "ec2:DescribeAvailabilityZones", "ec2:DescribeSpotPriceHistory", "ecr:BatchGetImage",
+    "ecr:GetDownloadUrlForLayer",
     "s3:GetObject", "s3:PutObject", "s3:ListBucket", "servicequotas:GetServiceQuota", "ssm:GetParameter",
     "pricing:GetProducts", "iam:SimulatePrincipalPolicy",
     # etcd's credentials (petctl/providers/aws/etcdsecrets.py): run_job signs each job's certificate with
@@ -76,7 +77,7 @@ def _guard(name: str, call) -> Check:
 
 
 def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check]:
-    from petctl.providers.aws import inventory, quotas
+    from petctl.providers.aws import quotas
     from petctl.providers.aws.stacks import StackOps
 
     checks: list[Check] = []
@@ -115,24 +116,30 @@ def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check
             checks.append(Check(label, "OK", f"{quota.value:g} vCPUs"))
 
     def ami() -> Check:
-        image_id = settings.get("worker_ami", "")
-        if not image_id:
-            return Check("worker AMI", "FAIL", "no worker AMI recorded: run `petctl setup --provider aws`")
-        images = session.client("ec2").describe_images(ImageIds=[image_id])["Images"]
-        if not images:
-            return Check("worker AMI", "FAIL", f"{image_id} does not exist in {session.region}")
-        found = images[0]
-        return Check("worker AMI", "OK", f"{image_id} ({found.get('Name', '')}) {found.get('State', '')}")
+        from petctl.providers.aws.amis import AMI_PYTHON, resolve
+
+        image_ref = settings.get("image", "")
+        found = resolve(session.client("ssm"), session.client("ec2"), settings, container=bool(image_ref))
+        if not found.name:
+            return Check("worker AMI", "FAIL", f"{found.image_id} (from {found.source}) does not exist in "
+                                               f"{session.region}")
+        if image_ref:
+            return Check("worker AMI", "OK", f"{found.image_id} ({found.name}); torch and CUDA: the image's")
+        return Check("worker AMI", "OK", f"jobs get torch {found.torch or 'unknown'} with CUDA "
+                                         f"{found.cuda or 'unknown'} ({AMI_PYTHON}) from {found.image_id} "
+                                         f"({found.name})")
 
     checks.append(_guard("worker AMI", ami))
 
     def image() -> Check:
+        from petctl.providers.aws.imagecheck import check_image
+
         ref = settings.get("image", "")
         if not ref:
-            return Check("worker image", "FAIL", "no image recorded: run `petctl setup --provider aws`")
-        inventory.check_image(session.client("ecr"), ref, session.region)
-        return Check("worker image", "OK", f"{ref} is in ECR" if inventory.ECR_IMAGE_RE.match(ref)
-                     else f"{ref} (not in this region's ECR: not checked)")
+            return Check("worker image", "OK", "none: jobs run on the Deep Learning AMI's Python (run_job "
+                                               "--image runs one)")
+        platform = check_image(session.client("ecr"), ref, session.region)
+        return Check("worker image", "OK", f"{ref}: {platform}")
 
     checks.append(_guard("worker image", image))
     checks.append(_guard("operator permissions", lambda: permissions(session, identity["Arn"], settings)))

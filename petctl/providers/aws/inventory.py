@@ -4,12 +4,11 @@ instances, and whether the job's etcd answers from here.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
-from petctl.core.errors import JobNotFound, ProviderError, ValidationError
+from petctl.core.errors import JobNotFound, ProviderError
 from petctl.core.records import JobResult
 from petctl.io.aws import aws_errors, error_code
 from petctl.providers.base import HostInfo, JobInfo
@@ -39,31 +38,6 @@ def ssm_parameter(ssm, name: str) -> str:
             if error_code(exc) == "ParameterNotFound":
                 raise ProviderError(f"AMI parameter {name} does not exist in this region: pass "
                                     "--option worker_ami=ami-... / etcd_ami=ami-...") from None
-            raise
-
-
-ECR_IMAGE_RE = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(\.cn)?/"
-                          r"(?P<repo>[^:@]+)(:(?P<tag>[^@]+))?(@(?P<digest>sha256:[0-9a-f]{64}))?$")
-
-
-def check_image(ecr, image: str, region: str) -> None:
-    """Refuse to start GPU instances that would only fail to pull: the worker image must be in ECR.
-
-    Only images in this region's ECR are checked (a public or other registry is the user's business)."""
-    from petctl.io.aws import ClientError
-
-    match = ECR_IMAGE_RE.match(image)
-    if not match or match.group("region") != region:
-        return
-    image_id = {"imageDigest": match.group("digest")} if match.group("digest") else {
-        "imageTag": match.group("tag") or "latest"}
-    with aws_errors(f"look up the worker image {image}"):
-        try:
-            ecr.describe_images(repositoryName=match.group("repo"), imageIds=[image_id])
-        except ClientError as exc:
-            if error_code(exc) in {"ImageNotFoundException", "RepositoryNotFoundException"}:
-                raise ValidationError(f"worker image {image} is not in ECR: build and push it first "
-                                      "(docs/aws.md: the worker image), or set --option image=...") from None
             raise
 
 

@@ -1,25 +1,31 @@
 """Starting a job on AWS: everything `run_job` checks and creates, in the order that keeps a refused job
 from leaving anything behind.
 
-Input is validated first with no AWS call (the submission, then the instance types); then what AWS
-must confirm (the worker image, the job's name, the vCPU quota) is asked; only then are the code and the
-job's records uploaded, its stack created, and its group raised and watched until EC2 launched it.
+Input is validated first with no AWS call (the submission, the instance types, the requirements file);
+then what AWS must confirm (an --image's platform, the AMI, the job's name, the vCPU quota) is asked; only
+then are the code, petctl's wheel and the job's records uploaded, its stack created, and its group raised
+and watched until EC2 launched it.
+
+Two ways to boot (JobBoot): by default the Deep Learning AMI, whose Python gets the petctl that launched
+the job (wheelhouse.py, amis.py); with --image, that container on the ECS GPU AMI (imagecheck.py).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
-from petctl.providers.aws import azfallback, capacity, etcdsecrets, inventory, upgrade
+from petctl.providers.aws import amis, azfallback, capacity, etcdsecrets, inventory, upgrade, wheelhouse
 from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
 from petctl.providers.aws.jobscope import template_scope
 from petctl.providers.aws.placement import capacity_rebalance
+from petctl.providers.aws.storage import JobStore
 from petctl.providers.aws.templates import render_job
-from petctl.providers.aws.userdata import WORKER_IMDS, worker_user_data
+from petctl.providers.aws.userdata import WORKER_IMDS, AmiBoot, worker_user_data
 
 if TYPE_CHECKING:
     from petctl.providers.aws.provider import AwsProvider
@@ -29,6 +35,17 @@ LIFECYCLE_HOOK = "petctl-drain"
 # and completed it; one that does not within `Timeouts.boot_timeout` is abandoned (terminated).
 LAUNCH_HOOK = "petctl-boot"
 HOOK_TIMEOUT_RANGE = (30, 7200)  # AWS: a lifecycle hook's HeartbeatTimeout, in seconds
+WORK_DIRS = {True: "/work", False: "/var/lib/petctl/work"}  # container (bind mount) / AMI path
+
+
+@dataclass(frozen=True)
+class JobBoot:
+    """How the job's instances boot: `ami`, and either `image` (a container) or `ami_boot` (petctl's
+    wheel into the AMI's Python)."""
+
+    ami: str
+    image: str = ""
+    ami_boot: AmiBoot | None = None
 
 
 def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
@@ -51,10 +68,23 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     is `run_job --wait`'s to follow (AwsProvider.wait_joined)."""
     settings = provider.require_ready()
     spec = validate(provider, job)
+    image = job.image or settings.get("image", "")
+    requirements = wheelhouse.read_requirements(job.requirements)
+    if image and requirements:
+        raise ValidationError("--requirements is for the default (Deep Learning AMI) boot: with --image, "
+                              "install them in your image")
+    if not image and (settings.get("network") or {}).get("subnets") == "private":
+        raise ValidationError("private subnets cannot reach the package index the default boot installs "
+                              "petctl's dependencies from: pass --image (an image with petctl, docs/aws.md)")
     session = provider.session()
     stacks = provider.stacks(session)
     stack = provider.job_stack(spec.name)
-    inventory.check_image(session.client("ecr"), settings["image"], session.region)
+    if image:
+        from petctl.providers.aws.imagecheck import check_image
+
+        check_image(session.client("ecr"), image, session.region)
+    ami = amis.resolve(session.client("ssm"), session.client("ec2"), settings, container=bool(image))
+    provider.progress(f"worker AMI {ami.summary()}" + (f"; image {image}" if image else ""))
     if stacks.describe(stack):
         raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick another name")
     role = provider.stack_role()
@@ -62,6 +92,8 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     check_quota(provider, session, spec)
     store = provider.store(session, spec.name)
     spec.code_url, _ = store.upload_code(job.script)
+    boot = JobBoot(ami.image_id, image) if image else JobBoot(ami.image_id, ami_boot=upload_wheelhouse(
+        store, requirements, provider.progress))
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
     placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
@@ -71,15 +103,16 @@ def create_job(provider: AwsProvider, job: JobSubmission) -> None:
     bucket = settings["outputs"]["BucketName"]
     spec.etcd_credentials, _ = etcdsecrets.create_job_credentials(secrets, s3, bucket, provider.base_stack,
                                                                   spec.name)
-    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK,
+    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir=WORK_DIRS[bool(image)],
+                        imds_endpoint=WORKER_IMDS, asg_name=stack, lifecycle_hook=LIFECYCLE_HOOK,
+                        launch_hook=LAUNCH_HOOK,
                         region=session.region,
                         status_url=store.url() + "/")  # the agent mirrors status/, events/, logs/
     try:  # from here on a failure deletes the credentials again: no secret outlives a job not started
         store.put_json("job.json", spec.to_dict())
         store.put_json("agent.json", json.loads(agent.to_json()))
         store.put_json("placement.json", json.loads(placement.to_json()))
-        body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids)
+        body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids, boot)
         tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name,
                 **upgrade.layout_tags()}
         stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
@@ -118,24 +151,42 @@ def check_quota(provider: AwsProvider, session: AwsSession, spec: JobSpec) -> No
         raise ProviderError(verdict.error)
 
 
+def upload_wheelhouse(store: JobStore, requirements: str, progress) -> AmiBoot:
+    """The launching petctl's wheel (and the job's requirements) in the job's prefix, for its instances."""
+    from petctl.io.aws import aws_errors
+
+    wheel = wheelhouse.build_wheel()
+    key = f"{wheelhouse.WHEEL_DIR}/{wheel.name}"
+    with aws_errors(f"upload petctl's wheel to {store.url(key)}"):
+        store.objects.put_bytes(key, wheel.data)
+        if requirements:
+            store.objects.put_bytes(f"{wheelhouse.WHEEL_DIR}/requirements.txt", requirements.encode())
+    progress(f"uploaded petctl {wheel.version} ({len(wheel.data) // 1024} KB) for the instances to install")
+    listed = store.url(wheelhouse.WHEEL_DIR, "requirements.txt") if requirements else ""
+    return AmiBoot(wheel_url=store.url(key), requirements_url=listed,
+                   python_bin=amis.AMI_PYTHON.rsplit("/", 1)[0])
+
+
 def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig, config_url: str,
-                        subnet_ids: list[str] | None = None) -> str:
+                        subnet_ids: list[str] | None = None, boot: JobBoot | None = None) -> str:
     """The job stack's template. `subnet_ids`: where the group launches (create_job passes its
-    placement's); by default the first subnet, or every subnet for a --multi-az job."""
+    placement's); by default the first subnet, or every subnet for a --multi-az job. `boot`: how its
+    instances boot (by default the recorded `worker_ami` and `image` settings)."""
     settings = provider.require_ready()
+    boot = boot or JobBoot(ami=settings["worker_ami"], image=settings["image"])
     out = settings["outputs"]
     types = spec.instance_types
     spot = not spec.on_demand
     mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
-    user_data = worker_user_data(agent, image=settings["image"], log_group=out["LogGroupName"],
-                                 config_url=config_url, gpus=is_gpu(types[0]))
+    user_data = worker_user_data(agent, image=boot.image, log_group=out["LogGroupName"],
+                                 config_url=config_url, gpus=is_gpu(types[0]), ami_boot=boot.ami_boot)
     all_subnets = out["SubnetIds"].split(",")
     if subnet_ids is None:
         subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]
     base = {"stack_name": provider.base_stack, "bucket": out["BucketName"], "subnet_ids": subnet_ids,
             "vpc_id": out["VpcId"], "etcd_security_group": out["EtcdSecurityGroupId"],
             "worker_policy_arn": out["WorkerPolicyArn"], "boundary_arn": job_boundary(out)}
-    return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=settings["worker_ami"],
+    return render_job(job=spec, base=base, asg_name=agent.asg_name, ami=boot.ami,
                       instance_types=types, spot=spot, mixed=mixed, market_options=spot and not mixed,
                       capacity_rebalance=capacity_rebalance(spot, types, spec.multi_az),
                       on_demand_base=spec.on_demand_base, user_data=user_data,

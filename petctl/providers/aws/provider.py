@@ -3,7 +3,8 @@ Auto Scaling group) per job, the job's code and status in S3. Same `Provider` in
 the chaos (EC2 terminate), pricing, diagnostics and capacity-insight capabilities.
 
 Settings live in `config.section("aws")`: region, profile, endpoint_url, stack_name, outputs (the base
-stack's), image, worker_ami, root_volume_gb and `ready`. This class wires the AWS session, the stacks
+stack's), image (a default --image; "" boots the Deep Learning AMI), worker_ami, root_volume_gb and
+`ready`. This class wires the AWS session, the stacks
 and the job's S3 prefix to the modules that do each job: basestack.py (setup, teardown), launch.py
 (run_job), jobrecords.py (jobs, kill_job), azfallback.py, inventory.py. Nothing here imports boto3 at
 module level.
@@ -36,7 +37,8 @@ AWS_HEARTBEAT_TTL = 10.0
 
 class AwsProvider(Provider):
     name = "aws"
-    run_options = frozenset({"instance_types", "on_demand", "on_demand_base", "spot_strategy", "multi_az"})
+    run_options = frozenset({"instance_types", "on_demand", "on_demand_base", "spot_strategy", "multi_az",
+                             "image", "requirements"})
     chaos_modes: ClassVar[tuple[str, ...]] = ("kill",)  # EC2 terminate-instances, as a reclaim would
 
     def __init__(self, config: PetctlConfig) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from petctl.core.spec import AgentConfig
@@ -28,19 +29,36 @@ BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
 
 
+@dataclass(frozen=True)
+class AmiBoot:
+    """What a default-path (Deep Learning AMI) instance installs: the launching petctl's wheel and the
+    job's requirements, both in the job's S3 prefix (wheelhouse.py), into the AMI's Python."""
+
+    wheel_url: str  # s3://<bucket>/jobs/<job>/wheelhouse/petctl-<version>-py3-none-any.whl
+    requirements_url: str = ""  # s3://.../wheelhouse/requirements.txt, or "" for none
+    python_bin: str = "/opt/pytorch/bin"
+
+
 def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url: str,
-                     gpus: bool = True) -> str:
-    """The worker's boot script. Its container logs to `log_group`, stream `<job>/<instance id>` (the
-    job's role may write only its own streams). Raises ValidationError when it is too big."""
+                     gpus: bool = True, ami_boot: AmiBoot | None = None) -> str:
+    """The worker's boot script: with `image`, the agent runs in that container, which logs to
+    `log_group`, stream `<job>/<instance id>` (the job's role may write only its own streams); without,
+    `ami_boot` says what the instance installs and the agent runs on the AMI's Python under systemd.
+    Raises ValidationError when it is too big."""
     from petctl.core.errors import ValidationError
     from petctl.providers.aws.boots import boot_settings
     from petctl.providers.aws.jobscope import log_stream_prefix
     from petctl.providers.aws.templates import compact_shell, render_boot
 
+    if not image and ami_boot is None:
+        raise ValueError("a worker boots either an image or the AMI's Python with petctl's wheel")
+    ami = ami_boot or AmiBoot(wheel_url="")
     text = compact_shell(render_boot(
         "worker_boot.sh.j2", agent_config=config.to_json(), image=image, log_group=log_group,
         config_url=config_url, gpus=gpus, boot=boot_settings(config),
-        log_stream_prefix=log_stream_prefix(config.job.name)))
+        log_stream_prefix=log_stream_prefix(config.job.name),
+        wheel_url=ami.wheel_url, wheel_name=ami.wheel_url.rsplit("/", 1)[-1],
+        requirements_url=ami.requirements_url, python_bin=ami.python_bin))
     if len(text.encode()) > MAX_USER_DATA:
         raise ValidationError(f"the job's boot script is {len(text.encode())} bytes (limit {MAX_USER_DATA}): "
                               "shorten the job's arguments or environment")

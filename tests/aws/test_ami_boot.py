@@ -1,0 +1,184 @@
+"""The default boot (no image): the Deep Learning AMI, the wheel of the launching petctl, the job's
+requirements, and the platform check of the --image path. Pure functions and rendered text here; the
+boot script runs for real on a fake AMI in test_e2e_emulated.py and below (one boot, no AWS)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from petctl.core.errors import ValidationError
+from petctl.providers.aws import amis, imagecheck, wheelhouse
+from petctl.providers.aws.userdata import MAX_USER_DATA, AmiBoot, worker_user_data
+from tests.aws.test_boot_scripts import SECRET_MARKERS, agent_config, bash_syntax_ok
+
+REPO = Path(__file__).resolve().parents[2]
+WHEEL_URL = "s3://b/jobs/demo/wheelhouse/petctl-0.1.0+abcdef012345-py3-none-any.whl"
+
+
+def ami_worker(requirements: bool = True, **job) -> str:
+    boot = AmiBoot(wheel_url=WHEEL_URL,
+                   requirements_url="s3://b/jobs/demo/wheelhouse/requirements.txt" if requirements else "")
+    return worker_user_data(agent_config(**job), image="", log_group="/petctl/petctl",
+                            config_url="s3://b/jobs/demo/agent.json", ami_boot=boot)
+
+
+def setup_keyword(name: str):
+    tree = ast.parse((REPO / "setup.py").read_text())
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"]
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == name))
+
+
+# --- the boot script ------------------------------------------------------------------------------------
+def test_ami_boot_installs_the_wheel_and_requirements_with_the_amis_torch_pinned(tmp_path):
+    text = ami_worker()
+    bash_syntax_ok(text, tmp_path)
+    assert not [m for m in SECRET_MARKERS if m in text]
+    assert len(text.encode()) < MAX_USER_DATA < 16 * 1024  # EC2's cap on user data
+    assert "docker" not in text.replace("`docker stop`", "")  # no container, no daemon, no registry
+    assert f"aws s3 cp --only-show-errors {WHEEL_URL} " in text
+    assert "s3://b/jobs/demo/wheelhouse/requirements.txt" in text
+    assert 'echo "torch==$torch" > "$house/constraints.txt"' in text
+    wheel = r'"\$house/petctl-0\.1\.0\+abcdef012345-py3-none-any\.whl"'
+    assert re.search(r'"\$PY" -m pip install .*\\\n\s*-c "\$house/constraints.txt" ' + wheel
+                     + r' -r "\$house/requirements.txt"', text)
+    assert 'PY="$ROOT/opt/pytorch/bin/python"' in text
+    assert "retry 3 10 install_petctl || fatal" in text
+
+
+def test_ami_boot_without_requirements_installs_only_petctl():
+    text = ami_worker(requirements=False)
+    assert "requirements.txt" not in text
+
+
+def test_ami_agent_unit_keeps_the_restart_and_onfailure_contract_without_docker():
+    from tests.aws.test_boot_scripts import unit_section
+
+    unit = unit_section(ami_worker(), "petctl-agent.service")
+    assert unit["ExecStart"] == ["/opt/pytorch/bin/python -m petctl.agent.main --config "
+                                 "/etc/petctl/agent.json --node-id ${INSTANCE_ID} --host-addr ${PRIVATE_IP}"]
+    assert unit["Restart"] == ["on-failure"] and unit["RestartPreventExitStatus"] == ["70"]
+    assert unit["OnFailure"] == ["petctl-unhealthy.service"]
+    assert (unit["StartLimitIntervalSec"], unit["StartLimitBurst"]) == (["600"], ["3"])
+    assert unit["KillMode"] == ["mixed"]  # SIGTERM to the agent alone, as `docker stop` did
+    assert unit["TimeoutStopSec"] == ["60"] and unit["User"] == ["petctl"]  # unprivileged, like uid 1000
+    assert unit["LimitMEMLOCK"] == ["infinity"]
+
+
+def test_a_worker_boots_either_an_image_or_the_ami():
+    with pytest.raises(ValueError, match="either an image"):
+        worker_user_data(agent_config(), image="", log_group="/l", config_url="s3://b/a.json")
+
+
+# --- the wheel ------------------------------------------------------------------------------------------
+def test_the_wheel_is_this_petctl_reproducibly_with_setup_pys_requirements_and_scripts():
+    first, again = wheelhouse.build_wheel(), wheelhouse.build_wheel()
+    assert first.data == again.data  # the same code makes the same bytes, hence the same version label
+    assert re.fullmatch(r"petctl-0\.1\.0\+[0-9a-f]{12}-py3-none-any\.whl", first.name)
+    archive = zipfile.ZipFile(io.BytesIO(first.data))
+    names = set(archive.namelist())
+    assert {"petctl/agent/main.py", "petctl/elastic/__init__.py", "petctl/_templates/cfn/job.yaml.j2",
+            "petctl/_templates/worker_image/worker_boot.sh.j2"} <= names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    info = f"petctl-{first.version}.dist-info"
+    metadata = archive.read(f"{info}/METADATA").decode().splitlines()
+    requires = [line.split(": ", 1)[1] for line in metadata if line.startswith("Requires-Dist: ")]
+    assert requires == setup_keyword("install_requires")  # and no torch: the AMI's CUDA build stays
+    scripts = archive.read(f"{info}/entry_points.txt").decode()
+    for line in setup_keyword("entry_points")["console_scripts"]:
+        name, target = (part.strip() for part in line.split("="))
+        assert f"{name} = {target}" in scripts
+    record = archive.read(f"{info}/RECORD").decode()
+    assert "petctl/agent/main.py,sha256=" in record
+
+
+@pytest.mark.parametrize("text, message", [
+    ("-e .\n", "line 1"), ("./mypkg\n", "line 1"), ("-r other.txt\n", "line 1"),
+    ("einops\npkg @ file:///home/me/pkg\n", "line 2"), ("torch==2.4\n", "torch comes from the Deep Learning"),
+    ("torchvision\nTorch>=2\n", "line 2: torch"),
+])
+def test_requirements_that_the_instance_cannot_install_are_refused_in_one_line(tmp_path, text, message):
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    with pytest.raises(ValidationError, match=message) as caught:
+        wheelhouse.read_requirements(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_requirements_that_pip_can_fetch_are_kept(tmp_path):
+    text = ("# comment\neinops>=0.7  # why\nnumpy<3; python_version >= '3.10'\nhf-xet[extra]==1.0\n"
+            "--extra-index-url https://download.example.org/simple\npkg @ https://example.org/pkg.whl\n")
+    path = tmp_path / "requirements.txt"
+    path.write_text(text)
+    assert wheelhouse.read_requirements(path) == text
+    assert wheelhouse.read_requirements(None) == ""
+    with pytest.raises(ValidationError, match="no such file"):
+        wheelhouse.read_requirements(tmp_path / "missing.txt")
+
+
+# --- the AMI and its torch ------------------------------------------------------------------------------
+def test_dlami_names_say_which_torch_and_cuda_a_job_gets():
+    assert amis.DLAMI_PARAM == ("/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.13-"
+                                "amazon-linux-2023/latest/ami-id")
+    name = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023) 20261003"
+    assert amis.describe(name, "Supported EC2 instances: G5. PyTorch-2.13, CUDA version 13.0") == ("2.13",
+                                                                                               "13.0")
+    assert amis.describe(name, "") == ("2.13", "")
+    assert amis.describe("my-ami", "nvidia_cuda_stack /usr/local/cuda-12.6") == ("", "12.6")
+    assert [amis.torch_supported(v) for v in ("2.4.1", "2.5.0", "2.13", "3.0", "x")] == [
+        False, True, True, False, None]
+
+
+def test_the_declared_torch_range_is_setup_pys_and_holds_the_default_amis_and_the_images_torch():
+    torch_specs = set(re.findall(r'"(torch[<>=!~][^"]*)"', (REPO / "setup.py").read_text()))
+    assert torch_specs == {f"torch{amis.TORCH_RANGE}"}, torch_specs
+    assert amis.torch_supported(amis.DLAMI_TORCH)  # the default AMI's torch, and the tested one (CI)
+    dockerfile = (REPO / "worker_image" / "Dockerfile").read_text()
+    image_torch = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+\.\d+)-", dockerfile, re.M).group(1)
+    assert amis.torch_supported(image_torch), image_torch  # the --image example's base
+
+
+# --- the --image platform -------------------------------------------------------------------------------
+def test_an_image_index_offers_its_platforms_and_attestations_are_not_platforms():
+    index = {"manifests": [{"platform": {"os": "linux", "architecture": "arm64"}},
+                           {"platform": {"os": "unknown", "architecture": "unknown"}}]}
+    assert imagecheck.platforms(index, lambda digest: None) == {"linux/arm64"}
+    reason = imagecheck.verdict("r:1", {"linux/arm64"})
+    assert "built for linux/arm64, not linux/amd64" in reason and "--platform linux/amd64" in reason
+
+
+def test_a_single_manifest_is_judged_by_its_config_and_unknown_is_refused():
+    manifest = {"schemaVersion": 2, "config": {"digest": "sha256:" + "a" * 64}}
+    configs = {"sha256:" + "a" * 64: {"os": "linux", "architecture": "amd64"}}
+    assert imagecheck.platforms(manifest, configs.get) == {"linux/amd64"}
+    assert imagecheck.verdict("r:1", {"linux/amd64"}) == ""
+    assert imagecheck.platforms(manifest, lambda digest: None) == set()
+    assert "cannot tell which platform" in imagecheck.verdict("r:1", set())
+    assert imagecheck.platforms({"schemaVersion": 1, "architecture": "amd64"}, dict.get) == {"linux/amd64"}
+
+
+def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto, tmp_path):
+    """The config blob comes from GetDownloadUrlForLayer (moto lacks it: stubbed on the client here)."""
+    from tests.aws.conftest import boto
+
+    ecr = boto(moto, "ecr")
+    ecr.create_repository(repositoryName="single-arch")
+    manifest = {"schemaVersion": 2, "mediaType": imagecheck.MANIFEST_TYPES[1], "layers": [],
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 2,
+                           "digest": "sha256:" + "c" * 64}}
+    ecr.put_image(repositoryName="single-arch", imageManifest=json.dumps(manifest), imageTag="1")
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/single-arch:1"
+    ecr.get_download_url_for_layer = lambda **kw: {"downloadUrl": f"https://blob/{kw['layerDigest']}"}
+    blobs = {"https://blob/sha256:" + "c" * 64: json.dumps({"os": "linux", "architecture": "arm64"}).encode()}
+    with pytest.raises(ValidationError, match="built for linux/arm64"):
+        imagecheck.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__)
+    with pytest.raises(ValidationError, match="cannot tell which platform"):
+        imagecheck.check_image(ecr, image, "us-east-1", fetch=lambda url: b"not json")
+    blobs = {k: json.dumps({"os": "linux", "architecture": "amd64"}).encode() for k in blobs}
+    assert imagecheck.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__) == "linux/amd64"
