@@ -110,14 +110,30 @@ def _patch_ecr_empty_on_delete() -> None:
 
 
 def record_lifecycle_actions(monkeypatch) -> list[dict[str, str]]:
-    """moto has no CompleteLifecycleAction (an unknown action to it). This gives it one for the test that
-    uses `monkeypatch` (undone with it), checked as AWS's API reference states: the group must exist and
-    have that hook, the instance must be in the group, the result must be CONTINUE or ABANDON (else a
-    ValidationError, as AWS answers). Each accepted call is appended to the list returned, for the test
-    to assert on; what the result then does (an instance leaving Pending:Wait, or ABANDON terminating it)
-    is not modelled: moto's instances are in service from launch."""
+    """moto has no CompleteLifecycleAction (an unknown action to it), and its CloudFormation ignores an
+    Auto Scaling group's `LifecycleHookSpecificationList`. For the test that uses `monkeypatch` (both
+    undone with it): a group created by a stack gets the hooks its template declares, as CloudFormation
+    creates them; and CompleteLifecycleAction is checked as AWS's API reference states: the group must
+    exist and have that hook, the instance must be in the group, the result must be CONTINUE or ABANDON
+    (else a ValidationError, as AWS answers). Each accepted call is appended to the list returned, for
+    the test to assert on; what the result then does (an instance leaving Pending:Wait, or ABANDON
+    terminating it) is not modelled: moto's instances are in service from launch."""
     from moto.autoscaling.exceptions import ValidationError
+    from moto.autoscaling.models import FakeAutoScalingGroup, autoscaling_backends
     from moto.autoscaling.responses import AutoScalingResponse, EmptyResult
+
+    create_group = FakeAutoScalingGroup.create_from_cloudformation_json
+
+    def create_with_hooks(cls, resource_name, cloudformation_json, account_id, region_name, **kwargs):
+        group = create_group(resource_name, cloudformation_json, account_id, region_name, **kwargs)
+        for hook in cloudformation_json["Properties"].get("LifecycleHookSpecificationList", []):
+            autoscaling_backends[account_id][region_name].create_lifecycle_hook(
+                name=hook["LifecycleHookName"], as_name=group.name, transition=hook["LifecycleTransition"],
+                timeout=hook.get("HeartbeatTimeout"), result=hook.get("DefaultResult", "ABANDON"))
+        return group
+
+    monkeypatch.setattr(FakeAutoScalingGroup, "create_from_cloudformation_json",
+                        classmethod(create_with_hooks))
 
     calls: list[dict[str, str]] = []
 
