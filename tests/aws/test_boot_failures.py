@@ -211,8 +211,13 @@ class Boot:
         return self.autoscaling("SetInstanceHealth")
 
     def boot_records(self) -> list[str]:
-        """The boot records' keys in the job's prefix (the fake bucket), in order."""
-        return sorted(p.name for p in (self.s3 / "jobs/demo/boots").glob("*.json"))
+        """The boot records' keys in the job's prefix (the fake bucket), in the order they happened: by
+        their time (whole seconds), then by stage (two marks often share a second, and their names then
+        sort `installing` before `started`; petctl/core/boots.py `stages` orders them the same way)."""
+        from petctl.core.boots import BOOT_EVENTS
+
+        names = [p.name for p in (self.s3 / "jobs/demo/boots").glob("*.json")]
+        return sorted(names, key=lambda n: (n.split(".")[0], BOOT_EVENTS.index(n.split(".")[2])))
 
 
 @pytest.fixture
