@@ -2,8 +2,9 @@
 
 moto neither enforces IAM nor runs lifecycle hooks, so: the permissions are asserted on the rendered
 template (scoped to the job's own group; with --keep only the boot breaker's scale to 0;
-tests/aws/test_permissions.py checks them against the calls release.py makes), and the release sequence against recording clients (order,
-arguments, a failing step logged, not raised). The stack itself is deleted by the CLI, not the agent.
+tests/aws/test_permissions.py checks them against the calls release.py makes), and the release sequence
+against recording clients (order, arguments, a failing step logged, not raised). The stack itself is
+deleted by the CLI, not the agent.
 """
 
 from __future__ import annotations
