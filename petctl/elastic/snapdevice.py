@@ -11,10 +11,10 @@ A CPU tensor is copied into its place in the mapping as before. For CUDA tensors
   rate (bench/gpu.py measures both). The snapshot's tmpfs mapping itself is page-locked
   (`cudaHostRegister`, as torch's own checkpoint staging does for shared memory), so the copy lands in
   the file with no staging buffer: no second host copy, no second state's worth of host memory (torch's
-  pinned allocator would also round a 16 GB buffer up to 32 GB). Registered when the mapping is made
-  ready (`prepare`) or at the first copy, released before the mapping is unmapped (`unpin`). Where the
-  kernel refuses (a mapping that is not tmpfs, say) the copy goes to pageable memory: `snapshot.unpinned`
-  says so once, and `pinned` in `snapshot.stats`.
+  caching pinned allocator also rounds a block up to a power of two: 17 GB would take 32 GiB).
+  Registered when the mapping is made ready (`prepare`) or at the first copy, released before the
+  mapping is unmapped (`unpin`). Where the kernel refuses (a mapping that is not tmpfs, say) the copy
+  goes to pageable memory: `snapshot.unpinned` says so once, and `pinned` in `snapshot.stats`.
 `released()` is called as soon as the device copy is complete, so the next `optimizer.step()` (which
 the writer holds until then) waits for the link only.
 
