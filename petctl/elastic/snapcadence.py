@@ -10,7 +10,14 @@ one outlier moves nothing; raised at once, lowered only when half of K would do 
 whose median cost is under FREE (1 ms: 1 % of the 100 ms step the goal is set on, and below the jitter of
 a step on a loaded machine) is taken every step whatever the step time: a small state's fixed cost
 (walking the state dict, about 0.3 ms here) must not cost a step of work on a loss. A fixed `every` turns
-the choice off. Pure bookkeeping: no torch, no I/O.
+the choice off.
+
+K is also at least the background time of a snapshot (its bytes over the measured copy rate: for a GPU
+state the device-to-host link, then the host copy and checksum) over the step time, from the first
+snapshot on: a snapshot due while the previous one is still being written would wait for it (the writer
+takes the next one at the first step end after it is done instead), so a K below that is one the writer
+cannot keep, and a 16 GB state whose copy takes seconds gets its K before it has stalled anything.
+Pure bookkeeping: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Cadence:
     due: int = 1  # step ends until the next snapshot
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    busy: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # background seconds
     _last_end: float | None = None
 
     def __post_init__(self) -> None:
@@ -50,15 +58,26 @@ class Cadence:
     def started(self) -> None:
         self.due = self.every
 
-    def record(self, cost: float) -> tuple[int, int, float, float] | None:
-        """Add one snapshot's cost; (new K, old K, median cost, median step) when K changes, else None."""
-        self.costs.append(cost)
-        if self.fixed is not None or not self.intervals or len(self.costs) < SETTLE:
+    def record(self, cost: float | None, busy: float | None = None) -> tuple[int, int, float, float] | None:
+        """Add one snapshot's cost to the training thread (None: not a measured one, a first touch of
+        the memory) and the seconds its background work took; (new K, old K, median cost, median step)
+        when K changes, else None."""
+        if cost is not None:
+            self.costs.append(cost)
+        if busy is not None:
+            self.busy.append(busy)
+        if self.fixed is not None or not self.intervals:
             return None
-        cost_m, step_m = statistics.median(self.costs), statistics.median(self.intervals)
+        step_m = statistics.median(self.intervals)
+        cost_m = statistics.median(self.costs) if self.costs else 0.0
         need = 1
-        if cost_m > FREE and step_m > 0:
-            need = min(MAX_EVERY, max(1, math.ceil(cost_m / (self.budget * step_m))))
+        if len(self.costs) >= SETTLE and cost_m > FREE and step_m > 0:
+            need = math.ceil(cost_m / (self.budget * step_m))
+        if self.busy and step_m > 0:
+            need = max(need, math.ceil(statistics.median(self.busy) / step_m))
+        need = min(MAX_EVERY, need)
+        if len(self.costs) < SETTLE and need <= self.every:
+            return None  # before the cost has settled, only the pipeline bound may raise K
         if need > self.every or need <= self.every // 2:
             old, self.every = self.every, need
             self.due = min(self.due, need)

@@ -7,6 +7,7 @@ change (module buffers, schedulers, extras) itself. Parameters and optimizer sta
 and a pre-hook on the optimizer holds the next `step()` until the copy is done: the snapshot is the state
 after `step`, exactly, at the cost of a wait only when a step is shorter than the copy. The same thread
 then checksums the payload and writes the header last (the commit; see `petctl.core.snapshotrecord`).
+A GPU state is copied on a stream of its own into the mapping, page-locked (`snapdevice`).
 
 The file is preallocated (`posix_fallocate`) so a full tmpfs is an error at allocation time, never a
 SIGBUS in the middle of a copy; any failure disables snapshots for this worker (`snapshot.disabled`, once)
@@ -31,11 +32,12 @@ from petctl.core.snapshotrecord import BLANK, HEADER_SIZE, SnapshotHeader
 from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.snapcadence import Cadence
 from petctl.elastic.snapcodec import Layout, encode_meta, flatten, payload_checksum, tensor_view
+from petctl.elastic.snapdevice import DeviceCopy
 
 INLINE_BYTES = 1 << 20  # a state this small is committed on the training thread: cheaper than a handoff
 META_ROOM = 64 * 1024  # the skeleton's bytes vary from step to step: room to grow without a remap
 ZERO = {"copy_s": 0.0, "crc_s": 0.0, "blocked_s": 0.0, "cpu_s": 0.0, "hook_wait_s": 0.0, "bg_cpu_s": 0.0,
-        "bytes": 0}
+        "bytes": 0, "busy_s": 0.0}
 # What a snapshot can fail with: the file (OSError: ENOSPC), the mapping (IndexError, BufferError, ValueError)
 # or a copy (RuntimeError). Anything else is a bug and is raised.
 FAILURES = (OSError, ValueError, RuntimeError, IndexError, BufferError)
@@ -49,6 +51,7 @@ class SnapshotFile:
         self.fd: int | None = None
         self.mm: mmap.mmap | None = None
         self._views: tuple[Layout, list[torch.Tensor]] | None = None  # tensors viewing the mapping
+        self.before_unmap: Any = None  # called while the mapping is still there (to unpin it)
 
     def views(self, layout: Layout) -> list[torch.Tensor]:
         """One tensor per slot of `layout`, viewing its place in the mapping (made once per layout)."""
@@ -80,6 +83,8 @@ class SnapshotFile:
 
     def unmap(self) -> None:
         self._views = None  # they hold the mapping's buffer: released before it closes
+        if self.mm is not None and self.before_unmap is not None:
+            self.before_unmap()
         if self.mm is not None:
             self.mm.close()
             self.mm = None
@@ -105,6 +110,8 @@ class SnapshotWriter:
         self.stats = dict(ZERO)  # of the snapshots after the first (which maps and faults in the memory)
         self.first_ms: float | None = None  # the first snapshot's cost to the training thread
         self.file = SnapshotFile(path)
+        self.device = DeviceCopy(log=log)
+        self.file.before_unmap = self.device.unpin
         self._layout: Layout | None = None
         # Niced like the uploader: when cores are short the step goes first, and a copy that then ends
         # late holds the next optimizer.step(), a wait the cadence sees (and answers with a larger K).
@@ -116,6 +123,7 @@ class SnapshotWriter:
         self._hooked: Any = None  # the optimizer whose step waits for the copy
         self._hook: Any = None
         self._last_cost = 0.0  # the newest snapshot's cost so far (its hook wait comes later)
+        self._busy: float | None = None  # the newest committed snapshot's background seconds
         self._measured = False  # the newest snapshot's cost counts (not a first touch of the memory)
 
     # --- the training thread ---------------------------------------------------------------------
@@ -127,14 +135,17 @@ class SnapshotWriter:
             return
         tensors: list[torch.Tensor] = []
         flatten(state.state_dict(), tensors, [])
-        size = Layout.of(tensors).data_length
-        self._pending = self._pool.submit(self.file.room, size)
+        layout = Layout.of(tensors)
+        self._pending = self._pool.submit(lambda: self.device.prepare(self.file.room(layout.data_length),
+                                                                      tensors))
 
     def take(self, step: int, state: Any) -> bool:
         """Snapshot the state after `step` when one is due; True when one was started. Never raises:
         a failure disables snapshots (reported once)."""
         if not self.cadence.step_ended(time.monotonic()) or self.disabled is not None:
             return False
+        if self.cadence.fixed is None and self._pending is not None and not self._pending.done():
+            return False  # the previous one is still being written: the next step end, not a wait
         try:
             self._start(step, state)
         except FAILURES as e:
@@ -148,8 +159,10 @@ class SnapshotWriter:
         if self.taken == 1:
             self.first_ms = round(1e3 * (self.stats["blocked_s"] + self.stats["hook_wait_s"]), 3)
             self.stats = dict(ZERO)
-        if counted:
-            changed = self.cadence.record(self._last_cost)
+            self.device.seconds, self.device.bytes = 0.0, 0
+        busy, self._busy = self._busy, None
+        if counted or busy is not None:
+            changed = self.cadence.record(self._last_cost if counted else None, busy)
             if changed is not None:
                 self.log.emit("snapshot.every", step=step, every=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
@@ -164,6 +177,7 @@ class SnapshotWriter:
         self._layout = layout
         mm[:HEADER_SIZE] = BLANK  # from here on a reader sees no snapshot until the commit
         later = self._background(state, tensors, roots)
+        self.device.mark([tensors[i] for i in later])
         views = self.file.views(layout)
         t_copy = time.monotonic()
         for i, tensor in enumerate(tensors):
@@ -222,8 +236,7 @@ class SnapshotWriter:
         t0, cpu0 = time.monotonic(), time.thread_time()
         views = self.file.views(layout)
         try:
-            for i, tensor in later:
-                views[i].copy_(tensor)
+            self.device.copy(mm, views, later, self._copied.set)
         finally:
             self._copied.set()
         t1 = time.monotonic()
@@ -234,6 +247,8 @@ class SnapshotWriter:
         self.stats["crc_s"] += time.monotonic() - t1
         self.stats["bg_cpu_s"] += time.thread_time() - cpu0  # the copy and the checksum: CPU, not wall
         self.stats["bytes"] += layout.data_length
+        self._busy = time.monotonic() - t0
+        self.stats["busy_s"] += self._busy
 
     def _finish(self) -> bool:
         """Wait for the snapshot in flight; True when its cost counts. Raises what it raised."""
@@ -262,6 +277,7 @@ class SnapshotWriter:
                 "copy_ms": round(1e3 * s["copy_s"] / n, 3), "crc_ms": round(1e3 * s["crc_s"] / n, 3),
                 "background_cpu_ms": round(1e3 * s["bg_cpu_s"] / n, 3),
                 "copy_ms_per_100mb": round(1e5 * s["copy_s"] / mb, 3) if mb else None,
+                "busy_ms": round(1e3 * s["busy_s"] / n, 3), **self.device.report(n),
                 "step_ms": round(1e3 * step, 3) if step else None, "disabled": self.disabled}
 
     def close(self) -> None:

@@ -1,0 +1,146 @@
+"""How a snapshot's background tensors reach the mapped file: a GPU state on a stream of its own, into
+the mapping pinned in place.
+
+A CPU tensor is copied into its place in the mapping as before. For CUDA tensors:
+- **its own stream**: on the training thread's stream the copy would queue behind the next step's
+  kernels and hold them up; on a stream of its own it runs on the copy engine beside them. The stream
+  first waits for an event the training thread recorded at the snapshot (`mark`), after the step's
+  `optimizer.step()`, so the copy reads the state after that step and nothing later.
+- **pinned memory, in place**: a device-to-host copy into pageable memory goes through the driver's
+  bounce buffer and blocks the calling thread; into page-locked memory it is one DMA at the link's
+  rate (bench/gpu.py measures both). The snapshot's tmpfs mapping itself is page-locked
+  (`cudaHostRegister`, as torch's own checkpoint staging does for shared memory), so the copy lands in
+  the file with no staging buffer: no second host copy, no second state's worth of host memory (torch's
+  caching pinned allocator also rounds a block up to a power of two: 17 GB would take 32 GiB).
+  Registered when the mapping is made ready (`prepare`) or at the first copy, released before the
+  mapping is unmapped (`unpin`). Where the kernel refuses (a mapping that is not tmpfs, say) the copy
+  goes to pageable memory: `snapshot.unpinned` says so once, and `pinned` in `snapshot.stats`.
+`released()` is called as soon as the device copy is complete, so the next `optimizer.step()` (which
+the writer holds until then) waits for the link only.
+
+`DeviceCopy` counts the bytes and seconds of its copies: their rate is what the writer reports
+(`d2h_gb_per_s`; a memcpy's on CPU) and, through the background time, what sets the cadence's pipeline
+bound (`snapcadence`). `pin=False` copies a GPU state into pageable memory (bench/gpu.py's comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from petctl.core.eventlog import EventLog
+
+PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch registers
+
+
+class DeviceCopy:
+    """Copies (index, tensor) pairs into views of a mapping; one instance per snapshot writer."""
+
+    def __init__(self, pin: bool = True, log: EventLog | None = None) -> None:
+        self.pin = pin  # page-lock the mapping for a GPU state (False after a refusal)
+        self.pinned = False  # a copy went to a page-locked mapping
+        self.log = log
+        self.seconds = 0.0  # of every copy so far (the writer resets them after the first snapshot)
+        self.bytes = 0
+        self._stream: Any = None
+        self._ready: Any = None  # the training thread's event for the copy in flight
+        self._registered: int | None = None  # the address of the mapping we page-locked
+
+    def mark(self, tensors: list[torch.Tensor]) -> None:
+        """On the training thread, at the snapshot: the point of its CUDA stream the copy must follow."""
+        device = _cuda_device(tensors)
+        self._ready = None
+        if device is not None:
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))
+
+    def prepare(self, mm: mmap.mmap, tensors: list[torch.Tensor]) -> None:
+        """Page-lock the mapping now (background, beside the first steps) when the state is on a GPU."""
+        if _cuda_device(tensors) is not None:
+            self._register(mm)
+
+    def copy(self, mm: mmap.mmap, views: list[torch.Tensor], pairs: list[tuple[int, torch.Tensor]],
+             released: Callable[[], None]) -> None:
+        """Copy each (i, tensor) into views[i] (which view `mm`); call `released` once no tensor is read
+        any more. Raises what a copy raises (RuntimeError)."""
+        tensors = [t for _, t in pairs]
+        device = _cuda_device(tensors)
+        t0 = time.monotonic()
+        if device is not None:
+            self._register(mm)
+            self._copy_cuda(device, views, pairs)
+        else:
+            for i, tensor in pairs:
+                views[i].copy_(tensor)
+        self.seconds += time.monotonic() - t0
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        released()
+
+    def _copy_cuda(self, device: torch.device, views: list[torch.Tensor],
+                   pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """The CUDA branch: on our stream, after the training thread's event; returns when done."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            if self._ready is not None:
+                self._stream.wait_event(self._ready)
+            for i, tensor in pairs:
+                ours = tensor.device == device  # another GPU's tensor (rare): a synchronous copy
+                if ours:
+                    tensor.record_stream(self._stream)  # its memory is not reused while we read it
+                views[i].copy_(tensor, non_blocking=ours)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+    def _register(self, mm: mmap.mmap) -> None:
+        """Page-lock `mm` unless it is already, or pinning is off or was refused (reported once)."""
+        if not self.pin:
+            return
+        address = _address(mm)
+        if address == self._registered:
+            return
+        self.unpin()
+        error = int(torch.cuda.cudart().cudaHostRegister(address, len(mm), PORTABLE))
+        if error:
+            self.pin = False
+            if self.log is not None:
+                self.log.emit("snapshot.unpinned", bytes=len(mm),
+                              reason=f"cudaHostRegister: CUDA error {error}")
+            return
+        self._registered, self.pinned = address, True
+
+    def unpin(self) -> None:
+        """Release the page lock: before the mapping it covers is unmapped (`SnapshotFile.unmap`)."""
+        if self._registered is not None:
+            address, self._registered = self._registered, None
+            error = int(torch.cuda.cudart().cudaHostUnregister(address))
+            if error and self.log is not None:
+                self.log.emit("snapshot.unpin_failed", reason=f"cudaHostUnregister: CUDA error {error}")
+
+    def report(self, count: int) -> dict[str, Any]:
+        """Per copy (of `count`): milliseconds, the rate, and whether the mapping was page-locked."""
+        n = max(1, count)
+        return {"d2h_ms": round(1e3 * self.seconds / n, 3), "pinned": self.pinned,
+                "d2h_gb_per_s": round(self.bytes / self.seconds / 1e9, 3) if self.seconds > 0 else None}
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Where `mm` starts in memory (the ctypes view is released at once: the mapping can still close)."""
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def _cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
+    """The CUDA device of the first CUDA tensor, or None (always None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return next((t.device for t in tensors if t.is_cuda), None)

@@ -1,0 +1,221 @@
+"""The snapshot copy path a GPU state takes (issue 29), run on CPU where it can be: the copy's figures
+and its release; the page lock of the mapping (the CUDA runtime replaced by a recorder: registered once
+per mapping, released before the mapping goes, a refusal reported once and the copy left pageable); the
+cadence's pipeline bound from the measured background time; and a snapshot due while the previous one is
+still written is taken later instead of waited for.
+
+The CUDA-only lines (the copy's own stream, its events, the registration itself) cannot run here;
+bench/gpu.py runs them on a GPU, and `--device cpu` in tests/test_bench_gpu.py runs the rest of the bench.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from petctl.elastic import snapdevice
+from petctl.elastic.snapcadence import SETTLE, Cadence
+from petctl.elastic.snapcodec import Layout, tensor_view
+from petctl.elastic.snapdevice import DeviceCopy
+from petctl.elastic.snapwriter import SnapshotFile, SnapshotWriter
+from tests.test_snapshots import Recorder, assert_same, frozen, make_state, read_back, train
+
+
+def _tensors() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.empty(0),
+            torch.randn(4, dtype=torch.float64), torch.tensor(3.0)]
+
+
+def test_a_copy_is_exact_counted_and_released_once_done() -> None:
+    tensors = _tensors()
+    layout = Layout.of(tensors)
+    mm = mmap.mmap(-1, layout.data_length)
+    views = [tensor_view(mm, slot) for slot in layout.slots]
+    copier = DeviceCopy()
+    seen_at_release: list[bytes] = []
+    pairs = [(i, t) for i, t in enumerate(tensors) if i != 1]  # one tensor is not the copier's
+    copier.mark(tensors)  # no CUDA tensor: nothing to wait for
+    copier.copy(mm, views, pairs, lambda: seen_at_release.append(bytes(mm)))
+    assert len(seen_at_release) == 1 and seen_at_release[0] == bytes(mm)  # released after the copy
+    for i, tensor in pairs:
+        assert torch.equal(views[i], tensor)
+    assert not views[1].any()  # untouched
+    assert copier.bytes == sum(t.numel() * t.element_size() for _, t in pairs)
+    report = copier.report(1)
+    assert report["pinned"] is False and report["d2h_gb_per_s"] > 0  # no GPU: a memcpy, nothing pinned
+    del views
+
+
+class FakeCudart:
+    """torch.cuda.cudart() as the page lock sees it: records the calls, refuses when told to."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple[str, int]] = []
+        self.live: set[int] = set()
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", address))
+        if self.refuse:
+            return 1
+        assert flags == snapdevice.PORTABLE and size > 0
+        self.live.add(address)
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", address))
+        self.live.remove(address)
+        return 0
+
+
+def test_the_mapping_is_page_locked_once_and_released_before_it_is_unmapped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    rec = Recorder()
+    copier = DeviceCopy(log=rec.log)
+    file = SnapshotFile(tmp_path / "state.snap")
+    open_at_unpin: list[bool] = []
+
+    def unpin() -> None:
+        open_at_unpin.append(file.mm is not None and not file.mm.closed)
+        copier.unpin()
+
+    file.before_unmap = unpin
+    first = file.room(1 << 20)
+    copier._register(first)
+    copier._register(first)  # the same mapping: once
+    assert cudart.calls == [("register", snapdevice._address(first))] and copier.pinned
+    grown = file.room(8 << 20)  # a larger state: a new mapping, the old one released first
+    assert open_at_unpin == [True] and cudart.live == set()
+    copier._register(grown)
+    assert cudart.live == {snapdevice._address(grown)}
+    file.close()
+    assert open_at_unpin == [True, True] and cudart.live == set()
+    assert not rec.events("snapshot.unpinned") and not rec.events("snapshot.unpin_failed")
+
+
+def test_a_refused_page_lock_is_reported_once_and_the_copy_stays_pageable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart(refuse=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    rec = Recorder()
+    copier = DeviceCopy(log=rec.log)
+    mm = mmap.mmap(-1, 1 << 16)
+    copier._register(mm)
+    copier._register(mm)
+    assert cudart.calls == [("register", snapdevice._address(mm))]  # not tried again
+    assert copier.pin is False and copier.pinned is False
+    [event] = rec.events("snapshot.unpinned")
+    assert "cudaHostRegister" in event["reason"] and event["bytes"] == 1 << 16
+    mm.close()  # nothing holds the mapping: _address let go of it
+
+
+def test_unpinned_copies_never_ask_for_a_page_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    copier = DeviceCopy(pin=False)
+    copier._register(mmap.mmap(-1, 4096))
+    copier.unpin()
+    assert cudart.calls == []
+
+
+def test_the_writer_pins_nothing_for_a_cpu_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU state (every test and CPU job): the snapshot is still exact and the CUDA runtime untouched."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    width = 1024  # 25 MB: copied in the background
+    state, rec = make_state(width=width), Recorder()
+    writer = SnapshotWriter(tmp_path / "state.snap", "job", 1, 0, 1, rec.log, every=1)
+    writer.prepare(state)
+    for step in range(3):
+        train(state, step, width)
+        expected = frozen(state)
+        writer.take(step, state)
+        train(state, step + 100, width)
+        writer._finish()
+        header, got = read_back(tmp_path / "state.snap")
+        assert header.step == step
+        assert_same(expected, got)
+    writer.close()
+    stats = rec.events("snapshot.stats")[0]
+    assert stats["snapshots"] == 3 and stats["pinned"] is False and cudart.calls == []
+    assert stats["d2h_gb_per_s"] > 0 and stats["busy_ms"] >= stats["copy_ms"] > 0
+
+
+@pytest.mark.parametrize(("busy", "step", "every"), [
+    (0.35, 0.1, 4),  # the background work takes 3.5 steps: every 4th step is the most it can keep
+    (0.05, 0.1, 1),  # done within the step: every step
+    (4.0, 0.1, 40),  # a 16 GB state's seconds of copy: K from the first snapshot, no stall first
+])
+def test_k_covers_the_background_time_from_the_first_snapshot(busy: float, step: float, every: int) -> None:
+    cadence = Cadence(budget=0.01)
+    cadence.step_ended(0.0)
+    cadence.step_ended(step)
+    changed = cadence.record(None, busy)  # the first snapshot: its cost does not count, its time does
+    assert cadence.every == every
+    assert (changed is not None) == (every > 1)
+
+
+def test_k_falls_back_when_the_background_time_falls_but_only_once_the_cost_settled() -> None:
+    cadence = Cadence(budget=0.01)
+    now = 0.0
+    for _ in range(3):
+        now += 0.1
+        cadence.step_ended(now)
+        cadence.record(0.0002, 0.8)
+    assert cadence.every == 8
+    for i in range(3 * SETTLE):
+        now += 0.1
+        cadence.step_ended(now)
+        cadence.record(0.0002, 0.05)
+        if i < SETTLE - 4:
+            assert cadence.every == 8  # not lowered on a few samples
+    assert cadence.every == 1
+
+
+def test_a_fixed_k_ignores_the_background_time() -> None:
+    cadence = Cadence(fixed=2)
+    cadence.step_ended(0.0)
+    cadence.step_ended(0.1)
+    assert cadence.record(None, 5.0) is None and cadence.every == 2
+
+
+def test_a_due_snapshot_is_taken_after_the_previous_one_is_written_not_waited_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the cadence's own K, a snapshot whose predecessor is still being written costs the training
+    thread nothing: it is taken at the first step end after, and K rises to what the writer can keep."""
+    commit = SnapshotFile.commit
+    slow = 0.4
+
+    def slow_commit(self, header):  # a checksum that takes 8 steps, after the copy (no hook wait)
+        time.sleep(slow)
+        return commit(self, header)
+
+    monkeypatch.setattr(SnapshotFile, "commit", slow_commit)
+    width, step_s = 1024, 0.05
+    state, rec = make_state(width=width), Recorder()
+    writer = SnapshotWriter(tmp_path / "state.snap", "job", 1, 0, 1, rec.log)
+    started, longest = [], 0.0
+    for step in range(40):
+        t0 = time.monotonic()
+        train(state, step, width)
+        took = time.monotonic()
+        if writer.take(step, state):
+            started.append(step)
+        longest = max(longest, time.monotonic() - took)
+        time.sleep(max(0.0, step_s - (time.monotonic() - t0)))
+    writer.close()
+    assert started[0] == 0 and len(started) >= 3, started
+    assert min(b - a for a, b in zip(started, started[1:], strict=False)) >= 2, started
+    assert longest < slow / 2, longest  # never waited for a commit
+    changes = rec.events("snapshot.every")
+    assert changes and changes[0]["was"] == 1, changes
+    step_m = writer.cadence.step_time()
+    assert writer.cadence.every >= math.ceil(slow / step_m) - 1, (writer.cadence.every, step_m)
