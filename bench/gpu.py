@@ -140,6 +140,7 @@ def p8(run: Run, gb: float, first: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"model": model.describe(), "snapshot_dir": str(directory), "dir_note": note}
         out["p8"] = run.part(f"P8 {gb} GB", gpu_snap.run, device, model, directory, steps, args.block)
         if first:
+            out["exact"] = run.part(f"P8 {gb} GB exact", gpu_snap.exact, device, model, directory)
             out["p8_unpinned"] = run.part(f"P8 {gb} GB unpinned", gpu_snap.run, device, model, directory,
                                           steps, args.block, False)
         return out

@@ -90,8 +90,11 @@ def _size_rows(size: dict[str, Any]) -> list[Row]:
             continue
         w = p8["writer"]
         out += [
-            _row(label, f"{gb} GB: step-time overhead (K auto)", p8["overhead_pct"], "%",
-                 f"{p8['step_ms_without']} -> {p8['step_ms_with']} ms mean step"),
+            _row(label, f"{gb} GB: step-time overhead at the K picked", p8.get("overhead_at_k_pct"), "%",
+                 f"({w['blocked_ms']} + {w['hook_wait_ms']} ms per snapshot) / "
+                 f"(K x {p8['step_ms_without']} ms)"),
+            _row(label, f"{gb} GB: step-time overhead, first {p8['steps']} steps (K settling)",
+                 p8["overhead_pct"], "%", f"{p8['step_ms_without']} -> {p8['step_ms_with']} ms mean step"),
             _row(label, f"{gb} GB: K the cadence picked", p8["every"], "",
                  f"{p8['snapshots']} snapshots, one per {p8['steps_per_snapshot']} steps of the blocks with"),
             _row(label, f"{gb} GB: device -> host per GB (the writer's copy)", p8["d2h_ms_per_gb"], "ms/GB",
@@ -104,6 +107,12 @@ def _size_rows(size: dict[str, Any]) -> list[Row]:
             _row(label, f"{gb} GB: snapshot read back as a resume would", p8["verified"], "",
                  f"step {p8['offered_step']} (last taken {p8['last_step']})"),
         ]
+    exact = snap.get("exact")
+    if exact is not None:
+        out.append(_status("P8", f"{gb} GB exact", exact) or _row(
+            "P8", f"{gb} GB: snapshot bit-exact with the next step run at once", exact["verified"], "",
+            f"{exact['tensors']} tensors, {exact['differ']} differ; {exact['changed_since']} changed since; "
+            f"pinned: {exact['pinned']}"))
     status = _status("P4", f"{gb} GB", save)
     if status:
         return [*out, status]

@@ -219,3 +219,15 @@ def test_a_due_snapshot_is_taken_after_the_previous_one_is_written_not_waited_fo
     assert changes and changes[0]["was"] == 1, changes
     step_m = writer.cadence.step_time()
     assert writer.cadence.every >= math.ceil(slow / step_m) - 1, (writer.cadence.every, step_m)
+
+
+def test_a_gpu_hold_timed_on_the_device_raises_k_at_once_a_cpu_cost_waits_to_settle() -> None:
+    """bench/gpu.py on an H200: a 16 GB copy held the next optimizer step 190 ms; waiting for SETTLE
+    samples of that before raising K would have cost SETTLE stalls. A CUDA-event timing is no scheduling
+    noise, so it counts at once; a CPU cost on a loaded machine does not."""
+    for timed, every in ((True, 191), (False, 1)):
+        cadence = Cadence(budget=0.01)
+        cadence.step_ended(0.0)
+        cadence.step_ended(0.1)
+        cadence.record(0.191, timed=timed)
+        assert cadence.every == every, timed

@@ -6,7 +6,10 @@ for the background copy). CPU time rather than wall time for the work, so a load
 delays do not pass for the snapshot's cost; wall time for the waits, because then the step really stalls.
 
 K (snapshot every K steps) >= median cost / (budget * median step time), over the last WINDOW samples so
-one outlier moves nothing; raised at once, lowered only when half of K would do (no flapping). A snapshot
+one outlier moves nothing; raised at once, lowered only when half of K would do (no flapping). No
+verdict on the cost before SETTLE samples (the first snapshots pay one-time costs), except for a GPU's
+hold on the next optimizer step, timed by CUDA events (`snapdevice`): the smallest such cost so far may
+raise K at once. A snapshot
 whose median cost is under FREE (1 ms: 1 % of the 100 ms step the goal is set on, and below the jitter of
 a step on a loaded machine) is taken every step whatever the step time: a small state's fixed cost
 (walking the state dict, about 0.3 ms here) must not cost a step of work on a loss. A fixed `every` turns
@@ -58,10 +61,12 @@ class Cadence:
     def started(self) -> None:
         self.due = self.every
 
-    def record(self, cost: float | None, busy: float | None = None) -> tuple[int, int, float, float] | None:
+    def record(self, cost: float | None, busy: float | None = None,
+               timed: bool = False) -> tuple[int, int, float, float] | None:
         """Add one snapshot's cost to the training thread (None: not a measured one, a first touch of
         the memory) and the seconds its background work took; (new K, old K, median cost, median step)
-        when K changes, else None."""
+        when K changes, else None. `timed`: the cost includes a GPU hold timed on the device (then the
+        smallest cost so far may raise K before SETTLE samples)."""
         if cost is not None:
             self.costs.append(cost)
         if busy is not None:
@@ -71,8 +76,13 @@ class Cadence:
         step_m = statistics.median(self.intervals)
         cost_m = statistics.median(self.costs) if self.costs else 0.0
         need = 1
-        if len(self.costs) >= SETTLE and cost_m > FREE and step_m > 0:
-            need = math.ceil(cost_m / (self.budget * step_m))
+        cost_k = cost_m if len(self.costs) >= SETTLE else 0.0
+        if len(self.costs) < SETTLE and timed:
+            # a GPU's hold timed by CUDA events carries no scheduling noise: K follows it at once, so a
+            # 16 GB copy stalls one step, not SETTLE of them
+            cost_k = min(self.costs)
+        if cost_k > FREE and step_m > 0:
+            need = math.ceil(cost_k / (self.budget * step_m))
         if self.busy and step_m > 0:
             need = max(need, math.ceil(statistics.median(self.busy) / step_m))
         need = min(MAX_EVERY, need)

@@ -15,8 +15,18 @@ A CPU tensor is copied into its place in the mapping as before. For CUDA tensors
   Registered when the mapping is made ready (`prepare`) or at the first copy, released before the
   mapping is unmapped (`unpin`). Where the kernel refuses (a mapping that is not tmpfs, say) the copy
   goes to pageable memory: `snapshot.unpinned` says so once, and `pinned` in `snapshot.stats`.
-`released()` is called as soon as the device copy is complete, so the next `optimizer.step()` (which
-the writer holds until then) waits for the link only.
+- **the hold is on the GPU, not the CPU**: with the mapping page-locked the training thread itself
+  enqueues the copies on our stream at the snapshot (`launch`: microseconds, nothing waits) and the
+  optimizer's pre-hook makes the training stream wait for the copy's event (`gate`). The CPU never
+  blocks, so the next step's forward and backward, already queued, run on the GPU beside the copy, and
+  the step stalls only by what the copy outlasts them. bench/gpu.py's first H200 run showed why: with
+  the copy issued from a background thread and the pre-hook waiting on the CPU, the hook waited the
+  whole copy (the CPU reaches `optimizer.step()` long before the GPU has run the step's kernels), and the
+  cadence took that wait for a stall: K 72 for a 4 GB state whose copy the step hid entirely.
+  `stall()` is that real stall, timed by CUDA events (the training stream's arrival at the gate to the
+  copy's end), and is what the cadence counts. Without page-locking (`pin=False`, or refused) a
+  non-blocking copy would block the thread that issues it, so that copy stays on the background thread
+  and the hook waits on the CPU (`copy`), as on CPU.
 
 `DeviceCopy` counts the bytes and seconds of its copies: their rate is what the writer reports
 (`d2h_gb_per_s`; a memcpy's on CPU) and, through the background time, what sets the cadence's pipeline
@@ -50,6 +60,9 @@ class DeviceCopy:
         self._stream: Any = None
         self._ready: Any = None  # the training thread's event for the copy in flight
         self._registered: int | None = None  # the address of the mapping we page-locked
+        self._flight: tuple[Any, Any, int] | None = None  # (began, done, bytes) of a launched copy
+        self._arrived: Any = None  # the training stream's event at the gate, for the launched copy
+        self._timed: tuple[Any, Any] | None = None  # (arrived, done) of a finished copy, not yet read
 
     def mark(self, tensors: list[torch.Tensor]) -> None:
         """On the training thread, at the snapshot: the point of its CUDA stream the copy must follow."""
@@ -80,6 +93,63 @@ class DeviceCopy:
         self.seconds += time.monotonic() - t0
         self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         released()
+
+    def launch(self, mm: mmap.mmap, views: list[torch.Tensor], pairs: list[tuple[int, torch.Tensor]]) -> bool:
+        """On the training thread, at the snapshot: enqueue the copy of a GPU state into the page-locked
+        mapping on our stream, after what the training stream has queued; True when launched (then
+        `gate` before the next optimizer step and `wait` for its end). False, launching nothing, for a
+        CPU state or a mapping that is not page-locked (then `copy` on the background thread). Raises
+        what a copy raises (RuntimeError)."""
+        tensors = [t for _, t in pairs]
+        device = _cuda_device(tensors)
+        if device is None or any(t.device != device for t in tensors):
+            return False
+        self._register(mm)
+        if self._registered is None:
+            return False
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            began.record()
+            for i, tensor in pairs:
+                tensor.record_stream(self._stream)  # its memory is not reused while we read it
+                views[i].copy_(tensor, non_blocking=True)
+            done.record()
+        self._flight = (began, done, sum(t.numel() * t.element_size() for t in tensors))
+        self._arrived = None
+        return True
+
+    def gate(self) -> None:
+        """In the optimizer's pre-hook (the training thread): the training stream waits, on the GPU, for
+        the launched copy; the CPU goes on at once."""
+        if self._flight is None or self._arrived is not None:
+            return
+        current = torch.cuda.current_stream(self._stream.device)
+        self._arrived = torch.cuda.Event(enable_timing=True)
+        self._arrived.record(current)
+        current.wait_event(self._flight[1])
+
+    def wait(self, released: Callable[[], None]) -> None:
+        """On the background thread: block until the launched copy is complete, count it, `released()`."""
+        assert self._flight is not None
+        began, done, nbytes = self._flight
+        done.synchronize()
+        self.seconds += began.elapsed_time(done) / 1e3
+        self.bytes += nbytes
+        self._timed = (self._arrived, done) if self._arrived is not None else None
+        self._flight = None
+        released()
+
+    def stall(self) -> float | None:
+        """Seconds the training stream waited at the gate for the last finished copy (0 when the copy
+        ended first), once the GPU has got that far; None when unknown (no gate yet, or not reached)."""
+        if self._timed is None or not self._timed[0].query():
+            return None
+        arrived, done = self._timed
+        self._timed = None
+        return max(0.0, arrived.elapsed_time(done) / 1e3)
 
     def _copy_cuda(self, device: torch.device, views: list[torch.Tensor],
                    pairs: list[tuple[int, torch.Tensor]]) -> None:

@@ -161,8 +161,12 @@ class SnapshotWriter:
             self.stats = dict(ZERO)
             self.device.seconds, self.device.bytes = 0.0, 0
         busy, self._busy = self._busy, None
+        stall = self.device.stall()  # the previous GPU copy's hold on the training stream, if timed yet
+        if stall is not None:
+            self.stats["hook_wait_s"] += stall
+            self._last_cost += stall
         if counted or busy is not None:
-            changed = self.cadence.record(self._last_cost if counted else None, busy)
+            changed = self.cadence.record(self._last_cost if counted else None, busy, timed=stall is not None)
             if changed is not None:
                 self.log.emit("snapshot.every", step=step, every=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
@@ -184,16 +188,17 @@ class SnapshotWriter:
             if i not in later:
                 views[i].copy_(tensor)
         self.stats["copy_s"] += time.monotonic() - t_copy
-        if later:
+        rest = [(i, tensors[i]) for i in later]
+        launched = bool(rest) and self.device.launch(mm, views, rest)  # a GPU state: held on the GPU
+        if later and not launched:
             self._copied.clear()
         header = SnapshotHeader(job=self.job, round=self.round, step=step, rank=self.rank,
                                 world_size=self.world_size, data_length=layout.data_length,
                                 meta_offset=layout.data_length, meta_length=len(meta), checksum=0)
-        rest = [(i, tensors[i]) for i in later]
-        if layout.data_length <= INLINE_BYTES:
+        if layout.data_length <= INLINE_BYTES and not launched:
             self._commit(header, layout, rest, meta)
         else:
-            self._pending = self._pool.submit(self._commit, header, layout, rest, meta)
+            self._pending = self._pool.submit(self._commit, header, layout, rest, meta, launched)
         cpu = time.thread_time() - cpu0
         self.stats["blocked_s"] += time.monotonic() - t0
         self.stats["cpu_s"] += cpu
@@ -220,6 +225,7 @@ class SnapshotWriter:
                 if root == "optimizer" or (root == "model" and t.data_ptr() in params and t.numel() > 0)}
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        self.device.gate()  # a launched GPU copy: the training stream waits for it, the CPU does not
         if not self._copied.is_set():
             t0 = time.monotonic()
             self._copied.wait()
@@ -229,14 +235,18 @@ class SnapshotWriter:
 
     # --- the background thread -------------------------------------------------------------------
     def _commit(self, header: SnapshotHeader, layout: Layout, later: list[tuple[int, torch.Tensor]],
-                meta: bytes) -> None:
-        """Copy what was left, write the meta, checksum, and commit the header."""
+                meta: bytes, launched: bool = False) -> None:
+        """Copy what was left (or wait for the GPU copy `launched` on the training thread), write the meta,
+        checksum, and commit the header."""
         mm = self.file.mm
         assert mm is not None
         t0, cpu0 = time.monotonic(), time.thread_time()
         views = self.file.views(layout)
         try:
-            self.device.copy(mm, views, later, self._copied.set)
+            if launched:
+                self.device.wait(self._copied.set)
+            else:
+                self.device.copy(mm, views, later, self._copied.set)
         finally:
             self._copied.set()
         t1 = time.monotonic()
