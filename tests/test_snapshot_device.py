@@ -231,3 +231,17 @@ def test_a_gpu_hold_timed_on_the_device_raises_k_at_once_a_cpu_cost_waits_to_set
         cadence.step_ended(0.1)
         cadence.record(0.191, timed=timed)
         assert cadence.every == every, timed
+
+
+def test_a_cpu_state_is_never_launched_on_a_stream_and_the_gate_is_then_free() -> None:
+    """The GPU-side hold (`launch`, `gate`, `stall`) applies to CUDA tensors only: for a CPU state the
+    background thread copies, the hook waits on the CPU, and nothing is timed on a device."""
+    tensors = _tensors()
+    layout = Layout.of(tensors)
+    mm = mmap.mmap(-1, layout.data_length)
+    views = [tensor_view(mm, slot) for slot in layout.slots]
+    copier = DeviceCopy()
+    assert copier.launch(mm, views, list(enumerate(tensors))) is False
+    copier.gate()  # nothing in flight: a no-op
+    assert copier.stall() is None and copier._flight is None
+    assert all(not torch.equal(v, t) for v, t in zip(views, tensors, strict=True) if t.numel() and t.any())

@@ -97,27 +97,32 @@ class DeviceCopy:
     def launch(self, mm: mmap.mmap, views: list[torch.Tensor], pairs: list[tuple[int, torch.Tensor]]) -> bool:
         """On the training thread, at the snapshot: enqueue the copy of a GPU state into the page-locked
         mapping on our stream, after what the training stream has queued; True when launched (then
-        `gate` before the next optimizer step and `wait` for its end). False, launching nothing, for a
-        CPU state or a mapping that is not page-locked (then `copy` on the background thread). Raises
-        what a copy raises (RuntimeError)."""
-        tensors = [t for _, t in pairs]
-        device = _cuda_device(tensors)
-        if device is None or any(t.device != device for t in tensors):
+        `gate` before the next optimizer step and `wait` for its end). The few CPU tensors among them
+        (Adam keeps its `step` counters on the CPU unless capturable) are copied here at once: one of
+        them made the first GPU run fall back to the background thread for the whole state. False,
+        launching nothing, for a CPU state or a mapping that is not page-locked (then `copy` on the
+        background thread). Raises what a copy raises (RuntimeError)."""
+        device = _cuda_device([t for _, t in pairs])
+        if device is None:
             return False
         self._register(mm)
         if self._registered is None:
             return False
+        ours = [(i, t) for i, t in pairs if t.device == device]
+        for i, tensor in pairs:  # a CPU tensor (Adam's `step` counters) or another GPU's: copied now
+            if tensor.device != device:
+                views[i].copy_(tensor)
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
             began.record()
-            for i, tensor in pairs:
+            for i, tensor in ours:
                 tensor.record_stream(self._stream)  # its memory is not reused while we read it
                 views[i].copy_(tensor, non_blocking=True)
             done.record()
-        self._flight = (began, done, sum(t.numel() * t.element_size() for t in tensors))
+        self._flight = (began, done, sum(t.numel() * t.element_size() for _, t in ours))
         self._arrived = None
         return True
 
@@ -126,10 +131,15 @@ class DeviceCopy:
         the launched copy; the CPU goes on at once."""
         if self._flight is None or self._arrived is not None:
             return
-        current = torch.cuda.current_stream(self._stream.device)
-        self._arrived = torch.cuda.Event(enable_timing=True)
-        self._arrived.record(current)
-        current.wait_event(self._flight[1])
+        done = self._flight[1]
+        try:
+            current = torch.cuda.current_stream(done.device)
+            arrived = torch.cuda.Event(enable_timing=True)
+            arrived.record(current)
+            current.wait_event(done)
+            self._arrived = arrived
+        except RuntimeError:  # the GPU-side hold failed: hold on the CPU, the update must not race the copy
+            done.synchronize()
 
     def wait(self, released: Callable[[], None]) -> None:
         """On the background thread: block until the launched copy is complete, count it, `released()`."""
