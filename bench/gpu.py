@@ -214,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     doc["overlap"] = run.part("overlap", overlaps, run, copy_bytes)
     doc["warm"] = run.part("warm", gpu_warm.run, args.device, args.worker_timeout_s, run.deadline - 20)
     # P8 at every size first (the headline), then P4: the models are made again for it
-    sizes = [{"state_gb": gb, "snap": run.part(f"P8 at {gb} GB", p8, run, gb, i == 0)}
-             for i, gb in enumerate(args.sizes)]
-    for size in sizes:
+    # each size joins the document once its P8 is done, so the watchdog writes every finished part
+    doc["sizes"] = []
+    for i, gb in enumerate(args.sizes):
+        doc["sizes"].append({"state_gb": gb, "snap": run.part(f"P8 at {gb} GB", p8, run, gb, i == 0)})
+    for size in doc["sizes"]:
         size["save"] = run.part(f"P4 at {size['state_gb']} GB", p4, run, size["state_gb"])
-    doc["sizes"] = sizes
     watchdog.cancel()
     doc["errors"] = problems(doc)
     write(doc, out)

@@ -46,8 +46,13 @@ def rows(doc: dict[str, Any]) -> list[Row]:
             f"step {section['step_ms']} ms alone, copy {section['copy_ms']} ms alone, "
             f"both {section['both_ms']} ms"))
     out += _warm_rows(doc.get("warm", {}))
+    done = set()
     for size in doc.get("sizes", []):
         out += _size_rows(size)
+        done.add(size["state_gb"])
+    for gb in doc.get("config", {}).get("sizes", []):  # not reached when the watchdog wrote the document
+        if gb not in done:
+            out.append(_row("P8", f"{gb} GB", "missing"))
     return out
 
 

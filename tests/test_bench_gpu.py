@@ -104,8 +104,12 @@ def test_past_the_hard_limit_what_was_measured_is_written(tmp_path: Path) -> Non
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [e for e in doc["errors"] if e.startswith("watchdog")], doc["errors"]
-    assert doc["device"]["kind"] == "cpu" and "sizes" not in doc  # 8 s: not as far as P8
-    assert any(r["value"] == "missing" for r in doc["table"])
+    assert doc["device"]["kind"] == "cpu"
+    # wherever the watchdog landed (a part in flight, or between two), what was not done reads missing:
+    # 8 s is far short of the smoke's whole run (25 s and more), so some part always is
+    assert any(r["value"] == "missing" for r in doc["table"]), doc["table"]
+    assert len(doc.get("sizes", [])) < len(doc["config"]["sizes"]) or any(
+        "save" not in size for size in doc["sizes"])
     assert out.with_suffix(".md").exists()
 
 
