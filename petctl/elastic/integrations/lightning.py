@@ -72,10 +72,13 @@ class PetctlCallback(ProtocolCallback, Callback):
     dirpath: where the save-now checkpoint goes, as `last.ckpt` (default `<default_root_dir>/checkpoints`,
         which `last_checkpoint(default_root_dir)` reads; with another dirpath, pass it to both). Not the
         ModelCheckpoint's directory: with a logger that is a new `version_N/` in every round.
+    every: "auto" also saves `last.ckpt` every durable interval Young/Daly picks for the measured save
+        time (protocol.py, autointerval.py); None leaves periodic saves to the user's ModelCheckpoint.
     """
 
-    def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None) -> None:
-        super().__init__(check_every)
+    def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None,
+                 every: str | None = None) -> None:
+        super().__init__(check_every, every)
         self.dirpath = dirpath
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
