@@ -51,3 +51,34 @@ def test_it_adapts_when_the_observed_rate_changes() -> None:
     # a change under 20 % is not adopted (no flapping, no event)
     assert auto.observe(losses=8, node_hours=801.0) is None
     assert auto.fields()["interval_s"] == round(calm.seconds, 1) and auto.fields()["losses"] == 8
+
+
+def test_checkpointer_auto_measures_and_reports(tmp_path, monkeypatch) -> None:
+    """A real save sets the interval and says why in one structured line; a bad `every` is refused."""
+    import io
+    import json
+
+    torch = pytest.importorskip("torch")
+    from petctl.core.eventlog import EventLog
+    from petctl.elastic import Checkpointer, State
+
+    monkeypatch.setenv("PETCTL_LOSS_RATE", "360")  # silent losses per node-hour: MTBF short, 1 node
+    out = io.StringIO()
+    model = torch.nn.Linear(64, 64)
+    state = State(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), extra={})
+    ckpt = Checkpointer(url=f"file://{tmp_path}/ck", every="auto", snapshots=False, check_every=0,
+                        control_dir=tmp_path / "ctl", log=EventLog("elastic", stream=out))
+    try:
+        assert ckpt.every == 0 and ckpt.every_seconds == 30.0  # the lower bound until a save is measured
+        ckpt.resume(state)
+        ckpt.step_end(0, state)
+        assert ckpt.save(0, state, block=True) is not None
+        lines = [json.loads(x) for x in out.getvalue().splitlines() if '"checkpoint.interval"' in x]
+        assert len(lines) == 1, out.getvalue()
+        ev = lines[0]
+        assert ev["prior"] == "PETCTL_LOSS_RATE" and ev["tier"] == "none" and ev["cost_s"] > 0
+        assert ev["interval_s"] == round(ckpt.every_seconds, 1) and "young-daly" in ev["reason"]
+    finally:
+        ckpt.close()
+    with pytest.raises(ValueError, match="'auto'"):
+        Checkpointer(url=f"file://{tmp_path}/x", every="often")

@@ -44,9 +44,8 @@ class Checkpointer(BaseCheckpointer):
 
     url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
     keep: newest complete checkpoints to keep in the store (older ones are deleted after each save).
-    every: periodic save after every `every` completed steps (when `(step + 1) % every == 0`); 0: never;
-        "auto": a durable save every Young/Daly interval for the measured save cost and the rate of losing
-        every holder of a step at once (autointerval.py; the `checkpoint.interval` event says why).
+    every: save after every `every` completed steps (`(step + 1) % every == 0`); 0: never; "auto": every
+        Young/Daly interval for the measured save cost (autointerval.py; event `checkpoint.interval`).
     every_seconds: also save when this long has passed since the last save (or the start); 0: never.
         Only rank 0 decides (it alone writes), so ranks need not agree on the time.
     check_every: steps between preemption checks (each is one tiny all-reduce); 0 disables them.
@@ -63,7 +62,6 @@ class Checkpointer(BaseCheckpointer):
     """
 
     REPORTS_UPLOAD = True
-
     def __init__(self, url: str | None = None, keep: int = 3, every: int | str = 0, *,
                  every_seconds: float = 0.0,
                  check_every: int = 1,
