@@ -89,14 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="bench",
                         help="P1-P3: bench (workload.py), user (user_train.py, README-style), fsdp "
                              "(fsdp_train.py, the same with FSDP2) or both (bench,user; comma-separated)")
+    parser.add_argument("--boot", type=float, default=3.0,
+                        help="trace scenarios: seconds from a replacement's launch to its agent's start")
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
 
-    scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
-    unknown = sorted(set(scenarios) - set(ALL))
+    from bench.scenarios import spottrace  # a trace scenario: a shipped trace's name or a .json path
+
+    traces = {s.strip(): spottrace.find(s.strip()) for s in args.scenarios.split(",") if s.strip()}
+    traces = {k: v for k, v in traces.items() if v is not None}
+    scenarios = [s.strip() if s.strip() in traces else s.strip().upper()
+                 for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(scenarios) - set(ALL) - set(traces))
     if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {ALL}")
+        parser.error(f"unknown scenarios {unknown}; choose from {ALL} or a trace in bench/traces/")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     workloads = ["bench", "user"] if workloads == ["both"] else workloads
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     results: dict[str, Any] = {}
     try:
-        needs_servers = any(s in scenarios for s in ("P1", "P2", "P3", "P5"))
+        needs_servers = bool(traces) or any(s in scenarios for s in ("P1", "P2", "P3", "P5"))
         if needs_servers:
             etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
             imds = LocalMetadataServer(scratch / "notices").start()
@@ -130,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
         for sid in scenarios:
             t0 = time.time()
+            if sid in traces:  # issue 28: the same trace under petctl and torchrun (its own table and PNG)
+                results[sid] = spottrace.run(ctx, traces[sid], systems, boot_s=args.boot)
+                results[sid]["wall_s"] = round(time.time() - t0, 1)
+                _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))
+                text = spottrace.table(results[sid])
+                out_path.with_name(f"{out_path.stem}-{sid}.md").write_text(text + "\n")
+                print(text)
+                print(spottrace.chart(results[sid], out_path.with_name(f"{out_path.stem}-{sid}.png")))
+                continue
             if sid in ("P1", "P2", "P3"):
                 from bench.scenarios import recovery
 

@@ -15,7 +15,7 @@ Environment knobs (all optional):
     BENCH_STEP_TIME   minimum seconds per step: compute, then sleep the rest (default 0.05)
     BENCH_STATE_MB    model + optimizer state size in MB (default 1)
     BENCH_CKPT        elastic (petctl.elastic, the default), sync (torch.save + upload, blocking) or none
-    BENCH_CKPT_EVERY  steps between periodic checkpoints (default 10)
+    BENCH_CKPT_EVERY  steps between periodic checkpoints (default 10), or auto (elastic only: Young/Daly)
     BENCH_THREADS     torch intra-op threads (default 1: a node is one core's worth of a small machine)
     BENCH_SNAPSHOT    petctl.elastic's in-memory snapshots: auto (the default: as the agent sets them up),
                       off, or sync (every step, copied at the step end instead of beside the next step)
@@ -107,7 +107,8 @@ def main() -> int:
     step_time = float(os.environ.get("BENCH_STEP_TIME", "0.05"))
     state_mb = float(os.environ.get("BENCH_STATE_MB", "1"))
     mode = os.environ.get("BENCH_CKPT", "elastic")
-    every = int(os.environ.get("BENCH_CKPT_EVERY", "10"))
+    every_raw = os.environ.get("BENCH_CKPT_EVERY", "10")
+    every = every_raw if every_raw == "auto" else int(every_raw)  # auto: petctl.elastic picks (issue 28)
     url = os.environ.get("PETCTL_CHECKPOINT_URL", "")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
@@ -140,7 +141,7 @@ def main() -> int:
         start = ckpt.resume(state)
         step_end = lambda s: ckpt.step_end(s, state)  # noqa: E731
     elif url and mode == "sync":
-        sync = SyncCheckpoints(url, every, rank)
+        sync = SyncCheckpoints(url, int(every), rank)
         step_end = lambda s: sync.step_end(s, lambda: {"model": model.state_dict(),  # noqa: E731
                                                          "optimizer": opt.state_dict()})
     else:

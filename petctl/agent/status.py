@@ -24,7 +24,7 @@ from petctl.core.records import Checkpoint, NodeStatus
 from petctl.io.etcd import store_errors
 
 STATUS_TTL = 120
-FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed")
+FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed", "checkpoint.interval")
 
 
 class Progress:
@@ -70,8 +70,15 @@ class Progress:
                 self.span.update(first=step, first_ts=ts)
             self.span.update(last=step, last_ts=ts)
         elif event in FORWARDED:
+            last = self.last_checkpoint or Checkpoint(step=None)
             if event == "checkpoint.saved":
-                self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"))
+                self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"),
+                                                  interval_s=last.interval_s,
+                                                  interval_reason=last.interval_reason)
+            elif event == "checkpoint.interval":  # every="auto" chose (or changed) the durable interval
+                self.last_checkpoint = Checkpoint(step=last.step, url=last.url,
+                                                  interval_s=record.get("interval_s"),
+                                                  interval_reason=str(record.get("reason", "")))
             self.events.forward(record)
 
 

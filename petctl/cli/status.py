@@ -34,8 +34,12 @@ def job_status(info, state) -> dict[str, Any]:
 
 
 def checkpoint_step(value: Any) -> Any:
-    """The agent publishes {"step", "url"}; the table shows the step."""
-    return value.get("step") if isinstance(value, dict) else value
+    """The agent publishes {"step", "url", "interval_s"}; the table shows the step (and, under
+    every="auto", the durable interval chosen: its reason is in `petctl events`' checkpoint.interval)."""
+    if not isinstance(value, dict):
+        return value
+    every = value.get("interval_s")
+    return value.get("step") if every is None else f"{value.get('step')} (auto every {every:g}s)"
 
 
 def failures_text(failures: dict[str, int] | None) -> str:

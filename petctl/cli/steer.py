@@ -83,14 +83,43 @@ def logs(name: str, node: str | None, follow: bool, output: str) -> None:
                    "--grace).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds between a --notice (or --rebalance's scale-in notice) and the reclaim.")
-def chaos(name: str, node: str | None, mode: str | None, grace: float) -> None:
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
+              help="Replay a spot trace (JSON, see bench/traces/): notices, silent losses, rebalance "
+                   "recommendations, capacity delays and outages at their (scaled) times.")
+def chaos(name: str, node: str | None, mode: str | None, grace: float, trace_file: str | None) -> None:
     """Take one instance of a job away, to see it recover (tests, demos, benchmarks)."""
     from petctl.providers.capabilities import check_chaos_mode
 
+    if trace_file is not None:
+        _replay_trace(name, trace_file, mode, node)
+        return
     if mode is None:
-        raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice, --rebalance")
+        raise click.UsageError("choose one of --kill, --freeze, --unfreeze, --term, --notice, --rebalance, "
+                               "or --trace FILE")
     host = check_chaos_mode(provider_for(), mode).terminate_host(name, node, mode=mode, grace=grace)
     click.echo(f"{mode}: {host}")
+
+
+def _replay_trace(name: str, trace_file: str, mode: str | None, node: str | None) -> None:
+    from petctl.core.errors import PetctlError
+    from petctl.core.spottrace import Trace
+    from petctl.providers.capabilities import check_chaos_mode
+    from petctl.providers.tracereplay import replay
+
+    if mode is not None or node is not None:
+        raise click.UsageError("--trace picks its own instances and modes: drop --node and the mode flag")
+    try:
+        text = open(trace_file, encoding="utf-8").read()
+    except OSError as e:
+        raise PetctlError(f"cannot read trace {trace_file}: {e.strerror or e}") from None
+    trace = Trace.from_json(text, trace_file)
+    provider = provider_for()
+    for needed in ("notice", "kill", "rebalance"):
+        check_chaos_mode(provider, needed)
+    click.echo(f"replaying {trace.name}: {trace.counts()} over {trace.replay_seconds():.0f}s "
+               f"(x{trace.time_scale:g} simulated)")
+    skipped = replay(provider, name, trace, echo=click.echo)
+    click.echo(f"trace done: {len(trace.events)} events, {skipped} actions skipped")
 
 
 COMMANDS = (hosts, logs, chaos)

@@ -168,6 +168,8 @@ class Checkpoint(WireRecord):
 
     step: int | None
     url: str | None = None
+    interval_s: float | None = None  # every="auto": the durable interval chosen (checkpoint.interval)
+    interval_reason: str = ""
 
 
 @dataclass(frozen=True)

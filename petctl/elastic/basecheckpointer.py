@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
+from petctl.elastic.autowire import AutoWire
 from petctl.elastic.background import BackgroundUploader
 from petctl.elastic.dist import Comm
 from petctl.elastic.fence import CommitFence
@@ -37,8 +38,9 @@ class BaseCheckpointer:
     """The shared skeleton (see the module docstring). Arguments as documented on `Checkpointer`."""
 
     AGREE_ON_TIME: ClassVar[bool] = False  # True: time-based saves are collective decisions
+    REPORTS_UPLOAD: ClassVar[bool] = False  # True: the subclass reports each upload's time (`_auto_upload`)
 
-    def __init__(self, url: str | None, keep: int, every: int, every_seconds: float, check_every: int,
+    def __init__(self, url: str | None, keep: int, every: int | str, every_seconds: float, check_every: int,
                  background: bool, store: ObjectStore | None, s3: S3Options | None,
                  control_dir: Path | str | None, log: EventLog | None) -> None:
         url = url or (store.url if store is not None else os.environ.get(ENV_CHECKPOINT_URL, ""))
@@ -46,13 +48,19 @@ class BaseCheckpointer:
             raise ValueError(f"no checkpoint URL: pass url= or set ${ENV_CHECKPOINT_URL}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (got {keep})")
-        if every_seconds > 0 and self.AGREE_ON_TIME and check_every <= 0:
+        auto = every == "auto"
+        if not auto and (not isinstance(every, int) or every < 0):
+            raise ValueError(f"every must be a number of steps >= 0 or 'auto' (got {every!r})")
+        if (every_seconds > 0 or auto) and self.AGREE_ON_TIME and check_every <= 0:
             raise ValueError("every_seconds needs check_every >= 1 here: the ranks agree on a time-based "
                              "save in the preemption check's all-reduce")
         self.url = url
         self.keep = keep
-        self.every = every
+        self.every = 0 if auto else int(every)
         self.every_seconds = every_seconds
+        self.auto: AutoWire | None = None  # every="auto": made by `_setup_auto` once the tier is known
+        self._auto_requested = auto
+        self._stall_s = 0.0  # the training thread's time in the newest periodic save
         self.background = background
         self._last_save_at = time.monotonic()
         self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
@@ -102,8 +110,35 @@ class BaseCheckpointer:
         if requested:
             self._requested_save(step, state)
         elif time_due or (self.every > 0 and (step + 1) % self.every == 0):
+            t0 = time.monotonic()
             self.save(step, state, block=not self.background)
+            self._stall_s = time.monotonic() - t0
+            if self.auto is not None and not self.REPORTS_UPLOAD and self._decides():
+                self._auto_upload(0.0)
         return False
+
+    # --- every="auto" (autointerval.py decides, autowire.py measures and reports) --------------------
+    def _setup_auto(self, tier: str) -> None:
+        """Called by the subclass once it knows its snapshot tier (none | replicated | sharded)."""
+        if self._auto_requested:
+            self.auto = AutoWire(self.comm.world_size, tier, self.log, self.preemption.control_dir,
+                                 report=self.comm.is_writer)
+            self.every_seconds = self.auto.seconds
+
+    def _decides(self) -> bool:
+        """Who keeps the interval: the writer, or every rank where time-based saves are agreed on."""
+        return self.comm.is_writer or self.AGREE_ON_TIME
+
+    def _auto_resumed(self, source: str) -> None:
+        if self.auto is not None and self._decides():
+            self.auto.resumed(source, self.comm.world_size)
+            self.every_seconds = self.auto.seconds
+
+    def _auto_upload(self, upload_s: float) -> None:
+        """A save is complete: its cost is the stall measured on the training thread plus `upload_s`."""
+        if self.auto is not None:
+            self.auto.saved(self._stall_s, upload_s, self.comm.world_size)
+            self.every_seconds = self.auto.seconds
 
     def _poll(self, step: int) -> tuple[bool, bool, bool]:
         """(preemption pending, a time-based save due, a checkpoint requested), the same on every rank

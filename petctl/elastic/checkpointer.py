@@ -44,7 +44,8 @@ class Checkpointer(BaseCheckpointer):
 
     url: checkpoint prefix; default `$PETCTL_CHECKPOINT_URL` (set by the agent).
     keep: newest complete checkpoints to keep in the store (older ones are deleted after each save).
-    every: periodic save after every `every` completed steps (when `(step + 1) % every == 0`); 0: never.
+    every: save after every `every` completed steps (`(step + 1) % every == 0`); 0: never; "auto": every
+        Young/Daly interval for the measured save cost (autointerval.py; event `checkpoint.interval`).
     every_seconds: also save when this long has passed since the last save (or the start); 0: never.
         Only rank 0 decides (it alone writes), so ranks need not agree on the time.
     check_every: steps between preemption checks (each is one tiny all-reduce); 0 disables them.
@@ -60,7 +61,9 @@ class Checkpointer(BaseCheckpointer):
         under the petctl agent, every step while that costs under 1 % of the step (docs/elastic.md).
     """
 
-    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
+    REPORTS_UPLOAD = True
+    def __init__(self, url: str | None = None, keep: int = 3, every: int | str = 0, *,
+                 every_seconds: float = 0.0,
                  check_every: int = 1,
                  background: bool = True, cache_dir: Path | str | None = None, use_cache: bool = True,
                  weights_only: bool = True, reuse_buffers: bool = True, s3: S3Options | None = None,
@@ -76,6 +79,7 @@ class Checkpointer(BaseCheckpointer):
             self.cache.sweep()
         self.last_saved: mf.Manifest | None = None  # newest manifest this process wrote
         self.snapshots = SnapshotTier(self.comm, self.log, snapshots)
+        self._setup_auto("replicated" if self.snapshots.writer is not None else "none")
 
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, state: State) -> int:
@@ -83,7 +87,9 @@ class Checkpointer(BaseCheckpointer):
         Collective under torch.distributed: rank 0 reads (cache or store) and broadcasts the bytes.
         Emits `checkpoint.resumed` on every rank (see `report_resumed`)."""
         started = time.time()
-        step = report_resumed(self.log, self.comm, *self._resume(state), started)
+        step, source = self._resume(state)
+        report_resumed(self.log, self.comm, step, source, started)
+        self._auto_resumed(source)
         self.snapshots.prepare(state)  # the snapshot memory, mapped beside the first step
         return step
 
@@ -216,8 +222,10 @@ class Checkpointer(BaseCheckpointer):
             self.log.emit("checkpoint.cache_failed", step=step, error=repr(e))
         deleted = self._prune(step)
         self.last_saved = manifest
+        upload_s = time.monotonic() - t0
         self.log.emit("checkpoint.saved", step=step, bytes=manifest.total_bytes,
-                      seconds=round(time.monotonic() - t0, 3), url=self.url, pruned=deleted)
+                      seconds=round(upload_s, 3), url=self.url, pruned=deleted)
+        self._auto_upload(upload_s)
         return manifest
 
     def _save_for_preemption(self, step: int, state: State) -> bool:

@@ -87,8 +87,9 @@ class ShardedCheckpointer(BaseCheckpointer):
 
     AGREE_ON_TIME = True  # every rank saves: a time-based save is decided together
 
-    def __init__(self, url: str | None = None, keep: int = 3, every: int = 0, *, every_seconds: float = 0.0,
-                 check_every: int = 1, background: bool = True, local_dir: Path | str | None = None,
+    def __init__(self, url: str | None = None, keep: int = 3, every: int | str = 0, *,
+                 every_seconds: float = 0.0, check_every: int = 1, background: bool = True,
+                 local_dir: Path | str | None = None,
                  store: CheckpointStore | None = None, control_dir: Path | str | None = None,
                  entries_timeout: float = 900.0, log: EventLog | None = None,
                  snapshots: SnapshotOptions | bool | None = None) -> None:
@@ -97,6 +98,7 @@ class ShardedCheckpointer(BaseCheckpointer):
         self.entries_timeout = entries_timeout
         self.local_dir = Path(local_dir) if local_dir else LocalCache(self.url).dir / "dcp"
         self.snapshots = ShardSnapshotTier(self.comm, self.log, snapshots)  # collective (shardsnap.py)
+        self._setup_auto("sharded")
 
     # --- resume ----------------------------------------------------------------------------------
     def _candidates(self) -> list[int]:

@@ -84,4 +84,6 @@ def cost_text(cost: dict[str, Any] | None) -> str:
     text = f"cost ${cost['total']:.2f}"
     if cost.get("on_demand_total") is not None and cost.get("saving_pct") is not None:
         text += f" vs ${cost['on_demand_total']:.2f} on demand ({cost['saving_pct']:.0%} saved)"
-    return text + (" (estimate)" if cost.get("estimate") else "")
+    sources = sorted({str(x.get("source")) for x in cost.get("lines") or [] if x.get("source")})
+    text += " (estimate)" if cost.get("estimate") else ""
+    return text + (f" [prices: {'; '.join(sources)}]" if sources else "")

@@ -76,10 +76,13 @@ class PetctlCallback(ProtocolCallback, Callback):
         `version_N/` in every round). Under petctl a directory inside the worker's working directory is
         refused at start (`setup` raises ValueError): each instance has its own, so a replacement would
         never see the save and redo the steps.
+    every: "auto" also saves `last.ckpt` every durable interval Young/Daly picks for the measured save
+        time (protocol.py, autointerval.py); None leaves periodic saves to the user's ModelCheckpoint.
     """
 
-    def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None) -> None:
-        super().__init__(check_every)
+    def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None,
+                 every: str | None = None) -> None:
+        super().__init__(check_every, every)
         self.dirpath = dirpath
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
 

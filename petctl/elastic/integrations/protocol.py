@@ -27,7 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
+from petctl.elastic.autowire import AutoWire
 from petctl.elastic.checkpointer import report_resumed
 from petctl.elastic.dist import Comm
 from petctl.elastic.preemption import PreemptionMonitor
@@ -39,9 +41,11 @@ class Action(enum.Enum):
     NONE = "none"
     SAVE = "save"  # a checkpoint was requested (rebalance recommendation): save, then train on
     STOP = "stop"  # save-now (notice, planned change): save this step, leave the loop, exit 0
+    PERIODIC = "periodic"  # every="auto": the durable interval has passed; save, then train on
 
 
-SAVE_REASONS = {Action.NONE: "periodic", Action.SAVE: "requested", Action.STOP: "save-now"}
+SAVE_REASONS = {Action.NONE: "periodic", Action.SAVE: "requested", Action.STOP: "save-now",
+                Action.PERIODIC: "auto-interval"}
 
 
 @dataclass
@@ -60,11 +64,21 @@ class SaveNowProtocol:
     pending: Action = Action.NONE  # the save asked for at the last `step_end`, until `saved` answers it
     stopped_at: int | None = None  # the step the save-now fired at (sticky: later checks are skipped)
     started: float = field(default_factory=time.time)  # when this worker began (the recovery timeline)
+    auto: AutoWire | None = None  # every="auto": the durable interval (autowire.py)
+    _last_save: float = field(default_factory=time.monotonic)
+    _asked_at: float | None = None  # when this boundary asked for a periodic save (its cost is the wait)
 
     @classmethod
-    def create(cls, check_every: int = 1, started: float | None = None) -> SaveNowProtocol:
-        """For the process group the framework already initialised (or a single process without one)."""
-        return cls(comm=Comm.create(), check_every=check_every, started=started or time.time())
+    def create(cls, check_every: int = 1, started: float | None = None,
+               auto: bool = False) -> SaveNowProtocol:
+        """For the process group the framework already initialised (or a single process without one).
+        auto: keep the durable interval (the framework's own save is timed: its stall is the cost)."""
+        proto = cls(comm=Comm.create(), check_every=check_every, started=started or time.time())
+        if auto:
+            proto.auto = AutoWire(proto.comm.world_size, "replicated" if os.environ.get("PETCTL_SNAPSHOT_DIR")
+                                  else "none", proto.events, controlfiles.control_dir_from_env(),
+                                  report=proto.comm.rank == 0)
+        return proto
 
     def begin(self, step: int) -> None:
         """Training starts at `step` completed steps (the framework's resumed checkpoint, or 0)."""
@@ -79,7 +93,7 @@ class SaveNowProtocol:
             self.events.emit("train.step", step=step, rank=self.comm.rank, world_size=self.comm.world_size,
                              **fields)
         if self.monitor is None or self.stopped_at is not None:
-            return Action.NONE
+            return self._periodic()
         verdict = self.monitor.check(step)
         if verdict.preempt:
             self.stopped_at = step
@@ -88,13 +102,29 @@ class SaveNowProtocol:
         elif verdict.checkpoint:
             self.events.emit("checkpoint.requested", step=step, reason=self.monitor.request()[1] or None)
             self.pending = Action.SAVE
+        return self.pending if self.pending is not Action.NONE else self._periodic()
+
+    def _periodic(self) -> Action:
+        """every="auto": a save when the interval has passed (rank 0's clock, broadcast so all agree)."""
+        if self.auto is None:
+            return Action.NONE
+        due = time.monotonic() - self._last_save >= self.auto.seconds
+        if self.comm.distributed:
+            due = bool(self.comm.broadcast_object(due))
+        if due:
+            self.pending, self._asked_at = Action.PERIODIC, time.monotonic()
         return self.pending
 
     def saved(self, step: int, where: str) -> None:
         """The framework's checkpoint of `step` is written on this rank (at `where`). Collective when
         `step_end` asked for the save (every rank calls it then); raises what the barrier raises."""
         action, self.pending = self.pending, Action.NONE
-        if action is not Action.NONE:
+        if self.auto is not None and action in (Action.PERIODIC, Action.NONE):
+            stall = time.monotonic() - self._asked_at if self._asked_at is not None else 0.0
+            self._last_save, self._asked_at = time.monotonic(), None
+            if stall > 0:
+                self.auto.saved(stall, 0.0, self.comm.world_size)
+        if action not in (Action.NONE, Action.PERIODIC):
             self.comm.barrier()  # every rank's part of the save is on disk before anyone reports it
         if self.comm.rank == 0:
             self.events.emit("checkpoint.saved", step=step, url=where, reason=SAVE_REASONS[action])
@@ -110,8 +140,11 @@ class SaveNowProtocol:
 class ProtocolCallback:
     """What both framework callbacks hold: the protocol, built when training begins."""
 
-    def __init__(self, check_every: int = 1) -> None:
+    def __init__(self, check_every: int = 1, every: str | None = None) -> None:
+        if every not in (None, "auto"):
+            raise ValueError(f"every: 'auto' or None (the framework's own schedule), not {every!r}")
         self.check_every = check_every
+        self.every = every
         self.protocol: SaveNowProtocol | None = None
 
     @property
@@ -122,5 +155,7 @@ class ProtocolCallback:
 
     def start(self, step: int) -> None:
         """Training begins at `step` completed steps (after the framework restored its checkpoint)."""
-        self.protocol = SaveNowProtocol.create(check_every=self.check_every)
+        self.protocol = SaveNowProtocol.create(check_every=self.check_every, auto=self.every == "auto")
         self.protocol.begin(step)
+        if self.protocol.auto is not None and self.protocol.comm.rank == 0:
+            self.protocol.auto.resumed("framework" if step else "none", self.protocol.comm.world_size)

@@ -39,6 +39,8 @@ class PetctlCallback(ProtocolCallback, TrainerCallback):
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off
     (steps are still reported; at a notice the agent then SIGTERMs the workers, as for any script).
+    every: "auto" also sets `should_save` every durable interval Young/Daly picks for the measured save
+        time (protocol.py, autointerval.py); None leaves periodic saves to `TrainingArguments`.
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -44,7 +44,8 @@ class AwsPrices:
     def _cached(self, key: str) -> Quote | None:
         hit = self._cache.get(key)
         if hit and self.clock() - hit["at"] < CACHE_TTL:
-            return Quote(hit["price"], hit["estimate"], hit["source"] + " (cached)")
+            age_h = (self.clock() - hit["at"]) / 3600.0  # the price's age is part of its source
+            return Quote(hit["price"], hit["estimate"], hit["source"] + f" (cached {age_h:.1f} h ago)")
         return None
 
     def _store(self, key: str, quote: Quote) -> Quote:

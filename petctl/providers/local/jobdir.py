@@ -137,6 +137,18 @@ class JobDir:
         atomic_write(path, json.dumps({**extra, "kind": kind, "time": when}))
         return path
 
+    def write_capacity_hold(self, until: float) -> None:
+        """No capacity for this job until `until` (unix time): the reconciler launches nothing before it
+        (a spot trace's capacity delay or outage, `petctl chaos --trace`)."""
+        atomic_write(self.path / "capacity-hold", f"{until}\n")
+
+    def capacity_hold(self) -> float:
+        """The unix time launches may resume at (0: no hold; an unreadable file is no hold)."""
+        try:
+            return float((self.path / "capacity-hold").read_text())
+        except (OSError, ValueError):
+            return 0.0
+
     def read_notice(self, iid: str) -> dict[str, Any] | None:
         try:
             data = json.loads((self.notices / f"{iid}.json").read_text())

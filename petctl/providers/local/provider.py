@@ -214,6 +214,11 @@ class LocalProvider(Provider):
                           extra_events=lambda: logs.reconciler_events(job))
 
     # --- the chaos capability ----------------------------------------------------------------------
+    def hold_capacity(self, name: str, until: float) -> None:
+        """No launches for job `name` until `until` (unix time): a spot trace's capacity gap."""
+        job, _ = self._job_dir(name)
+        job.write_capacity_hold(until)
+
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
         """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py)."""
         import etcd

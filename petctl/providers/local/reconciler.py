@@ -179,7 +179,7 @@ class Reconciler:
         if len(live) > desired:
             for victim in self._victims(live, len(live) - desired):
                 self.fleet.terminate(victim, "scale-in", now)
-        elif len(live) < desired and now >= self.not_before:
+        elif len(live) < desired and now >= max(self.not_before, self.job.capacity_hold()):
             for _ in range(desired - len(live)):
                 if self._launch() is None:
                     return
