@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+from petctl.elastic import ShardedCheckpointer, ShardedState
 
 
 def log(event, **fields):

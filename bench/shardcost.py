@@ -37,9 +37,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench.workload import build_model  # noqa: E402
 from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.elastic.dist import Comm  # noqa: E402
-from petctl.elastic.sharded import ShardedState  # noqa: E402
 from petctl.elastic.shardsnap import ShardSnapshotTier  # noqa: E402
 from petctl.elastic.snapshot import SnapshotOptions  # noqa: E402
+from petctl.elastic.state import ShardedState  # noqa: E402
 
 
 def run(rank: int, args: argparse.Namespace, port: int, base: str) -> None:

@@ -18,7 +18,7 @@ ASK_AT, STEPS = 6, 20
 
 WORKER = WORKER_PRELUDE + r'''
 from petctl.elastic import Checkpointer, State
-from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+from petctl.elastic import ShardedCheckpointer, ShardedState
 
 net = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)

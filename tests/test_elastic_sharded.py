@@ -15,7 +15,7 @@ from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 WORKER = WORKER_PRELUDE + r'''
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+from petctl.elastic import ShardedCheckpointer, ShardedState
 
 torch.manual_seed(1 if mode == "train" else 2)  # the resumed run starts from other weights on purpose
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

@@ -19,12 +19,12 @@ from petctl.io.objstore import (
     FileStore,
     ObjectNotFound,
     ObjectStore,
+    S3Store,
     StoreError,
     open_parent,
     open_store,
     read_url,
 )
-from petctl.io.s3store import S3Store
 from tests.conftest import REPO
 
 
@@ -164,7 +164,7 @@ def test_layers_the_agent_and_the_cli_never_load_the_library_or_torch() -> None:
     code = ("import sys; import petctl.agent.main, petctl.agent.mirror, petctl.agent.code, "
             "petctl.agent.workers, petctl.agent.warm_pool, petctl.jobview.events, "
             "petctl.providers.aws.storage, "
-            "petctl.io.objstore, petctl.io.s3store, petctl.io.files, petctl.io.procs, petctl.io.wait, "
+            "petctl.io.objstore, petctl.io.files, petctl.io.procs, petctl.io.wait, "
             "petctl.io.net, petctl.io.etcd, petctl.io.aws; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'boto3', 'botocore') "
             "or m.startswith('petctl.elastic')]; assert not bad, bad")

@@ -2,7 +2,8 @@
 
 Why a test: a layer boundary that nothing checks rots one convenient import at a time. The rules live in
 .importlinter (core imports nothing of petctl or third-party; io builds only on core; the agent and
-petctl.elastic are independent; only petctl.elastic imports torch; only petctl.io imports boto3).
+petctl.elastic are independent; only petctl.elastic imports torch; only petctl.io imports boto3; no
+import loop among the modules of any one package).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def test_import_rules_hold() -> None:
                           "lint_imports_command()", "--no-cache"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 5, run.stdout
+    assert "BROKEN" not in run.stdout and run.stdout.count("KEPT") >= 8, run.stdout
 
 
 def test_import_rules_catch_a_wrong_import(tmp_path: Path) -> None:
@@ -52,18 +53,34 @@ def test_plain_install_does_not_pull_torch() -> None:
     assert any('extra == "elastic"' in r for r in torch), torch
 
 
-def test_modules_and_classes_stay_small() -> None:
-    """One job per module: none over 300 lines, no class over 200 (docs/ARCHITECTURE.md's rule)."""
-    import ast
+LONG = 700  # lines: a module past this is worth a look (one concern, or two?), not a failure
 
-    too_big = []
+
+def test_a_long_module_is_flagged_not_failed() -> None:
+    """Modules hold one whole concern, however long that takes (docs/ARCHITECTURE.md): a hard cap shaped
+    the design more than the design did (code moved only to get under it). A module past LONG lines is
+    named in a warning for a reader to judge."""
+    import warnings
+
     for path in sorted((REPO / "petctl").rglob("*.py")):
-        text = path.read_text()
-        lines = text.count("\n")
-        if lines > 300:
-            too_big.append(f"{path.relative_to(REPO)}: {lines} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200:
-                too_big.append(f"{path.relative_to(REPO)}: class {node.name} "
-                               f"{node.end_lineno - node.lineno + 1} lines")
-    assert not too_big, too_big
+        lines = path.read_text().count("\n")
+        if lines > LONG:
+            warnings.warn(f"{path.relative_to(REPO)}: {lines} lines (one concern?)", stacklevel=1)
+
+
+def test_import_loops_are_caught(tmp_path: Path) -> None:
+    """The no-loops contract is live: two sibling modules importing each other are reported."""
+    pytest.importorskip("importlinter", reason="import-linter comes with the test extra")
+    pkg = tmp_path / "petctl"
+    for sub in ("core", "io", "agent", "elastic", "jobview", "providers", "cli"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "agent" / "a.py").write_text("from petctl.agent import b\n")
+    (pkg / "agent" / "b.py").write_text("def f():\n    from petctl.agent import a\n")
+    (tmp_path / ".importlinter").write_text((REPO / ".importlinter").read_text())
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
+                          "from importlinter.cli import lint_imports_command; lint_imports_command()",
+                          "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "No cycles are allowed in petctl.agent" in run.stdout, run.stdout

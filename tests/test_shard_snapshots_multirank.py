@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from petctl.core.eventlog import EventLog
-from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+from petctl.elastic import ShardedCheckpointer, ShardedState
 from petctl.elastic.snapshot import SnapshotOptions
 
 mode, out, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])

@@ -33,3 +33,13 @@ class ProviderError(PetctlError):
     """The backend (AWS, local processes) refused or failed an operation."""
 
     exit_code = 4
+
+
+class StoreError(OSError):
+    """The object store (`petctl.io.objstore`) could not be read or written; `code` is the backend's
+    error code when it has one (an AWS error code on S3). Here, beside the user-facing errors, so that
+    the AWS error translation (`petctl.io.aws`) can judge it without importing the store."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code

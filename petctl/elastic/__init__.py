@@ -31,6 +31,8 @@ _EXPORTS = {
     "read_manifest": "manifest",
     "write_checkpoint": "manifest",
     "PreemptionMonitor": "preemption",
+    "ShardedCheckpointer": "sharded",
+    "ShardedState": "state",
     "State": "state",
     "Stateful": "state",
     "CheckpointStore": "store",

@@ -26,8 +26,7 @@ from petctl.elastic.background import BackgroundUploader
 from petctl.elastic.dist import Comm
 from petctl.elastic.fence import CommitFence
 from petctl.elastic.preemption import PreemptionMonitor
-from petctl.io.objstore import ObjectStore, open_store
-from petctl.io.s3store import S3Options
+from petctl.io.objstore import ObjectStore, S3Options, open_store
 
 ENV_CHECKPOINT_URL = "PETCTL_CHECKPOINT_URL"
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from petctl.elastic.shardcodec import DTENSOR_KEY
 from petctl.elastic.snapcodec import TENSOR_KEY
-from petctl.elastic.state import rebuild_dict
+from petctl.elastic.state import ShardedState, rebuild_dict
 
 _LEAVES = (int, float, str, bool, bytes, type(None))
 
@@ -90,8 +90,6 @@ class StateDicts:
 
 
 def _plain_sharded_state(value: Any) -> bool:
-    from petctl.elastic.sharded import ShardedState
-
     return type(value) is ShardedState and value.optimizer is not None
 
 

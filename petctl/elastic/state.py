@@ -124,6 +124,33 @@ class State:
         self.extra.update(data.get("extra", {}))
 
 
+class ShardedState:
+    """A DCP `Stateful` for a (possibly FSDP-wrapped) model and optimizer plus plain extras.
+
+    `get_state_dict`/`set_state_dict` give sharded state dicts for FSDP and plain ones otherwise.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, extra: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.extra = extra if extra is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        return {"model": model_sd, "optim": optim_sd, "extra": dict(self.extra)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.model, optimizers, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"] if optimizers else {})
+        self.extra.update(state_dict.get("extra", {}))
+
+
 class _HashingWriter:
     """File wrapper that hashes what torch.save writes, so the manifest needs no second read pass."""
 

@@ -1,6 +1,6 @@
 """Object stores for checkpoints: `file://` and `s3://`, addressed by keys under one base URL.
 
-The stores are petctl's one object store (`petctl.io.objstore`, `petctl.io.s3store`), shared with the
+The stores are petctl's one object store (`petctl.io.objstore`), shared with the
 agent and the CLI; this module keeps the names the checkpoint API has always had. A store only moves
 bytes (put/get/list/delete); what makes a checkpoint complete or trustworthy is the manifest layer above
 it (`manifest.py`). boto3 is imported only when an `s3://` store first transfers something.
@@ -8,9 +8,16 @@ it (`manifest.py`). boto3 is imported only when an `s3://` store first transfers
 
 from __future__ import annotations
 
-from petctl.io.objstore import FileStore, ObjectInfo, ObjectNotFound, StoreError, open_store
+from petctl.io.objstore import (
+           FileStore,
+           ObjectInfo,
+           ObjectNotFound,
+           S3Options,
+           S3Store,
+           StoreError,
+           open_store,
+)
 from petctl.io.objstore import ObjectStore as CheckpointStore
-from petctl.io.s3store import S3Options, S3Store
 
 __all__ = ["CheckpointStore", "FileStore", "ObjectInfo", "ObjectNotFound", "S3Options", "S3Store",
            "StoreError", "open_store"]

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.core.errors import NotSetUp, PetctlError, ProviderError, ValidationError
+from petctl.core.errors import NotSetUp, PetctlError, ProviderError, StoreError, ValidationError
 
 THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
               "SlowDown", "RequestThrottled", "PriorRequestNotComplete"}
@@ -152,7 +152,6 @@ def aws_errors(action: str) -> Iterator[None]:
         PartialCredentialsError,
     )
 
-    from petctl.io.objstore import StoreError
 
     try:
         yield

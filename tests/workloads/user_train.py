@@ -129,7 +129,7 @@ def main_fsdp(args: argparse.Namespace) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from petctl.elastic.sharded import ShardedCheckpointer, ShardedState
+    from petctl.elastic import ShardedCheckpointer, ShardedState
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -19,7 +19,7 @@ from petctl.providers.aws.templates import render_base
 from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
 
 if TYPE_CHECKING:
-    from petctl.providers.aws.provider import AwsProvider
+    from petctl.providers.aws.context import AwsContext
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
@@ -45,7 +45,7 @@ def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[st
     return {**settings.get("options", {}), **opts}
 
 
-def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
+def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     """Create or update the base stack; returns the settings recorded in the config. Options: region,
     profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
     etcd_instance_type, root_volume_gb, etcd_binary (with etcd_sha256, etcdctl_sha256), etcd_download_url
@@ -107,7 +107,7 @@ def setup(provider: AwsProvider, options: dict[str, Any]) -> dict[str, Any]:
     return dict(settings)
 
 
-def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_azs: int,
+def network_plan(provider: AwsContext, session: AwsSession, vpc_cidr: str, max_azs: int,
                  etcd_nodes: int = 1, private: bool = False):
     """The base stack's AZs and CIDRs: chosen once, then reused from the settings, so a later `setup`
     (which re-renders the template) never moves a subnet that jobs and the etcd interfaces live in."""
@@ -121,7 +121,7 @@ def network_plan(provider: AwsProvider, session: AwsSession, vpc_cidr: str, max_
     return plan_network(inventory.usable_azs(session), vpc_cidr, max_azs, etcd_nodes, private)
 
 
-def _etcd_nodes(provider: AwsProvider, value: str) -> int:
+def _etcd_nodes(provider: AwsContext, value: str) -> int:
     """etcd_nodes as chosen: 1 or 3, and the existing stack's count (a running etcd is not converted
     between one host and a cluster in place). Raises ValidationError."""
     nodes = _int_option("etcd_nodes", value, 1)
@@ -134,7 +134,7 @@ def _etcd_nodes(provider: AwsProvider, value: str) -> int:
     return nodes
 
 
-def _subnets(provider: AwsProvider, value: str) -> str:
+def _subnets(provider: AwsContext, value: str) -> str:
     """subnets as chosen: public or private, and the existing stack's kind (instances in public subnets
     have no route to the interface endpoints' replacement and the other way round: the change needs a
     new stack). Raises ValidationError."""
@@ -147,7 +147,7 @@ def _subnets(provider: AwsProvider, value: str) -> str:
     return value
 
 
-def teardown(provider: AwsProvider, force: bool) -> None:
+def teardown(provider: AwsContext, force: bool) -> None:
     """Delete the job stacks (only with force) and the base stack. The bucket is kept (checkpoints).
 
     Works after a failed setup too: all it needs is where the base stack was to be created."""

@@ -19,7 +19,7 @@ from petctl.providers.aws.storage import recorded_jobs
 from petctl.providers.base import JobInfo
 
 if TYPE_CHECKING:
-    from petctl.providers.aws.provider import AwsProvider
+    from petctl.providers.aws.context import AwsContext
     from petctl.providers.aws.stacks import StackOps
 
 
@@ -32,7 +32,7 @@ def job_stacks(stacks: StackOps, base_stack: str) -> list[dict[str, Any]]:
     return [s for s in stacks.list_stacks("petctl:stack", base_stack) if tags(s).get("petctl:kind") == "job"]
 
 
-def job_info(provider: AwsProvider, name: str) -> JobInfo:
+def job_info(provider: AwsContext, name: str) -> JobInfo:
     """One job, from its stack (and its result), or from its S3 record once the stack is gone.
     Raises JobNotFound."""
     provider.require_ready()
@@ -49,7 +49,7 @@ def job_info(provider: AwsProvider, name: str) -> JobInfo:
     return inventory.apply_result(info, result)
 
 
-def list_jobs(provider: AwsProvider) -> list[JobInfo]:
+def list_jobs(provider: AwsContext) -> list[JobInfo]:
     """Jobs with a stack, and finished ones whose stack is gone (from their S3 record)."""
     settings = provider.require_ready()
     session = provider.session()
@@ -67,7 +67,7 @@ def list_jobs(provider: AwsProvider) -> list[JobInfo]:
     return sorted(infos, key=lambda i: i.created_at)
 
 
-def recorded_job(provider: AwsProvider, session: AwsSession, name: str) -> JobInfo | None:
+def recorded_job(provider: AwsContext, session: AwsSession, name: str) -> JobInfo | None:
     """A job whose stack is gone, from its S3 record (None when there is none)."""
     store = provider.store(session, name)
     record = store.record()
@@ -80,7 +80,7 @@ def recorded_job(provider: AwsProvider, session: AwsSession, name: str) -> JobIn
                    extra={"stack": None, "ended_at": result.ts if result else None})
 
 
-def reap(provider: AwsProvider, session: AwsSession, stack: dict[str, Any], result: JobResult | None) -> None:
+def reap(provider: AwsContext, session: AwsSession, stack: dict[str, Any], result: JobResult | None) -> None:
     """A job whose result.json records its end, and whose stack still exists, gets its stack deleted
     (its agent already scaled the group to 0 and may not delete the stack itself). Not waited for."""
     if result is None or not inventory.ended(result) or stack["StackStatus"] == "DELETE_IN_PROGRESS":
@@ -96,14 +96,14 @@ def reap(provider: AwsProvider, session: AwsSession, stack: dict[str, Any], resu
     delete_credentials(provider, session, job)
 
 
-def ended_stack(provider: AwsProvider, session: AwsSession, stack: dict[str, Any]) -> bool:
+def ended_stack(provider: AwsContext, session: AwsSession, stack: dict[str, Any]) -> bool:
     """Whether the job of this stack has ended (its result.json says so)."""
     job = tags(stack).get("petctl:job", "")
     return bool(job) and bool(provider.settings.get("outputs", {}).get("BucketName")) and inventory.ended(
         mirror_result(provider.store(session, job)))
 
 
-def kill(provider: AwsProvider, name: str) -> None:
+def kill(provider: AwsContext, name: str) -> None:
     """Delete the job's stack (its Auto Scaling group and role); its S3 prefix stays (checkpoints).
 
     The job's end is recorded first (result.json), unless it already ended: its own result stands."""
@@ -128,7 +128,7 @@ def kill(provider: AwsProvider, name: str) -> None:
     delete_credentials(provider, session, name)
 
 
-def delete_credentials(provider: AwsProvider, session: AwsSession, job: str) -> None:
+def delete_credentials(provider: AwsContext, session: AwsSession, job: str) -> None:
     """The job's etcd credentials: its users' index entries in the bucket, then its secrets."""
     bucket = provider.settings.get("outputs", {}).get("BucketName", "")
     etcdsecrets.delete_job_credentials(session.client("secretsmanager"), session.client("s3"), bucket,

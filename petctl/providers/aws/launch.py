@@ -28,7 +28,7 @@ from petctl.providers.aws.templates import render_job
 from petctl.providers.aws.userdata import WORKER_IMDS, AmiBoot, worker_user_data
 
 if TYPE_CHECKING:
-    from petctl.providers.aws.provider import AwsProvider
+    from petctl.providers.aws.context import AwsContext
 
 LIFECYCLE_HOOK = "petctl-drain"
 # The launch hook (cfn/job.yaml.j2): an instance is InService only once its agent joined the rendezvous
@@ -48,7 +48,7 @@ class JobBoot:
     ami_boot: AmiBoot | None = None
 
 
-def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
+def validate(provider: AwsContext, job: JobSubmission) -> JobSpec:
     """The submission and its instance types checked, with no AWS call. Raises ValidationError."""
     provider.validate(job)
     spec = job.spec
@@ -62,7 +62,7 @@ def validate(provider: AwsProvider, job: JobSubmission) -> JobSpec:
     return spec
 
 
-def create_job(provider: AwsProvider, job: JobSubmission) -> None:
+def create_job(provider: AwsContext, job: JobSubmission) -> None:
     """Create the job's stack and start its group; returns once EC2 launched `size` instances (or
     `provider.wait_timeout` passed: a spot shortage is reported, not fatal). Whether they boot and join
     is `run_job --wait`'s to follow (AwsProvider.wait_joined)."""
@@ -139,7 +139,7 @@ def job_boundary(outputs: dict[str, str]) -> str:
     return outputs["JobBoundaryArn"]
 
 
-def check_quota(provider: AwsProvider, session: AwsSession, spec: JobSpec) -> None:
+def check_quota(provider: AwsContext, session: AwsSession, spec: JobSpec) -> None:
     """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
     the quota cannot be read (an emulator, a missing permission) or leaves --size out of reach."""
     from petctl.providers.aws.quotas import check
@@ -167,7 +167,7 @@ def upload_wheelhouse(store: JobStore, requirements: str, progress) -> AmiBoot:
                    python_bin=amis.AMI_PYTHON.rsplit("/", 1)[0])
 
 
-def render_job_template(provider: AwsProvider, spec: JobSpec, agent: AgentConfig, config_url: str,
+def render_job_template(provider: AwsContext, spec: JobSpec, agent: AgentConfig, config_url: str,
                         subnet_ids: list[str] | None = None, boot: JobBoot | None = None) -> str:
     """The job stack's template. `subnet_ids`: where the group launches (create_job passes its
     placement's); by default the first subnet, or every subnet for a --multi-az job. `boot`: how its

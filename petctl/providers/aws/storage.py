@@ -23,8 +23,7 @@ from typing import Any
 
 from petctl.core.errors import ValidationError
 from petctl.io.aws import aws_errors
-from petctl.io.objstore import ObjectNotFound
-from petctl.io.s3store import S3Store
+from petctl.io.objstore import ObjectNotFound, S3Store
 
 ARCHIVE_NAME = "code.tar.gz"
 
@@ -36,7 +35,7 @@ def job_prefix(job: str) -> str:
 @dataclass
 class JobStore:
     """The job's prefix, read and written with the CLI session's S3 client (`s3`). The bytes go through
-    the object store (`objects`, petctl.io.s3store); this class knows the layout and turns failures into
+    the object store (`objects`, petctl.io.objstore); this class knows the layout and turns failures into
     one-line errors naming what it was doing."""
 
     s3: Any
