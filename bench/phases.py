@@ -177,11 +177,13 @@ class Summary:
     def as_dict(self) -> dict[str, float | int | None]:
         vals = sorted(v for v in self.values if v is not None)
         if not vals:
-            return {"n": 0, "min": None, "median": None, "max": None}
+            return {"n": 0, "min": None, "median": None, "p90": None, "max": None}
         mid = len(vals) // 2
         median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+        # p90: nearest rank (the smallest value with at least 90 % of the runs at or below it)
+        p90 = vals[min(len(vals) - 1, -(-9 * len(vals) // 10) - 1)]
         return {"n": len(vals), "min": round(vals[0], 4), "median": round(median, 4),
-                "max": round(vals[-1], 4)}
+                "p90": round(p90, 4), "max": round(vals[-1], 4)}
 
 
 def summarize(values: list[float | None]) -> dict[str, float | int | None]:
