@@ -39,8 +39,8 @@ def test_framework_imports_are_preloaded_also_from_the_scripts_own_modules(tmp_p
     pkg = tmp_path / "examples"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "train.py").write_text("import os\nfrom transformers import Trainer\nimport lightning.pytorch as pl\n"
-                                  "raise SystemExit('never imported')\n")
+    (pkg / "train.py").write_text("import os\nfrom transformers import Trainer\n"
+                                  "import lightning.pytorch as pl\nraise SystemExit('never imported')\n")
     script = "from examples.train import main\nfrom mylib import x\n"
     assert script_preloads(script, [str(tmp_path)]) == ["transformers:Trainer", "lightning.pytorch"]
     assert script_preloads(script) == []  # not under a root: the user's module is not read
