@@ -50,8 +50,8 @@ def test_a_node_killed_at_a_random_step_costs_a_framework_job_at_most_one_step(
     local.env["PETCTL_SNAPSHOT_ROOT"] = str(snapshot_root)
     local.run("run_job", "--name", name, *FAST, "--min", "2", "--max", "3", "--size", "3",
               "--replace-delay", "600", "--env", f"LEDGER_DIR={ledger_dir}", "--wait",
-              "--wait-timeout", "180", str(WORKLOADS / script), "--", "--steps", str(STEPS), "--save-steps", str(SAVE_EVERY),
-              "--step-time", str(STEP_TIME))
+              "--wait-timeout", "180", str(WORKLOADS / script), "--", "--steps", str(STEPS),
+              "--save-steps", str(SAVE_EVERY), "--step-time", str(STEP_TIME))
     # Past the first periodic checkpoint (step 20): memory must beat a file that exists, not an empty disk.
     wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= SAVE_EVERY, 240,
                "step 20 at world 3", every=0.05)
