@@ -32,6 +32,7 @@ WARM_SETTLE = 30.0  # petctl: longest wait for the agents' warm pools to be refi
 CKPT_EVERY = 10
 STEP_TIME = 0.05
 START_TIMEOUT = 120.0
+FRAMEWORK_START_TIMEOUT = 300.0  # hf, lightning: 3 framework workers' imports and set-up on a busy host
 RECOVER_TIMEOUT = 90.0
 
 SCENARIOS = {
@@ -129,7 +130,8 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
     job, nodes = _start_job(ctx, system, sid, rep, sc, workload)
     result: dict[str, Any] = {"system": system, "rep": rep, "workload": workload}
     try:
-        if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
+        start_cap = FRAMEWORK_START_TIMEOUT if workload in ("hf", "lightning") else START_TIMEOUT
+        if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), start_cap, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
             return result
         if ctx.notice_at == "burst" and sid == "P1":
