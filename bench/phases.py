@@ -99,6 +99,11 @@ def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:
     """(last step executed before the resumed run started) - (step resumed from) + 1, floored at 0."""
     resumes = [e for n in nodes for e in n.events("train.resume", after=after)
                if int(e.get("world_size", 0)) == world]
+    # The framework workloads (hf, lightning) print no train.resume: their callback's checkpoint.resumed
+    # names the completed steps kept, and their train.step counts completed steps (1-based).
+    counted = 0 if resumes else 1
+    resumes = resumes or [e for n in nodes for e in n.events("checkpoint.resumed", after=after)
+                          if int(e.get("world_size", 0)) == world]
     if not resumes:
         return None
     resumed = min(resumes, key=lambda e: float(e["ts"]))
@@ -106,7 +111,7 @@ def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:
             if float(e["ts"]) < float(resumed["ts"])]
     if not last:
         return None
-    return max(0, max(last) - int(resumed["step"]) + 1)
+    return max(0, max(last) - int(resumed["step"]) + 1 - counted)
 
 
 def stall(nodes: list[Node], world: int, after: float) -> float | None:
