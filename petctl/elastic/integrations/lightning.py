@@ -90,6 +90,7 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # the in-memory tier's checkpoint IO (plmemory.py)
         # Lightning runs checkpoint callbacks' hooks last: their dirpath is still the script's (or None).
         if self.dirpath is None:
             self.dirpath = next((cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", [])
