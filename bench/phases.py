@@ -99,6 +99,11 @@ def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:
     """(last step executed before the resumed run started) - (step resumed from) + 1, floored at 0."""
     resumes = [e for n in nodes for e in n.events("train.resume", after=after)
                if int(e.get("world_size", 0)) == world]
+    # The framework workloads (hf, lightning) print no train.resume: their callback's checkpoint.resumed
+    # names the completed steps kept, and their train.step counts completed steps (1-based).
+    counted = 0 if resumes else 1
+    resumes = resumes or [e for n in nodes for e in n.events("checkpoint.resumed", after=after)
+                          if int(e.get("world_size", 0)) == world]
     if not resumes:
         return None
     resumed = min(resumes, key=lambda e: float(e["ts"]))
@@ -106,7 +111,7 @@ def steps_lost(nodes: list[Node], world: int, after: float) -> int | None:
             if float(e["ts"]) < float(resumed["ts"])]
     if not last:
         return None
-    return max(0, max(last) - int(resumed["step"]) + 1)
+    return max(0, max(last) - int(resumed["step"]) + 1 - counted)
 
 
 def stall(nodes: list[Node], world: int, after: float) -> float | None:
@@ -177,11 +182,13 @@ class Summary:
     def as_dict(self) -> dict[str, float | int | None]:
         vals = sorted(v for v in self.values if v is not None)
         if not vals:
-            return {"n": 0, "min": None, "median": None, "max": None}
+            return {"n": 0, "min": None, "median": None, "p90": None, "max": None}
         mid = len(vals) // 2
         median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+        # p90: nearest rank (the smallest value with at least 90 % of the runs at or below it)
+        p90 = vals[min(len(vals) - 1, -(-9 * len(vals) // 10) - 1)]
         return {"n": len(vals), "min": round(vals[0], 4), "median": round(median, 4),
-                "max": round(vals[-1], 4)}
+                "p90": round(p90, 4), "max": round(vals[-1], 4)}
 
 
 def summarize(values: list[float | None]) -> dict[str, float | int | None]:

@@ -88,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch dir (node logs)")
     parser.add_argument("--workload", default="bench",
                         help="P1-P3: bench (workload.py), user (user_train.py, README-style), fsdp "
-                             "(fsdp_train.py, the same with FSDP2) or both (bench,user; comma-separated)")
+                             "(fsdp_train.py, the same with FSDP2), hf (examples/hf_trainer.py), lightning "
+                             "(examples/lightning_ddp.py) or both (bench,user; comma-separated)")
     parser.add_argument("--boot", type=float, default=3.0,
                         help="trace scenarios: seconds from a replacement's launch to its agent's start")
+    parser.add_argument("--notice-at", choices=("settle", "burst"), default="settle",
+                        help="P1: settle (after every warm pool is full) or burst (at a random time in the "
+                             "first 30 s after the round formed: the second notice of a burst)")
+    parser.add_argument("--seed", type=int, default=0, help="P1 --notice-at burst: the delays' seed")
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
@@ -107,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     workloads = ["bench", "user"] if workloads == ["both"] else workloads
-    if not workloads or set(workloads) - {"bench", "user", "fsdp"}:
-        parser.error(f"--workload: choose bench, user, fsdp or both, not {args.workload!r}")
+    if not workloads or set(workloads) - {"bench", "user", "fsdp", "hf", "lightning"}:
+        parser.error(f"--workload: choose bench, user, fsdp, hf, lightning or both, not {args.workload!r}")
     reps = 1 if args.quick else max(1, args.reps)
     default_sizes = [8] if args.quick else [8, 32, 64]
     try:
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             imds = LocalMetadataServer(scratch / "notices").start()
         ctx = Context(root=scratch, reps=reps, quick=args.quick, etcd=etcd, imds=imds, systems=systems,
                       hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace, sizes=sizes,
-                      workloads=workloads)
+                      workloads=workloads, notice_at=args.notice_at, seed=args.seed)
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
         for sid in scenarios:
             t0 = time.time()
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.scenarios import recovery
 
                 for workload in workloads:
-                    key = recovery.result_key(sid, workload)
+                    key = recovery.result_key(sid, workload, ctx.notice_at)
                     t_w = time.time()
                     results[key] = recovery.run(ctx, sid, workload)
                     results[key]["wall_s"] = round(time.time() - t_w, 1)

@@ -95,3 +95,25 @@ def test_any_entrypoint_name_is_warm_and_a_full_pool_starts_nothing(tmp_path: Pa
         proc.wait()
     finally:
         pool.close()
+
+
+def test_a_spare_per_slot_is_still_warm_after_a_round_takes_its_workers(tmp_path: Path) -> None:
+    """PETCTL_WARM_SPARES=1: the node waits for nproc workers, the spares come after; a round takes nproc
+    and the next round finds nproc more ready, before any refill."""
+    from petctl.agent.readiness import warm_spares
+
+    envs = ({}, {"PETCTL_WARM_SPARES": "1"}, {"PETCTL_WARM_SPARES": "x"})
+    assert [warm_spares(e) for e in envs] == [0, 1, 0]
+    pool = WarmPool(make_spec(tmp_path, ("noisy",)), die_with_parent(), spares=1)
+    try:
+        assert pool.fill(2) == 2 and not pool.full  # what the node waits for before registering
+        assert pool.fill() == 2 and pool.full and pool.fill() == 0
+        assert pool.wait_ready(30) == 4
+        first = [pool.take() for _ in range(2)]
+        assert all(t is not None and t[1] for t in first)
+        assert not pool.full and pool.wait_ready(0) == 2  # the next round's, warm already
+        for proc, _warm in first:  # type: ignore[misc]
+            proc.kill()
+            proc.wait()
+    finally:
+        pool.close()

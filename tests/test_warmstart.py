@@ -34,6 +34,34 @@ def test_only_torch_and_petctl_elastic_imports_are_preloaded() -> None:
     assert script_preloads("def broken(:\n") == []
 
 
+def test_framework_imports_are_preloaded_also_from_the_scripts_own_modules(tmp_path) -> None:
+    """tests/workloads/hf_train.py imports the framework through `examples.hf_trainer`: read, not run."""
+    pkg = tmp_path / "examples"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("import os\nfrom transformers import Trainer\n"
+                                  "import lightning.pytorch as pl\nraise SystemExit('never imported')\n")
+    script = "from examples.train import main\nfrom mylib import x\n"
+    assert script_preloads(script, [str(tmp_path)]) == ["transformers:Trainer", "lightning.pytorch"]
+    assert script_preloads(script) == []  # not under a root: the user's module is not read
+    cycle = tmp_path / "a.py"
+    cycle.write_text("import a\nimport accelerate\n")
+    assert script_preloads("import a\n", [str(tmp_path)]) == ["accelerate"]  # read once
+
+
+def test_after_the_order_lightnings_rank_zero_guard_knows_the_rank() -> None:
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from petctl.agent.warmstart import after_order
+
+    before = getattr(rank_zero_only, "rank", 0)
+    try:
+        after_order({"RANK": "2"})
+        assert rank_zero_only.rank == 2
+    finally:
+        rank_zero_only.rank = before
+
+
 def test_preload_loads_lazily_exported_names_and_submodules() -> None:
     preload("petctl.elastic:Checkpointer")
     import petctl.elastic

@@ -26,7 +26,9 @@ class Context:
     grace: float = 20.0  # P1: seconds between the notice and the SIGKILL
     sizes: list[int] = field(default_factory=lambda: [8, 32, 64])  # P5 node counts
     timeline: dict[str, Any] = field(default_factory=dict)  # P1/P2 runs kept for the chart
-    workloads: list[str] = field(default_factory=lambda: ["bench"])  # P1-P3: "bench", "user", "fsdp"
+    workloads: list[str] = field(default_factory=lambda: ["bench"])  # P1-P3: "bench", "user", "fsdp", ...
+    notice_at: str = "settle"  # P1: "settle" (warm pools full first) or "burst" (random, <= 30 s in)
+    seed: int = 0  # P1 burst: the notice delays' seed
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ snapshots switched off (PETCTL_SNAPSHOTS=0), the anchor P2's lost steps are comp
 
 from __future__ import annotations
 
+import random
 import signal
 import time
 from typing import Any
@@ -31,6 +32,7 @@ WARM_SETTLE = 30.0  # petctl: longest wait for the agents' warm pools to be refi
 CKPT_EVERY = 10
 STEP_TIME = 0.05
 START_TIMEOUT = 120.0
+FRAMEWORK_START_TIMEOUT = 300.0  # hf, lightning: 3 framework workers' imports and set-up on a busy host
 RECOVER_TIMEOUT = 90.0
 
 SCENARIOS = {
@@ -59,7 +61,9 @@ def systems_for(sid: str, systems: list[str]) -> list[str]:
 # Workload name -> its script. user_train.py's defaults are the bench's (a checkpoint every 10 steps, at
 # least 50 ms per step): it runs with no arguments, as a user would start it.
 WORKLOADS = {"bench": BENCH / "workload.py", "user": BENCH / "user_train.py",
-             "fsdp": BENCH / "fsdp_train.py"}  # the user's script with FSDP2 and ShardedCheckpointer
+             "fsdp": BENCH / "fsdp_train.py",  # the user's script with FSDP2 and ShardedCheckpointer
+             "hf": BENCH / "hf_train.py", "lightning": BENCH / "lightning_train.py"}  # the framework examples
+BURST_WINDOW = 30.0  # P1 --notice-at burst: the notice comes at uniform(0, this) s after the round formed
 
 
 def workload_env(system: str = "petctl") -> dict[str, str]:
@@ -70,9 +74,17 @@ def workload_env(system: str = "petctl") -> dict[str, str]:
     return env
 
 
-def result_key(sid: str, workload: str) -> str:
-    """Where a scenario's results live in the JSON: "P1" for the bench workload, "P1-user" for the user's."""
-    return sid if workload == "bench" else f"{sid}-{workload}"
+def result_key(sid: str, workload: str, notice_at: str = "settle") -> str:
+    """Where a scenario's results live in the JSON: "P1" for the bench workload, "P1-user" for the user's,
+    "P1-user-burst" for notices close together."""
+    key = sid if workload == "bench" else f"{sid}-{workload}"
+    return f"{key}-burst" if notice_at == "burst" and sid == "P1" else key
+
+
+def _formed_at(nodes: list[Node], world: int) -> float:
+    """When the round at `world` began training: its first step on any node."""
+    return min(float(e["ts"]) for n in nodes for e in n.events("train.step")
+               if int(e.get("world_size", 0)) == world)
 
 
 def _trained(nodes: list[Node], world: int, steps: int) -> bool:
@@ -84,7 +96,7 @@ def _trained(nodes: list[Node], world: int, steps: int) -> bool:
 
 
 def _start_job(ctx: Context, system: str, sid: str, rep: int, sc: dict[str, Any], workload: str):
-    key = result_key(sid, workload)
+    key = result_key(sid, workload, ctx.notice_at)
     name = f"{key.lower()}-{system.split('-')[-1]}-{rep}-{int(time.time()) % 100000}"
     root = ctx.dir(key, system, f"rep{rep}")
     ckpt = f"file://{ctx.dir(key, system, f'rep{rep}', 'checkpoints')}"
@@ -118,10 +130,18 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
     job, nodes = _start_job(ctx, system, sid, rep, sc, workload)
     result: dict[str, Any] = {"system": system, "rep": rep, "workload": workload}
     try:
-        if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), START_TIMEOUT, 0.2):
+        start_cap = FRAMEWORK_START_TIMEOUT if workload in ("hf", "lightning") else START_TIMEOUT
+        if not wait_for(lambda: _trained(nodes, sc["nodes"], WARM_STEPS), start_cap, 0.2):
             result["error"] = f"job did not reach step {WARM_STEPS} at world {sc['nodes']}"
             return result
-        if system in PETCTL_VARIANTS:
+        if ctx.notice_at == "burst" and sid == "P1":
+            # The second notice of a burst: at a random time in the first 30 s of the round, whatever the
+            # warm pools' state (seeded: the same delays for every system).
+            delay = random.Random(f"{ctx.seed}-{rep}").uniform(0.0, BURST_WINDOW)
+            formed = _formed_at(nodes, sc["nodes"])
+            time.sleep(max(0.0, formed + delay - time.time()))
+            result["notice_after_round_s"] = round(time.time() - formed, 2)
+        elif system in PETCTL_VARIANTS:
             # Steady state: every agent has refilled its warm pool for the next restart (a real job runs
             # for minutes between disruptions; 25 steps here are 2-3 s). Capped, and recorded.
             t_settle = time.time()
@@ -179,7 +199,7 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             result["detect_s"] = marks.get("detect")
             result["all_know_s"] = phases.all_know(watch, t_event)
         if sid in ("P1", "P2"):
-            _keep_timeline(ctx, result_key(sid, workload), system, rep, nodes, t_event, result)
+            _keep_timeline(ctx, result_key(sid, workload, ctx.notice_at), system, rep, nodes, t_event, result)
         return result
     finally:
         job.stop()

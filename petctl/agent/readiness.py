@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.warm_pool import WARM_WAIT, WarmPool
+from petctl.agent.warm_pool import WARM_WAIT, WarmPool, refill
 from petctl.agent.workerspec import WorkerSpec
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import JobSpec
@@ -34,14 +34,21 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
     prefetch = Prefetch(spec.checkpoint_url, work_dir / "cache", {**os.environ, **spec.env}, events, out,
                         die_with_parent())
     prefetch.start()
-    pool = WarmPool(worker_spec, die_with_parent()) if spec.warm_workers else None
+    pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
     if pool is not None:
         services.callback(pool.close)
-        pool.fill()
+        pool.fill(worker_spec.nproc)
         ready = pool.wait_ready(WARM_WAIT)
         events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
+        refill(pool, True, 0, events)  # the spares, if any: importing while the node registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
+
+
+def warm_spares(env: Mapping[str, str]) -> int:
+    """Spare warm workers per slot, from the job's `PETCTL_WARM_SPARES` (default 0; not a number: 0)."""
+    value = env.get("PETCTL_WARM_SPARES", "0").strip()
+    return min(int(value), 4) if value.isdigit() else 0
 
 
 class Prefetch:

@@ -3,6 +3,13 @@
 Why: on a restart the slowest phase is not the rendezvous (tens of ms) but a fresh Python importing
 torch (seconds). The pool keeps `nproc` workers (`petctl.agent.warm_worker`) waiting; `WorkerGroup`
 takes one per rank when a round forms and sends it its environment and command line on stdin.
+
+Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): a round takes `nproc` workers and the
+pool refills only once the round trains (imports beside a starting round would slow it), so a second
+disruption within the refill's imports (seconds; tens for a framework job on a busy host) found no warm
+worker. With a spare per slot the pool keeps `nproc * (1 + spares)`: the spares start once the node's
+first `nproc` are ready, and the next round takes them while the refill is still importing. Each costs
+an idle interpreter with the script's imports (torch: a few hundred MB of host memory).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ class WarmPool:
     `warm_worker.signal_ready`), never on the worker's output.
     """
 
-    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None) -> None:
+    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0) -> None:
         self.spec = spec
         self.preexec = preexec
+        self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
@@ -47,16 +55,17 @@ class WarmPool:
     def full(self) -> bool:
         """Every slot holds a live worker (or the pool cannot be used at all): nothing to refill."""
         return (not self.usable or self.given_up
-                or sum(1 for p in self.ready if p.poll() is None) >= self.spec.nproc)
+                or sum(1 for p in self.ready if p.poll() is None) >= self.size)
 
-    def fill(self) -> int:
-        """Start workers until `nproc` wait in the pool; returns how many were started now."""
+    def fill(self, up_to: int | None = None) -> int:
+        """Start workers until `up_to` (default: the pool's size) wait in the pool; returns how many were
+        started now."""
         if not self.usable:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
         env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
         started = 0
-        while len(self.ready) < self.spec.nproc:
+        while len(self.ready) < min(self.size, up_to or self.size):
             read_fd, write_fd = os.pipe()
             try:
                 proc = subprocess.Popen(

@@ -17,7 +17,7 @@ import runpy
 import sys
 import time
 
-from petctl.agent.warmstart import await_store, host_store_early, preload, script_preloads
+from petctl.agent.warmstart import after_order, await_store, host_store_early, preload, script_preloads
 
 READY = b"petctl-warm-worker-ready\n"
 # When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.startup`
@@ -54,7 +54,9 @@ def main() -> None:
             importlib.import_module(name)
         except ImportError:
             pass  # the script will import (and fail on) what it really needs
-    for name in script_preloads(_script_source(script)) if script else []:
+    roots = [os.path.dirname(os.path.abspath(script)), os.getcwd(),
+             *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    for name in script_preloads(_script_source(script), roots) if script else []:
         try:
             preload(name)
         except Exception:  # noqa: BLE001, S110 - any import error is the script's to raise, when it runs
@@ -69,6 +71,7 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     os.environ[ENV_ORDER_TS] = f"{time.time():.6f}"
+    after_order(order["env"])
     try:
         store = host_store_early(order["env"])  # kept alive (referenced) while the script runs
     except Exception as e:  # noqa: BLE001 - torch starts its own server in init_process_group then

@@ -1,10 +1,15 @@
 """What a warm worker does ahead of its script to shorten a restart (runs in the worker, never the agent).
 
 - `script_preloads`: the modules the script imports that are safe to import before the worker knows its
-  rank: torch's own and petctl.elastic (neither reads the environment at import). Only what the script
-  imports anyway, so a script that does not use petctl.elastic pays nothing for it (measured: importing
+  rank: torch's own, petctl.elastic, and the training frameworks (transformers with accelerate, Lightning:
+  seconds of imports each, the largest part of a framework job's restart). Only what the script imports
+  anyway, so a script that does not use them pays nothing (measured: importing
   petctl.elastic.checkpointer after torch costs 45 ms and 0.9 MiB). The user's own modules are never
-  imported early: they may read RANK or MASTER_ADDR at import.
+  imported early (they may read RANK or MASTER_ADDR at import), but they are read: the imports of a
+  module of the script's own tree (`from examples.hf_trainer import main`) count as the script's.
+- `after_order`: what a preloaded module read from the environment at import and must read again now
+  (Lightning's rank-zero guard takes RANK at import: a warm worker had none, so every rank printed as 0
+  until the Trainer's strategy set it).
 - `host_store_early`: on global rank 0, start torch's TCPStore server the moment the order arrives. torch
   starts it inside `init_process_group` on rank 0, after the script's own start-up; a rank that connects
   before that is refused and retries with a backoff (measured: a rank 0 50 ms late made the process group
@@ -23,13 +28,17 @@
 from __future__ import annotations
 
 import ast
+import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-PRELOAD_PREFIXES = ("torch", "petctl.elastic")
+PRELOAD_PREFIXES = ("torch", "petctl.elastic", "transformers", "accelerate", "lightning", "pytorch_lightning",
+                    "lightning_fabric")
+FOLLOW_FILES = 16  # at most this many of the script's own modules are read for their imports
 STORE_WAIT = 3.0  # at most: then torch's own connect, with its backoff, takes over
 STORE_POLL = 0.005
 
@@ -38,20 +47,63 @@ def _wanted(module: str) -> bool:
     return any(module == p or module.startswith(p + ".") for p in PRELOAD_PREFIXES)
 
 
-def script_preloads(source: str) -> list[str]:
+def script_preloads(source: str, roots: Sequence[str] = ()) -> list[str]:
     """`module` or `module:name` for every absolute import of a PRELOAD_PREFIXES module in `source`
-    (anywhere in the file: `main()`'s imports run on the critical path too). [] when it does not parse."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
+    (anywhere in the file: `main()`'s imports run on the critical path too), and in the modules of the
+    script's own that it imports and that are files under `roots` (its directory, the working
+    directory, PYTHONPATH), read, never imported, breadth first up to FOLLOW_FILES files. [] when the
+    script does not parse."""
     out: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [alias.name for alias in node.names if _wanted(alias.name)]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _wanted(node.module):
-            out += [f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*"]
+    queue: list[str] = [source]
+    seen: set[str] = set()  # the script's own modules read so far
+    while queue:
+        text = queue.pop(0)
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            if text is source:
+                return []
+            continue
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+                out += [n for n in names if _wanted(n)]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if _wanted(node.module):
+                    out += [f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*"]
+                names = [node.module]
+            for name in names:
+                found = None if _wanted(name) else _own_module(name, roots)
+                if found is not None and found not in seen and len(seen) < FOLLOW_FILES:
+                    seen.add(found)
+                    queue.append(_read(found))
     return list(dict.fromkeys(out))
+
+
+def _own_module(name: str, roots: Sequence[str]) -> str | None:
+    """The file of module `name` under one of `roots` (a module of the script's own tree), or None."""
+    rel = name.replace(".", os.sep)
+    for root in roots:
+        for path in (os.path.join(root, rel + ".py"), os.path.join(root, rel, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def after_order(env: dict[str, str]) -> None:
+    """Give a preloaded module what it took from the environment at import (see the module)."""
+    guard = sys.modules.get("lightning_utilities.core.rank_zero")
+    if guard is not None and env.get("RANK", "").isdigit():
+        guard.rank_zero_only.rank = int(env["RANK"])  # type: ignore[attr-defined]
 
 
 def preload(name: str) -> None:

@@ -86,10 +86,12 @@ def resolve(options: SnapshotOptions | bool | None,
 
 class SnapshotTier:
     """This rank's part: a writer and a reader on local rank 0 when enabled; every rank takes part in
-    the resume's offer exchange unless snapshots are switched off in code (the same on every rank)."""
+    the resume's offer exchange unless snapshots are switched off in code (the same on every rank).
+    `name`: the file in the node's directory (`state.snap` for `Checkpointer`; the framework callbacks
+    keep theirs apart, `framework.snap`)."""
 
     def __init__(self, comm: Any, log: EventLog, options: SnapshotOptions | bool | None = None,
-                 environ: dict[str, str] | None = None) -> None:
+                 environ: dict[str, str] | None = None, name: str = REPLICATED) -> None:
         opts, directory, env = resolve(options, environ)
         self.comm = comm
         self.log = log
@@ -98,7 +100,7 @@ class SnapshotTier:
         self.reader: SnapshotReader | None = None
         if opts.enabled is False or not directory or comm.local_rank != 0:
             return
-        path = snapshot_path(directory, REPLICATED)
+        path = snapshot_path(directory, name)
         job = env.get(ENV_JOB, "")
         round_no = _int(env.get(ENV_ROUND))
         self.reader = SnapshotReader(path, job, round_no, comm.rank, log)

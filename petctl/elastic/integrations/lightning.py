@@ -13,7 +13,9 @@ What the callback does (`protocol.SaveNowProtocol` holds the framework-neutral h
 - at petctl's save-now flag (spot notice, planned scale change) every rank agrees on the same step in one
   all-reduce, calls `trainer.save_checkpoint(<checkpoints>/last.ckpt)` (collective in Lightning) at that
   step boundary and sets `trainer.should_stop`: `fit` returns, the workers exit 0, and the next round
-  resumes at the step after it. At a rebalance recommendation it saves and training goes on.
+  resumes at the step after it. At a rebalance recommendation it saves and training goes on;
+- under the agent, local rank 0 of each node keeps the newest step's checkpoint dict in node memory
+  (`plmemory.py`): a node lost without warning costs at most one step.
 
 Lightning's own rule: `devices * num_nodes` must equal the world size, which petctl changes between
 rounds, so a hard-coded `num_nodes=2` fails when the world shrinks (`ValueError: ... does not match the
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from petctl.elastic.integrations.plmemory import LightningSnapshotMixin
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 from petctl.elastic.integrations.worldsize import devices_per_node, num_nodes
 
@@ -65,7 +68,7 @@ def last_checkpoint(root: str | os.PathLike[str] | None = None, *,
     return str(found[-1]) if found else None
 
 
-class PetctlCallback(ProtocolCallback, Callback):
+class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off.
@@ -87,6 +90,7 @@ class PetctlCallback(ProtocolCallback, Callback):
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # the in-memory tier's checkpoint IO (plmemory.py)
         # Lightning runs checkpoint callbacks' hooks last: their dirpath is still the script's (or None).
         if self.dirpath is None:
             self.dirpath = next((cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", [])
@@ -107,6 +111,7 @@ class PetctlCallback(ProtocolCallback, Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self.snapshot_step(trainer)  # the in-memory tier (plmemory.py), before the save-now check
         if self.protocol is None:
             return
         step = trainer.global_step  # completed optimizer steps, as the checkpoint will record
@@ -123,6 +128,8 @@ class PetctlCallback(ProtocolCallback, Callback):
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         # Every save goes through here (ModelCheckpoint's too); ours is reported by `saved` above. One
         # line per step: ModelCheckpoint(save_last=True) saves a step twice (its file and last.ckpt).
+        if self.capturing:  # an in-memory snapshot's dump, not a save
+            return
         step = trainer.global_step
         if (self.protocol is not None and self.protocol.pending is Action.NONE and trainer.global_rank == 0
                 and step != self._reported_step):

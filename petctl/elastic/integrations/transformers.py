@@ -23,18 +23,25 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from petctl.elastic.integrations.hfmemory import HFSnapshotMixin, memory_checkpoint
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 
 __all__ = ["PetctlCallback", "last_checkpoint"]
 
 
 def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """The newest `checkpoint-N` under `output_dir` to resume from, or None (a fresh start, or no
-    directory yet: `get_last_checkpoint` itself raises when the directory does not exist)."""
+    """The checkpoint to resume from: the one the callback wrote from node memory for this round, when
+    the in-memory snapshots were newer than the disk (call this after building the Trainer, as
+    `train(resume_from_checkpoint=last_checkpoint(...))` does: the callback decides in `on_init_end`);
+    else the newest `checkpoint-N` under `output_dir`, or None (a fresh start, or no directory yet:
+    `get_last_checkpoint` itself raises when the directory does not exist)."""
+    from_memory = memory_checkpoint()
+    if from_memory is not None:
+        return from_memory
     return get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
 
 
-class PetctlCallback(ProtocolCallback, TrainerCallback):
+class PetctlCallback(ProtocolCallback, HFSnapshotMixin, TrainerCallback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off
@@ -48,6 +55,7 @@ class PetctlCallback(ProtocolCallback, TrainerCallback):
         self.start(state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.snapshot_step(state, kwargs)  # the in-memory tier (hfmemory.py), before the save-now check
         if self.protocol is None:
             return
         # global_step counts completed optimizer steps: checkpoint-<step> holds the state after them.
