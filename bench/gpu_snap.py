@@ -31,10 +31,9 @@ import torch
 from bench.gpu_step import Device, Skip, StepModel, host_available, shm_free
 from petctl.core.eventlog import EventLog
 from petctl.elastic import State
-from petctl.elastic.snapcodec import decode, flatten
-from petctl.elastic.snapdevice import DeviceCopy
-from petctl.elastic.snapresume import SnapshotReader
-from petctl.elastic.snapwriter import SnapshotWriter
+from petctl.elastic.snapshots.codec import decode, flatten
+from petctl.elastic.snapshots.resume import SnapshotReader
+from petctl.elastic.snapshots.writer import DeviceCopy, SnapshotWriter
 
 JOB = "bench-gpu"
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from bench.workload import build_model  # noqa: E402
 from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.elastic import State  # noqa: E402
-from petctl.elastic.snapwriter import SnapshotWriter  # noqa: E402
+from petctl.elastic.snapshots.writer import SnapshotWriter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

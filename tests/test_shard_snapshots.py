@@ -10,10 +10,18 @@ import torch
 
 from petctl.core.records import WireFormatError
 from petctl.core.snapshotrecord import HEADER_SIZE
-from petctl.elastic.shardbundle import commit, pack, read_verified, stage, unpack, verify
-from petctl.elastic.shardcodec import assemble, encode
-from petctl.elastic.shardselect import ShardOffer, choose_shards
-from petctl.elastic.shardstate import detach_for_capture
+from petctl.elastic.snapshots.codec import (
+    assemble,
+    commit,
+    encode,
+    pack,
+    read_verified,
+    stage,
+    unpack,
+    verify,
+)
+from petctl.elastic.snapshots.resume import ShardOffer, choose_shards
+from petctl.elastic.snapshots.ring import detach_for_capture
 
 
 def held(rank: int, old: int, step: int = 10, round_no: int = 1, world: int = 3,
@@ -143,8 +151,8 @@ def test_one_process_snapshots_every_step_and_resumes_from_its_newest(tmp_path: 
     round resumes from it, tensors and plain values alike; a later round of another job does not."""
     from petctl.core.eventlog import EventLog
     from petctl.elastic.dist import Comm
-    from petctl.elastic.shardsnap import ShardSnapshotTier
-    from petctl.elastic.snapshot import SnapshotOptions
+    from petctl.elastic.snapshots.ring import ShardSnapshotTier
+    from petctl.elastic.snapshots.tier import SnapshotOptions
 
     env = {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"}
     opts = SnapshotOptions(every=1, directory=str(tmp_path))

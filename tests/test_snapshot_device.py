@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.elastic import snapdevice
-from petctl.elastic.snapcadence import SETTLE, Cadence
-from petctl.elastic.snapcodec import Layout, tensor_view
-from petctl.elastic.snapdevice import DeviceCopy
-from petctl.elastic.snapwriter import SnapshotFile, SnapshotWriter
+from petctl.elastic.snapshots import writer as snapdevice
+from petctl.elastic.snapshots.codec import Layout, tensor_view
+from petctl.elastic.snapshots.writer import SETTLE, Cadence, DeviceCopy, SnapshotFile, SnapshotWriter
 from tests.test_snapshots import Recorder, assert_same, frozen, make_state, read_back, train
 
 

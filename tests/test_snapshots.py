@@ -27,12 +27,10 @@ from petctl.core.snapshotrecord import (
     stale_reason,
 )
 from petctl.elastic import Checkpointer, State
-from petctl.elastic.snapcadence import Cadence
-from petctl.elastic.snapcodec import decode
-from petctl.elastic.snapresume import SnapshotReader
-from petctl.elastic.snapselect import Offer, newest_common
-from petctl.elastic.snapshot import SnapshotOptions, SnapshotTier
-from petctl.elastic.snapwriter import SnapshotWriter
+from petctl.elastic.snapshots.codec import decode
+from petctl.elastic.snapshots.resume import Offer, SnapshotReader, newest_common
+from petctl.elastic.snapshots.tier import SnapshotOptions, SnapshotTier
+from petctl.elastic.snapshots.writer import Cadence, SnapshotWriter
 from tests.conftest import REPO
 from tests.test_elastic_checkpointer import Recorder
 
@@ -107,7 +105,7 @@ def test_the_newest_step_covering_every_part_is_taken(offers, parts, store, sour
 
 # --- the payload checksum ---------------------------------------------------------------------------
 def test_the_payload_checksum_catches_a_flipped_bit_and_a_moved_block() -> None:
-    from petctl.elastic.snapcodec import CHECK_BLOCK, payload_checksum
+    from petctl.elastic.snapshots.codec import CHECK_BLOCK, payload_checksum
 
     block = 8 * CHECK_BLOCK
     data = bytearray(random.Random(3).randbytes(3 * block + 1000))  # three whole blocks and a tail
@@ -271,7 +269,7 @@ import sys, torch
 from pathlib import Path
 from petctl.core.eventlog import EventLog
 from petctl.elastic import State
-from petctl.elastic.snapwriter import SnapshotWriter
+from petctl.elastic.snapshots.writer import SnapshotWriter
 
 path, overlap = Path(sys.argv[1]), sys.argv[2] == "1"
 hold_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # commit this step's snapshot, then wait to die

@@ -8,12 +8,12 @@ it instead of from the last periodic checkpoint. One file per writer (`<name>.sn
     [header: HEADER_SIZE bytes][payload: data, then meta]    (offsets relative to the payload)
 
 To the agent a snapshot is that header and `payload_length` bytes. What the payload means (tensor bytes,
-the state's skeleton in `meta`) is `petctl.elastic.snapcodec`'s business.
+the state's skeleton in `meta`) is `petctl.elastic.snapshots.codec`'s business.
 
 Why a torn or stale snapshot is never loaded:
 - The writer zeroes the header before it touches the payload and writes the header last, with the
-  payload's checksum (`petctl.elastic.snapcodec.payload_checksum`: opaque to the agent, which never reads
-  the payload) and a crc32 of the header itself: a writer killed mid-copy leaves no header, one killed
+  payload's checksum (`petctl.elastic.snapshots.codec.payload_checksum`: opaque to the agent, which never
+  reads the payload) and a crc32 of the header itself: a writer killed mid-copy leaves no header, one killed
   mid-header leaves a header whose own crc fails, and a payload changed after the commit fails its crc.
 - The header names the job and the round that wrote it: a reader in round R accepts only a snapshot of
   its own job written in an earlier round (`stale_reason`).
@@ -54,7 +54,7 @@ class SnapshotHeader:
     data_length: int  # bytes of tensor data at the start of the payload
     meta_offset: int  # where the meta bytes start, from the payload's start
     meta_length: int
-    checksum: int  # of the whole payload (petctl.elastic.snapcodec.payload_checksum)
+    checksum: int  # of the whole payload (petctl.elastic.snapshots.codec.payload_checksum)
     written_at: float = 0.0
     version: int = VERSION
 

@@ -29,7 +29,7 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL, BaseCheckpointer
 from petctl.elastic.cache import LocalCache
-from petctl.elastic.snapshot import SnapshotOptions, SnapshotTier
+from petctl.elastic.snapshots.tier import SnapshotOptions, SnapshotTier
 from petctl.elastic.startup import worker_started_at
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.store import CheckpointStore, S3Options

@@ -30,9 +30,9 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.basecheckpointer import BaseCheckpointer
 from petctl.elastic.cache import LocalCache
-from petctl.elastic.shardresume import store_newest
-from petctl.elastic.shardsnap import ShardSnapshotTier
-from petctl.elastic.snapshot import SnapshotOptions
+from petctl.elastic.snapshots.resume import store_newest
+from petctl.elastic.snapshots.ring import ShardSnapshotTier
+from petctl.elastic.snapshots.tier import SnapshotOptions
 from petctl.elastic.store import CheckpointStore, ObjectNotFound
 from petctl.io.wait import wait_until
 

@@ -35,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.integrations.memory import FrameworkSnapshots
-from petctl.elastic.snapshot import SnapshotOptions
+from petctl.elastic.snapshots.tier import SnapshotOptions
 
 MARK = "resume.json"  # {"round", "step", "path"}: the checkpoint this round resumes from memory
 

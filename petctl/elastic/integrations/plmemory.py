@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from petctl.elastic.integrations.memory import FrameworkSnapshots
-from petctl.elastic.snapshot import SnapshotOptions
+from petctl.elastic.snapshots.tier import SnapshotOptions
 
 if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
     from lightning_fabric.plugins import CheckpointIO

@@ -1,4 +1,6 @@
-"""The in-memory snapshot tier of `Checkpointer`: a node loses at most one step when another node vanishes.
+"""The replicated in-memory tier (`SnapshotTier`) and the options both tiers share (`SnapshotOptions`).
+
+The in-memory snapshot tier of `Checkpointer`: a node loses at most one step when another node vanishes.
 
 Under a petctl agent every node has a tmpfs directory the agent owns (`$PETCTL_SNAPSHOT_DIR`, kept for the
 agent's life, removed when it exits). At every step boundary (or every K steps, see `SnapshotOptions`)
@@ -23,8 +25,8 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR, snapshot_path
-from petctl.elastic.snapresume import SnapshotReader, resume_from_snapshot
-from petctl.elastic.snapwriter import SnapshotWriter
+from petctl.elastic.snapshots.resume import SnapshotReader, resume_from_snapshot
+from petctl.elastic.snapshots.writer import SnapshotWriter
 
 ENV_SWITCH = "PETCTL_SNAPSHOTS"  # "0"/"off": no snapshots for this job (`petctl run_job --env`), as False
 ENV_JOB = "PETCTL_JOB"
