@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.elastic import manifest as mf
-from petctl.elastic.store import open_store
+from petctl.elastic import open_store
 from tests.agent_harness import WORKLOADS
 
 STEPS = 150

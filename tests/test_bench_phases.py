@@ -14,7 +14,7 @@ from pathlib import Path
 from bench import phases
 from bench.procs import Node
 from petctl.agent import warm_worker
-from petctl.elastic import startup
+from petctl.elastic import workerprotocol as startup
 
 T = 1000.0  # the notice
 

@@ -12,10 +12,9 @@ import torch
 
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog, parse_lines
-from petctl.elastic import Checkpointer, State
+from petctl.elastic import Checkpointer, CheckpointStore, ObjectInfo, State, open_store
 from petctl.elastic import manifest as mf
 from petctl.elastic.state import load_payload
-from petctl.elastic.store import CheckpointStore, ObjectInfo, open_store
 
 
 @pytest.fixture
@@ -366,7 +365,7 @@ def test_cache_sweeps_staging_of_dead_processes(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from petctl.elastic.cache import LocalCache
+    from petctl.elastic.manifest import LocalCache
 
     cache = LocalCache("file:///x", tmp_path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -381,7 +380,7 @@ def test_cache_sweeps_staging_of_dead_processes(tmp_path: Path) -> None:
 def test_time_based_periodic_save(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from petctl.elastic import basecheckpointer as module
+    from petctl.elastic import checkpointer as module
 
     now = [1000.0]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from petctl.core import controlfiles
-from petctl.elastic import Checkpointer
+from petctl.elastic import Checkpointer, open_store
 from petctl.elastic import manifest as mf
-from petctl.elastic.store import open_store
 from tests.test_elastic_checkpointer import CountingStore, Recorder, assert_same, make_state, train
 
 

@@ -15,16 +15,15 @@ import pytest
 import torch
 
 from petctl.core.eventlog import parse_line
-from petctl.elastic import Checkpointer, State
+from petctl.elastic import Checkpointer, S3Store, State
 from petctl.elastic import manifest as mf
-from petctl.elastic.store import S3Store
 
 REPO = Path(__file__).resolve().parents[1]
 
 WRITER = r'''
 import os, sys, torch
 from petctl.elastic import Checkpointer, S3Options, State
-from petctl.elastic.store import S3Store
+from petctl.elastic import S3Store
 
 url = sys.argv[1]
 model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights: 4 parts of 5 MiB per save

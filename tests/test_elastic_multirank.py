@@ -11,7 +11,7 @@ from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
 from petctl.elastic import Checkpointer, State
-from petctl.elastic.store import open_store
+from petctl.elastic import open_store
 
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_elastic_checkpointer import CountingStore  # noqa: E402

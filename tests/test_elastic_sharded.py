@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from petctl.elastic import manifest as mf
-from petctl.elastic.store import open_store
+from petctl.elastic import open_store
 from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
@@ -85,7 +85,7 @@ def test_every_seconds_saves_when_due_and_restarts_the_clock(tmp_path: Path, mon
 
     import torch
 
-    from petctl.elastic import basecheckpointer
+    from petctl.elastic import checkpointer as basecheckpointer
     from petctl.elastic.sharded import ShardedCheckpointer
 
     now = [1000.0]
@@ -109,7 +109,7 @@ def test_every_seconds_needs_the_preemption_check_to_agree_on(tmp_path: Path) ->
 
 CLOCK_WORKER = WORKER_PRELUDE + r'''
 import types
-from petctl.elastic import basecheckpointer
+from petctl.elastic import checkpointer as basecheckpointer
 from petctl.elastic.sharded import ShardedCheckpointer
 
 now = [1000.0]

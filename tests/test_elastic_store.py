@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from petctl.elastic import CheckpointStore, FileStore, ObjectNotFound, S3Options, S3Store, open_store
 from petctl.elastic import manifest as mf
-from petctl.elastic.store import CheckpointStore, FileStore, ObjectNotFound, S3Options, S3Store, open_store
 
 
 @pytest.fixture

@@ -162,7 +162,7 @@ def test_lightning_resumes_from_node_memory_with_or_without_a_checkpoint_on_disk
 def test_a_disk_checkpoint_newer_than_memory_wins(agent_env: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture):
-    from petctl.elastic.integrations.hfmemory import memory_checkpoint
+    from petctl.elastic.integrations.transformers import memory_checkpoint
 
     out = tmp_path / "out"
     monkeypatch.setenv("PETCTL_JOB", "memjob-old")

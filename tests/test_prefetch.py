@@ -15,10 +15,10 @@ from pathlib import Path
 
 from petctl.agent.readiness import Prefetch
 from petctl.core.eventlog import EventLog
+from petctl.elastic import FileStore
 from petctl.elastic import manifest as mf
-from petctl.elastic.cache import LocalCache
+from petctl.elastic.manifest import LocalCache
 from petctl.elastic.prefetch import prefetch
-from petctl.elastic.store import FileStore
 
 
 def _checkpoint(store: FileStore, tmp: Path, step: int, payload: bytes) -> None:

@@ -20,7 +20,7 @@ import time
 from petctl.agent.warmstart import after_order, await_store, host_store_early, preload, script_preloads
 
 READY = b"petctl-warm-worker-ready\n"
-# When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.startup`
+# When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.workerprotocol`
 # reads it under the same name; a cold worker's process start time is the same moment).
 ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Name -> the module defining it. Loaded on first access (PEP 562), so `import petctl.elastic.store` or
-# `.manifest` never pays for torch; `from petctl.elastic import Checkpointer` loads what it needs.
+# Name -> the module defining it (relative to petctl.elastic, or a full name for the object store the
+# checkpoint API shares with the agent: `CheckpointStore` is `petctl.io.objstore.ObjectStore`). Loaded on
+# first access (PEP 562), so `import petctl.elastic.manifest` or `from petctl.elastic import open_store`
+# never pays for torch; `from petctl.elastic import Checkpointer` loads what it needs.
 _EXPORTS = {
     "ENV_CHECKPOINT_URL": "checkpointer",
     "Checkpointer": "checkpointer",
@@ -30,19 +32,19 @@ _EXPORTS = {
     "prune": "manifest",
     "read_manifest": "manifest",
     "write_checkpoint": "manifest",
-    "PreemptionMonitor": "preemption",
+    "PreemptionMonitor": "workerprotocol",
     "ShardedCheckpointer": "sharded",
     "ShardedState": "state",
     "State": "state",
     "Stateful": "state",
-    "CheckpointStore": "store",
-    "FileStore": "store",
-    "ObjectInfo": "store",
-    "ObjectNotFound": "store",
-    "S3Options": "store",
-    "S3Store": "store",
-    "SnapshotOptions": "snapshot",
-    "open_store": "store",
+    "CheckpointStore": "manifest",
+    "FileStore": "petctl.io.objstore",
+    "ObjectInfo": "petctl.io.objstore",
+    "ObjectNotFound": "petctl.io.objstore",
+    "S3Options": "petctl.io.objstore",
+    "S3Store": "petctl.io.objstore",
+    "SnapshotOptions": "snapshots.tier",
+    "open_store": "petctl.io.objstore",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -52,7 +54,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'petctl.elastic' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"petctl.elastic.{module}"), name)
+    full = module if module.startswith("petctl.") else f"petctl.elastic.{module}"
+    value = getattr(importlib.import_module(full), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

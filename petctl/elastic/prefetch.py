@@ -19,8 +19,9 @@ from pathlib import Path
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
-from petctl.elastic.cache import LocalCache
-from petctl.elastic.store import CheckpointStore, open_store
+from petctl.elastic.manifest import LocalCache
+from petctl.io.objstore import ObjectStore as CheckpointStore
+from petctl.io.objstore import open_store
 
 
 def prefetch(store: CheckpointStore, cache: LocalCache, log: EventLog) -> int | None:

@@ -12,8 +12,8 @@ written by any rank), verifies every object, and `dcp.load`s it, so a job that c
 different world size still resumes. No collective of the training's groups runs off the training thread.
 
 Under the petctl agent every rank also keeps its shard, and the previous node's, in node memory
-(`shardsnap.py`, on a gloo group of its own, off the training thread): a resume takes the newest step
-whose every shard a live rank holds when the store has nothing newer (`shardresume.py`).
+(`ring.py`, on a gloo group of its own, off the training thread): a resume takes the newest step
+whose every shard a live rank holds when the store has nothing newer (`resume.py`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import torch.distributed.checkpoint as dcp
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
-from petctl.elastic.basecheckpointer import BaseCheckpointer
-from petctl.elastic.cache import LocalCache
+from petctl.elastic.checkpointer import BaseCheckpointer
+from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots.resume import store_newest
 from petctl.elastic.snapshots.ring import ShardSnapshotTier
 from petctl.elastic.snapshots.tier import SnapshotOptions
-from petctl.elastic.store import CheckpointStore, ObjectNotFound
+from petctl.io.objstore import ObjectNotFound
+from petctl.io.objstore import ObjectStore as CheckpointStore
 from petctl.io.wait import wait_until
 
 ENTRIES_POLL = 0.2  # how often rank 0 looks for the other ranks' entries before writing the manifest
@@ -70,7 +71,7 @@ class ShardedCheckpointer(BaseCheckpointer):
                          log)
         self.entries_timeout = entries_timeout
         self.local_dir = Path(local_dir) if local_dir else LocalCache(self.url).dir / "dcp"
-        self.snapshots = ShardSnapshotTier(self.comm, self.log, snapshots)  # collective (shardsnap.py)
+        self.snapshots = ShardSnapshotTier(self.comm, self.log, snapshots)  # collective (ring.py)
         self._setup_auto("sharded")
 
     # --- resume ----------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ class ShardedCheckpointer(BaseCheckpointer):
 
     def resume(self, app_state: dict[str, Any]) -> int:
         """Load the newest sharded state into `app_state`, from the shards in node memory when they hold
-        the newest step (shardresume.py), else from the store; returns the next step (0: none)."""
+        the newest step (resume.py), else from the store; returns the next step (0: none)."""
         t0 = time.monotonic()
         taken = self.snapshots.resume(app_state, store_newest(
             lambda: next((m.step for m in mf.readable_manifests(self.store, self._report_corrupt)), None),
@@ -191,8 +192,8 @@ class ShardedCheckpointer(BaseCheckpointer):
 
     def _upload(self, step: int, local: Path, files: dict[str, Path]) -> bool:
         """Background thread: this rank's shards and entries, then (rank 0) the manifest. False when
-        this node is fenced (fence.py): a fenced rank uploads nothing, and rank 0 fenced at the commit
-        writes no manifest (a fenced other rank leaves rank 0 waiting for its entries until
+        this node is fenced (workerprotocol.py): a fenced rank uploads nothing, and rank 0 fenced at the
+        commit writes no manifest (a fenced other rank leaves rank 0 waiting for its entries until
         `entries_timeout`: that round is being replaced anyway). Raises what the store raises."""
         t0 = time.monotonic()
         try:

@@ -7,7 +7,7 @@ the framework's own checkpoint of the newest step in node memory, as `Checkpoint
 steps, from the measured cost) into `framework.snap` in the agent's tmpfs directory, and a re-formed
 job's workers resume from the newest step any survivor holds when it is at least as new as the newest
 checkpoint on disk. The framework's own halves say what "its checkpoint" is and how it is resumed:
-`hfmemory.py` (the Trainer's `checkpoint-N` contents) and `plmemory.py` (Lightning's checkpoint dict).
+`transformers.py` (the Trainer's `checkpoint-N` contents) and `lightning.py` (Lightning's checkpoint dict).
 
 The payload is the framework's checkpoint, objects and all, so it is read back with `weights_only=False`
 (the framework itself loads its own checkpoints that way); it is written by this job's own workers into

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from urllib.parse import unquote, urlparse
 
-from petctl.elastic.basecheckpointer import ENV_CHECKPOINT_URL
+from petctl.elastic.checkpointer import ENV_CHECKPOINT_URL
 
 
 def output_dir(default: str, subdir: str = "", environ: Mapping[str, str] | None = None) -> str:

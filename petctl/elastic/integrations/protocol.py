@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
-from petctl.elastic.autowire import AutoWire
+from petctl.elastic.autointerval import AutoWire
 from petctl.elastic.checkpointer import report_resumed
 from petctl.elastic.dist import Comm
-from petctl.elastic.preemption import PreemptionMonitor
+from petctl.elastic.workerprotocol import PreemptionMonitor
 
 
 class Action(enum.Enum):
@@ -64,7 +64,7 @@ class SaveNowProtocol:
     pending: Action = Action.NONE  # the save asked for at the last `step_end`, until `saved` answers it
     stopped_at: int | None = None  # the step the save-now fired at (sticky: later checks are skipped)
     started: float = field(default_factory=time.time)  # when this worker began (the recovery timeline)
-    auto: AutoWire | None = None  # every="auto": the durable interval (autowire.py)
+    auto: AutoWire | None = None  # every="auto": the durable interval (autointerval.py)
     _last_save: float = field(default_factory=time.monotonic)
     _asked_at: float | None = None  # when this boundary asked for a periodic save (its cost is the wait)
 

@@ -213,14 +213,14 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-# --- from shardcodec.py -------------------------------------------------------------------------------------
+# --- the sharded codec --------------------------------------------------------------------------------------
 # A rank's shard of a sharded state as a snapshot payload, and W such shards loaded back at any world size.
 #
 # Why not `dcp.save` at every step: it costs about 10 ms of Python per save whatever the state's size
 # (planning, one `torch.save` per item), most of it holding the GIL against the training thread, so a
-# 1 % budget would snapshot a 50 ms step only every 15 steps. Here a shard is `snapcodec`'s payload (tensor
+# 1 % budget would snapshot a 50 ms step only every 15 steps. Here a shard is `codec`'s payload (tensor
 # bytes in fixed places, plus a pickled skeleton): each DTensor is replaced by its local tensor and where
-# that sits in the global tensor (`shardstate.detach_for_capture`), so the bytes copy runs in torch (GIL
+# that sits in the global tensor (`ring.detach_for_capture`), so the bytes copy runs in torch (GIL
 # released) and the Python part is a walk of the state dict.
 #
 # Loading (`assemble`, `load_into`) is DCP's resharding done by hand: every rank holds the W shards of one
@@ -234,7 +234,7 @@ DTENSOR_KEY = "__petctl_dtensor__"
 
 
 def encode(captured: tuple[Any, list[torch.Tensor]]) -> tuple[list[torch.Tensor], Layout, bytes]:
-    """(tensors, their layout, the meta bytes) of a shard from `shardstate.detach_for_capture`'s
+    """(tensors, their layout, the meta bytes) of a shard from `ring.detach_for_capture`'s
     (skeleton, tensors): the training thread's part (no copy of tensor data: the caller copies
     `tensors` into the payload)."""
     skeleton, tensors = captured
@@ -323,10 +323,10 @@ def _fill_live(live: Any, snap: Any, path: str) -> Any:
     return snap
 
 
-# --- from shardbundle.py ------------------------------------------------------------------------------------
+# --- the shard file (bundle) --------------------------------------------------------------------------------
 # One rank's shard of a sharded snapshot as one file: the in-memory snapshot header, then DCP's bytes.
 #
-#     [SnapshotHeader][payload: the local tensors' bytes][meta: the pickled skeleton (`shardcodec`)]
+#     [SnapshotHeader][payload: the local tensors' bytes][meta: the pickled skeleton (`codec`)]
 #
 # The header is `petctl.core.snapshotrecord`'s (job, round, step, old rank, world size, lengths, checksum),
 # so to the agent a shard file is one more snapshot: bytes behind a header. The file is built in memory

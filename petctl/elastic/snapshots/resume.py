@@ -5,13 +5,13 @@ and how it travels back into the state (`resume_from_snapshot`, `resume_sharded`
 Resuming a sharded job from the shards its nodes keep in memory (collective: every rank calls it).
 
 1. Every rank offers the shard files its node holds for it (its own and the peer copy), each one's
-   header, round and checksum checked first (`shardbundle.verify`: a torn, stale or damaged file is
+   header, round and checksum checked first (`codec.verify`: a torn, stale or damaged file is
    reported as `snapshot.skipped` and never offered).
 2. The offers are all-gathered; rank 0 compares them with the store's newest step and picks the save
-   (`shardselect.choose_shards`); the choice is broadcast.
+   (`resume.choose_shards`); the choice is broadcast.
 3. Each old rank's shard is broadcast by the rank that holds it (re-read and re-verified first: a file that
    changed since the offer sends everyone to the store), so every rank holds the W shards of that save,
-   puts each tensor together and takes its own slice of the new world (`shardcodec`).
+   puts each tensor together and takes its own slice of the new world (`codec`).
 4. One line says where the job resumed from: `snapshot.resume` (step, holders) or `snapshot.fallback`
    (why, and which old ranks' shards are gone: two neighbouring nodes lost at once), from rank 0.
 
@@ -156,14 +156,14 @@ def store_newest(read: Callable[[], int | None], log: EventLog, url: str) -> Cal
     return newest
 
 
-# --- from snapresume.py -------------------------------------------------------------------------------------
+# --- the replicated resume ----------------------------------------------------------------------------------
 # Resuming from an in-memory snapshot: what a rank offers, which one the job takes, how it travels.
 #
 # On a resume every rank says which snapshot it holds (`SnapshotReader.offer`: only local rank 0 of a node
 # has one, and only after its header, its round and its checksum checked out); the offers are all-gathered
 # (one small collective, on every rank, whether or not it holds anything, so ranks never disagree on the
 # protocol); rank 0 compares them with the store's newest step and says what the job takes
-# (`snapselect.newest_common`); the holder reads its payload and broadcasts it, as today's resume
+# (`resume.newest_common`); the holder reads its payload and broadcasts it, as today's resume
 # broadcasts rank 0's download; every rank decodes it. When no snapshot qualifies, or the holder cannot read
 # it after all, the caller falls back to the store.
 
@@ -262,7 +262,7 @@ def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None
     return choice.step, state
 
 
-# --- from snapselect.py -------------------------------------------------------------------------------------
+# --- the replicated choice ----------------------------------------------------------------------------------
 # Which step a re-formed job resumes from, and from where: a pure function over what every rank offers.
 #
 # On a resume every rank says what it holds: a valid in-memory snapshot (its step, and which parts of the
@@ -344,11 +344,11 @@ def _why_no_snapshot(by_step: dict[int, dict[int, int]], parts: frozenset[int]) 
     return f"no step is covered by the snapshots (step {newest} lacks parts {missing})"
 
 
-# --- from shardselect.py ------------------------------------------------------------------------------------
+# --- the sharded choice -------------------------------------------------------------------------------------
 # Which sharded snapshot a re-formed job resumes from: a pure function over what every rank offers.
 #
-# A sharded save is one file per old rank (its DCP shard, `shardbundle`), written by that rank into its own
-# node's memory and copied to the next node's (`shardsnap`). On a resume every rank offers the shard files
+# A sharded save is one file per old rank (its DCP shard, `codec`), written by that rank into its own
+# node's memory and copied to the next node's (`ring`). On a resume every rank offers the shard files
 # it holds, own and peer copies, each naming its save (the round that wrote it, its step, its world size)
 # and the old rank whose shard it is. A save can be loaded only when the shards of every old rank
 # 0..W-1 are held by some live rank; the job takes the newest such save (by round, then step) unless the

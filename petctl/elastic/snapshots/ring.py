@@ -13,8 +13,8 @@ peer shard, the newest only.
 How a snapshot runs, so the training thread pays little:
 - training thread (`take`): the state dict (every rank, the same step: FSDP's `get_state_dict` may run
   collectives), clones of what the next forward could change (buffers, extras), each DTensor as its
-  local tensor and offset, a pickled skeleton (`shardcodec`), and a hand-off;
-- background thread: the tensors' bytes copied into the shard file's buffer (`shardbundle.pack`) straight
+  local tensor and offset, a pickled skeleton (`codec`), and a hand-off;
+- background thread: the tensors' bytes copied into the shard file's buffer (`codec.pack`) straight
   from the live parameters and optimizer state, which only `optimizer.step()` changes: a pre-hook holds
   the next `step()` until the capture is done (as the DDP tier does);
 - then, on a gloo group of its own (made collectively when the checkpointer is made), the ranks agree on
@@ -93,7 +93,7 @@ class ShardSnapshotTier:
         self._copier = ThreadPoolExecutor(1, "petctl-shardcopy", initializer=yield_cpu_to_training)
         # The ring thread is not niced: its round is mostly waiting on the neighbours, and a round that
         # lags behind the steps (a starved thread on a loaded machine) is a step more lost on a kill.
-        self._sender = ThreadPoolExecutor(1, "petctl-shardring")
+        self._sender = ThreadPoolExecutor(1, "petctl-ring")
         self._inflight: deque[tuple[int, Future[tuple[str | None, int]]]] = deque()
         self._captured = threading.Event()
         self._captured.set()
@@ -210,7 +210,7 @@ class ShardSnapshotTier:
     def _exchange(self, copy: Future[Captured] | tuple[int, Any, str | None],
                   proposal: int) -> tuple[str | None, int]:
         """The ring thread: the shard's copy (its future, or the arguments to make it here), then the
-        snapshot's round on the ring (`shardring.exchange`)."""
+        snapshot's round on the ring (`ring.exchange`)."""
         buf, error = copy.result() if isinstance(copy, Future) else self._capture(*copy)
         t0 = time.monotonic()
         assert self.ring is not None and self.directory is not None
@@ -253,7 +253,7 @@ def _int(value: str | None) -> int:
         return 0
 
 
-# --- from shardstate.py -------------------------------------------------------------------------------------
+# --- what a sharded snapshot captures -----------------------------------------------------------------------
 # What a sharded snapshot captures, taken on the training thread: the state dict, with the tensors that
 # `optimizer.step()` alone changes left live and everything else copied.
 #
@@ -353,8 +353,8 @@ def detach_for_capture(app_state: dict[str, Any], overlap: bool = True,
                        state_dicts: StateDicts | None = None) -> tuple[Any, list[Any]]:
     """(skeleton, tensors) of `app_state`: each `Stateful` asked for its `state_dict()` now (on every
     rank at the same step: FSDP's may run collectives), every tensor moved to `tensors` and replaced by
-    `{snapcodec.TENSOR_KEY: i}`, each DTensor by its local piece and where that sits
-    (`{shardcodec.DTENSOR_KEY: [piece, global shape, global offset]}`). A tensor stays live when only
+    `{codec.TENSOR_KEY: i}`, each DTensor by its local piece and where that sits
+    (`{codec.DTENSOR_KEY: [piece, global shape, global offset]}`). A tensor stays live when only
     `optimizer.step()` changes it (`overlap`) and is copied otherwise. `offsets` caches where a DTensor's
     piece sits (the same for the life of a world). One walk: it runs on the training thread at every
     snapshot. Raises what `state_dict()` raises."""
@@ -406,7 +406,7 @@ def _offset(dtensor: Any, offsets: dict[Any, list[int]]) -> list[int]:
     return found
 
 
-# --- from shardring.py --------------------------------------------------------------------------------------
+# --- the ring -----------------------------------------------------------------------------------------------
 # The ring sharded snapshots travel on: rank r sends its shard to rank r + local world size (the same
 # local rank on the next node, mod world) and keeps the one rank r - local world size sends, on a gloo group
 # of its own (made collectively with the checkpointer: its operations run on the snapshot thread, and must

@@ -4,10 +4,10 @@ The in-memory snapshot tier of `Checkpointer`: a node loses at most one step whe
 
 Under a petctl agent every node has a tmpfs directory the agent owns (`$PETCTL_SNAPSHOT_DIR`, kept for the
 agent's life, removed when it exits). At every step boundary (or every K steps, see `SnapshotOptions`)
-local rank 0 of each node copies the training state into one file there (`snapwriter`): under DDP every
+local rank 0 of each node copies the training state into one file there (`writer`): under DDP every
 rank holds the same state, so one copy per node is enough, and it outlives the worker. When the job
 re-forms, its workers resume from the newest snapshot any survivor holds if it is at least as new as the
-store's newest checkpoint (`snapresume`), and from the store otherwise.
+store's newest checkpoint (`resume`), and from the store otherwise.
 
 The store stays the durable tier: periodic saves go on at the user's interval, and a new job, a new agent
 (a restart of the whole node or job) or a job's end never sees an old snapshot (the directory is the

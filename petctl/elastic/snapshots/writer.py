@@ -3,18 +3,18 @@ inside its budget, and the device copy that moves a GPU state into the mapped fi
 
 Writes a node's in-memory snapshot at step boundaries, off the training thread where that is safe.
 
-At `take(step, state)` the training thread lays the state out (`snapcodec`), serialises the skeleton
+At `take(step, state)` the training thread lays the state out (`codec`), serialises the skeleton
 (the only deep copy it makes), blanks the file's header and copies what the next forward pass could
 change (module buffers, schedulers, extras) itself. Parameters and optimizer state change only inside
 `optimizer.step()`, so a background thread copies those while the next step's forward and backward run,
 and a pre-hook on the optimizer holds the next `step()` until the copy is done: the snapshot is the state
 after `step`, exactly, at the cost of a wait only when a step is shorter than the copy. The same thread
 then checksums the payload and writes the header last (the commit; see `petctl.core.snapshotrecord`).
-A GPU state is copied on a stream of its own into the mapping, page-locked (`snapdevice`).
+A GPU state is copied on a stream of its own into the mapping, page-locked (`writer`).
 
 The file is preallocated (`posix_fallocate`) so a full tmpfs is an error at allocation time, never a
 SIGBUS in the middle of a copy; any failure disables snapshots for this worker (`snapshot.disabled`, once)
-and training goes on with the store alone. How often: `snapcadence`.
+and training goes on with the store alone. How often: `writer`.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ class SnapshotWriter:
             self.log.emit("snapshot.stats", **self.report())
 
 
-# --- from snapdevice.py -------------------------------------------------------------------------------------
+# --- the device copy ----------------------------------------------------------------------------------------
 # How a snapshot's background tensors reach the mapped file: a GPU state on a stream of its own, into
 # the mapping pinned in place.
 #
@@ -346,7 +346,7 @@ class SnapshotWriter:
 #
 # `DeviceCopy` counts the bytes and seconds of its copies: their rate is what the writer reports
 # (`d2h_gb_per_s`; a memcpy's on CPU) and, through the background time, what sets the cadence's pipeline
-# bound (`snapcadence`). `pin=False` copies a GPU state into pageable memory (bench/gpu.py's comparison).
+# bound (`writer`). `pin=False` copies a GPU state into pageable memory (bench/gpu.py's comparison).
 
 
 PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch registers
@@ -530,7 +530,7 @@ def _cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
     return next((t.device for t in tensors if t.is_cuda), None)
 
 
-# --- from snapcadence.py ------------------------------------------------------------------------------------
+# --- the cadence --------------------------------------------------------------------------------------------
 # How often to snapshot: every step unless that costs the training thread more than its budget.
 #
 # The cost of one snapshot is what the training thread pays for it: its own CPU time for the layout and the
@@ -541,7 +541,7 @@ def _cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
 # K (snapshot every K steps) >= median cost / (budget * median step time), over the last WINDOW samples so
 # one outlier moves nothing; raised at once, lowered only when half of K would do (no flapping). No
 # verdict on the cost before SETTLE samples (the first snapshots pay one-time costs), except for a GPU's
-# hold on the next optimizer step, timed by CUDA events (`snapdevice`): the smallest such cost so far may
+# hold on the next optimizer step, timed by CUDA events (`writer`): the smallest such cost so far may
 # raise K at once. A snapshot
 # whose median cost is under FREE (1 ms: 1 % of the 100 ms step the goal is set on, and below the jitter of
 # a step on a loaded machine) is taken every step whatever the step time: a small state's fixed cost
