@@ -37,8 +37,8 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench.workload import build_model  # noqa: E402
 from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.elastic.dist import Comm  # noqa: E402
+from petctl.elastic.snapshots import SnapshotOptions  # noqa: E402
 from petctl.elastic.snapshots.ring import ShardSnapshotTier  # noqa: E402
-from petctl.elastic.snapshots.tier import SnapshotOptions  # noqa: E402
 from petctl.elastic.state import ShardedState  # noqa: E402
 
 

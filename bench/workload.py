@@ -132,7 +132,7 @@ def main() -> int:
     start = 0
     if url and mode == "elastic":
         from petctl.elastic import Checkpointer, State
-        from petctl.elastic.snapshots.tier import SnapshotOptions
+        from petctl.elastic.snapshots import SnapshotOptions
 
         snap = os.environ.get("BENCH_SNAPSHOT", "auto")
         options = {"off": False, "sync": SnapshotOptions(every=1, overlap=False)}.get(snap)

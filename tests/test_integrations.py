@@ -26,12 +26,13 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
 from petctl.elastic.integrations.paths import output_dir
 from petctl.elastic.integrations.protocol import Action, SaveNowProtocol
-from petctl.elastic.integrations.worldsize import devices_per_node, num_nodes
 from petctl.jobview.failure import WorkerFailure
 from tests.conftest import REPO
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
+
+from petctl.elastic.integrations.lightning import devices_per_node, num_nodes  # noqa: E402 (needs lightning)
 
 
 def events_of(stream: io.StringIO) -> list[dict]:

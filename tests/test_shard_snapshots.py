@@ -151,8 +151,8 @@ def test_one_process_snapshots_every_step_and_resumes_from_its_newest(tmp_path: 
     round resumes from it, tensors and plain values alike; a later round of another job does not."""
     from petctl.core.eventlog import EventLog
     from petctl.elastic.dist import Comm
+    from petctl.elastic.snapshots import SnapshotOptions
     from petctl.elastic.snapshots.ring import ShardSnapshotTier
-    from petctl.elastic.snapshots.tier import SnapshotOptions
 
     env = {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"}
     opts = SnapshotOptions(every=1, directory=str(tmp_path))

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from petctl.core.eventlog import EventLog
 from petctl.elastic import ShardedCheckpointer, ShardedState
-from petctl.elastic.snapshots.tier import SnapshotOptions
+from petctl.elastic.snapshots import SnapshotOptions
 
 mode, out, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

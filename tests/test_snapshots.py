@@ -27,9 +27,9 @@ from petctl.core.snapshotrecord import (
     stale_reason,
 )
 from petctl.elastic import Checkpointer, State
+from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.snapshots.codec import decode
 from petctl.elastic.snapshots.resume import Offer, SnapshotReader, newest_common
-from petctl.elastic.snapshots.tier import SnapshotOptions, SnapshotTier
 from petctl.elastic.snapshots.writer import Cadence, SnapshotWriter
 from tests.conftest import REPO
 from tests.test_elastic_checkpointer import Recorder

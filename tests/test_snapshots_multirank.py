@@ -16,7 +16,7 @@ from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 WORKER = WORKER_PRELUDE + r'''
 from petctl.core.eventlog import EventLog
 from petctl.elastic import Checkpointer, State
-from petctl.elastic.snapshots.tier import SnapshotOptions
+from petctl.elastic.snapshots import SnapshotOptions
 
 torch.manual_seed(100 + rank)  # different on purpose: only a resume can make the ranks equal
 net = torch.nn.Linear(4, 2)

@@ -43,7 +43,7 @@ _EXPORTS = {
     "ObjectNotFound": "petctl.io.objstore",
     "S3Options": "petctl.io.objstore",
     "S3Store": "petctl.io.objstore",
-    "SnapshotOptions": "snapshots.tier",
+    "SnapshotOptions": "snapshots",
     "open_store": "petctl.io.objstore",
 }
 

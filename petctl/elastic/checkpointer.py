@@ -14,7 +14,7 @@
 Who does what under DDP: every rank holds the same state, so rank 0 alone reads and writes the store;
 the loaded checkpoint is broadcast to the other ranks (S3 is read once per job, not once per rank), and
 the preemption flag is all-reduced so every rank saves (rank 0) and exits at the same step. Under the
-petctl agent, local rank 0 of every node also keeps the newest step in node memory (snapshots/tier.py), and a
+petctl agent, local rank 0 of every node also keeps the newest step in node memory (snapshots/), and a
 resume takes the newest snapshot any rank holds when the store has nothing newer.
 """
 
@@ -33,7 +33,7 @@ from petctl.elastic.autointerval import AutoWire
 from petctl.elastic.background import BackgroundUploader
 from petctl.elastic.dist import Comm
 from petctl.elastic.manifest import LocalCache
-from petctl.elastic.snapshots.tier import SnapshotOptions, SnapshotTier
+from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
 from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
 from petctl.io.objstore import ObjectStore, S3Options, open_store

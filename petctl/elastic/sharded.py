@@ -30,9 +30,9 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.checkpointer import BaseCheckpointer
 from petctl.elastic.manifest import LocalCache
+from petctl.elastic.snapshots import SnapshotOptions
 from petctl.elastic.snapshots.resume import store_newest
 from petctl.elastic.snapshots.ring import ShardSnapshotTier
-from petctl.elastic.snapshots.tier import SnapshotOptions
 from petctl.io.objstore import ObjectNotFound
 from petctl.io.objstore import ObjectStore as CheckpointStore
 from petctl.io.wait import wait_until

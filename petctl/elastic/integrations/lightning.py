@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,7 @@ import torch
 
 from petctl.elastic.integrations.memory import FrameworkSnapshots
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
-from petctl.elastic.integrations.worldsize import devices_per_node, num_nodes
-from petctl.elastic.snapshots.tier import SnapshotOptions
+from petctl.elastic.snapshots import SnapshotOptions
 
 # --- Lightning's half of the in-memory tier -----------------------------------------------------------------
 # Lightning's half of the in-memory snapshot tier (`memory.py`).
@@ -273,3 +273,38 @@ def check_shared(directory: Path, environ: dict[str, str] | None = None) -> None
             "directory, which a replacement instance never sees: give ModelCheckpoint(dirpath=...) or "
             "Trainer(default_root_dir=...) a directory every node shares, such as "
             "petctl.elastic.integrations.paths.output_dir(...) ($PETCTL_CHECKPOINT_URL's directory)")
+
+
+# --- how many nodes and devices this round has --------------------------------------------------------------
+# How many nodes this round has, for frameworks that must be told (Lightning's `num_nodes`).
+#
+# petctl changes the world size between rounds (a node lost, one added), and starts every round's workers
+# with torchrun's environment: `WORLD_SIZE` (all workers) and `LOCAL_WORLD_SIZE` (workers on this node).
+# A script that hard-codes `num_nodes=2` works until the world shrinks, then fails in every worker:
+# Lightning checks `devices * num_nodes == WORLD_SIZE`.
+
+
+def devices_per_node(environ: Mapping[str, str] | None = None) -> int:
+    """Workers on this node (`LOCAL_WORLD_SIZE`, petctl's `--nproc-per-node`; 1 outside torchrun): the
+    Trainer's `devices`. Raises ValueError, in one line, when the variable is not a positive integer."""
+    value = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def num_nodes(devices: int | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """This round's node count: WORLD_SIZE / devices per node (default LOCAL_WORLD_SIZE, else 1).
+
+    Raises ValueError, in one line, when the environment is malformed or the world size is not a
+    multiple of `devices` (the Trainer's `devices` must be the agent's `--nproc-per-node`)."""
+    env = os.environ if environ is None else environ
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        per_node = int(devices if devices is not None else env.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"WORLD_SIZE/LOCAL_WORLD_SIZE must be integers: {e}") from None
+    if per_node < 1 or world < 1 or world % per_node:
+        raise ValueError(f"world size {world} is not a whole number of nodes of {per_node} device(s) each: "
+                         "the Trainer's devices must equal petctl's --nproc-per-node")
+    return world // per_node

@@ -3,7 +3,7 @@
 A node lost without warning (a vanished host, a SIGKILL) gives nobody time to save, so a framework job
 used to redo every step since its last periodic checkpoint. Under the petctl agent the callbacks now keep
 the framework's own checkpoint of the newest step in node memory, as `Checkpointer` keeps its `State`
-(`petctl.elastic.snapshots.tier`): local rank 0 of each node writes it at every step boundary (or every K
+(`petctl.elastic.snapshots`): local rank 0 of each node writes it at every step boundary (or every K
 steps, from the measured cost) into `framework.snap` in the agent's tmpfs directory, and a re-formed
 job's workers resume from the newest step any survivor holds when it is at least as new as the newest
 checkpoint on disk. The framework's own halves say what "its checkpoint" is and how it is resumed:
@@ -24,7 +24,7 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
-from petctl.elastic.snapshots.tier import SnapshotOptions, SnapshotTier
+from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 
 NAME = "framework"  # the file in the node's snapshot directory: framework.snap
 # The default cost budget: the framework builds its checkpoint dict on the training thread (Lightning's

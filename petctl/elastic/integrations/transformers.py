@@ -37,7 +37,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.elastic.integrations.memory import FrameworkSnapshots
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
-from petctl.elastic.snapshots.tier import SnapshotOptions
+from petctl.elastic.snapshots import SnapshotOptions
 
 # --- the Trainer's half of the in-memory tier ---------------------------------------------------------------
 # The Hugging Face `Trainer`'s half of the in-memory snapshot tier (`memory.py`).

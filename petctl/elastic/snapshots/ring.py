@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from petctl.core.eventlog import EventLog
 from petctl.elastic.background import yield_cpu_to_training
+from petctl.elastic.snapshots import ENV_JOB, ENV_ROUND, SnapshotOptions, resolve
 from petctl.elastic.snapshots.codec import (
     DTENSOR_KEY,
     OWN,
@@ -57,7 +58,6 @@ from petctl.elastic.snapshots.codec import (
     stage,
 )
 from petctl.elastic.snapshots.resume import ShardReader, resume_sharded
-from petctl.elastic.snapshots.tier import ENV_JOB, ENV_ROUND, SnapshotOptions, resolve
 from petctl.elastic.snapshots.writer import Cadence
 from petctl.elastic.state import ShardedState, rebuild_dict
 
