@@ -1,22 +1,6 @@
 """Resuming from the in-memory tier, replicated and sharded side by side: what a rank offers (`Offer`,
 `ShardOffer`), which save the job takes (`newest_common`, `choose_shards`: pure functions over the offers),
 and how it travels back into the state (`resume_from_snapshot`, `resume_sharded`).
-
-Resuming a sharded job from the shards its nodes keep in memory (collective: every rank calls it).
-
-1. Every rank offers the shard files its node holds for it (its own and the peer copy), each one's
-   header, round and checksum checked first (`codec.verify`: a torn, stale or damaged file is
-   reported as `snapshot.skipped` and never offered).
-2. The offers are all-gathered; rank 0 compares them with the store's newest step and picks the save
-   (`resume.choose_shards`); the choice is broadcast.
-3. Each old rank's shard is broadcast by the rank that holds it (re-read and re-verified first: a file that
-   changed since the offer sends everyone to the store), so every rank holds the W shards of that save,
-   puts each tensor together and takes its own slice of the new world (`codec`).
-4. One line says where the job resumed from: `snapshot.resume` (step, holders) or `snapshot.fallback`
-   (why, and which old ranks' shards are gone: two neighbouring nodes lost at once), from rank 0.
-
-Transient memory: every rank receives the whole state's shards once and puts the whole state together
-from them (each shard freed as it is decoded), all freed when the load is done.
 """
 
 from __future__ import annotations
@@ -43,6 +27,309 @@ from petctl.elastic.snapshots.codec import (
     shard_path,
     unpack,
 )
+
+# --- the replicated choice ----------------------------------------------------------------------------------
+# Which step a re-formed job resumes from, and from where: a pure function over what every rank offers.
+#
+# On a resume every rank says what it holds: a valid in-memory snapshot (its step, and which parts of the
+# state it covers), and rank 0 also the newest step in the durable store. The job resumes from the newest
+# step at which the offers together cover every part of the state; the store wins only when it is newer
+# than every such step (a tie goes to memory: no download). Under DDP the state is one part (every rank
+# holds all of it), so any one snapshot covers a step; a sharded state has one part per shard, and a step
+# is covered only when every shard is held by some rank (its own snapshot or a peer's copy of it).
+#
+# No torch, no I/O: `tests/test_snapshots.py` checks it as a table.
+
+
+WHOLE = frozenset({0})  # the one part of a replicated (DDP) state
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A snapshot rank `rank` can load and send: the state after `step`, parts `covers`."""
+
+    rank: int
+    step: int
+    covers: frozenset[int] = WHOLE
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where the job resumes from.
+
+    source: "snapshot" (from the ranks in `holders`), "store" (the durable tier: its newest checkpoint),
+        or "none" (nothing anywhere: a fresh start).
+    step: the step whose state is loaded (None for "store", where the store's loader decides, and "none").
+    holders: part -> the rank that sends it (the lowest rank holding it at `step`).
+    """
+
+    source: str
+    step: int | None = None
+    holders: tuple[tuple[int, int], ...] = ()
+    reason: str = ""
+
+    @property
+    def holder_of(self) -> dict[int, int]:
+        return dict(self.holders)
+
+
+def newest_common(offers: Iterable[Offer], parts: frozenset[int] = WHOLE,
+                  store_step: int | None = None) -> Choice:
+    """The newest step the offers cover completely, unless the store holds a newer one (see the module).
+
+    `store_step`: the store's newest checkpoint (None: none, or the store could not be read)."""
+    by_step: dict[int, dict[int, int]] = {}
+    for offer in offers:
+        holders = by_step.setdefault(offer.step, {})
+        for part in offer.covers & parts:
+            holders[part] = min(holders.get(part, offer.rank), offer.rank)
+    covered = [s for s, holders in by_step.items() if parts <= holders.keys()]
+    best = max(covered, default=None)
+    if best is not None and (store_step is None or best >= store_step):
+        holders = by_step[best]
+        return Choice("snapshot", best, tuple(sorted((p, holders[p]) for p in parts)),
+                      reason=_why_snapshot(best, store_step))
+    if store_step is not None:
+        why = (f"store step {store_step} is newer than every snapshot" if best is not None else
+               _why_no_snapshot(by_step, parts))
+        return Choice("store", None, reason=why)
+    return Choice("none", reason=_why_no_snapshot(by_step, parts))
+
+
+def _why_snapshot(best: int, store_step: int | None) -> str:
+    if store_step is None:
+        return f"snapshot of step {best}; the store has none"
+    return f"snapshot of step {best} is {best - store_step} step(s) newer than the store's {store_step}"
+
+
+def _why_no_snapshot(by_step: dict[int, dict[int, int]], parts: frozenset[int]) -> str:
+    if not by_step:
+        return "no rank offered a snapshot"
+    newest = max(by_step)
+    missing = sorted(parts - by_step[newest].keys())
+    return f"no step is covered by the snapshots (step {newest} lacks parts {missing})"
+
+
+
+# --- the sharded choice -------------------------------------------------------------------------------------
+# Which sharded snapshot a re-formed job resumes from: a pure function over what every rank offers.
+#
+# A sharded save is one file per old rank (its DCP shard, `codec`), written by that rank into its own
+# node's memory and copied to the next node's (`ring`). On a resume every rank offers the shard files
+# it holds, own and peer copies, each naming its save (the round that wrote it, its step, its world size)
+# and the old rank whose shard it is. A save can be loaded only when the shards of every old rank
+# 0..W-1 are held by some live rank; the job takes the newest such save (by round, then step) unless the
+# store's newest checkpoint is newer. When the newest save lacks shards (two neighbouring nodes lost at
+# once: a shard and its only copy went together) the choice says which old ranks are missing, so the
+# fallback to the store is reported with its cause.
+#
+# No torch, no I/O: `tests/test_shard_snapshots.py` checks it as a table.
+
+
+@dataclass(frozen=True)
+class ShardOffer:
+    """Rank `rank` holds a verified shard file: old rank `old_rank`'s shard of the save of `step`,
+    written in round `round` by a job of `world` ranks; `size` bytes (header included)."""
+
+    rank: int
+    old_rank: int
+    step: int
+    round: int
+    world: int
+    size: int
+    kind: str = "own"  # "own" (this node's rank wrote it) or "peer" (a copy sent by the previous node)
+
+    @property
+    def save(self) -> tuple[int, int, int]:
+        return self.round, self.step, self.world
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    """Where the job resumes from.
+
+    source: "snapshot", "store" or "none" (nothing anywhere).
+    save: (round, step, world) of the snapshot taken; holders: old rank -> (new rank that sends it,
+        bytes), for every old rank 0..world-1.
+    missing: the old ranks of the newest save that no live rank holds (empty unless that is why the
+        snapshot was passed over).
+    """
+
+    source: str
+    save: tuple[int, int, int] | None = None
+    holders: tuple[tuple[int, int, int], ...] = ()
+    missing: tuple[int, ...] = ()
+    reason: str = ""
+
+    @property
+    def step(self) -> int | None:
+        return None if self.save is None else self.save[1]
+
+
+def choose_shards(offers: Iterable[ShardOffer], store_step: int | None = None) -> ShardChoice:
+    """The newest save whose every shard some rank holds, unless the store is newer (see the module).
+    A tie with the store goes to memory (no download). Offers whose old rank is outside their world
+    (a damaged header) are ignored."""
+    by_save: dict[tuple[int, int, int], dict[int, ShardOffer]] = {}
+    for offer in offers:
+        if not 0 <= offer.old_rank < offer.world:
+            continue
+        held = by_save.setdefault(offer.save, {})
+        best = held.get(offer.old_rank)
+        if best is None or offer.rank < best.rank:
+            held[offer.old_rank] = offer
+    if not by_save:
+        return _fallback(store_step, "no rank offered a shard snapshot")
+    complete = [s for s, held in by_save.items() if len(held) == s[2]]
+    newest = max(by_save)
+    missing = tuple(sorted(set(range(newest[2])) - by_save[newest].keys()))
+    best = max(complete, default=None)
+    if best is None:
+        why = (f"the shards of old ranks {list(missing)} of step {newest[1]} are held by no live rank "
+               "(a node and the next one, which kept its copy, lost at once)")
+        return _fallback(store_step, why, missing)
+    step = best[1]
+    if store_step is not None and store_step > step:
+        return _fallback(store_step, f"store step {store_step} is newer than the snapshot of step {step}")
+    held = by_save[best]
+    holders = tuple((old, held[old].rank, held[old].size) for old in range(best[2]))
+    why = f"snapshot of step {step}"
+    if store_step is not None:
+        why += f", {step - store_step} step(s) newer than the store's {store_step}"
+    if best != newest:
+        why += f"; the newer step {newest[1]} lacks old ranks {list(missing)}"
+    return ShardChoice("snapshot", best, holders, () if best == newest else missing, why)
+
+
+def _fallback(store_step: int | None, reason: str, missing: tuple[int, ...] = ()) -> ShardChoice:
+    return ShardChoice("store" if store_step is not None else "none", missing=missing, reason=reason)
+
+
+
+# --- the replicated resume ----------------------------------------------------------------------------------
+# Resuming from an in-memory snapshot: what a rank offers, which one the job takes, how it travels.
+#
+# On a resume every rank says which snapshot it holds (`SnapshotReader.offer`: only local rank 0 of a node
+# has one, and only after its header, its round and its checksum checked out); the offers are all-gathered
+# (one small collective, on every rank, whether or not it holds anything, so ranks never disagree on the
+# protocol); rank 0 compares them with the store's newest step and says what the job takes
+# (`resume.newest_common`); the holder reads its payload and broadcasts it, as today's resume
+# broadcasts rank 0's download; every rank decodes it. When no snapshot qualifies, or the holder cannot read
+# it after all, the caller falls back to the store.
+
+
+class SnapshotReader:
+    """The snapshot file of this node, as a resume sees it; torn, stale or damaged ones are reported
+    (`snapshot.skipped`, with why) and never offered."""
+
+    def __init__(self, path: Path, job: str, round_no: int, rank: int, log: EventLog) -> None:
+        self.path, self.job, self.round, self.rank, self.log = path, job, round_no, rank, log
+        self.header: SnapshotHeader | None = None  # the header of the snapshot offered
+
+    def offer(self) -> Offer | None:
+        """This rank's offer: the step of a valid snapshot here, or None."""
+        self.header = None
+        try:
+            header = read_header(self.path)
+        except FileNotFoundError:
+            return None
+        except (OSError, WireFormatError) as e:
+            return self._skip(None, str(e))
+        stale = stale_reason(header, self.job, self.round)
+        if stale is not None:
+            return self._skip(header, f"stale: {stale}")
+        try:
+            size = HEADER_SIZE + header.payload_length  # copy-on-write: a buffer torch takes, unwritten
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+                crc = payload_checksum(mm, HEADER_SIZE, header.payload_length)
+        except (OSError, ValueError) as e:
+            return self._skip(header, f"unreadable: {e}")
+        if crc != header.checksum:
+            return self._skip(header, "checksum mismatch (the payload changed after its commit)")
+        self.header = header
+        return Offer(self.rank, header.step)
+
+    def _skip(self, header: SnapshotHeader | None, reason: str) -> None:
+        self.log.emit("snapshot.skipped", path=str(self.path), reason=reason,
+                      step=header.step if header else None, round=self.round,
+                      written_round=header.round if header else None)
+        return None
+
+    def load(self, step: int) -> tuple[bytearray, SnapshotHeader]:
+        """The payload of the snapshot offered (a private copy), when it still holds `step`. Raises
+        OSError when the file cannot be read, WireFormatError when it changed since the offer."""
+        header = read_header(self.path)
+        if self.header is None or header != self.header or header.step != step:
+            raise WireFormatError(f"snapshot changed since it was offered (now {header.step}, wanted {step})")
+        payload = bytearray(header.payload_length)
+        with open(self.path, "rb") as f:
+            f.seek(HEADER_SIZE)
+            if f.readinto(payload) != len(payload):
+                raise WireFormatError("snapshot file shorter than its header says")
+        return payload, header
+
+
+def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None,
+                         store_step: Callable[[], int | None],
+                         weights_only: bool = True) -> tuple[int, dict[str, Any]] | None:
+    """(step, state) from the newest snapshot any rank holds when it is at least as new as the store's
+    newest checkpoint; None to resume from the store. Collective: every rank calls it. Raises
+    nothing: a snapshot that cannot be read or decoded is reported and the store used instead."""
+    t0 = time.monotonic()
+    mine = reader.offer() if reader is not None else None
+    offers = [o for o in comm.all_gather_object(mine) if o is not None]
+    if not offers:
+        return None
+    choice = newest_common(offers, store_step=store_step()) if comm.is_writer else None
+    choice = comm.broadcast_object(choice)
+    if choice.source != "snapshot":
+        if comm.is_writer:
+            log.emit("snapshot.passed_over", reason=choice.reason, offers=len(offers))
+        return None
+    holder = choice.holder_of[0]
+    info: tuple[Any, ...] | None = None
+    payload: bytearray | None = None
+    if comm.rank == holder:
+        assert reader is not None
+        try:
+            payload, header = reader.load(choice.step)
+            info = ("ok", header.data_length, header.meta_offset, header.meta_length)
+        except (OSError, WireFormatError) as e:
+            info = ("error", f"{type(e).__name__}: {e}")
+    info = comm.broadcast_object(info, src=holder)
+    if info[0] != "ok":
+        log.emit("snapshot.load_failed", step=choice.step, holder=holder, error=info[1])
+        return None
+    _ok, data_length, meta_offset, meta_length = info
+    payload = comm.broadcast_buffer(payload, meta_offset + meta_length, src=holder)
+    try:  # the same bytes and code on every rank: they all fail alike, and all fall back together
+        state = decode(payload, data_length, meta_offset, meta_length, weights_only)
+    except (pickle.UnpicklingError, ValueError, EOFError, KeyError, TypeError) as e:
+        log.emit("snapshot.load_failed", step=choice.step, holder=holder, error=f"{type(e).__name__}: {e}")
+        return None
+    log.emit("checkpoint.loaded", step=choice.step, source="snapshot", holder=holder, bytes=len(payload),
+             seconds=round(time.monotonic() - t0, 3), reason=choice.reason)
+    return choice.step, state
+
+
+
+# --- the sharded resume -------------------------------------------------------------------------------------
+# Resuming a sharded job from the shards its nodes keep in memory (collective: every rank calls it).
+#
+# 1. Every rank offers the shard files its node holds for it (its own and the peer copy), each one's
+#    header, round and checksum checked first (`codec.verify`: a torn, stale or damaged file is
+#    reported as `snapshot.skipped` and never offered).
+# 2. The offers are all-gathered; rank 0 compares them with the store's newest step and picks the save
+#    (`resume.choose_shards`); the choice is broadcast.
+# 3. Each old rank's shard is broadcast by the rank that holds it (re-read and re-verified first: a file that
+#    changed since the offer sends everyone to the store), so every rank holds the W shards of that save,
+#    puts each tensor together and takes its own slice of the new world (`codec`).
+# 4. One line says where the job resumed from: `snapshot.resume` (step, holders) or `snapshot.fallback`
+#    (why, and which old ranks' shards are gone: two neighbouring nodes lost at once), from rank 0.
+#
+# Transient memory: every rank receives the whole state's shards once and puts the whole state together
+# from them (each shard freed as it is decoded), all freed when the load is done.
+
 
 # What a load of verified shards can still fail with: a skeleton refused or unreadable, a state that does
 # not fit the live one (another model), a Stateful refusing it.
@@ -154,285 +441,3 @@ def store_newest(read: Callable[[], int | None], log: EventLog, url: str) -> Cal
             log.emit("checkpoint.store_unreadable", error=repr(e), url=url)
             return None
     return newest
-
-
-# --- the replicated resume ----------------------------------------------------------------------------------
-# Resuming from an in-memory snapshot: what a rank offers, which one the job takes, how it travels.
-#
-# On a resume every rank says which snapshot it holds (`SnapshotReader.offer`: only local rank 0 of a node
-# has one, and only after its header, its round and its checksum checked out); the offers are all-gathered
-# (one small collective, on every rank, whether or not it holds anything, so ranks never disagree on the
-# protocol); rank 0 compares them with the store's newest step and says what the job takes
-# (`resume.newest_common`); the holder reads its payload and broadcasts it, as today's resume
-# broadcasts rank 0's download; every rank decodes it. When no snapshot qualifies, or the holder cannot read
-# it after all, the caller falls back to the store.
-
-
-class SnapshotReader:
-    """The snapshot file of this node, as a resume sees it; torn, stale or damaged ones are reported
-    (`snapshot.skipped`, with why) and never offered."""
-
-    def __init__(self, path: Path, job: str, round_no: int, rank: int, log: EventLog) -> None:
-        self.path, self.job, self.round, self.rank, self.log = path, job, round_no, rank, log
-        self.header: SnapshotHeader | None = None  # the header of the snapshot offered
-
-    def offer(self) -> Offer | None:
-        """This rank's offer: the step of a valid snapshot here, or None."""
-        self.header = None
-        try:
-            header = read_header(self.path)
-        except FileNotFoundError:
-            return None
-        except (OSError, WireFormatError) as e:
-            return self._skip(None, str(e))
-        stale = stale_reason(header, self.job, self.round)
-        if stale is not None:
-            return self._skip(header, f"stale: {stale}")
-        try:
-            size = HEADER_SIZE + header.payload_length  # copy-on-write: a buffer torch takes, unwritten
-            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
-                crc = payload_checksum(mm, HEADER_SIZE, header.payload_length)
-        except (OSError, ValueError) as e:
-            return self._skip(header, f"unreadable: {e}")
-        if crc != header.checksum:
-            return self._skip(header, "checksum mismatch (the payload changed after its commit)")
-        self.header = header
-        return Offer(self.rank, header.step)
-
-    def _skip(self, header: SnapshotHeader | None, reason: str) -> None:
-        self.log.emit("snapshot.skipped", path=str(self.path), reason=reason,
-                      step=header.step if header else None, round=self.round,
-                      written_round=header.round if header else None)
-        return None
-
-    def load(self, step: int) -> tuple[bytearray, SnapshotHeader]:
-        """The payload of the snapshot offered (a private copy), when it still holds `step`. Raises
-        OSError when the file cannot be read, WireFormatError when it changed since the offer."""
-        header = read_header(self.path)
-        if self.header is None or header != self.header or header.step != step:
-            raise WireFormatError(f"snapshot changed since it was offered (now {header.step}, wanted {step})")
-        payload = bytearray(header.payload_length)
-        with open(self.path, "rb") as f:
-            f.seek(HEADER_SIZE)
-            if f.readinto(payload) != len(payload):
-                raise WireFormatError("snapshot file shorter than its header says")
-        return payload, header
-
-
-def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None,
-                         store_step: Callable[[], int | None],
-                         weights_only: bool = True) -> tuple[int, dict[str, Any]] | None:
-    """(step, state) from the newest snapshot any rank holds when it is at least as new as the store's
-    newest checkpoint; None to resume from the store. Collective: every rank calls it. Raises
-    nothing: a snapshot that cannot be read or decoded is reported and the store used instead."""
-    t0 = time.monotonic()
-    mine = reader.offer() if reader is not None else None
-    offers = [o for o in comm.all_gather_object(mine) if o is not None]
-    if not offers:
-        return None
-    choice = newest_common(offers, store_step=store_step()) if comm.is_writer else None
-    choice = comm.broadcast_object(choice)
-    if choice.source != "snapshot":
-        if comm.is_writer:
-            log.emit("snapshot.passed_over", reason=choice.reason, offers=len(offers))
-        return None
-    holder = choice.holder_of[0]
-    info: tuple[Any, ...] | None = None
-    payload: bytearray | None = None
-    if comm.rank == holder:
-        assert reader is not None
-        try:
-            payload, header = reader.load(choice.step)
-            info = ("ok", header.data_length, header.meta_offset, header.meta_length)
-        except (OSError, WireFormatError) as e:
-            info = ("error", f"{type(e).__name__}: {e}")
-    info = comm.broadcast_object(info, src=holder)
-    if info[0] != "ok":
-        log.emit("snapshot.load_failed", step=choice.step, holder=holder, error=info[1])
-        return None
-    _ok, data_length, meta_offset, meta_length = info
-    payload = comm.broadcast_buffer(payload, meta_offset + meta_length, src=holder)
-    try:  # the same bytes and code on every rank: they all fail alike, and all fall back together
-        state = decode(payload, data_length, meta_offset, meta_length, weights_only)
-    except (pickle.UnpicklingError, ValueError, EOFError, KeyError, TypeError) as e:
-        log.emit("snapshot.load_failed", step=choice.step, holder=holder, error=f"{type(e).__name__}: {e}")
-        return None
-    log.emit("checkpoint.loaded", step=choice.step, source="snapshot", holder=holder, bytes=len(payload),
-             seconds=round(time.monotonic() - t0, 3), reason=choice.reason)
-    return choice.step, state
-
-
-# --- the replicated choice ----------------------------------------------------------------------------------
-# Which step a re-formed job resumes from, and from where: a pure function over what every rank offers.
-#
-# On a resume every rank says what it holds: a valid in-memory snapshot (its step, and which parts of the
-# state it covers), and rank 0 also the newest step in the durable store. The job resumes from the newest
-# step at which the offers together cover every part of the state; the store wins only when it is newer
-# than every such step (a tie goes to memory: no download). Under DDP the state is one part (every rank
-# holds all of it), so any one snapshot covers a step; a sharded state has one part per shard, and a step
-# is covered only when every shard is held by some rank (its own snapshot or a peer's copy of it).
-#
-# No torch, no I/O: `tests/test_snapshots.py` checks it as a table.
-
-
-WHOLE = frozenset({0})  # the one part of a replicated (DDP) state
-
-
-@dataclass(frozen=True)
-class Offer:
-    """A snapshot rank `rank` can load and send: the state after `step`, parts `covers`."""
-
-    rank: int
-    step: int
-    covers: frozenset[int] = WHOLE
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Where the job resumes from.
-
-    source: "snapshot" (from the ranks in `holders`), "store" (the durable tier: its newest checkpoint),
-        or "none" (nothing anywhere: a fresh start).
-    step: the step whose state is loaded (None for "store", where the store's loader decides, and "none").
-    holders: part -> the rank that sends it (the lowest rank holding it at `step`).
-    """
-
-    source: str
-    step: int | None = None
-    holders: tuple[tuple[int, int], ...] = ()
-    reason: str = ""
-
-    @property
-    def holder_of(self) -> dict[int, int]:
-        return dict(self.holders)
-
-
-def newest_common(offers: Iterable[Offer], parts: frozenset[int] = WHOLE,
-                  store_step: int | None = None) -> Choice:
-    """The newest step the offers cover completely, unless the store holds a newer one (see the module).
-
-    `store_step`: the store's newest checkpoint (None: none, or the store could not be read)."""
-    by_step: dict[int, dict[int, int]] = {}
-    for offer in offers:
-        holders = by_step.setdefault(offer.step, {})
-        for part in offer.covers & parts:
-            holders[part] = min(holders.get(part, offer.rank), offer.rank)
-    covered = [s for s, holders in by_step.items() if parts <= holders.keys()]
-    best = max(covered, default=None)
-    if best is not None and (store_step is None or best >= store_step):
-        holders = by_step[best]
-        return Choice("snapshot", best, tuple(sorted((p, holders[p]) for p in parts)),
-                      reason=_why_snapshot(best, store_step))
-    if store_step is not None:
-        why = (f"store step {store_step} is newer than every snapshot" if best is not None else
-               _why_no_snapshot(by_step, parts))
-        return Choice("store", None, reason=why)
-    return Choice("none", reason=_why_no_snapshot(by_step, parts))
-
-
-def _why_snapshot(best: int, store_step: int | None) -> str:
-    if store_step is None:
-        return f"snapshot of step {best}; the store has none"
-    return f"snapshot of step {best} is {best - store_step} step(s) newer than the store's {store_step}"
-
-
-def _why_no_snapshot(by_step: dict[int, dict[int, int]], parts: frozenset[int]) -> str:
-    if not by_step:
-        return "no rank offered a snapshot"
-    newest = max(by_step)
-    missing = sorted(parts - by_step[newest].keys())
-    return f"no step is covered by the snapshots (step {newest} lacks parts {missing})"
-
-
-# --- the sharded choice -------------------------------------------------------------------------------------
-# Which sharded snapshot a re-formed job resumes from: a pure function over what every rank offers.
-#
-# A sharded save is one file per old rank (its DCP shard, `codec`), written by that rank into its own
-# node's memory and copied to the next node's (`ring`). On a resume every rank offers the shard files
-# it holds, own and peer copies, each naming its save (the round that wrote it, its step, its world size)
-# and the old rank whose shard it is. A save can be loaded only when the shards of every old rank
-# 0..W-1 are held by some live rank; the job takes the newest such save (by round, then step) unless the
-# store's newest checkpoint is newer. When the newest save lacks shards (two neighbouring nodes lost at
-# once: a shard and its only copy went together) the choice says which old ranks are missing, so the
-# fallback to the store is reported with its cause.
-#
-# No torch, no I/O: `tests/test_shard_snapshots.py` checks it as a table.
-
-
-@dataclass(frozen=True)
-class ShardOffer:
-    """Rank `rank` holds a verified shard file: old rank `old_rank`'s shard of the save of `step`,
-    written in round `round` by a job of `world` ranks; `size` bytes (header included)."""
-
-    rank: int
-    old_rank: int
-    step: int
-    round: int
-    world: int
-    size: int
-    kind: str = "own"  # "own" (this node's rank wrote it) or "peer" (a copy sent by the previous node)
-
-    @property
-    def save(self) -> tuple[int, int, int]:
-        return self.round, self.step, self.world
-
-
-@dataclass(frozen=True)
-class ShardChoice:
-    """Where the job resumes from.
-
-    source: "snapshot", "store" or "none" (nothing anywhere).
-    save: (round, step, world) of the snapshot taken; holders: old rank -> (new rank that sends it,
-        bytes), for every old rank 0..world-1.
-    missing: the old ranks of the newest save that no live rank holds (empty unless that is why the
-        snapshot was passed over).
-    """
-
-    source: str
-    save: tuple[int, int, int] | None = None
-    holders: tuple[tuple[int, int, int], ...] = ()
-    missing: tuple[int, ...] = ()
-    reason: str = ""
-
-    @property
-    def step(self) -> int | None:
-        return None if self.save is None else self.save[1]
-
-
-def choose_shards(offers: Iterable[ShardOffer], store_step: int | None = None) -> ShardChoice:
-    """The newest save whose every shard some rank holds, unless the store is newer (see the module).
-    A tie with the store goes to memory (no download). Offers whose old rank is outside their world
-    (a damaged header) are ignored."""
-    by_save: dict[tuple[int, int, int], dict[int, ShardOffer]] = {}
-    for offer in offers:
-        if not 0 <= offer.old_rank < offer.world:
-            continue
-        held = by_save.setdefault(offer.save, {})
-        best = held.get(offer.old_rank)
-        if best is None or offer.rank < best.rank:
-            held[offer.old_rank] = offer
-    if not by_save:
-        return _fallback(store_step, "no rank offered a shard snapshot")
-    complete = [s for s, held in by_save.items() if len(held) == s[2]]
-    newest = max(by_save)
-    missing = tuple(sorted(set(range(newest[2])) - by_save[newest].keys()))
-    best = max(complete, default=None)
-    if best is None:
-        why = (f"the shards of old ranks {list(missing)} of step {newest[1]} are held by no live rank "
-               "(a node and the next one, which kept its copy, lost at once)")
-        return _fallback(store_step, why, missing)
-    step = best[1]
-    if store_step is not None and store_step > step:
-        return _fallback(store_step, f"store step {store_step} is newer than the snapshot of step {step}")
-    held = by_save[best]
-    holders = tuple((old, held[old].rank, held[old].size) for old in range(best[2]))
-    why = f"snapshot of step {step}"
-    if store_step is not None:
-        why += f", {step - store_step} step(s) newer than the store's {store_step}"
-    if best != newest:
-        why += f"; the newer step {newest[1]} lacks old ranks {list(missing)}"
-    return ShardChoice("snapshot", best, holders, () if best == newest else missing, why)
-
-
-def _fallback(store_step: int | None, reason: str, missing: tuple[int, ...] = ()) -> ShardChoice:
-    return ShardChoice("store" if store_step is not None else "none", missing=missing, reason=reason)
