@@ -283,8 +283,6 @@ def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
 
 # --- the worker group ---------------------------------------------------------------------------------------
 
-__all__ = ["GroupResult", "WorkerGroup", "WorkerSpec"]
-
 ERROR_TAIL_LINES = 20  # the failing worker's last lines kept for `workers.failed` and `petctl status`
 ERROR_LINE_CHARS = 400  # ... each cut to this length, so the status record stays small
 TAIL_DRAIN = 1.0  # how long `error_tail` waits for an exited worker's last lines to be read
