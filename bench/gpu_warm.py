@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.gpu_step import die_with_parent
 from petctl.agent.warm_worker import READY
-from petctl.agent.workerspec import WorkerSpec
+from petctl.agent.workers import WorkerSpec
 from petctl.io.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent

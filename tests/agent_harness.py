@@ -105,7 +105,7 @@ def make_spec(name: str, endpoint: str, *, min_size: int, max_size: int, size: i
     spec = JobSpec(name=name, min_size=min_size, max_size=max_size, size=size or min_size,
                    entrypoint=script, code_url=f"file://{WORKLOADS / script}", etcd_endpoint=endpoint,
                    env=env or {}, max_restarts=max_restarts, checkpoint_url=checkpoint_url)
-    spec.timeouts.heartbeat_interval = 0.2  # the default: members watch each other (agent/peerwatch.py)
+    spec.timeouts.heartbeat_interval = 0.2  # the default: members watch each other (agent/liveness.py)
     spec.timeouts.heartbeat_ttl = 2.0
     spec.timeouts.stop_grace = 2.0
     spec.timeouts.initial_wait = 20.0

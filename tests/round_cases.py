@@ -4,12 +4,14 @@ clock (tests/test_round_decisions.py, tests/test_round_judge.py)."""
 from __future__ import annotations
 
 from petctl.agent.decisions import (
+    Member,
+    Members,
     Now,
     RendezvousState,
     Settings,
+    Snapshot,
     decide,
 )
-from petctl.agent.view import Member, Members, Snapshot
 from petctl.core.records import JoinRecord, Phase, Round
 
 T0 = 1000.0  # monotonic "now" of the cases: joined_at, min_reached_at... are relative to it

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from petctl.agent.health import traceback_tail
 from petctl.agent.main import EXIT_CRASHED, main
-from petctl.agent.outage import traceback_tail
 from petctl.core.spec import AgentConfig
 from tests.agent_harness import make_spec
 

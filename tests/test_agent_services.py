@@ -10,10 +10,10 @@ from pathlib import Path
 import etcd
 import pytest
 
-from petctl.agent.eventsink import EtcdEventSink
-from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.outage import OutageReporter, describe
-from petctl.agent.watcher import LiveWatcher, RequestStats
+from petctl.agent.health import OutageReporter, describe
+from petctl.agent.liveness import Heartbeat
+from petctl.agent.rendezvous import LiveWatcher, RequestStats
+from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.io.etcd import etcd_client, free_port
@@ -198,6 +198,6 @@ def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
     (0.5, 1.0),  # (almost) no time: 1 s, whatever happens
 ])
 def test_a_short_notice_keeps_most_of_its_time_for_the_save(left, budget):
-    from petctl.agent.preemption import save_budget
+    from petctl.agent.notices import save_budget
 
     assert save_budget(left, preempt_deadline=100.0) == pytest.approx(budget)

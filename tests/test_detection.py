@@ -3,7 +3,7 @@
 Three real agents and gloo workers against a real etcd; one node's process group is SIGSTOPped (its
 sockets stay open, its heartbeat simply stops). What is timed is the issue's detection: the freeze ->
 the moment every survivor knows (its own `membership.lost`, or the next round it joined because another
-survivor declared the loss). The member watching the frozen one (agent/peerwatch.py) drops it: etcd's
+survivor declared the loss). The member watching the frozen one (agent/liveness.py) drops it: etcd's
 TTL (3 s) plays no part. The time itself (issue 16's goal: 1.5 s) is measured by bench P2, beside the
 TTL-only detection, not asserted here: a timed assertion on a loaded 2-core CI box is a flake; what this
 test pins is the mechanism (the watch drops exactly the frozen node, and every survivor learns of it).

@@ -48,7 +48,7 @@ def test_env(tmp_path: Path) -> None:
 
 
 def test_agent_modules_import_without_torch_or_boto3() -> None:
-    code = ("import sys; import petctl.core.controlfiles, petctl.agent.imds, petctl.agent.lifecycle, "
+    code = ("import sys; import petctl.core.controlfiles, petctl.agent.imds, petctl.agent.notices, "
             "petctl.providers.local.metadata_server; "
             "bad = [m for m in ('torch', 'boto3', 'botocore') if m in sys.modules]; "
             "assert not bad, bad")

@@ -161,8 +161,8 @@ def test_the_agent_loads_its_config_and_code_from_s3_and_files(moto_env: str, s3
 def test_layers_the_agent_and_the_cli_never_load_the_library_or_torch() -> None:
     """The agent reaches the store through petctl.io, never through petctl.elastic (which would bring
     torch); petctl.io imports nothing of petctl but petctl.core."""
-    code = ("import sys; import petctl.agent.main, petctl.agent.mirror, petctl.agent.code, "
-            "petctl.agent.workers, petctl.agent.warm_pool, petctl.jobview.events, "
+    code = ("import sys; import petctl.agent.main, petctl.agent.reporting, petctl.agent.code, "
+            "petctl.agent.workers, petctl.agent.warm_worker, petctl.jobview.events, "
             "petctl.providers.aws.storage, "
             "petctl.io.objstore, petctl.io.files, petctl.io.procs, petctl.io.wait, "
             "petctl.io.net, petctl.io.etcd, petctl.io.aws; "

@@ -7,7 +7,7 @@ import io
 import threading
 from typing import Any
 
-from petctl.agent.lifecycle import LifecycleHeartbeat, complete_lifecycle_action, make_client
+from petctl.agent.notices import LifecycleHeartbeat, complete_lifecycle_action, make_client
 from petctl.core.eventlog import EventLog, parse_lines
 
 
@@ -136,7 +136,7 @@ LAUNCH_ARGS = {"AutoScalingGroupName": "petctl-job-demo", "LifecycleHookName": "
 
 
 def run_launch(tmp_path, client, delays=(0.0, 0.0)):
-    from petctl.agent.lifecycle import LaunchCompletion
+    from petctl.agent.notices import LaunchCompletion
     from petctl.io.objstore import open_store
 
     config = launch_config(tmp_path)
@@ -202,7 +202,7 @@ def test_no_pending_launch_action_is_not_a_failure(tmp_path) -> None:
 
 
 def test_only_an_agent_with_a_launch_hook_completes_one(tmp_path) -> None:
-    from petctl.agent.preemption import PreemptionHandler
+    from petctl.agent.notices import PreemptionHandler
 
     config = launch_config(tmp_path)
     config.launch_hook = ""  # the local provider

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from petctl.agent.preemption import SHORT_NOTICE_SHARE, save_budget
+from petctl.agent.notices import SHORT_NOTICE_SHARE, save_budget
 from tests.conftest import Petctl
 from tests.ledger import Ledger, data_steps, manifests
 from tests.matrix import run_ledger_job, wait_until
@@ -42,7 +42,7 @@ STEPS, EVERY = 150, 50
 UPLOAD = 6.0
 # The save gets UPLOAD + 1.5 s: enough for the upload in flight to finish (it started before the notice;
 # IMDS times have whole seconds, so the agent's deadline may come up to 1 s early), not for a second one.
-# A notice this short keeps a quarter of its time as the margin (petctl/agent/preemption.py save_budget).
+# A notice this short keeps a quarter of its time as the margin (petctl/agent/notices.py save_budget).
 GRACE = (UPLOAD + 1.5) / (1 - SHORT_NOTICE_SHARE)
 assert save_budget(GRACE, preempt_deadline=90.0) == pytest.approx(UPLOAD + 1.5)
 

@@ -14,7 +14,7 @@ the store (who wrote each, when), and the partitioned agent's own events.
 The sanity variant never cuts the link: it proves the namespaces, the addresses and gloo's interfaces
 work, and, with a fence file written by hand midway on rank 0's node, that real workers commit no
 checkpoint while it exists (training goes on) and commit again once it is removed. The cut variant needs
-the agent's fencing (petctl/agent/fencing.py); until that exists, the assertions about the partitioned
+the agent's fencing (petctl/agent/health.py); until that exists, the assertions about the partitioned
 node are an expected failure, and only those.
 """
 

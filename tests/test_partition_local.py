@@ -10,7 +10,7 @@ still train: the cut-off node may rejoin as a new node.
 
 Asserted: the survivors' round and its rank set, the detection time, the step ledger and exact final
 weights, the store (nothing the cut-off node wrote after it was dropped), the job's result; with the
-agent's fencing (petctl/agent/fencing.py), also the cut-off agent's `agent.fenced` and its stopped
+agent's fencing (petctl/agent/health.py), also the cut-off agent's `agent.fenced` and its stopped
 workers; until that exists those last assertions are an expected failure, and only those.
 """
 

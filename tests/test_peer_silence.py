@@ -1,6 +1,6 @@
 """A frozen or cut-off peer is dropped by the member watching it, within about 1.2 s, and a peer that keeps
-refreshing never is: the pure judgement (agent/silence.py) by table, then the peer watch
-(agent/peerwatch.py) against a real etcd with real heartbeats."""
+refreshing never is: the pure judgement (agent/liveness.py) by table, then the peer watch
+(agent/liveness.py) against a real etcd with real heartbeats."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import time
 import etcd
 import pytest
 
-from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.outage import OutageReporter
-from petctl.agent.peerwatch import PeerWatch
-from petctl.agent.silence import (
+from petctl.agent.decisions import RoundInfo
+from petctl.agent.health import OutageReporter, StoreHealth
+from petctl.agent.liveness import (
+    Heartbeat,
     Observation,
+    PeerWatch,
     Reading,
     observe,
     poll_period,
@@ -22,8 +23,6 @@ from petctl.agent.silence import (
     successor,
     watching_enabled,
 )
-from petctl.agent.storehealth import StoreHealth
-from petctl.agent.view import RoundInfo
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord

@@ -1,11 +1,11 @@
-"""Planned membership changes save first (petctl/agent/planned.py): the admitting node's decisions, as a
+"""Planned membership changes save first (petctl/agent/roundjudge.py): the admitting node's decisions, as a
 table, and when a graceful leave saves first. Pure functions: no etcd, no workers."""
 
 from __future__ import annotations
 
 import pytest
 
-from petctl.agent.planned import Hold, Reform, RequestSave, SaveLook, admission, leave_saves_first
+from petctl.agent.roundjudge import Hold, Reform, RequestSave, SaveLook, admission, leave_saves_first
 from petctl.core.records import Preempt
 
 ME, OTHER, WALL, BUDGET = "a", "b", 1000.0, 90.0

@@ -1,6 +1,6 @@
 """A node's prefetch of the newest checkpoint into its cache, before it registers (issue 14, item 2).
 
-`petctl.elastic.prefetch` (the child the agent runs) and `petctl.agent.readiness.Prefetch` (the agent's
+`petctl.elastic.prefetch` (the child the agent runs) and `petctl.agent.workers.Prefetch` (the agent's
 side: spawn, bound, pass the event on). Real files in a file:// store; no torch.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from petctl.agent.readiness import Prefetch
+from petctl.agent.workers import Prefetch
 from petctl.core.eventlog import EventLog
 from petctl.elastic import FileStore
 from petctl.elastic import manifest as mf

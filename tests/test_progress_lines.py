@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from petctl.agent.status import Progress
+from petctl.agent.reporting import Progress
 from petctl.agent.workers import WorkerGroup, WorkerSpec
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.jobview.accounting import account

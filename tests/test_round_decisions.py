@@ -23,13 +23,14 @@ from petctl.agent.decisions import (
     OpenFirstRound,
     ReadMembers,
     RendezvousState,
+    RoundInfo,
+    Snapshot,
     StartNextRound,
     Wait,
     closing_order,
     decide,
     next_round,
 )
-from petctl.agent.view import RoundInfo, Snapshot
 from petctl.core.records import Phase, Preempt, Round
 from tests.round_cases import (
     INDEX,

@@ -10,6 +10,7 @@ import pytest
 
 from petctl.agent.decisions import (
     EndJob,
+    RoundInfo,
 )
 from petctl.agent.roundjudge import (
     AskRestart,
@@ -28,7 +29,6 @@ from petctl.agent.roundjudge import (
     judge_workers,
     preempted_why,
 )
-from petctl.agent.view import RoundInfo
 from petctl.core.records import Phase, Preempt, Round
 from tests.round_cases import (
     T0,
@@ -182,7 +182,7 @@ def test_a_preempted_round_says_whether_anything_was_saved(protocol, saved, npro
 
 def test_the_agent_reads_the_words_from_the_control_files(tmp_path):
     """The agent's side of it: the control dir's markers, as the workers left them."""
-    from petctl.agent.preemption import PreemptionHandler
+    from petctl.agent.notices import PreemptionHandler
     from petctl.core import controlfiles
 
     handler = PreemptionHandler(config=None, events=None)  # type: ignore[arg-type]
@@ -219,8 +219,7 @@ def test_a_mixed_ending_is_succeeded_and_its_reason_names_the_failure():
 
 def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
     """The failure a node stores with its `done` mark is what every other node's reader sees (real etcd)."""
-    from petctl.agent.livereader import LiveReader
-    from petctl.agent.watcher import RequestStats
+    from petctl.agent.rendezvous import LiveReader, RequestStats
     from petctl.core.eventlog import EventLog
     from petctl.core.keys import JobKeys
     from petctl.core.records import DoneRecord

@@ -1,5 +1,5 @@
 """The store-outage rules as tables: what the judges, the closer and the fence decide while etcd fails,
-stalls or was wiped (petctl/agent/roundjudge.py, decisions.py, fencing.py, storehealth.py), and the two
+stalls or was wiped (petctl/agent/roundjudge.py, decisions.py, health.py), and the two
 agent parts that act on them (the heartbeat's re-assertion, the store rebuild), with fakes for etcd.
 The same rules run against a real etcd in tests/test_store_faults.py."""
 
@@ -11,14 +11,11 @@ import itertools
 import etcd
 import pytest
 
-from petctl.agent.decisions import EndJob, Freeze, RendezvousState, Wait, decide, opening_round
-from petctl.agent.fencing import FenceLook, should_fence, stall_limit
-from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.outage import OutageReporter
-from petctl.agent.rebuild import StoreRebuilder
+from petctl.agent.agent import StoreRebuilder
+from petctl.agent.decisions import EndJob, Freeze, RendezvousState, RoundInfo, Wait, decide, opening_round
+from petctl.agent.health import FenceLook, OutageReporter, StoreHealth, should_fence, stall_limit
+from petctl.agent.liveness import Heartbeat
 from petctl.agent.roundjudge import Continue, Over, Rebuild, RoundOutcome, judge
-from petctl.agent.storehealth import StoreHealth
-from petctl.agent.view import RoundInfo
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round
 from tests.round_cases import T0, WALL, act, frozen_round, joined_state, joining, now, settings, snapshot

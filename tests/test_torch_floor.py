@@ -22,6 +22,11 @@ TORCH_API_SINCE = {
         "Size", "Tensor", "__version__", "device", "dtype", "empty", "frombuffer", "int32", "int64", "load",
         "no_grad", "save", "strided", "tensor", "uint8", "zeros", "nn.DataParallel",
         "nn.parallel.DistributedDataParallel", "optim.Optimizer")], BASICS),
+    # CUDA streams, events and the runtime handle (snapdevice.py), and the CPU RNG state (hfmemory.py):
+    # all in torch 1.x's public API, long before the floor
+    **dict.fromkeys(["torch.cuda." + name for name in (
+        "Event", "Stream", "cudart", "current_stream", "is_available", "stream")], BASICS),
+    "torch.random.get_rng_state": BASICS,
     **dict.fromkeys(["torch.distributed." + name for name in (
         "ReduceOp.MAX", "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group",
         "get_backend", "get_rank", "get_world_size", "irecv", "isend", "is_available", "is_initialized",

@@ -11,8 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from petctl.agent.warm_pool import WarmPool
-from petctl.agent.workers import WorkerGroup, WorkerSpec
+from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec
 from petctl.io.procs import die_with_parent
 from tests.conftest import REPO
 
@@ -100,7 +99,7 @@ def test_any_entrypoint_name_is_warm_and_a_full_pool_starts_nothing(tmp_path: Pa
 def test_a_spare_per_slot_is_still_warm_after_a_round_takes_its_workers(tmp_path: Path) -> None:
     """PETCTL_WARM_SPARES=1: the node waits for nproc workers, the spares come after; a round takes nproc
     and the next round finds nproc more ready, before any refill."""
-    from petctl.agent.readiness import warm_spares
+    from petctl.agent.workers import warm_spares
 
     envs = ({}, {"PETCTL_WARM_SPARES": "1"}, {"PETCTL_WARM_SPARES": "x"})
     assert [warm_spares(e) for e in envs] == [0, 1, 0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from petctl.agent.warm_pool import _Readiness, _report_warm
+from petctl.agent.workers import _Readiness, _report_warm
 from petctl.core.eventlog import EventLog
 
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from petctl.agent.warmstart import await_store, host_store_early, preload, script_preloads
+from petctl.agent.warm_worker import await_store, host_store_early, preload, script_preloads
 from petctl.io.net import free_port
 
 SCRIPT = '''
@@ -52,7 +52,7 @@ def test_framework_imports_are_preloaded_also_from_the_scripts_own_modules(tmp_p
 def test_after_the_order_lightnings_rank_zero_guard_knows_the_rank() -> None:
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    from petctl.agent.warmstart import after_order
+    from petctl.agent.warm_worker import after_order
 
     before = getattr(rank_zero_only, "rank", 0)
     try:

@@ -43,7 +43,7 @@ SCENARIOS = {
 
 
 # The petctl agents a scenario can run: its defaults, and (P2) the TTL-only detection as it was before
-# issue 16 (1 s refreshes, 3 s TTL; with those the peer watch is off, agent/silence.py), beside it.
+# issue 16 (1 s refreshes, 3 s TTL; with those the peer watch is off, agent/liveness.py), beside it.
 PETCTL_VARIANTS: dict[str, dict[str, float]] = {
     "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0},
     "petctl-nosnap": {}}  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0

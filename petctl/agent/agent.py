@@ -1,4 +1,9 @@
-"""The elastic agent: one per instance, beside the workers. Never imports torch.
+"""The elastic agent (`Agent`): its services, the rendezvous/round loop, leave and the job's end; with what
+the agent does with the state it holds: a wiped store rebuilt, a finished job's capacity released.
+
+Sections: the agent (this docstring); rebuilding a wiped store; releasing capacity (AWS).
+
+The elastic agent: one per instance, beside the workers. Never imports torch.
 
 Loop: rendezvous (rendezvous.py) -> run the round (roundrunner.py) -> rendezvous again, until the job
 ends, the agent is asked to leave, or its instance is preempted. Every decision is taken on a fresh etcd
@@ -12,7 +17,7 @@ start inside one `ExitStack`, so whatever happens after one of them started (an 
 they all stop, and the mirror's final flush runs. A crash is reported as one `agent.crashed` event.
 
 etcd is needed only to change membership: every etcd-facing service reports to one `StoreHealth`
-(storehealth.py), which reports an outage once and tells the decisions when membership can be trusted
+(health.py), which reports an outage once and tells the decisions when membership can be trusted
 again. An agent that starts while etcd is away waits for it; one whose etcd was replaced by an empty store
 writes the job's state back (`rebuild_store`) from what it holds.
 """
@@ -25,35 +30,30 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import etcd
 
 from petctl.agent.code import fetch_code
-from petctl.agent.decisions import Settings
-from petctl.agent.eventsink import EtcdEventSink
-from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.mirror import Mirror
-from petctl.agent.outage import OutageReporter, describe, traceback_tail
-from petctl.agent.peerwatch import PeerWatch
-from petctl.agent.preemption import PreemptionHandler
-from petctl.agent.readiness import get_ready
-from petctl.agent.rebalance import RebalanceResponder
-from petctl.agent.rebuild import StoreRebuilder
-from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, RendezvousAborted
+from petctl.agent.decisions import RoundInfo, Settings
+from petctl.agent.health import OutageReporter, StoreHealth, describe, traceback_tail
+from petctl.agent.liveness import Heartbeat, PeerWatch, silence_limit, watching_enabled
+from petctl.agent.notices import PreemptionHandler, RebalanceResponder
+from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, LiveWatcher, RendezvousAborted, RequestStats
+from petctl.agent.reporting import EtcdEventSink, Mirror, Progress, StatusPublisher
 from petctl.agent.roundjudge import RoundOutcome
 from petctl.agent.roundrunner import RoundParts, RoundRunner
-from petctl.agent.silence import silence_limit, watching_enabled
 from petctl.agent.snapshots import open_area
-from petctl.agent.status import Progress, StatusPublisher
-from petctl.agent.storehealth import StoreHealth
-from petctl.agent.view import RoundInfo
-from petctl.agent.watcher import LiveWatcher, RequestStats
-from petctl.agent.workerspec import WorkerSpec
+from petctl.agent.workers import WorkerSpec, get_ready
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
-from petctl.core.records import JobResult, NodeRecord, Phase
+from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
-from petctl.io.etcdtls import load_credentials  # the job's etcd identity, confined to its prefix
+from petctl.io.etcdtls import load_credentials
+from petctl.io.jobresult import record_result
+
+# --- the agent ----------------------------------------------------------------------------------------------
 
 STORE_MARGIN = 1.0  # beyond one TTL and one refresh: the others' heartbeats re-asserted after an outage
 START_RETRY_MAX = 5.0  # the longest pause between two tries to reach etcd at start
@@ -120,7 +120,7 @@ class Agent:
                   "launch_hook": self.preemption.launch_failures}
         if self.peers is not None:
             counts["peers"] = self.peers.outage.failures
-        if self.mirror is not None:  # the mirror counts its own (petctl/agent/mirror.py)
+        if self.mirror is not None:  # the mirror counts its own (petctl/agent/reporting.py)
             counts["mirror"] = self.mirror.failures
         return counts
 
@@ -249,7 +249,6 @@ class Agent:
         if self.mirror is not None:
             self.mirror.put_result(result.to_dict())
         if self.config.asg_name and not self.spec.keep:
-            from petctl.agent.release import release_capacity
 
             # Releasing scales our own group to 0: say how the job ended before that can stop us.
             self.status.set_state(result.state)
@@ -263,3 +262,93 @@ class Agent:
         self.status.set_state(ended.state)
         self.events.emit("agent.exit", state=ended.state, reason=ended.reason)
         return 0 if ended.state in ("succeeded", "killed") else 1
+
+
+# --- rebuilding a wiped store -------------------------------------------------------------------------------
+# Writing a job's state back into an etcd that lost it: what replacing the etcd host does.
+#
+# On AWS the etcd host keeps its fixed address when it is replaced, but not its data: the agents find an
+# empty store where their job was. Each of them holds what matters (the spec, the round it runs in with its
+# ranks and restart count), so the first to notice writes it back, and the job carries on in the same round
+# with no restart (the heartbeats are re-asserted by liveness.py; membership is not judged until they are:
+# health.py). Every write is create-only (`prevExist=False`): several agents may rebuild at once, and
+# the first one wins.
+#
+# A job that had already ended must stay ended: its result is also stored in the job's prefix (the mirror),
+# so it is read back from there and recorded again, instead of the round being rebuilt.
+
+class StoreRebuilder:
+    def __init__(self, rdzv: EtcdRendezvous, mirror: Mirror | None, spec_json: str, events: EventLog) -> None:
+        self.rdzv = rdzv
+        self.mirror = mirror
+        self.spec_json = spec_json
+        self.events = events
+
+    def rebuild(self, rnd: Round) -> None:
+        """etcd answers but holds no round while we run `rnd`: write back the result if the job ended,
+        else `rnd` and the spec. Raises one of `io.etcd.store_errors()` if etcd fails (the round runner
+        retries on its next look)."""
+        prior = self._stored_result()
+        if prior is not None:
+            if record_result(self.rdzv.client, prior):
+                self.events.emit("store.rebuilt", result=prior.state, round=prior.round)
+            return
+        if self.rdzv.create_round(rnd):
+            self.events.emit("store.rebuilt", round=rnd.round, phase=rnd.phase.value, restarts=rnd.restarts)
+        try:
+            self.rdzv.client.write(self.rdzv.keys.spec, self.spec_json, prevExist=False)
+        except etcd.EtcdAlreadyExist:
+            pass  # another agent put it back first
+
+    def _stored_result(self) -> JobResult | None:
+        if self.mirror is None:
+            return None
+        try:
+            return self.mirror.read_result()
+        except (OSError, WireFormatError) as e:  # unreadable: rebuilding the round is still the right call
+            self.events.emit("store.result_unreadable", error=describe(e))
+            return None
+
+
+# --- releasing capacity -------------------------------------------------------------------------------------
+# Give a finished job's capacity back by itself: nobody should pay for idle spot instances overnight.
+#
+# Run by the one agent that recorded the job's final result (AWS only; `--keep` opts out). In order:
+# delete the termination lifecycle hook (otherwise every instance would wait in it for the hook's
+# timeout), then drop the Auto Scaling group to 0 (the instances, hence the cost, go now) by setting its
+# MinSize and MaxSize to 0: the job's role may call UpdateAutoScalingGroup on its own group only with
+# both at 0 (cfn/job.yaml.j2: IAM has condition keys for MinSize and MaxSize, none for DesiredCapacity),
+# so job code holding the same credentials can shrink its own group but never grow it. A MaxSize of 0
+# takes the desired capacity to 0 with it (AWS: a maximum below the group's size sets the desired
+# capacity to it); DesiredCapacity=0 is sent too, which AWS accepts only because it is within [0, 0].
+# tests/aws/test_permissions.py checks that the policy allows exactly the calls made here, and
+# tests/aws/test_isolation.py evaluates them against the policy's conditions.
+#
+# The agent does not delete the job stack. Deleting it needs permissions the workers must not hold
+# (IAM role deletion, and passing the CloudFormation service role that can do it); an empty group bills
+# nothing, and the next CLI command that sees the job's result (`jobs`, `status`, `kill_job`, `teardown`)
+# deletes the stack with the base stack's service role. Failures are logged, never raised: the result is
+# already recorded, and `petctl kill_job` remains the manual way out.
+
+def release_capacity(asg_name: str, hook_name: str, region: str, log: EventLog,
+                     autoscaling: Any = None) -> bool:
+    """Remove the group's termination hook, then scale the group to 0. True when both calls succeeded."""
+    if autoscaling is None:
+        from petctl.io.aws import client
+
+        autoscaling = client("autoscaling", profile="agent", region=region)
+    steps = [
+        ("delete_lifecycle_hook", lambda: autoscaling.delete_lifecycle_hook(
+            AutoScalingGroupName=asg_name, LifecycleHookName=hook_name)),
+        ("scale_to_zero", lambda: autoscaling.update_auto_scaling_group(
+            AutoScalingGroupName=asg_name, MinSize=0, MaxSize=0, DesiredCapacity=0)),
+    ]
+    ok = True
+    for name, call in steps:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - a missing hook is fine; a denied call is a line, not a crash
+            ok = False
+            log.emit("release.step_failed", step=name, error=f"{type(e).__name__}: {e}"[:300])
+    log.emit("release.done" if ok else "release.partial", asg=asg_name)
+    return ok

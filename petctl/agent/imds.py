@@ -12,7 +12,7 @@ Launch templates require IMDSv2, so every GET carries a session token from `PUT 
 re-fetched shortly before it expires and whenever a GET answers 401.
 
 A metadata service that does not answer (a local run without the endpoint, a transient error) is logged
-once per outage (outage.py) and treated as "no notice": the watcher never raises into the agent.
+once per outage (health.py) and treated as "no notice": the watcher never raises into the agent.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from petctl.agent.outage import OutageReporter
+from petctl.agent.health import OutageReporter
 from petctl.core.eventlog import EventLog
 
 TOKEN_PATH = "/latest/api/token"

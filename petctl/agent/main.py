@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return EXIT_CRASHED
     except Exception as e:  # noqa: BLE001 - the last line of defence: a crash before the agent ran
-        from petctl.agent.outage import describe, traceback_tail
+        from petctl.agent.health import describe, traceback_tail
 
         EventLog("agent", stream=sys.stdout, job=config.job.name, node=config.node_id).emit(
             "agent.crashed", error=describe(e), traceback=traceback_tail(e))
@@ -73,7 +73,7 @@ def run(config: AgentConfig) -> int:
 
     if not config.status_url:
         return Agent(config).run()
-    # The log is shipped to the job's prefix (see mirror.py). If stdout already is a log file (the local
+    # The log is shipped to the job's prefix (see reporting.py). If stdout already is a log file (the local
     # provider), ship that; otherwise (a container's stdout) keep a copy of what we print.
     stdout_file = _regular_file(sys.stdout)
     if stdout_file is not None:

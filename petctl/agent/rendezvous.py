@@ -1,11 +1,16 @@
-"""petctl's own rendezvous over etcd v2: barrier, rank assignment, world size in [min, max].
+"""The rendezvous over etcd: `live/` watched (`LiveWatcher`) and read into typed views (`LiveReader`), and the
+executor that carries out each decision (`EtcdRendezvous`).
+
+Sections: the `live/` watch; the live reader; the rendezvous executor (this docstring).
+
+petctl's own rendezvous over etcd v2: barrier, rank assignment, world size in [min, max].
 
 Why not torchrun's etcd backends: one agent failure closes their rendezvous for good, and a host that
 vanishes without closing its sockets is noticed only when a collective times out. Here liveness is a TTL
-key per node (see heartbeat.py), every round is one JSON value (`core.records.Round`) changed only by
+key per node (see liveness.py), every round is one JSON value (`core.records.Round`) changed only by
 compare-and-swap, and a round can always be replaced by the next one, so no single failure wedges the job.
 
-This module is the executor: it reads etcd into typed snapshots (livereader.py), asks `decisions.decide`
+This module is the executor: it reads etcd into typed snapshots (`LiveReader`), asks `decisions.decide`
 what to do, and does it. The rules (closer, last call, expected members, admission) live in decisions.py.
 
 Store outages: a failed etcd call ends nothing. The step is retried with backoff (counted, and reported
@@ -15,15 +20,22 @@ last one this node saw (`decisions.opening_round`), so restarts and ranks carry 
 
 etcd requests per node per round are bounded: one join write, at most one CAS to open a round, the
 closer's CAS to freeze it (and two deletes of the round before), plus reads on wake-ups. Only the closer
-wakes for each arrival; the other joiners pause their membership watch (see watcher.py), so what a node
+wakes for each arrival; the other joiners pause their membership watch (`LiveWatcher`), so what a node
 pays does not grow with N.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import http.client
+import json
+import socket
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import quote, urlencode
 
 import etcd
 
@@ -33,34 +45,333 @@ from petctl.agent.decisions import (
     EndJob,
     Freeze,
     Join,
+    Member,
+    Members,
     Now,
     OpenFirstRound,
     ReadMembers,
     RendezvousState,
+    RoundInfo,
     Settings,
+    Snapshot,
     StartNextRound,
     Wait,
     decide,
     next_round,
     opening_round,
 )
-from petctl.agent.livereader import LiveReader
-from petctl.agent.outage import OutageReporter
-from petctl.agent.storehealth import StoreHealth
-from petctl.agent.view import Members, RoundInfo, Snapshot
-from petctl.agent.watcher import LiveWatcher, RequestStats
+from petctl.agent.health import OutageReporter, StoreHealth
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import (
     DoneRecord,
     JobResult,
     JoinRecord,
+    NodeRecord,
     Phase,
     Preempt,
     Round,
+    WireFormatError,
 )
-from petctl.io.etcd import free_port, store_errors
+from petctl.io.etcd import endpoint_scheme, free_port, parse_endpoints, store_errors
+from petctl.io.etcdtls import EtcdTls
 from petctl.io.jobresult import record_result
+
+# --- the live/ watch ----------------------------------------------------------------------------------------
+# The agent's watch on `live/`: long polls that set one flag, so the agent re-reads a fresh snapshot.
+#
+# The agent never acts on a watch event itself: it re-reads a snapshot, so a missed or coalesced event
+# (history compaction, reconnects) cannot leave it with a stale view.
+#
+# Two threads: one on `live/round` (always on: round changes are what every node waits for) and one on the
+# rest of `live/`, which a node may `pause()` while it only waits for the round to freeze. Why: at job
+# start every instance's heartbeat appears in `live/nodes`; if all N agents woke for each of them, per-node
+# requests would grow with N. Paused, an event costs only the closer a wake-up.
+#
+# The long polls are plain HTTP(S) (etcd's v2 `?wait=true`) on connections this module owns, so `stop()`
+# can cut a poll that would otherwise hold its thread for `poll_timeout` and then join the threads
+# promptly. An https etcd gets the job's client certificate (`EtcdTls`), as every other etcd call does.
+
+JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a cut poll returns within milliseconds)
+
+
+@dataclass
+class RequestStats:
+    """etcd requests this agent made, by kind: the benchmark reports them per node per round."""
+
+    reads: int = 0
+    writes: int = 0
+    watches: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
+
+
+class WatchError(Exception):
+    """etcd answered a watch with something other than an event (an HTTP error, not JSON)."""
+
+
+class IndexCleared(WatchError):
+    """The index we watch from is older than etcd's event history: start again from a fresh read."""
+
+
+class LongPoll:
+    """etcd v2 GETs over one HTTP connection that another thread can cut (`cut()`).
+
+    With several etcd members (`http://a:2379,http://b:2379,...`) a poll that fails to connect or breaks
+    moves to the next member; a v2 index is the same on every member, so a watch resumes where it was."""
+
+    def __init__(self, endpoint: str, timeout: float, tls: EtcdTls | None = None) -> None:
+        self._members = parse_endpoints(endpoint)
+        # An https etcd: one context (the CA and our certificate, loaded once) for every connection.
+        https = tls is not None and endpoint_scheme(endpoint) == "https"
+        self._context = tls.ssl_context() if https else None
+        self._member = 0
+        self.host, self.port = self._members[0]
+        self.timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+        self._cut = False
+        self._lock = threading.Lock()
+
+    def current_index(self, key: str) -> int:
+        """etcd's index now (from a non-recursive read of `key`, O(1) even for a big directory)."""
+        _, _, headers = self._get(key, {})
+        try:
+            return int(headers.get("X-Etcd-Index", ""))
+        except ValueError as e:
+            raise WatchError(f"no X-Etcd-Index on {key}") from e
+
+    def watch(self, key: str, recursive: bool, index: int) -> int | None:
+        """Block until an event at `index` or later under `key`; its modifiedIndex, or None on timeout.
+        Raises IndexCleared, WatchError, OSError or http.client.HTTPException."""
+        params = {"wait": "true", "waitIndex": str(index)}
+        if recursive:
+            params["recursive"] = "true"
+        try:
+            status, body, _ = self._get(key, params)
+        except TimeoutError:
+            return None
+        if not body.strip():
+            return None
+        try:
+            doc = json.loads(body)
+        except ValueError as e:
+            raise WatchError(f"watch on {key}: HTTP {status}, not JSON") from e
+        if status == 200:
+            return int(doc.get("node", {}).get("modifiedIndex", index))
+        if status == 400 and doc.get("errorCode") == 401:
+            raise IndexCleared(str(doc.get("message", "")))
+        raise WatchError(f"watch on {key}: HTTP {status}: {doc.get('message', '')}")
+
+    def _get(self, key: str, params: dict[str, str]) -> tuple[int, bytes, http.client.HTTPMessage]:
+        waiting = params.get("wait") == "true"
+        with self._lock:
+            if self._cut:
+                raise OSError("watch stopped")
+            if self._conn is None:
+                self._conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                                          context=self._context)
+                              if self._context is not None else
+                              http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
+            conn = self._conn
+        url = "/v2/keys" + quote(key) + (f"?{urlencode(params)}" if params else "")
+        try:
+            conn.request("GET", url)
+            resp = conn.getresponse()
+            return resp.status, resp.read(), resp.headers
+        except BaseException as e:
+            self._drop(conn)  # a timed-out or broken connection cannot be reused
+            if not (waiting and isinstance(e, TimeoutError)):  # a quiet poll is not a failed member
+                self._next_member()
+            raise
+
+    def _next_member(self) -> None:
+        with self._lock:
+            self._member = (self._member + 1) % len(self._members)
+            self.host, self.port = self._members[self._member]
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        conn.close()
+
+    def cut(self) -> None:
+        """Make a poll in flight return now (its socket is shut down) and refuse new ones."""
+        with self._lock:
+            self._cut = True
+            conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed by its own thread: nothing to cut
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class LiveWatcher:
+    """Long-polls `live/` and sets `changed` on every event there (see the module docstring)."""
+
+    def __init__(self, endpoint: str, prefix: str, stats: RequestStats, outage: OutageReporter,
+                 poll_timeout: float = 10.0, tls: EtcdTls | None = None) -> None:
+        self.prefix = prefix
+        self.stats = stats
+        self.outage = outage
+        self.changed = threading.Event()
+        self._stop = threading.Event()
+        self._active = threading.Event()  # clear = the membership watch is paused
+        self._active.set()
+        self._polls = [LongPoll(endpoint, poll_timeout, tls), LongPoll(endpoint, poll_timeout, tls)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(f"{prefix}/round", False, None, self._polls[0]),
+                             name="round-watch", daemon=True),
+            threading.Thread(target=self._run, args=(prefix, True, self._active, self._polls[1]),
+                             name="live-watch", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop both threads and wait for them (bounded: a cut poll returns at once)."""
+        self._stop.set()
+        self._active.set()
+        for poll in self._polls:
+            poll.cut()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=JOIN_TIMEOUT)
+
+    def pause(self) -> None:
+        """Stop waking on membership events (the round watch stays on). Idempotent."""
+        self._active.clear()
+
+    def resume(self) -> None:
+        """Watch membership again; the first thing it does is wake the agent for a fresh snapshot."""
+        if not self._active.is_set():
+            self._active.set()
+
+    def nudge(self) -> None:
+        """Wake `wait` now, as a change would (a preemption notice arrived: act on it at once)."""
+        self.changed.set()
+
+    def wait(self, timeout: float) -> bool:
+        fired = self.changed.wait(timeout)
+        self.changed.clear()
+        return fired
+
+    def _run(self, key: str, recursive: bool, gate: threading.Event | None, poll: LongPoll) -> None:
+        index: int | None = None
+        while not self._stop.is_set():
+            if gate is not None and not gate.is_set():
+                index = None  # events while paused are skipped: resuming starts from a fresh read
+                gate.wait(1.0)
+                continue
+            try:
+                if index is None:
+                    self.stats.reads += 1
+                    index = poll.current_index(self.prefix) + 1
+                    self.outage.succeeded()
+                    self.changed.set()
+                    continue
+                self.stats.watches += 1
+                modified = poll.watch(key, recursive, index)
+                if modified is None:  # a quiet poll, or a frozen member: one cheap read tells them apart
+                    self.stats.reads += 1
+                    poll.current_index(self.prefix)
+                    self.outage.succeeded()
+                    continue
+                self.outage.succeeded()
+                index = max(index, modified + 1)
+                if gate is None or gate.is_set():
+                    self.changed.set()
+            except IndexCleared:
+                index = None
+            except (WatchError, OSError, http.client.HTTPException) as e:
+                if self._stop.is_set():
+                    return
+                self.outage.failed(e, key=key)
+                index = None
+                self._stop.wait(0.2)
+
+
+# --- the live reader ----------------------------------------------------------------------------------------
+# Reads a job's `live/` prefix and join records from etcd into typed views (decisions.py).
+#
+# Every value is parsed into its record (core/records.py). An unreadable heartbeat or join record is skipped,
+# counted (`corrupt_records`, published in the node status) and reported once per key; an unreadable
+# `live/round` is fatal (WireFormatError), because then no agent can know where the job stands.
+
+class LiveReader:
+    def __init__(self, client: etcd.Client, keys: JobKeys, stats: RequestStats, events: EventLog) -> None:
+        self.client = client
+        self.keys = keys
+        self.stats = stats
+        self.events = events
+        self.corrupt_records = 0  # unreadable join/heartbeat values seen (skipped)
+        self._corrupt_seen: set[str] = set()
+
+    def snapshot(self) -> Snapshot:
+        """One read of `live/`. Raises WireFormatError if `live/round` is not a round record: only a bug
+        or a foreign writer does that, and no agent can know what the job's state is then."""
+        self.stats.reads += 1
+        try:
+            r = self.client.read(self.keys.live, recursive=True)
+        except etcd.EtcdKeyNotFound:
+            return Snapshot()
+        alive: set[str] = set()
+        nodes: dict[str, NodeRecord] = {}
+        done: dict[int, set[str]] = {}
+        mixed: dict[int, dict[str, str]] = {}
+        rnd, index = None, None
+        nodes_prefix, done_prefix = self.keys.nodes + "/", self.keys.live + "/done/"
+        for leaf in r.leaves:
+            if leaf.dir:
+                continue
+            if leaf.key.startswith(nodes_prefix):
+                node = leaf.key[len(nodes_prefix):]
+                alive.add(node)  # the key's presence is what alive means, whatever its value
+                try:
+                    nodes[node] = NodeRecord.from_json(leaf.value)
+                except WireFormatError as e:
+                    self._corrupt(leaf.key, e)
+            elif leaf.key == self.keys.round:
+                rnd, index = Round.from_json(leaf.value), leaf.modifiedIndex
+            elif leaf.key.startswith(done_prefix):
+                round_no, node = leaf.key[len(done_prefix):].split("/", 1)
+                done.setdefault(int(round_no), set()).add(node)  # its presence is what done means
+                try:
+                    if failure := DoneRecord.from_json(leaf.value).failure:
+                        mixed.setdefault(int(round_no), {})[node] = failure
+                except WireFormatError as e:
+                    self._corrupt(leaf.key, e)
+        return Snapshot(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
+                        done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.etcd_index)
+
+    def members(self, round_no: int) -> dict[str, Member]:
+        """The join records of `round_no` (unreadable ones skipped and counted)."""
+        self.stats.reads += 1
+        try:
+            r = self.client.read(self.keys.round_members(round_no), recursive=True)
+        except etcd.EtcdKeyNotFound:
+            return {}
+        out: dict[str, Member] = {}
+        for leaf in r.leaves:
+            if leaf.dir:
+                continue
+            try:
+                out[leaf.key.rsplit("/", 1)[1]] = Member(JoinRecord.from_json(leaf.value), leaf.createdIndex)
+            except WireFormatError as e:
+                self._corrupt(leaf.key, e)
+        return out
+
+    def _corrupt(self, key: str, error: WireFormatError) -> None:
+        self.corrupt_records += 1
+        if key not in self._corrupt_seen:  # once per key: a snapshot is read many times a second
+            self._corrupt_seen.add(key)
+            self.events.emit("rendezvous.corrupt_record", key=key, error=str(error))
+
+
+# --- the rendezvous executor --------------------------------------------------------------------------------
 
 JOIN_RECORD_TTL = 3600  # join records outlive any round; old round dirs are also deleted by closers
 RETRY_MIN, RETRY_MAX = 0.2, 2.0  # backoff between rendezvous steps while etcd fails
@@ -100,7 +411,7 @@ class EtcdRendezvous:
 
     def snapshot(self) -> Snapshot:
         """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
-        `store_errors()` (the caller counts it, carries on) or WireFormatError (livereader.py)."""
+        `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.snapshot`)."""
         t0 = time.monotonic()
         snap = self.reader.snapshot()
         self.store.succeeded(time.monotonic() - t0, "snapshot")

@@ -11,7 +11,7 @@ request are kept until they are stored), and the failures are counted and report
 the agent's `StoreHealth`. Two things happen only because of the store:
 - a snapshot without any round while we run one (etcd replaced by an empty one): we write our round back
   (the agent's `rebuild`), and the job carries on in it;
-- cut off from etcd past the heartbeat TTL while our workers stalled: we fence (fencing.py).
+- cut off from etcd past the heartbeat TTL while our workers stalled: we fence (health.py).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.decisions import EndJob, Settings
-from petctl.agent.fencing import FenceLook, fence, should_fence
-from petctl.agent.heartbeat import Heartbeat
-from petctl.agent.outage import OutageReporter
-from petctl.agent.peerwatch import PeerWatch
-from petctl.agent.preemption import PreemptionHandler
-from petctl.agent.rendezvous import EtcdRendezvous
+from petctl.agent.decisions import EndJob, RoundInfo, Settings, Snapshot
+from petctl.agent.health import FenceLook, OutageReporter, fence, should_fence
+from petctl.agent.liveness import Heartbeat, PeerWatch
+from petctl.agent.notices import PreemptionHandler, SaveFirst
+from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher
+from petctl.agent.reporting import Progress, StatusPublisher
 from petctl.agent.roundjudge import (
     AskRestart,
     Continue,
@@ -49,18 +48,14 @@ from petctl.agent.roundjudge import (
     judge,
     judge_workers,
 )
-from petctl.agent.savefirst import SaveFirst
-from petctl.agent.status import Progress, StatusPublisher
-from petctl.agent.view import RoundInfo, Snapshot
-from petctl.agent.warm_pool import WarmPool, refill
-from petctl.agent.watcher import LiveWatcher
-from petctl.agent.workers import WorkerGroup
-from petctl.agent.workerspec import WorkerSpec, round_env
+from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, round_env
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Phase, Round
 from petctl.core.spec import JobSpec
 from petctl.io.etcd import store_errors
+
+# --- the round runner ---------------------------------------------------------------------------------------
 
 SNAPSHOT_EVERY = 2.0  # a fresh look at live/ even without a watch event
 PASS = 0.1  # the round loop's pass when nothing wakes it
@@ -130,7 +125,7 @@ class RoundRunner:
         last_snapshot = 0.0  # look at once
         snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
-            if p.leave.is_set() and not self.saves.leaving_later(snap):
+            if p.leave.is_set() and not self.saves.defer_leave(snap):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
             if p.preemption.notice is not None and not p.preemption.announced:
                 self._store_call(p.preemption.announce, self.saves.announce)

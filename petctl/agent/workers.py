@@ -1,4 +1,10 @@
-"""The local worker processes of one node: start them with torchrun's environment, watch, stop.
+"""A node's workers: what they run (`WorkerSpec`, each rank's env), the processes of one round
+(`WorkerGroup`), the warm pool started ahead, and getting ready before the node registers.
+
+Sections: the worker spec and env; the warm pool; the worker group (this docstring); readiness (warm workers
+and the checkpoint prefetch before registering).
+
+The local worker processes of one node: start them with torchrun's environment, watch, stop.
 
 Workers share the agent's process group on purpose: a frozen or killed "instance" (the whole group)
 takes its workers with it, exactly as a vanished host would. They also die with the agent
@@ -7,28 +13,275 @@ after the agent is gone. Their output is piped through one reader thread each, s
 workers never interleave mid-line and the agent can follow progress events (steps, checkpoints) without
 touching torch. Each worker's last lines that are not events (its stderr is merged into its stdout: a
 traceback, a `RuntimeError: ...`) are kept too, so a failure can say why (`error_tail`). What they run
-and their environment: `workerspec.py`; workers started ahead of time: `warm_pool.py`.
+and their environment: `WorkerSpec` and `rank_env`; workers started ahead of time: `WarmPool` (above).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
-from petctl.agent.warm_pool import WarmPool
-from petctl.agent.workerspec import RoundPlacement, WorkerSpec, rank_env
-from petctl.core.eventlog import parse_line
+from petctl.agent.warm_worker import READY
+from petctl.core.eventlog import EventLog, parse_line
+from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
+from petctl.core.spec import JobSpec
 from petctl.io.procs import die_with_parent
 from petctl.io.wait import wait_until
 
-__all__ = ["GroupResult", "WorkerGroup", "WorkerSpec"]
+# --- what workers run ---------------------------------------------------------------------------------------
+# What a node runs: the worker command shared by every node, and each worker's environment.
+#
+# Pure data and functions (no processes here): `WorkerGroup` starts workers from these, `WarmPool` starts
+# them ahead of time. The environment is torchrun's, so a script written for torchrun runs unchanged.
+
+def worker_base_env() -> dict[str, str]:
+    """The agent's environment for a worker, with Python's fault handler on unless the user set it.
+
+    A worker that dies in native code (SIGSEGV, or SIGABRT from `terminate called ...` at exit) then
+    leaves every thread's Python stack in the node log, so the log says which thread and where, instead
+    of one line and an exit code of -6.
+    """
+    return {"PYTHONFAULTHANDLER": "1", **os.environ}
+
+
+@dataclass
+class WorkerSpec:
+    """What to run, identical on every node; the per-rank env is computed by `rank_env`."""
+
+    cmd: list[str]  # [python, -u, script, *args]
+    cwd: str
+    nproc: int
+    base_env: dict[str, str] = field(default_factory=dict)
+    # Imported ahead by warm workers. torch._dynamo is what a first optimizer step pulls in (measured:
+    # ~2 s on top of torch), so it belongs here too.
+    preload: tuple[str, ...] = ("torch", "torch.distributed", "torch.optim", "torch._dynamo")
+
+
+@dataclass(frozen=True)
+class RoundPlacement:
+    """Where this node's workers sit in a round: what torchrun tells each worker through its env."""
+
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+
+
+def rank_env(spec: WorkerSpec, placement: RoundPlacement, local_rank: int,
+             extra_env: dict[str, str]) -> dict[str, str]:
+    """The full environment of local worker `local_rank` (torchrun's variables over the user's)."""
+    nproc = spec.nproc
+    world = placement.num_nodes * nproc
+    rank = placement.node_rank * nproc + local_rank
+    return {
+        **worker_base_env(),
+        **spec.base_env,
+        **extra_env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": str(placement.node_rank),
+        "GROUP_WORLD_SIZE": str(placement.num_nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": placement.master_addr,
+        "MASTER_PORT": str(placement.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(placement.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(placement.max_restarts),
+        "TORCHELASTIC_RUN_ID": placement.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, work_dir: Path,
+              snapshot_dir: Path | None) -> dict[str, str]:
+    """What petctl adds to torchrun's environment for one round's workers (README's environment
+    contract): the job, this instance, the round, the shared checkpoint location and the node's dirs."""
+    snapshots = {ENV_SNAPSHOT_DIR: str(snapshot_dir)} if snapshot_dir is not None else {}
+    return {"PETCTL_JOB": spec.name, "PETCTL_NODE_ID": node_id, "PETCTL_ROUND": str(round_no),
+            "PETCTL_CHECKPOINT_URL": spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(control_dir),
+            "PETCTL_CACHE_DIR": str(work_dir / "cache"), **snapshots}
+
+
+# --- the warm pool ------------------------------------------------------------------------------------------
+# Workers started ahead of time with torch imported, so a restart does not wait for the import.
+#
+# Why: on a restart the slowest phase is not the rendezvous (tens of ms) but a fresh Python importing
+# torch (seconds). The pool keeps `nproc` workers (`petctl.agent.warm_worker`) waiting; `WorkerGroup`
+# takes one per rank when a round forms and sends it its environment and command line on stdin.
+#
+# Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): a round takes `nproc` workers and the
+# pool refills only once the round trains (imports beside a starting round would slow it), so a second
+# disruption within the refill's imports (seconds; tens for a framework job on a busy host) found no warm
+# worker. With a spare per slot the pool keeps `nproc * (1 + spares)`: the spares start once the node's
+# first `nproc` are ready, and the next round takes them while the refill is still importing. Each costs
+# an idle interpreter with the script's imports (torch: a few hundred MB of host memory).
+
+WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
+
+
+class WarmPool:
+    """Workers started ahead of time with torch imported, waiting for their rank on stdin.
+
+    The agent runs every entrypoint as `python -u FILE args`, and a warm worker runs FILE the same way
+    (`runpy.run_path`), so any entrypoint can be handed to one, whatever its name. A warm worker that died
+    while waiting is discarded, never handed out. Readiness comes on a pipe of its own (see
+    `warm_worker.signal_ready`), never on the worker's output.
+    """
+
+    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0) -> None:
+        self.spec = spec
+        self.preexec = preexec
+        self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
+        self.ready: list[subprocess.Popen] = []
+        self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
+        self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
+        self.closed = False
+
+    @property
+    def usable(self) -> bool:
+        cmd = self.spec.cmd
+        return len(cmd) >= 3 and cmd[1] == "-u" and not cmd[2].startswith("-")
+
+    @property
+    def full(self) -> bool:
+        """Every slot holds a live worker (or the pool cannot be used at all): nothing to refill."""
+        return (not self.usable or self.given_up
+                or sum(1 for p in self.ready if p.poll() is None) >= self.size)
+
+    def fill(self, up_to: int | None = None) -> int:
+        """Start workers until `up_to` (default: the pool's size) wait in the pool; returns how many were
+        started now."""
+        if not self.usable:
+            return 0
+        self.ready = [p for p in self.ready if p.poll() is None]
+        env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        started = 0
+        while len(self.ready) < min(self.size, up_to or self.size):
+            read_fd, write_fd = os.pipe()
+            try:
+                proc = subprocess.Popen(
+                    [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload),
+                     str(write_fd), os.path.join(self.spec.cwd, self.spec.cmd[2])],
+                    cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, preexec_fn=self.preexec, pass_fds=(write_fd,))
+            except BaseException:
+                os.close(read_fd)
+                raise
+            finally:
+                os.close(write_fd)  # the child holds the only write end: its exit means EOF here
+            warm = self._warm[proc.pid] = _Readiness()
+            threading.Thread(target=self._await_ready, args=(read_fd, warm), name="warm-ready",
+                             daemon=True).start()
+            self.ready.append(proc)
+            started += 1
+        return started
+
+    @staticmethod
+    def _await_ready(read_fd: int, warm: _Readiness) -> None:
+        """Blocks until the worker signals on its ready pipe, or exits (EOF: never ready)."""
+        try:
+            with os.fdopen(read_fd, "rb") as pipe:
+                warm.ready = pipe.read(len(READY)) == READY
+        finally:
+            warm.settled.set()
+
+    def wait_ready(self, timeout: float) -> int:
+        """Wait (bounded) until every pooled worker has finished importing or died; returns how many
+        are ready."""
+        deadline = time.monotonic() + timeout
+        for proc in self.ready:
+            readiness = self._warm.get(proc.pid)
+            if readiness is not None:
+                readiness.settled.wait(max(0.0, deadline - time.monotonic()))
+        return sum(1 for p in self.ready if self._is_ready(p))
+
+    def readiness(self, proc: subprocess.Popen) -> _Readiness | None:
+        """The handshake of a pooled worker (None once handed out)."""
+        return self._warm.get(proc.pid)
+
+    def _is_ready(self, proc: subprocess.Popen) -> bool:
+        readiness = self._warm.get(proc.pid)
+        return readiness is not None and readiness.ready and proc.poll() is None
+
+    def take(self) -> tuple[subprocess.Popen, bool] | None:
+        """A pooled worker and whether it had finished importing (if not, the round waits for it).
+
+        A worker whose pipe closed without the signal is exiting even if it cannot be reaped yet (the
+        pipe closes a moment before the process is gone): it is discarded, never handed out.
+        """
+        while self.ready:
+            proc = self.ready.pop(0)
+            readiness = self._warm.pop(proc.pid, None)
+            warm = readiness is not None and readiness.ready and proc.poll() is None
+            if readiness is not None and readiness.settled.is_set() and not readiness.ready:
+                proc.kill()
+                proc.wait()
+                continue
+            if proc.poll() is None:
+                return proc, warm
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+        for proc in self.ready:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.ready = []
+
+
+@dataclass
+class _Readiness:
+    """A warm worker's handshake: `settled` once it signalled or died, `ready` if it signalled."""
+
+    settled: threading.Event = field(default_factory=threading.Event)
+    ready: bool = False
+
+
+def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) -> None:
+    """Refill the pool once `due` (the round's first step was seen: off the restart's critical path, or
+    some seconds into the round). One report per refill, never one per call (a pool that cannot fill
+    starts nothing)."""
+    if pool is None or pool.full or not due:
+        return
+    if pool.fill():
+        threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
+
+
+def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
+    """One line when the refilled pool is ready: from then on a restart skips every import."""
+    t0 = time.monotonic()
+    # The handshakes of the workers this refill started: a round may take one from the pool meanwhile
+    # (it then waits for its imports itself), which is not a death.
+    watched = [w for w in (pool.readiness(p) for p in pool.ready) if w is not None]
+    ready = pool.wait_ready(WARM_WAIT)
+    events.emit("workers.warm_ready", count=ready, round=round_no, seconds=round(time.monotonic() - t0, 3))
+    died = bool(watched) and all(w.settled.is_set() and not w.ready for w in watched)
+    if died and not pool.closed:  # every one died importing: refilling again would only start more that die
+        pool.given_up = True
+        events.emit("workers.warm_given_up", round=round_no,
+                    reason="no warm worker became ready; restarts start cold workers")
+
+
+# --- the worker group ---------------------------------------------------------------------------------------
 
 ERROR_TAIL_LINES = 20  # the failing worker's last lines kept for `workers.failed` and `petctl status`
 ERROR_LINE_CHARS = 400  # ... each cut to this length, so the status record stays small
@@ -200,3 +453,93 @@ def launcher_frame(line: str) -> bool:
     script: left out of the error tail, so its 20 lines are the user's."""
     text = line.strip()
     return text.startswith('File "') and any(f'{name}"' in text for name in LAUNCHER_FILES)
+
+
+# --- readiness ----------------------------------------------------------------------------------------------
+# A node gets ready to train before it registers: warm workers, and the newest checkpoint on local disk.
+#
+# Run beside the warm pool's imports, in a child process (`python -m petctl.elastic.prefetch`: the agent
+# never imports petctl.elastic), so by the time the node's heartbeat asks the others to re-form it holds
+# the code, warm workers and the checkpoint on local disk. Best effort and bounded: a failed or slow
+# prefetch costs only that the first resume downloads as usual; it is reported either way.
+
+def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: EventLog, out: IO[str],
+              services: contextlib.ExitStack) -> WarmPool | None:
+    """Before the node registers (its heartbeat is what makes the others re-form), get ready to train:
+    the code is fetched already; prefetch the newest checkpoint and warm the workers (torch imported),
+    side by side, for `WARM_WAIT` at most. Returns the warm pool (closed with `services`), if any."""
+    t0 = time.monotonic()
+    prefetch = Prefetch(spec.checkpoint_url, work_dir / "cache", {**os.environ, **spec.env}, events, out,
+                        die_with_parent())
+    prefetch.start()
+    pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
+    if pool is not None:
+        services.callback(pool.close)
+        pool.fill(worker_spec.nproc)
+        ready = pool.wait_ready(WARM_WAIT)
+        events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
+        refill(pool, True, 0, events)  # the spares, if any: importing while the node registers
+    prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
+    return pool
+
+
+def warm_spares(env: Mapping[str, str]) -> int:
+    """Spare warm workers per slot, from the job's `PETCTL_WARM_SPARES` (default 0; not a number: 0)."""
+    value = env.get("PETCTL_WARM_SPARES", "0").strip()
+    return min(int(value), 4) if value.isdigit() else 0
+
+
+class Prefetch:
+    """One prefetch child: `start` it, `finish` it (bounded) and pass its event line on."""
+
+    def __init__(self, url: str, cache_dir: Path, env: Mapping[str, str], events: EventLog, out: IO[str],
+                 preexec: Callable[[], None] | None = None) -> None:
+        self.url = url
+        self.cache_dir = cache_dir
+        self.env = dict(env)
+        self.events = events
+        self.out = out
+        self.preexec = preexec
+        self.proc: subprocess.Popen[str] | None = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        """Spawn the child; a spawn failure is reported, never raised (the resume downloads instead)."""
+        if not self.url:
+            return
+        self._t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "petctl.elastic.prefetch", "--url", self.url, "--cache-dir",
+                 str(self.cache_dir)], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, preexec_fn=self.preexec)
+        except OSError as e:
+            self.events.emit("checkpoint.prefetch_failed", error=f"spawn: {e}", url=self.url)
+
+    def finish(self, timeout: float) -> int | None:
+        """Wait up to `timeout` s; pass the child's event lines on to the node log and the sinks. The
+        prefetched step, or None (nothing to fetch, failed, or too slow: then the child is killed)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        try:
+            output, _ = proc.communicate(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            self.events.emit("checkpoint.prefetch_failed", error=f"not done in {timeout:.0f}s",
+                             seconds=round(time.monotonic() - self._t0, 3), url=self.url)
+            return None
+        step = None
+        for line in output.splitlines():
+            self.out.write(line + "\n")
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a warning printed by an import: in the node log, not an event
+            if isinstance(record, dict) and "event" in record:
+                self.events.forward(record)
+                if record["event"] == "checkpoint.prefetched" and isinstance(record.get("step"), int):
+                    step = record["step"]
+        self.out.flush()
+        return step

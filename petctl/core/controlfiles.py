@@ -138,7 +138,7 @@ def fence_path(control_dir: Path | str) -> Path:
 
 
 def write_fence(control_dir: Path | str, round_no: int, reason: str) -> Path:
-    """Agent side: this node may have been dropped from round `round_no` (see agent/fencing.py); its
+    """Agent side: this node may have been dropped from round `round_no` (see agent/health.py); its
     workers must not commit another checkpoint. Removed by `clear` when the next round starts."""
     path = fence_path(control_dir)
     _write_json(path, {"round": int(round_no), "reason": reason})

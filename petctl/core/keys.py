@@ -1,6 +1,6 @@
 """The etcd key layout of a job, in one place (docs/ARCHITECTURE.md has it with each value's record).
 
-Everything a job writes lives under `/petctl/jobs/<job>/`. Agents watch `live/` (see agent/watcher.py), so
+Everything a job writes lives under `/petctl/jobs/<job>/`. Agents watch `live/` (see agent/rendezvous.py), so
 only what changes membership or the round lives there: a heartbeat is refreshed with `refresh=True`, which
 etcd does not report to watchers, and the keys written often (status, join records, events) live outside
 `live/`, so a watch wakes only on events that matter.

@@ -93,7 +93,7 @@ class WireRecord:
 class Preempt(WireRecord):
     """A save-now request carried on the running round, so every member's workers save the same step
     and exit before the round re-forms: a spot or scale-in notice, a graceful leave, or a planned
-    admission of a waiting node (agent/planned.py). The wire key stays `preempt`."""
+    admission of a waiting node (agent/roundjudge.py). The wire key stays `preempt`."""
 
     node_id: str  # the node that asked
     deadline: float  # epoch seconds: the save must be done by then (a noticed instance is taken)

@@ -46,7 +46,7 @@ class Timeouts:
 
     heartbeat_interval: float = 0.2  # seconds between TTL refreshes of a node's liveness key
     # A member whose key no refresh reached for this long, while the refreshes of the member watching it
-    # got through, is dropped by that member (agent/silence.py): a frozen or cut-off host in about 1.2 s.
+    # got through, is dropped by that member (agent/liveness.py): a frozen or cut-off host in about 1.2 s.
     # Never less than 4 refresh intervals; at or above heartbeat_ttl, only the TTL drops nodes.
     peer_silence: float = 1.0
     heartbeat_ttl: float = 3.0  # etcd expires a key not refreshed this long: where no member watches it

@@ -1,7 +1,7 @@
 """A job's prefix as the read side sees it: named objects it can list and read.
 
 The agents mirror each node's status, events and log there, and the job's result lands there too
-(layout in petctl/agent/mirror.py); it outlives etcd, the instances and (on AWS) the job's stack.
+(layout in petctl/agent/reporting.py); it outlives etcd, the instances and (on AWS) the job's stack.
 Providers hand the read side a `PrefixReader`: the AWS provider its S3 `JobStore` (bound to the
 provider's session, so region, profile and endpoint are the user's), the local provider a
 `StorePrefix` on the job's directory (petctl.io.objstore's file store).

@@ -129,7 +129,7 @@ def test_a_join_in_between_keeps_the_job(tmp_path):
     boot = Boot(tmp_path)
     for instance in (A, B, C, D):
         boot.env["FAKE_INSTANCE"] = instance
-        if instance == C:  # C's agent joined (what petctl/agent/lifecycle.py writes)
+        if instance == C:  # C's agent joined (what petctl/agent/notices.py writes)
             record = BootRecord(instance_id=C, event="joined", ts=time.time())
             (boot.s3 / "jobs/demo" / boot_key(record)).write_text(record.to_json())
             continue

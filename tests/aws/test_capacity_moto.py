@@ -99,7 +99,7 @@ def test_job_stacks_are_created_with_the_base_stacks_service_role(ready, moto, t
 def test_a_finished_jobs_stack_is_deleted_by_the_next_cli_command(ready, moto, tmp_path, stack_name):
     ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     name = f"{stack_name}-job-demo"
-    # what the agent that recorded the end does: result.json, then its group to 0 (release.py)
+    # what the agent that recorded the end does: result.json, then its group to 0 (agent.py)
     bucket = ready.settings["outputs"]["BucketName"]
     result = {"job": "demo", "state": "succeeded", "reason": "all workers exited 0", "ts": time.time()}
     boto(moto, "s3").put_object(Bucket=bucket, Key="jobs/demo/result.json", Body=json.dumps(result).encode())

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from petctl.agent.mirror import Mirror
+from petctl.agent.reporting import Mirror
 from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
 from petctl.io.objstore import StoreError, open_store

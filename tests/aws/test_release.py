@@ -2,7 +2,7 @@
 
 moto neither enforces IAM nor runs lifecycle hooks, so: the permissions are asserted on the rendered
 template (scoped to the job's own group; with --keep only the boot breaker's scale to 0;
-tests/aws/test_permissions.py checks them against the calls release.py makes), and the release sequence
+tests/aws/test_permissions.py checks them against the calls agent.py makes), and the release sequence
 against recording clients (order, arguments, a failing step logged, not raised). The stack itself is
 deleted by the CLI, not the agent.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 
-from petctl.agent.release import release_capacity
+from petctl.agent.agent import release_capacity
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
 from petctl.providers.aws.launch import LIFECYCLE_HOOK

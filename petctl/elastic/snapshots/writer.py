@@ -364,7 +364,7 @@ class DeviceCopy:
         self._stream: Any = None
         self._ready: Any = None  # the training thread's event for the copy in flight
         self._registered: int | None = None  # the address of the mapping we page-locked
-        self._flight: tuple[Any, Any, int] | None = None  # (began, done, bytes) of a launched copy
+        self._flight: tuple[Any, Any, int, Any] | None = None  # (began, done, bytes, device) of a launch
         self._arrived: Any = None  # the training stream's event at the gate, for the launched copy
         self._timed: tuple[Any, Any] | None = None  # (arrived, done) of a finished copy, not yet read
 
@@ -426,18 +426,19 @@ class DeviceCopy:
                 tensor.record_stream(self._stream)  # its memory is not reused while we read it
                 views[i].copy_(tensor, non_blocking=True)
             done.record()
-        self._flight = (began, done, sum(t.numel() * t.element_size() for _, t in ours))
+        self._flight = (began, done, sum(t.numel() * t.element_size() for _, t in ours), device)
         self._arrived = None
         return True
 
     def gate(self) -> None:
         """In the optimizer's pre-hook (the training thread): the training stream waits, on the GPU, for
         the launched copy; the CPU goes on at once."""
-        if self._flight is None or self._arrived is not None:
+        flight = self._flight  # read once: the background thread clears it when the copy is done
+        if flight is None or self._arrived is not None:
             return
-        done = self._flight[1]
+        done, device = flight[1], flight[3]
         try:
-            current = torch.cuda.current_stream(done.device)
+            current = torch.cuda.current_stream(device)
             arrived = torch.cuda.Event(enable_timing=True)
             arrived.record(current)
             current.wait_event(done)
@@ -448,7 +449,7 @@ class DeviceCopy:
     def wait(self, released: Callable[[], None]) -> None:
         """On the background thread: block until the launched copy is complete, count it, `released()`."""
         assert self._flight is not None
-        began, done, nbytes = self._flight
+        began, done, nbytes, _ = self._flight
         done.synchronize()
         self.seconds += began.elapsed_time(done) / 1e3
         self.bytes += nbytes

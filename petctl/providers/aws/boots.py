@@ -1,7 +1,7 @@
 """How a job's instances boot, read from its prefix and its group: for `status` and `run_job --wait`.
 
 The boot script and the agent write `BootRecord`s to `boots/` in the job's prefix (worker_image/
-boot_record.sh.j2, petctl/agent/lifecycle.py); the rule that stops a job whose boots never join is
+boot_record.sh.j2, petctl/agent/notices.py); the rule that stops a job whose boots never join is
 petctl/core/boots.py, applied on the instances themselves. This module only reads: the listing (stages and
 the breaker's view), the newest failure's record (its error and boot log lines), and the group's
 instances that wrote nothing yet (`launching`).

@@ -13,7 +13,7 @@ from __future__ import annotations
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, jobs_prefix
 from petctl.providers.aws.storage import job_prefix
 
-# What a job writes under its prefix (petctl/agent/mirror.py, petctl.elastic's checkpointers); the rest of
+# What a job writes under its prefix (petctl/agent/reporting.py, petctl.elastic's checkpointers); the rest of
 # the prefix (code/, agent.json, job.json, placement.json) is written by the CLI and only read by the job.
 # boots/: each instance's boot records (petctl/core/boots.py), written by its boot script and its agent.
 JOB_WRITABLE = ("checkpoints/*", "status/*", "events/*", "logs/*", "boots/*", "result.json")

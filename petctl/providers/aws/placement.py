@@ -168,5 +168,5 @@ def capacity_rebalance(spot: bool, instance_types: list[str], multi_az: bool) ->
     instance types and several AZs: the replacement it launches for an at-risk instance comes from another
     spot pool. A group of one type in one AZ has one pool, so rebalancing there only adds an instance from
     the same at-risk pool (billed while idle at --max, and two re-forms per recommendation). The agent's
-    checkpoint on a rebalance recommendation (petctl/agent/rebalance.py) does not depend on this."""
+    checkpoint on a rebalance recommendation (petctl/agent/notices.py) does not depend on this."""
     return spot and (len(set(instance_types)) >= 2 or multi_az)

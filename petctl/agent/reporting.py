@@ -1,4 +1,10 @@
-"""Where the agent's state, events and log go besides etcd, so they can be read without etcd.
+"""What a node reports and where: its state, events and log mirrored to the job's prefix (`Mirror`), its
+events into etcd (`EtcdEventSink`), its `NodeStatus` (`StatusPublisher`) and the workers' progress it follows
+(`Progress`).
+
+Sections: the mirror (this docstring); the etcd event sink; the node status.
+
+Where the agent's state, events and log go besides etcd, so they can be read without etcd.
 
 On AWS etcd lives inside the VPC (no port open to the world), and a job's record must outlive the job;
 so each agent mirrors to the job's prefix (s3://bucket/jobs/<job>/ or file://...):
@@ -25,16 +31,28 @@ mirroring nothing. The bytes go through `petctl.io.objstore` (boto3 loads for s3
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import etcd
+
+from petctl.agent.decisions import RoundInfo
+from petctl.agent.health import OutageReporter
+from petctl.agent.rendezvous import RequestStats
 from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
 from petctl.core.mirrorchunks import chunk_name
-from petctl.core.records import JobResult
+from petctl.core.records import Checkpoint, JobResult, NodeStatus
+from petctl.io.etcd import store_errors
 from petctl.io.files import atomic_write
 from petctl.io.objstore import ObjectNotFound, ObjectStore, open_store
+
+# --- mirror -------------------------------------------------------------------------------------------------
 
 MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one PUT at most; a larger backlog goes as several chunks
 MAX_PENDING_EVENTS = 20000  # events kept for upload while the store is unreachable (oldest dropped)
@@ -222,3 +240,172 @@ def _read_offset(marker: Path) -> int:
         return max(0, int(marker.read_text().strip() or 0))
     except (OSError, ValueError):
         return 0
+
+
+# --- event sink ---------------------------------------------------------------------------------------------
+# Ship the agent's events into etcd (`events/`, in-order keys), off the agent's critical path.
+#
+# `petctl events` reads the job's timeline from here while the job runs (and from the S3/file mirror after
+# etcd forgets it). Writes go through one background thread so an event emitted during a restart costs
+# the restart nothing; keys carry a TTL so a long-finished job does not fill etcd. An event that cannot be
+# written is dropped (the mirror still has it) and counted; an outage is reported once when it starts and
+# once when it ends (health.py).
+
+EVENT_TTL = 7 * 24 * 3600
+
+
+class EtcdEventSink:
+    def __init__(self, client: Any, key: str, outage: OutageReporter, ttl: int = EVENT_TTL) -> None:
+        self.client = client
+        self.key = key
+        self.ttl = ttl
+        self.outage = outage
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
+        self._thread = threading.Thread(target=self._run, name="event-sink", daemon=True)
+        self.dropped = 0  # events never written: a failed write, or a full queue
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            record = self._queue.get()
+            if record is None:
+                return
+            try:
+                self.client.write(self.key, json.dumps(record, default=str), append=True, ttl=self.ttl)
+            except Exception as e:  # noqa: BLE001 - counted and reported; the sink thread must outlive it
+                self.dropped += 1
+                self.outage.failed(e)
+            else:
+                self.outage.succeeded()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Drain what is queued (bounded by `timeout`), then stop."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return  # the thread is stuck on a dead etcd with a full queue; it is a daemon
+        self._thread.join(timeout=timeout)
+
+
+# --- node status --------------------------------------------------------------------------------------------
+# What a node tells the world about itself: its `NodeStatus`, in etcd and in the mirror.
+#
+# `petctl status` shows it per node: state, round, rank, the newest step and checkpoint, the etcd requests
+# the agent made, the failures its services counted, and the last failed worker's error lines. It is
+# informational: a failed publication is counted and reported once per outage (health.py), never allowed
+# to stop training.
+
+STATUS_TTL = 120
+FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed", "checkpoint.interval")
+
+
+class Progress:
+    """Follows the workers' progress lines (local rank 0 speaks for the node); no torch needed."""
+
+    def __init__(self, nproc: int, events: EventLog) -> None:
+        self.nproc = nproc
+        self.events = events
+        self.step: int | None = None
+        self.last_checkpoint: Checkpoint | None = None
+        self.round_step_seen = False  # a step was logged in the current round
+        self.span: dict[str, Any] = {}  # first/last step of the current round (goodput)
+        self.last_step_at: float | None = None  # monotonic: the round's latest step (health.py)
+        self.longest_gap = 0.0  # the round's longest time between two steps
+        self.progress_at: float | None = None  # monotonic: the round's latest event of any worker
+        self.reporting = False  # the workers ever reported progress (events): the hang watchdog's default
+
+    def begin_round(self) -> None:
+        self.span = {}
+        self.round_step_seen = False
+        self.last_step_at = None
+        self.longest_gap = 0.0
+        self.progress_at = None
+
+    def stalled_for(self, now: float) -> float | None:
+        """Seconds since the round's latest step; None when the workers reported none this round."""
+        return None if self.last_step_at is None else now - self.last_step_at
+
+    def on_worker_event(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        self.progress_at, self.reporting = time.monotonic(), True  # any worker's event is progress
+        if int(record.get("local_rank", record.get("rank", 0)) or 0) % self.nproc != 0:
+            return
+        if event == "train.step":
+            step, ts = record.get("step"), record.get("ts")
+            self.step = step
+            self.round_step_seen = True
+            now = time.monotonic()
+            if self.last_step_at is not None:
+                self.longest_gap = max(self.longest_gap, now - self.last_step_at)
+            self.last_step_at = now
+            if "first" not in self.span:
+                self.span.update(first=step, first_ts=ts)
+            self.span.update(last=step, last_ts=ts)
+        elif event in FORWARDED:
+            last = self.last_checkpoint or Checkpoint(step=None)
+            if event == "checkpoint.saved":
+                self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"),
+                                                  interval_s=last.interval_s,
+                                                  interval_reason=last.interval_reason)
+            elif event == "checkpoint.interval":  # every="auto" chose (or changed) the durable interval
+                self.last_checkpoint = Checkpoint(step=last.step, url=last.url,
+                                                  interval_s=record.get("interval_s"),
+                                                  interval_reason=str(record.get("reason", "")))
+            self.events.forward(record)
+
+
+class StatusPublisher:
+    """Publishes the node's status at each state change and whenever `publish()` is called."""
+
+    def __init__(self, client: etcd.Client, keys: JobKeys, node_id: str, host_addr: str, stats: RequestStats,
+                 progress: Progress, outage: OutageReporter,
+                 failures: Callable[[], dict[str, int]] = dict, mirror: Any = None) -> None:
+        self.client = client
+        self.key = keys.node_status(node_id)
+        self.node_id = node_id
+        self.host_addr = host_addr
+        self.stats = stats
+        self.progress = progress
+        self.outage = outage
+        self.failures = failures
+        self.mirror = mirror
+        self.state = "starting"
+        self.round: RoundInfo | None = None
+        self.last_error: list[str] = []  # the last failed worker's error lines (NodeStatus.last_error)
+
+    def set_state(self, state: str) -> None:
+        self.state = state
+        self.publish()
+
+    def status(self) -> NodeStatus:
+        info = self.round if self.state not in ("joining", "waiting") else None
+        return NodeStatus(node_id=self.node_id, state=self.state, updated=time.time(),
+                          host_addr=self.host_addr, pid=os.getpid(),
+                          round=self.round.round if self.round else None,
+                          rank=info.rank if info else None, world_size=info.world_size if info else None,
+                          restarts=info.restarts if info else None, step=self.progress.step,
+                          last_checkpoint=self.progress.last_checkpoint,
+                          etcd_requests=self.stats.as_dict(), failures=self.failures(),
+                          last_error=list(self.last_error))
+
+    def publish(self) -> None:
+        status = self.status()
+        if self.mirror is not None:
+            self.mirror.set_status(status.to_dict())
+        t0 = time.monotonic()
+        try:
+            self.client.write(self.key, status.to_json(), ttl=STATUS_TTL)
+        except store_errors() as e:
+            self.outage.failed(e)
+            return
+        self.outage.succeeded(time.monotonic() - t0)

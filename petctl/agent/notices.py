@@ -1,0 +1,541 @@
+"""Notices: what the agent does when this instance is told to go (spot interruption, ASG scale-in), when it
+is asked to leave, or admits a waiting node, all of which save first; and a rebalance recommendation.
+
+Sections:
+- the notice (`PreemptionHandler`, this docstring): its state (the notice, its save deadline, announced,
+  timed out) and what the agent does with it;
+- `save_done`: the one test of "the save has finished", for a notice's save and a planned change's;
+- save first (`SaveFirst`): one node's part in the round's save-now request, whoever asked for it (flag
+  our workers, put our notice's or our admission's request on the round, defer a leave while they save);
+- the ASG lifecycle actions (the termination hook's heartbeat and completion, the launch hook's);
+- the rebalance recommendation's checkpoint request.
+The metadata service itself is read in imds.py.
+
+What the agent does with a preemption notice (spot interruption or ASG scale-in), or a graceful leave.
+
+EC2 gives two minutes; we spend them like this: announce the preemption in the round (so every node
+flags its workers and all ranks save the same step), wait for the local workers' save with a deadline well
+inside the notice, leave the rendezvous so the others re-form at once, and complete the ASG lifecycle
+action so the instance can go. The metadata watcher lives in imds.py, the lifecycle client below.
+
+A graceful leave (`petctl scale` down, SIGTERM to the agent) takes the same path when the workers speak
+the protocol (agent/roundjudge.py): `plan_leave` records it as a notice of kind `leave`, which saves first
+but completes no lifecycle action and waits for no reclaim.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from petctl.agent.decisions import RoundInfo, Snapshot
+from petctl.agent.health import describe
+from petctl.agent.rendezvous import EtcdRendezvous
+from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first, preempted_why
+from petctl.agent.workers import WorkerGroup
+from petctl.core import controlfiles
+from petctl.core.boots import boot_key
+from petctl.core.eventlog import EventLog
+from petctl.core.records import BootRecord, Preempt
+from petctl.core.spec import AgentConfig, JobSpec
+
+# --- notices ------------------------------------------------------------------------------------------------
+
+SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
+SHORT_NOTICE_SHARE = 0.25  # ... or, on a notice shorter than 4 x that, this share of the time left
+LEAVE = "leave"  # the kind of a planned leave's notice (spot and asg come from the metadata service)
+
+
+def save_budget(left: float, preempt_deadline: float) -> float:
+    """Seconds the workers get to save, out of `left` before the reclaim. A 2-minute spot notice keeps
+    the full margin; a short one (a local `chaos notice --grace 6`, a late-seen notice) keeps a quarter of
+    what is left, rather than cutting an upload that would have finished at 1 s."""
+    margin = min(SAFETY_MARGIN, max(left, 0.0) * SHORT_NOTICE_SHARE)
+    return max(1.0, min(left - margin, preempt_deadline))
+
+
+class PreemptionHandler:
+    def __init__(self, config: AgentConfig, events: EventLog) -> None:
+        self.config = config
+        self.events = events
+        self.notice: Any = None
+        self.announced = False
+        self.save_deadline = 0.0
+        self.timed_out = False  # the workers' save ran past save_deadline
+        self._watcher: Any = None
+        self._heartbeat: Any = None
+        self._lock = threading.Lock()
+        self.wake: Callable[[], None] | None = None  # the round runner's wake-up (LiveWatcher.nudge)
+        self.on_rebalance: Callable[[Any], None] | None = None  # set by the agent (`RebalanceResponder`)
+        self.launch: Any = None  # lifecycle.LaunchCompletion, once registered (AWS)
+
+    def start(self) -> None:
+        if not self.config.imds_endpoint:
+            return
+        from petctl.agent.imds import IMDSWatcher
+
+        self._watcher = IMDSWatcher(self.config.imds_endpoint,
+                                    interval=self.config.job.timeouts.imds_interval, log=self.events)
+        self._watcher.start(self._on_notice, on_rebalance=self.on_rebalance)
+
+    def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self.launch is not None:
+            self.launch.stop()
+
+    def registered(self) -> None:
+        """The agent is registered in the rendezvous, so this instance's boot worked: on AWS, its boot
+        record and the launch hook's CONTINUE, in the background (lifecycle.LaunchCompletion)."""
+        if self.config.asg_name and self.config.launch_hook and self.launch is None:
+
+            self.launch = LaunchCompletion(self.config, self.events).start()
+
+    @property
+    def launch_failures(self) -> int:
+        """Failed calls completing the launch hook (and recording the boot), for the node's status."""
+        return self.launch.failures if self.launch is not None else 0
+
+    def identity(self) -> dict[str, str]:
+        """Instance type, market (spot/on-demand) and AZ from the metadata service, for pricing."""
+        return self._watcher.identity() if self._watcher is not None else {}
+
+    def _on_notice(self, notice: Any) -> None:
+        with self._lock:
+            if self.notice is not None:
+                return
+            now, most = time.time(), self.config.job.timeouts.preempt_deadline
+            self.save_deadline = now + save_budget(notice.deadline - now, most)
+            self.notice = notice
+        self.events.emit("preemption.notice", kind=notice.kind, action=notice.action,
+                         deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
+        if self.wake is not None:
+            self.wake()  # announce it now, not at the round runner's next pass
+
+    def plan_leave(self, budget: float) -> None:
+        """A graceful leave that saves first: a notice of kind `leave`, due in `budget` seconds. A notice
+        already pending (a spot notice, say) is kept: it saves first too."""
+        from petctl.agent.imds import Notice
+
+        with self._lock:
+            if self.notice is not None:
+                return
+            now = time.time()
+            self.save_deadline = now + budget
+            self.notice = Notice(LEAVE, LEAVE, now + budget)
+        self.events.emit("leave.saving", save_deadline=round(self.save_deadline, 3))
+
+    @property
+    def leaving(self) -> bool:
+        """The pending notice is our own graceful leave (not a reclaim of the instance)."""
+        return self.notice is not None and self.notice.kind == LEAVE
+
+    def request(self, node_id: str) -> Preempt:
+        """The save-now request this notice puts on the round."""
+        return Preempt(node_id=node_id, deadline=self.notice.deadline,
+                       reason=LEAVE if self.leaving else "preemption", leaves=True)
+
+    def announce(self, cas: Callable[[], bool]) -> None:
+        """Put the preemption into the current round (retried by the caller's loop until it sticks).
+
+        On AWS the ASG holds the instance in its termination hook meanwhile; we heartbeat the hook so a
+        slow save is not cut off at the hook's timeout.
+        """
+        if cas():
+            self.announced = True
+            self.events.emit("preemption.announced", deadline=self.notice.deadline, kind=self.notice.kind)
+            if (self.config.asg_name and self.config.lifecycle_hook and self._heartbeat is None
+                    and not self.leaving):
+
+                self._heartbeat = LifecycleHeartbeat(self.config.asg_name, self.config.lifecycle_hook,
+                                                     self.config.node_id, self.config.region, log=self.events)
+                self._heartbeat.start()
+
+    def save_finished(self, workers: WorkerGroup, control_dir: Path) -> bool:
+        """Our workers saved (or exited), or time is up (`save_deadline`): either way it is time to go. The
+        deadline passing is counted (`timed_out`) and reported (`preemption.save_timeout`)."""
+        done = save_done(workers, control_dir, workers.spec.nproc, self.save_deadline)
+        if done == "deadline":
+            self.timed_out = True
+            self.events.emit("preemption.save_timeout", save_deadline=self.save_deadline)
+        return bool(done)
+
+    def why_stopped(self, control_dir: Path, nproc: int) -> str:
+        """How our preempted round ended, in words (`roundjudge.preempted_why`), from what the workers
+        left in the control dir: a plain script's SIGTERM is not a "checkpoint done"."""
+        saved = controlfiles.read_saved(control_dir)
+        return preempted_why(protocol=controlfiles.speaks_protocol(control_dir, nproc),
+                             saved=sum(1 for rank in range(nproc) if rank in saved), nproc=nproc,
+                             timed_out=self.timed_out)
+
+    def complete_lifecycle(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if not (self.config.asg_name and self.config.lifecycle_hook):
+            return
+
+        complete_lifecycle_action(self.config.asg_name, self.config.lifecycle_hook, self.config.node_id,
+                                  self.config.region, log=self.events)
+
+    def wait_for_termination(self, stop: threading.Event) -> None:
+        """A preempted instance has nothing left to do; idle until it is taken (or told to stop)."""
+        deadline = (self.notice.deadline if self.notice is not None else time.time()) + 30.0
+        while not stop.is_set() and time.time() < deadline:
+            stop.wait(0.5)
+
+
+def save_done(workers: WorkerGroup | None, control_dir: Path, nproc: int, deadline: float | None) -> str:
+    """Whether this node's workers are done with a requested save, and why: "exited" (none runs, or none
+    was started), "saved" (each of the `nproc` local workers reported it in `control_dir`), "deadline"
+    (`deadline` passed: time to go, saved or not), or "" while they still save. The one test of "the save
+    has finished", for a notice's save (`PreemptionHandler.save_finished`) and for a planned change's
+    (`SaveFirst`), checked in that order."""
+    if workers is None or not workers.running:
+        return "exited"
+    if controlfiles.all_saved(control_dir, nproc):
+        return "saved"
+    if deadline is not None and time.time() >= deadline:
+        return "deadline"
+    return ""
+
+
+# --- save first ---------------------------------------------------------------------------------------------
+# The round runner's save-now requests, acted on: flag our workers, put ours on the round, say when done.
+#
+# Three things ask every member's workers to save the same step and exit before the round re-forms: a
+# preemption notice of this instance, a graceful leave of this node, and this node admitting a waiting
+# node (agent/roundjudge.py decides the last two). All three travel as the round's `preempt` record and the
+# node-local `<control>/preempt` flag (core/controlfiles.py), which `petctl.elastic` reads at every step
+# boundary. This section does the I/O around those decisions; the round runner (roundrunner.py) calls it.
+
+class SaveFirst:
+    """One node's part in save-now requests, for one round at a time (`begin` resets it)."""
+
+    def __init__(self, spec: JobSpec, node_id: str, rdzv: EtcdRendezvous, preemption: PreemptionHandler,
+                 events: EventLog, control_dir: Path) -> None:
+        self.spec = spec
+        self.node_id = node_id
+        self.rdzv = rdzv
+        self.preemption = preemption
+        self.events = events
+        self.control_dir = control_dir
+        self.workers: WorkerGroup | None = None
+        self.flagged = False
+        self.admitting = False  # the round carries our own admission's request (seen in `flag`)
+        self._request: Preempt | None = None  # the round's request, as last seen
+
+    def begin(self, workers: WorkerGroup) -> None:
+        self.workers = workers
+        self.flagged = self.admitting = False
+        self._request = None
+
+    def _ours(self, request: Preempt | None) -> bool:
+        """`request` is our own admission's (nobody leaves)."""
+        return request is not None and request.node_id == self.node_id and not request.leaves
+
+    def _saved(self, request: Preempt | None) -> bool:
+        """Our workers are done with the requested save: all reported it, exited, or its deadline passed."""
+        deadline = request.deadline if request is not None else None
+        return bool(save_done(self.workers, self.control_dir, self.spec.nproc_per_node, deadline))
+
+    def finished(self) -> bool:
+        """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
+        return self.workers is not None and not self.flagged and self.workers.some_succeeded()
+
+    def _look(self, snap: Snapshot) -> SaveLook:
+        request = snap.round.preempt if snap.round is not None else None
+        return SaveLook(node_id=self.node_id, request=request,
+                        running=self.workers is not None and self.workers.running, saved=self._saved(request),
+                        protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
+                        finished=request is None and self.finished())
+
+    # --- a request on the round: flag our workers ---------------------------------------------------
+    def flag(self, snap: Snapshot, info: RoundInfo) -> None:
+        """Tell our workers the round carries a save-now request (every rank then saves the same step);
+        once per round."""
+        request = snap.round.preempt if snap.round is not None else None
+        self.admitting, self._request = self._ours(request), request
+        if self.flagged or request is None:
+            return
+        controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
+        self.flagged = True
+        event = "preemption.flagged" if request.reason == "preemption" else "save.flagged"
+        self.events.emit(event, round=info.round, noticed=request.node_id, reason=request.reason)
+        if (request.node_id == self.node_id and request.leaves and self.workers is not None
+                and not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
+            self.workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
+
+    # --- our notice or leave ------------------------------------------------------------------------
+    def announce(self) -> bool:
+        """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
+        return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.request(self.node_id))
+
+    def defer_leave(self, snap: Snapshot) -> bool:
+        """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
+        already under way), False when it is time to stop them and go (nothing to save, or too late)."""
+        if self.preemption.notice is None:
+            if not leave_saves_first(self._look(snap)):
+                return False
+            self.preemption.plan_leave(self.spec.timeouts.stop_grace)
+        return time.time() < self.preemption.save_deadline
+
+    # --- admitting a waiting node -------------------------------------------------------------------
+    def admit(self, snap: Snapshot, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
+        """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
+        is done. Raises what the etcd calls raise (the round runner counts and retries)."""
+        request = snap.round.preempt if snap.round is not None else None
+        if cause is None and not self._ours(request):
+            return  # nobody waiting and no admission of ours under way (the usual look): no file I/O
+        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
+        if cause is not None and request is None and isinstance(step, RequestSave | Reform):
+            self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
+        if isinstance(step, RequestSave):
+            if self.rdzv.set_preempt(snap, step.request):
+                self.events.emit("save.requested", round=info.round, reason=step.request.reason,
+                                 deadline=round(step.request.deadline, 3))
+        elif isinstance(step, Reform):
+            self.rdzv.start_round(snap, cause=request.reason if request is not None else (cause or ""))
+
+    def admission_saved(self) -> bool:
+        """Our own admission's save looks done: the round runner takes a fresh look at once (and re-forms).
+        False for every other request, so a node waiting on someone else's save polls no etcd for it."""
+        return self.admitting and self._saved(self._request)
+
+
+# --- ASG lifecycle actions ----------------------------------------------------------------------------------
+# Finishing an Auto Scaling group's lifecycle actions from the instance itself: the termination hook's
+# (a drain) and the launch hook's (a boot that worked).
+#
+# The ASG holds a terminating instance in `Terminating:Wait` until the hook times out or someone completes
+# the action. The agent heartbeats the action while its workers checkpoint (so a slow save is not cut off
+# at the hook's timeout) and completes it once they are done, so the instance goes (and its replacement
+# comes) as soon as possible. Both calls are best effort: a failure is one structured line, never an
+# exception, because the instance is going away either way and the agent still has to leave cleanly.
+#
+# The launch hook holds a new instance (Pending:Wait, not InService) until its agent is registered in the
+# rendezvous; `LaunchCompletion` then records the boot as `joined` (petctl/core/boots.py) and completes the
+# action with CONTINUE. Not at the first round it is admitted to: with --min 2 a healthy first instance
+# waits for a second one, perhaps for a spot shortage's time, and the hook would abandon it meanwhile. Being
+# registered already proves the boot end to end: petctl installed and running, the job's code fetched, its
+# workers' environment ready, the job's etcd credentials accepted. Those calls are retried in a thread of
+# their own (the rendezvous does not wait for them); failures are counted (`failures`, published with the
+# node's status) and reported once when they start and once when they end.
+#
+# The AWS calls go through `LifecycleClient` (a boto3 autoscaling client satisfies it), so tests use a
+# recorder: moto answers CompleteLifecycleAction with HTTP 500. boto3 is imported only when needed.
+
+class LifecycleClient(Protocol):
+    """The two autoscaling API calls we make (boto3's method names and keyword arguments)."""
+
+    def complete_lifecycle_action(self, **kwargs: Any) -> Any: ...
+
+    def record_lifecycle_action_heartbeat(self, **kwargs: Any) -> Any: ...
+
+
+def make_client(region: str, endpoint_url: str | None = None) -> LifecycleClient:
+    """A boto3 autoscaling client with few retries (the `agent` profile): the clock is the two-minute
+    notice."""
+    from petctl.io.aws import client
+
+    return client("autoscaling", profile="agent", region=region, endpoint_url=endpoint_url or "")
+
+
+def _args(asg_name: str, hook_name: str, instance_id: str) -> dict[str, str]:
+    return {"AutoScalingGroupName": asg_name, "LifecycleHookName": hook_name, "InstanceId": instance_id}
+
+
+def complete_lifecycle_action(asg_name: str, hook_name: str, instance_id: str, region: str,
+                              result: str = "CONTINUE", client: LifecycleClient | None = None,
+                              log: EventLog | None = None) -> bool:
+    """Tell the ASG this instance is done with its hook; True on success, False (logged) on any failure."""
+    log = log or EventLog("agent")
+    fields = {"asg": asg_name, "hook": hook_name, "instance_id": instance_id, "result": result}
+    try:
+        client = client or make_client(region)
+        client.complete_lifecycle_action(**_args(asg_name, hook_name, instance_id),
+                                         LifecycleActionResult=result)
+    except Exception as e:  # noqa: BLE001 - botocore errors, missing credentials, no network: never fatal
+        log.emit("lifecycle.complete_failed", error=describe(e), **fields)
+        return False
+    log.emit("lifecycle.completed", **fields)
+    return True
+
+
+class LifecycleHeartbeat:
+    """Records a lifecycle-action heartbeat now and every `interval` seconds until stopped.
+
+        with LifecycleHeartbeat(asg, hook, instance_id, region, interval=30):
+            wait_for_checkpoint()
+    """
+
+    def __init__(self, asg_name: str, hook_name: str, instance_id: str, region: str, interval: float = 30.0,
+                 client: LifecycleClient | None = None, log: EventLog | None = None) -> None:
+        self.args = _args(asg_name, hook_name, instance_id)
+        self.region = region
+        self.interval = interval
+        self.log = log or EventLog("agent")
+        self._client = client
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beats = 0  # successful heartbeats
+        self.failures = 0
+
+    def beat(self) -> bool:
+        """One heartbeat; failures are logged and counted, not raised."""
+        try:
+            if self._client is None:
+                self._client = make_client(self.region)
+            self._client.record_lifecycle_action_heartbeat(**self.args)
+        except Exception as e:  # noqa: BLE001 - as above: counted and logged, the save goes on
+            self.failures += 1
+            self.log.emit("lifecycle.heartbeat_failed", error=describe(e),
+                          asg=self.args["AutoScalingGroupName"], instance_id=self.args["InstanceId"])
+            return False
+        self.beats += 1
+        return True
+
+    def _run(self) -> None:
+        while True:
+            self.beat()
+            if self._stop.wait(self.interval):
+                return
+
+    def start(self) -> LifecycleHeartbeat:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="petctl-lifecycle-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=15)
+
+    def __enter__(self) -> LifecycleHeartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+# Pauses between tries of the launch calls: about four minutes in all, well inside the boot timeout.
+LAUNCH_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0)
+
+
+class LaunchCompletion:
+    """Once the agent is registered: the `joined` boot record, then CONTINUE on the launch hook, each
+    retried until it succeeds (see the module doc). `run()` is the whole job; `start()` runs it in a
+    thread. `client`/`store` stand in for AWS in tests."""
+
+    def __init__(self, config: AgentConfig, log: EventLog, client: LifecycleClient | None = None,
+                 store: Any = None, delays: Sequence[float] = LAUNCH_RETRY_DELAYS) -> None:
+        self.config = config
+        self.log = log
+        self._client = client
+        self._store = store
+        self.delays = delays
+        self.failures = 0  # failed calls, both kinds
+        self.recorded = self.completed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> None:
+        if self._store is None:
+            from petctl.io.objstore import open_store
+
+            self._store = open_store(self.config.status_url)
+        record = BootRecord(instance_id=self.config.node_id, event="joined", ts=time.time())
+        self._store.put_bytes(boot_key(record), record.to_json().encode(), "application/json")
+
+    def _complete(self) -> None:
+        if self._client is None:
+            self._client = make_client(self.config.region)
+        self._client.complete_lifecycle_action(
+            **_args(self.config.asg_name, self.config.launch_hook, self.config.node_id),
+            LifecycleActionResult="CONTINUE")
+
+    def _try(self, name: str, call) -> bool:
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - botocore errors, credentials, network: counted, retried
+            from petctl.io.aws import error_code
+
+            if name == "complete" and error_code(e) == "ValidationError":
+                # No pending launch action: this agent was restarted on an instance that already
+                # completed it (or the hook timed out): nothing to retry.
+                self.log.emit("lifecycle.launch_not_pending", error=describe(e), hook=self.config.launch_hook)
+                return True
+            self.failures += 1
+            if self.failures == 1:
+                self.log.emit("lifecycle.launch_failing", step=name, error=describe(e),
+                              hook=self.config.launch_hook)
+            return False
+        return True
+
+    def run(self) -> bool:
+        """Both calls until they succeed or the tries run out; True when both succeeded."""
+        for delay in (*self.delays, None):
+            if self.config.status_url and not self.recorded:
+                self.recorded = self._try("record", self._record)
+            if not self.completed:
+                self.completed = self._try("complete", self._complete)
+            if (self.recorded or not self.config.status_url) and self.completed:
+                break
+            if delay is None or self._stop.wait(delay):
+                break
+        done = self.completed and (self.recorded or not self.config.status_url)
+        self.log.emit("lifecycle.launch_completed" if done else "lifecycle.launch_gave_up",
+                      failures=self.failures, recorded=self.recorded, hook=self.config.launch_hook,
+                      asg=self.config.asg_name, instance_id=self.config.node_id)
+        return done
+
+    def start(self) -> LaunchCompletion:
+        self._thread = threading.Thread(target=self.run, name="petctl-launch-hook", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=15)
+
+
+# --- rebalance recommendations ------------------------------------------------------------------------------
+# What the agent does with a rebalance recommendation: ask its workers for a checkpoint now.
+#
+# A recommendation (imds.py) says this instance is at elevated risk of interruption. It is not a notice:
+# nothing is announced in the round and training goes on. The agent writes `<control>/checkpoint`
+# (core/controlfiles.py) with the next sequence number; every rank of the job learns of it in the
+# preemption check's all-reduce and saves the same step at once (elastic/preemption.py). Whatever comes
+# next (the two-minute notice, a late one, none at all before the ASG's Capacity Rebalancing scales this
+# instance in) then starts from a checkpoint taken when the risk was announced.
+
+REASON = "rebalance"
+
+
+class RebalanceResponder:
+    """The watcher's `on_rebalance` callback: one checkpoint request per recommendation."""
+
+    def __init__(self, control_dir: Path, events: EventLog) -> None:
+        self.control_dir = Path(control_dir)
+        self.events = events
+        self.requests = 0  # written so far (for tests and diagnostics)
+
+    def __call__(self, recommendation: Any) -> None:
+        """Write the request and say so (`checkpoint.requested`); a control dir that cannot be written
+        is reported (`checkpoint.request_failed`): the workers then only save at their usual times."""
+        notice_time = getattr(recommendation, "notice_time", None)
+        try:
+            seq = controlfiles.request_checkpoint(self.control_dir, REASON)
+        except OSError as e:
+            self.events.emit("checkpoint.request_failed", reason=REASON, error=repr(e))
+            return
+        self.requests += 1
+        self.events.emit("checkpoint.requested", seq=seq, reason=REASON, notice_time=notice_time)
