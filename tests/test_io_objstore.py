@@ -1,4 +1,4 @@
-"""The one object store (petctl/io/objstore.py, its file and S3 backends) on a directory and on moto's S3 over loopback
+"""The one object store (petctl/io/objstore.py: file and S3 backends) on a directory and on moto S3 (loopback)
 HTTP, and what is built on it: the agent's config and code download, the AWS error mapping."""
 
 from __future__ import annotations
