@@ -69,7 +69,15 @@ def test_a_node_killed_at_a_random_step_costs_a_framework_job_at_most_one_step(
     ledger = UserLedger.read(ledger_dir)
     story = f"{why}; {ledger.story()}"
     assert info["state"] == "succeeded", (info, story)
-    assert not ledger.missing(STEPS), f"steps never done: {ledger.missing(STEPS)[:10]}; {story}"
+    missing = ledger.missing(STEPS)
+    if missing and victim_rank == 0:
+        # The ledger is rank 0's. Killed after its step's all-reduce and before its ledger line, rank 0
+        # takes that one line with it while the survivors finish the step and snapshot it: the step is
+        # kept, only unrecorded. Tolerated only as exactly that: one step, resumed right after it.
+        resumed = [e["start"] for e in ledger.of("resumed") if e["ts"] > t_kill]
+        assert len(missing) == 1 and resumed and resumed[0] == missing[0] + 1, (missing, resumed, story)
+        missing = []
+    assert not missing, f"steps never done: {missing[:10]}; {story}"
     redone = ledger.redone()
     assert len(redone) <= 1, f"{why}: the loss cost more than one step: {ledger.describe_redone()}"
     loads = [e for e in local.events(name, "checkpoint.loaded") if e["ts"] > t_kill]
