@@ -30,16 +30,7 @@ def test_import_rules_hold() -> None:
 def test_import_rules_catch_a_wrong_import(tmp_path: Path) -> None:
     """The checker is live: a core module importing the agent is reported (so a pass above means it)."""
     pytest.importorskip("importlinter", reason="import-linter comes with the test extra")
-    pkg = tmp_path / "petctl"
-    for sub in ("core", "io", "agent", "elastic", "jobview", "providers", "cli"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "core" / "bad.py").write_text("import petctl.agent\n")
-    (tmp_path / ".importlinter").write_text((REPO / ".importlinter").read_text())
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
-                          "from importlinter.cli import lint_imports_command; lint_imports_command()",
-                          "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = _lint_fake_tree(tmp_path, {"core/bad.py": "import petctl.agent\n"})
     assert run.returncode != 0
     assert "petctl.core.bad -> petctl.agent" in run.stdout, run.stdout
 
@@ -71,16 +62,22 @@ def test_a_long_module_is_flagged_not_failed() -> None:
 def test_import_loops_are_caught(tmp_path: Path) -> None:
     """The no-loops contract is live: two sibling modules importing each other are reported."""
     pytest.importorskip("importlinter", reason="import-linter comes with the test extra")
+    run = _lint_fake_tree(tmp_path, {"agent/a.py": "from petctl.agent import b\n",
+                                     "agent/b.py": "def f():\n    from petctl.agent import a\n"})
+    assert run.returncode != 0
+    assert "No cycles are allowed in petctl.agent" in run.stdout, run.stdout
+
+
+def _lint_fake_tree(tmp_path: Path, modules: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """lint-imports with the project's rules over an empty petctl tree plus `modules` (path -> source)."""
     pkg = tmp_path / "petctl"
     for sub in ("core", "io", "agent", "elastic", "jobview", "providers", "cli"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "agent" / "a.py").write_text("from petctl.agent import b\n")
-    (pkg / "agent" / "b.py").write_text("def f():\n    from petctl.agent import a\n")
+    for path, source in modules.items():
+        (pkg / path).write_text(source)
     (tmp_path / ".importlinter").write_text((REPO / ".importlinter").read_text())
-    run = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
-                          "from importlinter.cli import lint_imports_command; lint_imports_command()",
-                          "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "No cycles are allowed in petctl.agent" in run.stdout, run.stdout
+    return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
+                           "from importlinter.cli import lint_imports_command; lint_imports_command()",
+                           "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
