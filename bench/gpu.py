@@ -227,14 +227,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def problems(doc: Any, path: str = "") -> list[str]:
-    """Every failure in the document, where it is: a part's or a worker's error, a save's, and a check
-    that did not hold (`verified` false)."""
+    """Every failure in the document, where it is: a part's or a worker's error, a save's, a check that
+    did not hold (`verified` false), and a snapshot writer that disabled itself (the first H100 run's
+    P8 rows were one snapshot's figures, the writer off after it, and nothing said so)."""
     found: list[str] = []
     if isinstance(doc, dict):
         if isinstance(doc.get("error"), str):
             found.append(f"{path or 'run'}: {doc['error']}")
         if doc.get("verified") is False:
             found.append(f"{path}: not verified")
+        if isinstance(doc.get("disabled"), str):  # a writer that turned itself off measured nothing after
+            found.append(f"{path}: snapshots disabled: {doc['disabled']}")
         for key, value in doc.items():
             if key not in ("error", "errors", "config", "table"):
                 found += problems(value, f"{path}.{key}" if path else str(key))

@@ -169,13 +169,16 @@ def test_every_failure_is_listed_where_it_happened() -> None:
 
     doc = {"errors": [], "config": {"error": "not a failure"}, "copy": {"error": "RuntimeError: x"},
            "warm": {"cold": {"error": "exit 1: boom"}, "warm": {"launch_to_step_s": 0.2}},
-           "sizes": [{"snap": {"p8": {"verified": False}, "p8_unpinned": {"verified": True}},
+           "sizes": [{"snap": {"p8": {"verified": False},
+                               "p8_unpinned": {"verified": True, "writer": {"disabled": "ValueError: x"}}},
                       "save": {"p4_s3": {"saves": [{"errors": ["ClientError"]}], "verified": True},
                                "p4_file": {"skipped": "disk"}}}]}
     assert problems(doc) == ["copy: RuntimeError: x", "warm.cold: exit 1: boom",
                              "sizes[0].snap.p8: not verified",
+                             "sizes[0].snap.p8_unpinned.writer: snapshots disabled: ValueError: x",
                              "sizes[0].save.p4_s3.saves[0].errors: ClientError"]
-    assert problems({"errors": [], "copy": {"pageable": {"gb_per_s": 1.0}}}) == []
+    assert problems({"errors": [], "copy": {"pageable": {"gb_per_s": 1.0}},
+                     "sizes": [{"snap": {"p8": {"verified": True, "writer": {"disabled": None}}}}]}) == []
 
 
 def test_the_table_says_what_was_skipped_and_what_failed() -> None:

@@ -243,3 +243,66 @@ def test_a_cpu_state_is_never_launched_on_a_stream_and_the_gate_is_then_free() -
     copier.gate()  # nothing in flight: a no-op
     assert copier.stall() is None and copier._flight is None
     assert all(not torch.equal(v, t) for v, t in zip(views, tensors, strict=True) if t.numel() and t.any())
+
+
+class GpuLikeCopy(DeviceCopy):
+    """`DeviceCopy` as a GPU state drives it, with the CUDA lines replaced: `launch` copies at once and
+    says it launched, `wait` releases, and `stall` gives a device-timed hold for each launch once."""
+
+    def __init__(self, hold: float) -> None:
+        super().__init__(pin=False)
+        self.hold = hold
+        self.launches = 0
+        self._unread = False
+
+    def launch(self, mm, views, pairs) -> bool:  # type: ignore[override]
+        for i, tensor in pairs:
+            views[i].copy_(tensor)
+        self.launches += 1
+        self._flight, self._unread = (None, None, 0, None), False
+        return True
+
+    def gate(self) -> None:
+        self._unread = self._flight is not None or self._unread
+
+    def wait(self, released) -> None:  # type: ignore[override]
+        self._flight, self._unread = None, True
+        released()
+
+    def stall(self) -> float | None:
+        if not self._unread:
+            return None
+        self._unread = False
+        return self.hold
+
+
+def test_a_gpu_held_state_keeps_snapshotting_and_its_first_hold_sets_k(tmp_path: Path) -> None:
+    """bench/gpu.py on an H100: the first snapshot of a GPU state is not a measured cost (its memory was
+    touched first), yet its hold on the next optimizer step is timed by CUDA events; the cadence took
+    the min() of no costs and the writer disabled itself after one snapshot, at every size. Now the
+    writer goes on snapshotting and that first hold alone raises K."""
+    width, hold = 64, 0.002  # K = 0.002 / (1 % of a 10 ms step) = 20
+    state, rec = make_state(width=width), Recorder()
+    writer = SnapshotWriter(tmp_path / "state.snap", "job", 1, 0, 1, rec.log)
+    writer.device = copier = GpuLikeCopy(hold)
+    started = []
+    for step in range(50):
+        train(state, step, width)
+        time.sleep(0.01)  # a step of at least 10 ms: K is at most 20
+        if writer.take(step, state):
+            started.append(step)
+        writer._finish() if writer._pending is not None else None
+    expected = frozen(state)
+    writer.close()
+    assert writer.disabled is None, writer.disabled
+    assert rec.events("snapshot.disabled") == []
+    assert copier.launches == len(started) >= 3, started
+    first = rec.events("snapshot.every")[0]
+    # the first hold is known when the second snapshot starts (the GPU has reached it by then): K rises
+    # there on that hold alone, and the third snapshot comes K steps later, not after SETTLE holds
+    assert first["was"] == 1 and first["every"] > 1 and first["cost_ms"] == 1e3 * hold, first
+    assert started[:2] == [0, 1] and started[2] - started[1] == first["every"], (started, first)
+    header, got = read_back(tmp_path / "state.snap")
+    assert header.step == started[-1]
+    if started[-1] == 49:
+        assert_same(expected, got)

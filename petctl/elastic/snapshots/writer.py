@@ -172,8 +172,11 @@ class SnapshotWriter:
         if stall is not None:
             self.stats["hook_wait_s"] += stall
             self._last_cost += stall
-        if counted or busy is not None:
-            changed = self.cadence.record(self._last_cost if counted else None, busy, timed=stall is not None)
+        # A first snapshot's CPU cost is not a measure (it touched the memory first), but its GPU hold,
+        # timed by CUDA events, is: it counts alone, so a 16 GB copy raises K after one stall, not two.
+        cost = self._last_cost if counted else stall
+        if cost is not None or busy is not None:
+            changed = self.cadence.record(cost, busy, timed=stall is not None)
             if changed is not None:
                 self.log.emit("snapshot.every", step=step, every=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
@@ -604,7 +607,7 @@ class Cadence:
         cost_m = statistics.median(self.costs) if self.costs else 0.0
         need = 1
         cost_k = cost_m if len(self.costs) >= SETTLE else 0.0
-        if len(self.costs) < SETTLE and timed:
+        if len(self.costs) < SETTLE and timed and self.costs:
             # a GPU's hold timed by CUDA events carries no scheduling noise: K follows it at once, so a
             # 16 GB copy stalls one step, not SETTLE of them
             cost_k = min(self.costs)
