@@ -9,6 +9,7 @@ import loop among the modules of any one package).
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,25 @@ def _lint_fake_tree(tmp_path: Path, modules: dict[str, str]) -> subprocess.Compl
     return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); "
                            "from importlinter.cli import lint_imports_command; lint_imports_command()",
                            "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_the_architecture_map_names_every_module_as_the_tree_has_it() -> None:
+    """docs/ARCHITECTURE.md's module index is generated from the tree (tests/support/archmap.py): a module
+    added, moved or removed, or a docstring's first sentence changed, without the index regenerated
+    fails here, with the command that fixes it."""
+    from tests.support import archmap
+
+    doc = archmap.DOC.read_text()
+    index = archmap.current(doc)
+    assert index is not None, "docs/ARCHITECTURE.md lost its module index markers"
+    named, package = set(), None
+    for line in index.splitlines():
+        if heading := re.match(r"\*\*`(petctl[^`]*)/`\*\*", line):
+            package = heading[1]
+        elif row := re.match(r"\| `([^`]+\.py)` \|", line):
+            named.add(f"{package}/{row[1]}")
+    on_disk = {str(p.relative_to(archmap.ROOT)) for p in (archmap.ROOT / "petctl").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert named == on_disk, (f"not in the index: {sorted(on_disk - named)}; gone from the tree: "
+                              f"{sorted(named - on_disk)}; run python -m tests.support.archmap --write")
+    assert index == archmap.render(), "the module index is stale: run python -m tests.support.archmap --write"

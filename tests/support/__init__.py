@@ -1,0 +1,1 @@
+"""What the tests share that is not a fixture: helpers imported by name (fixtures live in conftest.py)."""
