@@ -1,6 +1,6 @@
 """The run's results as rows (one table for the terminal, the JSON and the README), and the chart.
 
-`python -m bench.report results.json` prints the table and redraws the chart of a saved run.
+`python -m bench.report results.json` prints the table, rewrites its `.md` and redraws the chart of a saved run.
 """
 
 from __future__ import annotations
@@ -22,15 +22,42 @@ GOALS = {
     "P7b": "0 restarts, 0 steps lost",
 }
 TORCHRUNS = ("torchrun-c10d", "torchrun-etcd-v2")
-# P1-P3 result keys, in table order: the bench's workload, then the user-style script (recovery.result_key).
-RECOVERY_KEYS = ("P1", "P1-user", "P1-fsdp", "P2", "P2-user", "P2-fsdp", "P3", "P3-user", "P3-fsdp")
+# P1-P3 result keys (recovery.result_key): "P1", "P1-user", "P1-hf-burst", ...; table order is the
+# scenario, then the workload in this order (others after, by name), each with its burst run after it.
+WORKLOAD_ORDER = ("", "user", "fsdp", "hf", "lightning")
+BURST_GOAL = "<= 1 s median, <= 2 s p90, 0 steps lost"
+FRAMEWORK_GOAL = "<= 1.5 s median, 0 steps lost"
 # Figures beside a recovery's time, when measured: summary key, metric, unit, goal ("": the scenario's).
 RECOVERY_EXTRAS = [("detect_s", "freeze -> first survivor detects", "s", "<= 1.5 s, 0 spurious drops"),
                    ("all_know_s", "freeze -> every survivor knows", "s", "<= 1.5 s, 0 spurious drops"),
-                   ("steps_lost", "steps lost", "steps", ""),
+                   ("steps_lost", "steps lost", "steps", "0"),
                    ("stall", "old members' stall (last step -> first at the new world)", "s", "")]
 BASELINE_NOTES = {"petctl-ttl3": "before issue 16: TTL-only detection (1 s refreshes, 3 s TTL)"}
-WORKLOAD_LABEL = {"": "", "user": " (user script)", "fsdp": " (user script, FSDP2)"}
+WORKLOAD_LABEL = {"": "", "user": " (user script)", "fsdp": " (user script, FSDP2)",
+                  "hf": " (HF Trainer example)", "lightning": " (Lightning example)"}
+
+
+def recovery_keys(results: dict[str, Any]) -> list[str]:
+    """The P1-P3 keys present in `results`, in table order."""
+    def order(key: str) -> tuple[str, int, str, bool]:
+        base, _, rest = key.partition("-")
+        burst = rest == "burst" or rest.endswith("-burst")
+        workload = rest.removesuffix("burst").removesuffix("-")
+        rank = WORKLOAD_ORDER.index(workload) if workload in WORKLOAD_ORDER else len(WORKLOAD_ORDER)
+        return base, rank, workload, burst
+    return sorted((k for k in results if k.split("-")[0] in ("P1", "P2", "P3")), key=order)
+
+
+def _label(sid: str) -> tuple[str, str]:
+    """(the workload's label, the goal when it is not the scenario's) of a recovery key."""
+    _, _, rest = sid.partition("-")
+    burst = rest == "burst" or rest.endswith("-burst")
+    workload = rest.removesuffix("burst").removesuffix("-")
+    label = WORKLOAD_LABEL.get(workload, f" ({workload})" if workload else "")
+    if burst:
+        label += ", notice 0-30 s after the round formed"
+    goal = BURST_GOAL if burst else FRAMEWORK_GOAL if workload in ("hf", "lightning") else ""
+    return label, goal
 
 
 def _fmt(v: Any, unit: str = "") -> str:
@@ -63,16 +90,17 @@ def _row(sid: str, metric: str, system: str, s: dict[str, Any] | None, unit: str
 
 def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for sid in RECOVERY_KEYS:
+    for sid in recovery_keys(results):
         res = results.get(sid)
         if not res:
             continue
         summ = res.get("summary", {})
         p = summ.get("petctl", {})
         pmed = (p.get("seconds") or {}).get("median")
-        base, _, workload = sid.partition("-")
+        base = sid.split("-")[0]
+        label, goal = _label(sid)
         metric = {"P1": "notice -> step again", "P2": "freeze -> step again",
-                  "P3": "4th node launched -> step at world 4"}[base] + WORKLOAD_LABEL.get(workload, "")
+                  "P3": "4th node launched -> step at world 4"}[base] + label
         for system, s in summ.items():
             note = ""
             if s.get("capped_runs"):
@@ -91,11 +119,13 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             if s.get("capped_runs") and not sec.get("n"):
                 sec = {"min": f"> {s['cap']:.0f}", "median": f"> {s['cap']:.0f}", "max": f"> {s['cap']:.0f}",
                        "n": 0}
-            rows.append(_row(sid, metric, system, sec, "s", ratios, note.strip()))
-            for key, label, unit, goal in RECOVERY_EXTRAS:
+            if sec.get("p90") is not None and sid.endswith("-burst"):
+                note = f"p90 {_fmt(sec['p90'], ' s')} {note}"
+            rows.append(_row(sid, metric, system, sec, "s", ratios, note.strip(), goal=goal))
+            for key, extra, unit, extra_goal in RECOVERY_EXTRAS:
                 if key in s:
-                    rows.append(_row(sid, label + WORKLOAD_LABEL.get(workload, ""), system, s[key], unit,
-                                     note=BASELINE_NOTES.get(system, ""), goal=goal))
+                    rows.append(_row(sid, extra + label, system, s[key], unit,
+                                     note=BASELINE_NOTES.get(system, ""), goal=extra_goal))
     p4 = results.get("P4")
     if p4:
         cfg = p4.get("config", {})
@@ -178,7 +208,7 @@ def store_rows(p7: dict[str, Any]) -> list[dict[str, Any]]:
 
 def phase_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
-    for sid in RECOVERY_KEYS:
+    for sid in recovery_keys(results):
         res = results.get(sid)
         if not res:
             continue
@@ -296,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(path.read_text())
     rows, phase = build_rows(doc["results"]), phase_rows(doc["results"])
     print_table(rows, phase)
+    path.with_suffix(".md").write_text(markdown(rows, phase) + "\n")  # the table, as run.py writes it
     print(chart(doc.get("timeline") or {}, path.with_suffix(".png")))
     return 0
 

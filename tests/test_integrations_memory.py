@@ -93,6 +93,8 @@ def test_the_trainer_resumes_from_node_memory_not_from_the_older_disk_checkpoint
     assert steps == list(range(1, STEPS + 1)), steps  # step 5 once: resumed after it, from memory
     loaded = [e for e in events if e["event"] == "checkpoint.loaded"]
     assert [(e["source"], e["step"]) for e in loaded] == [("snapshot", CRASH_AT)], loaded
+    resumed = [e for e in events if e["event"] == "checkpoint.resumed"]
+    assert [(e["source"], e["step"]) for e in resumed][-1] == ("snapshot", CRASH_AT), resumed
     assert torch.allclose(weights, expected, atol=1e-6), (weights, expected)
     assert (agent_env / "framework.snap").is_file()
 
@@ -152,6 +154,8 @@ def test_lightning_resumes_from_node_memory_with_or_without_a_checkpoint_on_disk
     assert steps == list(range(1, STEPS + 1)), steps
     loaded = [e for e in events if e["event"] == "checkpoint.loaded"]
     assert [(e["source"], e["step"]) for e in loaded] == [("snapshot", CRASH_AT)], loaded
+    resumed_at = [e for e in events if e["event"] == "checkpoint.resumed"]
+    assert [(e["source"], e["step"]) for e in resumed_at][-1] == ("snapshot", CRASH_AT), resumed_at
     assert not [e for e in events if e["event"] == "checkpoint.saved" and e.get("step") == CRASH_AT - 1
                 and e.get("reason") == "periodic" and not periodic]  # a snapshot's dump is no save
     # Lightning restarts a partly trained epoch's data on any resume (docs/elastic.md), so the run's end
@@ -176,3 +180,14 @@ def test_a_disk_checkpoint_newer_than_memory_wins(agent_env: Path, tmp_path: Pat
     assert memory.resume(lambda: 6) is None and memory_checkpoint() is None
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
     assert [e["event"] for e in events if e["event"].startswith("snapshot.")][-1] == "snapshot.passed_over"
+
+
+def test_a_framework_run_names_the_tier_it_resumed_from() -> None:
+    """`checkpoint.resumed` said "framework" for a step the in-memory tier had handed the framework, so
+    the durable interval (every="auto") missed a silent loss and `petctl events` the tier."""
+    from petctl.elastic.integrations.protocol import resumed_source
+
+    assert resumed_source(5, 5) == "snapshot"
+    assert resumed_source(6, 5) == "framework"  # the disk was newer than memory
+    assert resumed_source(4, None) == "framework"
+    assert resumed_source(0, None) == "none" and resumed_source(0, 0) == "none"

@@ -473,7 +473,7 @@ def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]
 
 
 def report_resumed(log: EventLog, comm: Any, step: int, source: str, started: float) -> int:
-    """Emit `checkpoint.resumed`: the next step, the tier it came from (snapshot, cache, store, none), and
+    """Emit `checkpoint.resumed`: the next step, the tier it came from (snapshot, cache, store, framework, none), and
     when this worker started, imported petctl.elastic, made its `Comm` and began resuming (a recovery's
     phases, bench/phases.py). Returns `step`."""
     log.emit("checkpoint.resumed", step=step, source=source, world_size=comm.world_size,

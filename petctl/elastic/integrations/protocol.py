@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
@@ -80,9 +81,10 @@ class SaveNowProtocol:
                                   report=proto.comm.rank == 0)
         return proto
 
-    def begin(self, step: int) -> None:
-        """Training starts at `step` completed steps (the framework's resumed checkpoint, or 0)."""
-        report_resumed(self.events, self.comm, step, "framework" if step else "none", self.started)
+    def begin(self, step: int, source: str | None = None) -> None:
+        """Training starts at `step` completed steps (the framework's resumed checkpoint, or 0); `source`:
+        where that step came from (`resumed_source`)."""
+        report_resumed(self.events, self.comm, step, source or resumed_source(step, None), self.started)
         if self.check_every > 0:
             self.monitor = PreemptionMonitor(comm=self.comm, check_every=self.check_every)
             self.monitor.announce()
@@ -137,8 +139,19 @@ class SaveNowProtocol:
             self.monitor.report_checkpointed(step)
 
 
+def resumed_source(step: int, from_memory: int | None) -> str:
+    """The tier a framework's run resumed from, as `checkpoint.resumed` names it: "snapshot" when the
+    in-memory tier handed the framework this very step, "framework" for its own checkpoint on disk, "none"
+    for a fresh start. (The bench's lost-step count and `petctl events` read it.)"""
+    if step and from_memory == step:
+        return "snapshot"
+    return "framework" if step else "none"
+
+
 class ProtocolCallback:
     """What both framework callbacks hold: the protocol, built when training begins."""
+
+    memory: Any = None  # the framework's in-memory tier (`FrameworkSnapshots`), set by its mixin
 
     def __init__(self, check_every: int = 1, every: str | None = None) -> None:
         if every not in (None, "auto"):
@@ -156,6 +169,7 @@ class ProtocolCallback:
     def start(self, step: int) -> None:
         """Training begins at `step` completed steps (after the framework restored its checkpoint)."""
         self.protocol = SaveNowProtocol.create(check_every=self.check_every, auto=self.every == "auto")
-        self.protocol.begin(step)
+        source = resumed_source(step, None if self.memory is None else self.memory.resumed)
+        self.protocol.begin(step, source)
         if self.protocol.auto is not None and self.protocol.comm.rank == 0:
-            self.protocol.auto.resumed("framework" if step else "none", self.protocol.comm.world_size)
+            self.protocol.auto.resumed(source, self.protocol.comm.world_size)
