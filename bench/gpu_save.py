@@ -24,7 +24,7 @@ from bench.gpu_step import StepModel, die_with_parent
 from petctl.core.eventlog import EventLog
 from petctl.elastic import Checkpointer, State
 from petctl.elastic.manifest import readable_manifests
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 BASELINE_STEPS = 10
 BUCKET = "petctl-gpu-bench"

@@ -27,7 +27,7 @@ from typing import Any
 from bench.gpu_step import die_with_parent
 from petctl.agent.warm_worker import READY
 from petctl.agent.workers import WorkerSpec
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "gpu_worker.py"

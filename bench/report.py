@@ -1,6 +1,7 @@
 """The run's results as rows (one table for the terminal, the JSON and the README), and the chart.
 
-`python -m bench.report results.json` prints the table, rewrites its `.md` and redraws the chart of a saved run.
+`python -m bench.report results.json` prints the table, rewrites its `.md` and redraws the chart of a
+saved run.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--every takes a positive integer or 'auto', not {args.every!r}")
     else:
         args.every = int(args.every)
-    from petctl.io.net import free_port
+    from petctl.io.procs import free_port
 
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     directory = tempfile.mkdtemp(prefix="petctl-shardcost-", dir=base)

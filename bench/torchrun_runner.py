@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.petctl_runner import BENCH, REPO, node_env
 from bench.procs import Node, start_node, stop_nodes
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 # torchrun's knobs, tuned the way its docs suggest for fast reaction on a LAN (the anchor's best case).
 TUNED_RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60"

@@ -101,7 +101,7 @@ class Petctl:
         return etcd_client(self.local_settings()["etcd_endpoint"], read_timeout, self.etcd_root_tls())
 
     def etcd_root_tls(self):
-        from petctl.io.etcdtls import EtcdTls
+        from petctl.io.etcdpki import EtcdTls
 
         return EtcdTls.in_dir(Path(self.local_settings()["etcd_pki"]) / "root")
 
@@ -214,7 +214,7 @@ def serve_moto() -> Iterator[str]:
     yields its endpoint URL and stops it on the way out."""
     from moto.server import ThreadedMotoServer
 
-    from petctl.io.net import free_port
+    from petctl.io.procs import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

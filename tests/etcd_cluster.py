@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from petctl.io.etcd import etcd_binary, etcd_healthy
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 
 def etcdctl_binary() -> str:

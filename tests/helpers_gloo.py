@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 from tests.conftest import REPO
 
 # Leaves `mode`, `out` (where the worker writes its JSON result), `rank`, `controlfiles` and an initialised

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from petctl.io.etcd import etcd_binary, etcd_healthy
-from petctl.io.net import free_port
-from petctl.io.wait import wait_until
+from petctl.io.procs import free_port, wait_until
 
 
 def ip(*args: str, netns: str = "") -> None:

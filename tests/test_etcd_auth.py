@@ -20,10 +20,16 @@ import pytest
 
 from petctl.core.keys import JobKeys
 from petctl.io.etcd import EtcdServer, etcd_client, etcd_healthy, etcdctl_binary
-from petctl.io.etcdauth import grant_job, job_user, job_users, revoke_user, role_patterns
-from petctl.io.etcdpki import EtcdPki, issue, new_ca
-from petctl.io.etcdsecure import SecureEtcdDir, start_secure
-from petctl.io.etcdtls import EtcdTls, write_credentials
+from petctl.io.etcdauth import (
+    SecureEtcdDir,
+    grant_job,
+    job_user,
+    job_users,
+    revoke_user,
+    role_patterns,
+    start_secure,
+)
+from petctl.io.etcdpki import EtcdPki, EtcdTls, issue, new_ca, write_credentials
 
 A, B, SIBLING = "ja", "jb", "ja-b"  # "ja-b" starts with "ja": a prefix without its slash would match it
 

@@ -10,7 +10,7 @@ import etcd
 import pytest
 
 from petctl.io.etcd import etcd_client, etcd_healthy, parse_endpoints
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 from tests.etcd_cluster import EtcdCluster, running
 
 

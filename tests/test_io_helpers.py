@@ -19,8 +19,7 @@ import pytest
 from petctl.io import procs
 from petctl.io.etcd import etcd_healthy
 from petctl.io.files import atomic_write, atomic_writer, is_temporary
-from petctl.io.net import free_port
-from petctl.io.wait import wait_until
+from petctl.io.procs import free_port, wait_until
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from petctl.io.etcdsecure import SecureEtcdDir
+from petctl.io.etcdauth import SecureEtcdDir
 from tests.agent_harness import WORKLOADS
 from tests.conftest import REPO, Petctl
 from tests.netns import NetLab, TcpForwarder, netns_available

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.eventlog import parse_lines
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 from tests.helpers_gloo import run_ranks
 
 WORKER = r'''

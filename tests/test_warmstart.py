@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from petctl.agent.warm_worker import await_store, host_store_early, preload, script_preloads
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 SCRIPT = '''
 import argparse, json

@@ -18,7 +18,7 @@ from typing import Any
 from bench import phases
 from bench.petctl_runner import node_env
 from bench.scenarios.common import Context, interleaved, run_workload
-from petctl.io.net import free_port
+from petctl.io.procs import free_port
 
 VARIANTS = ("none", "elastic", "sync")
 WARMUP = 3

@@ -50,7 +50,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
-from petctl.io.etcdtls import load_credentials
+from petctl.io.etcdpki import load_credentials
 from petctl.io.jobresult import record_result
 
 # --- the agent ----------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ from petctl.core.records import (
     WireFormatError,
 )
 from petctl.io.etcd import endpoint_scheme, free_port, parse_endpoints, store_errors
-from petctl.io.etcdtls import EtcdTls
+from petctl.io.etcdpki import EtcdTls
 from petctl.io.jobresult import record_result
 
 # --- the live/ watch ----------------------------------------------------------------------------------------

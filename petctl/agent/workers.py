@@ -36,8 +36,7 @@ from petctl.agent.warm_worker import READY
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
-from petctl.io.procs import die_with_parent
-from petctl.io.wait import wait_until
+from petctl.io.procs import die_with_parent, wait_until
 
 # --- what workers run ---------------------------------------------------------------------------------------
 # What a node runs: the worker command shared by every node, and each worker's environment.

@@ -94,7 +94,7 @@ class JobSpec:
     code_url: str = ""  # where the agent fetches the script from (s3://... or file://...)
     etcd_endpoint: str = ""  # http://host:port, or https://host:port (client certificates required)
     # Where the job's agents find their etcd client certificate (not the secret itself): "" (none),
-    # file:///dir or a Secrets Manager secret's ARN. See petctl/io/etcdtls.py.
+    # file:///dir or a Secrets Manager secret's ARN. See petctl/io/etcdpki.py.
     etcd_credentials: str = ""
     env: dict[str, str] = field(default_factory=dict)
     warm_workers: bool = True  # keep workers with torch imported ready for the next restart

@@ -473,9 +473,9 @@ def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]
 
 
 def report_resumed(log: EventLog, comm: Any, step: int, source: str, started: float) -> int:
-    """Emit `checkpoint.resumed`: the next step, the tier it came from (snapshot, cache, store, framework, none), and
-    when this worker started, imported petctl.elastic, made its `Comm` and began resuming (a recovery's
-    phases, bench/phases.py). Returns `step`."""
+    """Emit `checkpoint.resumed`: the next step, the tier it came from (snapshot, cache, store, framework,
+    none), and when this worker started, imported petctl.elastic, made its `Comm` and began resuming (a
+    recovery's phases, bench/phases.py). Returns `step`."""
     log.emit("checkpoint.resumed", step=step, source=source, world_size=comm.world_size,
              seconds=round(time.time() - started, 4), worker_started=_ts(worker_started_at()),
              elastic_imported=_ts(IMPORTED_AT), comm_ready=_ts(comm.created_at), resume_started=_ts(started))

@@ -35,7 +35,7 @@ from petctl.elastic.snapshots.resume import store_newest
 from petctl.elastic.snapshots.ring import ShardSnapshotTier
 from petctl.io.objstore import ObjectNotFound
 from petctl.io.objstore import ObjectStore as CheckpointStore
-from petctl.io.wait import wait_until
+from petctl.io.procs import wait_until
 
 ENTRIES_POLL = 0.2  # how often rank 0 looks for the other ranks' entries before writing the manifest
 

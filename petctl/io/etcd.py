@@ -4,7 +4,7 @@ Used by the local provider's `setup` and by the tests. It always binds 127.0.0.1
 the v2 API that python-etcd speaks (etcd 3.6 removed it, hence the 3.5 pin) and keeps its data in a
 directory we own, so nothing outlives `teardown` or a test. With `ServerTls` it serves https only and
 requires a client certificate from every client (`--client-cert-auth`; see etcdpki.py and etcdauth.py):
-clients then take an `EtcdTls` (etcdtls.py) and endpoints are `https://host:port`.
+clients then take an `EtcdTls` (etcdpki.py) and endpoints are `https://host:port`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from urllib.parse import urlparse
 
 from petctl.core.errors import ProviderError
 from petctl.io import procs
-from petctl.io.etcdtls import EtcdTls
-from petctl.io.net import free_port
-from petctl.io.wait import wait_until
+from petctl.io.etcdpki import EtcdTls
+from petctl.io.procs import free_port, wait_until
 
 START_POLL = 0.05  # how often a starting etcd is asked whether it is up (setup and tests wait on it)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import etcd
 
-from petctl.io.etcdtls import EtcdTls
+from petctl.io.etcdpki import EtcdTls
 
 
 def client_for(pairs: list[tuple[str, int]], protocol: str, read_timeout: float,

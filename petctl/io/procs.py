@@ -1,4 +1,5 @@
-"""Process helpers: is a pid (still the same process and) alive, its state, and dying with the parent.
+"""Processes on this machine: is a pid (still the same process and) alive, its state, dying with the
+parent, a free port for one to bind, and waiting (with a deadline) for one to come up or go.
 
 Liveness and state come from psutil. A process's identity is its pid plus its start time in clock ticks
 since boot (field 22 of `/proc/<pid>/stat`): a later process reusing the pid has another one. psutil only
@@ -6,6 +7,18 @@ offers the start time in seconds since the epoch, computed from the boot time, w
 system clock is stepped (NTP, a resumed VM), so a handle stored by one command could look like a stranger
 to the next; the tick count never changes, and is what we store. Linux first: elsewhere the start time
 is unknown (None: trust the pid alone) and `die_with_parent` is a no-op.
+
+A free port is one that is free right now, and "free now" is all anyone can promise: another process may
+take the port between this probe and the caller's own bind, so a caller that binds later (etcd, a
+worker's MASTER_PORT) must handle that race (EtcdServer.start retries on it; a round whose master port
+was taken fails and re-forms).
+
+Polling with a deadline is written once (on tenacity) instead of a `while time.monotonic() < deadline`
+loop in every module. `wait_until(check, timeout, interval)` calls `check` at once, then every
+`interval` seconds, until it returns something true or `timeout` has passed; an exception from `check`
+propagates at once (whether a failure is worth retrying is the caller's decision). The interval is fixed,
+never backed off: the callers are the agent's and the local provider's waits, where a longer poll is a
+slower restart. tenacity is imported on first use, so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +26,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import signal
+import socket
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 PR_SET_PDEATHSIG = 1
 GONE_STATES = ("zombie", "dead")  # exited, maybe not yet reaped: gone for every purpose of ours
@@ -81,3 +96,30 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
         libc.prctl(PR_SET_PDEATHSIG, sig)
 
     return preexec
+
+
+ANY_HOST = ""  # every interface: what a port other nodes connect to must be free on
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody is bound to on `host` (`ANY_HOST` for all interfaces). Raises OSError when
+    `host` is not an address of this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float, interval: float) -> T:
+    """The first true value `check()` returns, else its last (false) value: that of a call that ended
+    at or after `timeout` seconds (so a condition met just at the deadline is still seen). Raises what
+    `check` raises."""
+    from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+    retrying = Retrying(stop=stop_after_delay(max(0.0, timeout)), wait=wait_fixed(interval),
+                        retry=retry_if_result(lambda value: not value),
+                        retry_error_callback=lambda state: state.outcome.result())
+    return retrying(check)
+

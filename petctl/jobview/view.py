@@ -15,7 +15,7 @@ from typing import Any
 
 from petctl.core.errors import ProviderError
 from petctl.core.records import JobResult
-from petctl.io.etcdtls import EtcdTls
+from petctl.io.etcdpki import EtcdTls
 from petctl.jobview import events as timeline
 from petctl.jobview.accounting import Accounting, account
 from petctl.jobview.corrupt import Corrupt

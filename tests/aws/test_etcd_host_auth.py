@@ -25,8 +25,7 @@ import pytest
 from petctl.core.keys import JobKeys
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import job_users, role_patterns
-from petctl.io.etcdpki import EtcdPki
-from petctl.io.etcdtls import EtcdTls, write_credentials
+from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.providers.aws.etcdsecrets import host_bundle
 from petctl.providers.aws.userdata import etcd_user_data
 from tests.test_etcd_auth import denied

@@ -170,7 +170,7 @@ def test_two_jobs_side_by_side_job_a_cannot_reach_job_bs_rendezvous(ready, moto,
     none of ab-c's."""
     from petctl.core.keys import JobKeys
     from petctl.io.etcd import etcd_client
-    from petctl.io.etcdtls import write_credentials
+    from petctl.io.etcdpki import write_credentials
     from tests.aws.conftest import REGION
     from tests.aws.instance_emulator import InstanceEmulator
     from tests.aws.policy_eval import allowed

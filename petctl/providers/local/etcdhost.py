@@ -2,7 +2,7 @@
 `petctl setup` that started it, found again later by its recorded pid and start time.
 
 It runs as on AWS: https only, a client certificate required from every client, auth on (root for the
-provider and the CLI, one user per job run confined to the job's prefix; petctl/io/etcdsecure.py)."""
+provider and the CLI, one user per job run confined to the job's prefix; petctl/io/etcdauth.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from petctl.io.etcdtls import EtcdTls
+from petctl.io.etcdpki import EtcdTls
 from petctl.providers.local.procs import ProcRef, start_ticks, wait_gone
 
 
@@ -33,7 +33,7 @@ def healthy(settings: dict[str, Any]) -> bool:
 
 def secure_dir(settings: dict[str, Any]):
     """The etcd's certificates (`SecureEtcdDir`), or None for an etcd an older petctl started without."""
-    from petctl.io.etcdsecure import SecureEtcdDir
+    from petctl.io.etcdauth import SecureEtcdDir
 
     path = settings.get("etcd_pki")
     return SecureEtcdDir(Path(path)) if path else None
@@ -49,7 +49,7 @@ def start(root: Path) -> dict[str, Any]:
     """Start a detached etcd with its data under `root/etcd`, client certificates required and auth on
     (its certificates made at the first start, kept for later ones: the data's users outlive a restart);
     returns the settings that find it again. Raises ProviderError or etcdauth.AuthError."""
-    from petctl.io.etcdsecure import SecureEtcdDir, start_secure
+    from petctl.io.etcdauth import SecureEtcdDir, start_secure
 
     etcd_dir = root / "etcd"
     etcd_dir.mkdir(parents=True, exist_ok=True)

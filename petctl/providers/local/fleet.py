@@ -15,7 +15,7 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import JobSpec
-from petctl.io.wait import wait_until
+from petctl.io.procs import wait_until
 from petctl.providers.local import instances as inst_mod
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir

@@ -1,7 +1,7 @@
 """The on-disk layout of the local provider, in one place.
 
     <home>/local/etcd/               embedded etcd data dir, etcd.log
-    <home>/local/etcd/pki/           its certificates: both CAs, etcd's, root's (see petctl/io/etcdsecure.py)
+    <home>/local/etcd/pki/           its certificates: both CAs, etcd's, root's (see petctl/io/etcdauth.py)
     <home>/local/jobs/<job>/
         job.json                     spec, created_at, reconciler handle, final state (once over)
         code/                        the uploaded script (a file or a copied directory)

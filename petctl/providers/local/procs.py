@@ -14,8 +14,7 @@ import signal
 from dataclasses import dataclass
 
 from petctl.io import procs
-from petctl.io.procs import start_ticks
-from petctl.io.wait import wait_until
+from petctl.io.procs import start_ticks, wait_until
 
 __all__ = ["ProcRef", "group_alive", "start_ticks", "stop_group", "wait_gone"]
 

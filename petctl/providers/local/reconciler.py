@@ -71,7 +71,7 @@ class Reconciler:
 
     def __init__(self, opts: Options, spec: JobSpec, events: EventLog, command: list[str] | None = None):
         from petctl.io.etcd import etcd_client
-        from petctl.io.etcdtls import load_credentials
+        from petctl.io.etcdpki import load_credentials
 
         self.opts = opts
         self.job = JobDir(opts.job_dir)
