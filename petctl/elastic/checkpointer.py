@@ -34,7 +34,7 @@ from petctl.elastic.background import BackgroundUploader
 from petctl.elastic.dist import Comm
 from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
-from petctl.elastic.state import STATE_FILE, State, load_payload, save_snapshot
+from petctl.elastic.state import STATE_FILE, State, load_payload, save_staged
 from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
 from petctl.io.objstore import ObjectStore, S3Options, open_store
 from petctl.io.objstore import ObjectStore as CheckpointStore
@@ -268,7 +268,7 @@ class Checkpointer(BaseCheckpointer):
     cache_dir: node-local cache root (default `$PETCTL_CACHE_DIR` or <tmp>/petctl-cache); use_cache=False
         to always read the store.
     weights_only: passed to torch.load; set False only if `extra` holds arbitrary Python objects.
-    reuse_buffers: keep the last CPU snapshot between saves and copy the next one into it. Costs one
+    reuse_buffers: keep the last staged CPU copy between saves and copy the next one into it. Costs one
         state's worth of host memory; saves the training thread the page faults of a fresh copy (a
         copy measured here: about 11 ms per 100 MB instead of 68 ms). False frees the copy after each upload.
     store: an explicit `CheckpointStore` (tests, custom backends); overrides the URL's default store.
@@ -288,7 +288,7 @@ class Checkpointer(BaseCheckpointer):
                          log)
         self.weights_only = weights_only
         self.reuse_buffers = reuse_buffers
-        self._staged: dict[str, Any] | None = None  # the last snapshot: its tensors are reused
+        self._staged: dict[str, Any] | None = None  # the last staged copy: its tensors are reused
         self.cache = LocalCache(self.url, Path(cache_dir) if cache_dir else None) if use_cache else None
         if self.cache is not None and self.comm.is_writer:
             self.cache.sweep()
@@ -396,16 +396,16 @@ class Checkpointer(BaseCheckpointer):
             done = self._uploader.wait()
             if done is not None and done.step == step:
                 return done  # else that attempt failed: save again below
-        # The previous snapshot's buffers are free once its upload is done: copy into them rather than
+        # The previous staged copy's buffers are free once its upload is done: copy into them rather than
         # fault in fresh memory on the training thread. Still uploading: a fresh copy, never wait here.
         reuse = self._staged if self.reuse_buffers and not self._uploader.busy else None
-        snapshot = state.snapshot(reuse=reuse)
-        self._staged = snapshot if self.reuse_buffers else None
+        staged = state.staged_copy(reuse=reuse)
+        self._staged = staged if self.reuse_buffers else None
         self._saved_now(step)
-        self._uploader.submit(lambda: self._write(step, snapshot))
+        self._uploader.submit(lambda: self._write(step, staged))
         return self._uploader.wait() if block else None
 
-    def _write(self, step: int, snapshot: dict[str, Any]) -> mf.Manifest | None:
+    def _write(self, step: int, staged: dict[str, Any]) -> mf.Manifest | None:
         """Background thread: serialise to the node-local staging dir, upload data, then manifest. None
         when fenced (workerprotocol.py): nothing made visible. Raises what serialising or the store raises."""
         t0 = time.monotonic()
@@ -414,7 +414,7 @@ class Checkpointer(BaseCheckpointer):
         cache = self.cache or LocalCache(self.url)
         staging = cache.staging(step)
         try:
-            files, entries = save_snapshot(snapshot, step, staging)
+            files, entries = save_staged(staged, step, staging)
             meta = {"world_size": self.comm.world_size, "torch": torch.__version__,
                     "node_id": os.environ.get("PETCTL_NODE_ID", "")}
             manifest = mf.write_checkpoint(self.store, step, files, meta, entries=entries,

@@ -31,7 +31,7 @@ from petctl.elastic import manifest as mf
 from petctl.elastic.checkpointer import BaseCheckpointer
 from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions
-from petctl.elastic.snapshots.resume import store_newest
+from petctl.elastic.snapshots.resume import newest_reader
 from petctl.elastic.snapshots.ring import ShardSnapshotTier
 from petctl.io.objstore import ObjectNotFound
 from petctl.io.objstore import ObjectStore as CheckpointStore
@@ -111,7 +111,7 @@ class ShardedCheckpointer(BaseCheckpointer):
         """Load the newest sharded state into `app_state`, from the shards in node memory when they hold
         the newest step (resume.py), else from the store; returns the next step (0: none)."""
         t0 = time.monotonic()
-        taken = self.snapshots.resume(app_state, store_newest(
+        taken = self.snapshots.resume(app_state, newest_reader(
             lambda: next((m.step for m in mf.readable_manifests(self.store, self._report_corrupt)), None),
             self.log, self.url))
         if taken is not None:

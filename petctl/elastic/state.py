@@ -103,15 +103,17 @@ class State:
             out["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
         return out
 
-    def snapshot(self, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A CPU copy, independent of the live objects: safe to serialise on another thread.
+    def staged_copy(self, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The staged copy an upload writes: a CPU copy, independent of the live objects, safe to
+        serialise on another thread. ("Snapshot" is the in-memory tier's word only.)
 
-        `reuse`: a previous snapshot that is no longer read; its tensors are overwritten (see to_cpu).
+        `reuse`: a previous staged copy that is no longer read; its tensors are overwritten (see to_cpu).
         """
         return to_cpu(self.state_dict(), reuse)
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
-        """Restore from `state_dict`/`snapshot` output; missing parts leave the live objects as they are."""
+        """Restore from `state_dict`/`staged_copy` output; missing parts leave the live objects as they
+        are."""
         if self.model is not None and "model" in data:
             unwrap_model(self.model).load_state_dict(data["model"])
         if self.optimizer is not None and "optimizer" in data:
@@ -169,13 +171,13 @@ class _HashingWriter:
         self.f.flush()
 
 
-def save_snapshot(snapshot: dict[str, Any], step: int,
-                  directory: Path) -> tuple[dict[str, Path], list[ObjectEntry]]:
-    """Serialise a snapshot into `directory`: ({object name: path}, their manifest entries)."""
+def save_staged(staged: dict[str, Any], step: int,
+                directory: Path) -> tuple[dict[str, Path], list[ObjectEntry]]:
+    """Serialise a staged copy into `directory`: ({object name: path}, their manifest entries)."""
     path = directory / STATE_FILE
     with open(path, "wb") as f:
         writer = _HashingWriter(f)
-        torch.save({"step": step, "state": snapshot}, writer)
+        torch.save({"step": step, "state": staged}, writer)
     return {STATE_FILE: path}, [ObjectEntry(STATE_FILE, writer.size, writer.sha.hexdigest())]
 
 

@@ -431,9 +431,9 @@ def _fell_back(comm: Any, log: EventLog, choice: ShardChoice, why: str) -> None:
     return None
 
 
-def store_newest(read: Callable[[], int | None], log: EventLog, url: str) -> Callable[[], int | None]:
-    """`read` (the store's newest checkpoint step), called only when asked; None when the store cannot
-    be read (reported: the snapshot may still be had)."""
+def newest_reader(read: Callable[[], int | None], log: EventLog, url: str) -> Callable[[], int | None]:
+    """A reader of the store's newest checkpoint step: `read`, called only when the reader is, giving
+    None when the store cannot be read (reported: the snapshot may still be had). Raises nothing."""
     def newest() -> int | None:
         try:
             return read()
