@@ -27,8 +27,8 @@ from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etc
 from petctl.io.etcdauth import job_users, role_patterns
 from petctl.io.etcdpki import EtcdPki
 from petctl.io.etcdtls import EtcdTls, write_credentials
+from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
-from petctl.providers.aws.userdata import etcd_user_data
 from tests.test_etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
