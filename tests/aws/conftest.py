@@ -195,14 +195,14 @@ DLAMI_DESCRIPTION = ("Supported EC2 instances: G4dn, G5, G6, Gr6, G6e, P4, P4de,
 
 
 def publish_dlami(moto: str, name: str = DLAMI_NAME, description: str = DLAMI_DESCRIPTION) -> str:
-    """What AWS publishes: a DLAMI, and its ID in the public SSM parameter amis.DLAMI_PARAM. Nobody may
+    """What AWS publishes: a DLAMI, and its ID in the public SSM parameter boot.DLAMI_PARAM. Nobody may
     put a parameter under /aws/ (moto refuses it, as AWS does), so it goes into moto's backend directly
     (the server runs in this process). The newest value wins, as in AWS. Returns the AMI's ID."""
     from moto.core.models import DEFAULT_ACCOUNT_ID
     from moto.core.utils import utcnow
     from moto.ssm.models import Parameter, ssm_backends
 
-    from petctl.providers.aws.amis import DLAMI_PARAM
+    from petctl.providers.aws.boot import DLAMI_PARAM
 
     image_id = boto(moto, "ec2").register_image(Name=name, Description=description, Architecture="x86_64",
                                                 RootDeviceName="/dev/xvda")["ImageId"]

@@ -38,8 +38,8 @@ from pathlib import Path
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
 from petctl.io.etcdauth import USER_RE, bootstrap, grant_job, job_users, revoke_user
 from petctl.io.etcdpki import EtcdTls
+from petctl.providers.aws.boot import agent_config_from_user_data
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
-from petctl.providers.aws.userdata import agent_config_from_user_data
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,12 +10,12 @@ import yaml
 
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.config import PetctlConfig
+from petctl.providers.aws.boot import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_hosts
 from petctl.providers.aws.etcdbin import EtcdArtifact
 from petctl.providers.aws.launch import LAUNCH_HOOK, LIFECYCLE_HOOK
 from petctl.providers.aws.network import plan_network
 from petctl.providers.aws.provider import AwsProvider
 from petctl.providers.aws.templates import render_base
-from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, WORKER_IMDS, etcd_hosts
 
 STACK = "petctl"
 ETCD_SHA256 = "ab" * 32

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from petctl.core.errors import ValidationError
-from petctl.providers.aws import amis, imagecheck, wheelhouse
-from petctl.providers.aws.userdata import MAX_USER_DATA, AmiBoot, worker_user_data
+from petctl.providers.aws import boot
+from petctl.providers.aws.boot import MAX_USER_DATA, AmiBoot, worker_user_data
 from tests.aws.test_boot_scripts import SECRET_MARKERS, agent_config, bash_syntax_ok
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_a_worker_boots_either_an_image_or_the_ami():
 
 # --- the wheel ------------------------------------------------------------------------------------------
 def test_the_wheel_is_this_petctl_reproducibly_with_setup_pys_requirements_and_scripts():
-    first, again = wheelhouse.build_wheel(), wheelhouse.build_wheel()
+    first, again = boot.build_wheel(), boot.build_wheel()
     assert first.data == again.data  # the same code makes the same bytes, hence the same version label
     assert re.fullmatch(r"petctl-0\.1\.0\+[0-9a-f]{12}-py3-none-any\.whl", first.name)
     archive = zipfile.ZipFile(io.BytesIO(first.data))
@@ -107,7 +107,7 @@ def test_requirements_that_the_instance_cannot_install_are_refused_in_one_line(t
     path = tmp_path / "requirements.txt"
     path.write_text(text)
     with pytest.raises(ValidationError, match=message) as caught:
-        wheelhouse.read_requirements(path)
+        boot.read_requirements(path)
     assert "\n" not in str(caught.value)
 
 
@@ -116,51 +116,51 @@ def test_requirements_that_pip_can_fetch_are_kept(tmp_path):
             "--extra-index-url https://download.example.org/simple\npkg @ https://example.org/pkg.whl\n")
     path = tmp_path / "requirements.txt"
     path.write_text(text)
-    assert wheelhouse.read_requirements(path) == text
-    assert wheelhouse.read_requirements(None) == ""
+    assert boot.read_requirements(path) == text
+    assert boot.read_requirements(None) == ""
     with pytest.raises(ValidationError, match="no such file"):
-        wheelhouse.read_requirements(tmp_path / "missing.txt")
+        boot.read_requirements(tmp_path / "missing.txt")
 
 
 # --- the AMI and its torch ------------------------------------------------------------------------------
 def test_dlami_names_say_which_torch_and_cuda_a_job_gets():
-    assert amis.DLAMI_PARAM == ("/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.13-"
+    assert boot.DLAMI_PARAM == ("/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.13-"
                                 "amazon-linux-2023/latest/ami-id")
     name = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023) 20261003"
-    assert amis.describe(name, "Supported EC2 instances: G5. PyTorch-2.13, CUDA version 13.0") == ("2.13",
+    assert boot.describe(name, "Supported EC2 instances: G5. PyTorch-2.13, CUDA version 13.0") == ("2.13",
                                                                                                "13.0")
-    assert amis.describe(name, "") == ("2.13", "")
-    assert amis.describe("my-ami", "nvidia_cuda_stack /usr/local/cuda-12.6") == ("", "12.6")
-    assert [amis.torch_supported(v) for v in ("2.4.1", "2.5.0", "2.13", "3.0", "x")] == [
+    assert boot.describe(name, "") == ("2.13", "")
+    assert boot.describe("my-ami", "nvidia_cuda_stack /usr/local/cuda-12.6") == ("", "12.6")
+    assert [boot.torch_supported(v) for v in ("2.4.1", "2.5.0", "2.13", "3.0", "x")] == [
         False, True, True, False, None]
 
 
 def test_the_declared_torch_range_is_setup_pys_and_holds_the_default_amis_and_the_images_torch():
     torch_specs = set(re.findall(r'"(torch[<>=!~][^"]*)"', (REPO / "setup.py").read_text()))
-    assert torch_specs == {f"torch{amis.TORCH_RANGE}"}, torch_specs
-    assert amis.torch_supported(amis.DLAMI_TORCH)  # the default AMI's torch, and the tested one (CI)
+    assert torch_specs == {f"torch{boot.TORCH_RANGE}"}, torch_specs
+    assert boot.torch_supported(boot.DLAMI_TORCH)  # the default AMI's torch, and the tested one (CI)
     dockerfile = (REPO / "worker_image" / "Dockerfile").read_text()
     image_torch = re.search(r"^FROM pytorch/pytorch:(\d+\.\d+\.\d+)-", dockerfile, re.M).group(1)
-    assert amis.torch_supported(image_torch), image_torch  # the --image example's base
+    assert boot.torch_supported(image_torch), image_torch  # the --image example's base
 
 
 # --- the --image platform -------------------------------------------------------------------------------
 def test_an_image_index_offers_its_platforms_and_attestations_are_not_platforms():
     index = {"manifests": [{"platform": {"os": "linux", "architecture": "arm64"}},
                            {"platform": {"os": "unknown", "architecture": "unknown"}}]}
-    assert imagecheck.platforms(index, lambda digest: None) == {"linux/arm64"}
-    reason = imagecheck.verdict("r:1", {"linux/arm64"})
+    assert boot.platforms(index, lambda digest: None) == {"linux/arm64"}
+    reason = boot.verdict("r:1", {"linux/arm64"})
     assert "built for linux/arm64, not linux/amd64" in reason and "--platform linux/amd64" in reason
 
 
 def test_a_single_manifest_is_judged_by_its_config_and_unknown_is_refused():
     manifest = {"schemaVersion": 2, "config": {"digest": "sha256:" + "a" * 64}}
     configs = {"sha256:" + "a" * 64: {"os": "linux", "architecture": "amd64"}}
-    assert imagecheck.platforms(manifest, configs.get) == {"linux/amd64"}
-    assert imagecheck.verdict("r:1", {"linux/amd64"}) == ""
-    assert imagecheck.platforms(manifest, lambda digest: None) == set()
-    assert "cannot tell which platform" in imagecheck.verdict("r:1", set())
-    assert imagecheck.platforms({"schemaVersion": 1, "architecture": "amd64"}, dict.get) == {"linux/amd64"}
+    assert boot.platforms(manifest, configs.get) == {"linux/amd64"}
+    assert boot.verdict("r:1", {"linux/amd64"}) == ""
+    assert boot.platforms(manifest, lambda digest: None) == set()
+    assert "cannot tell which platform" in boot.verdict("r:1", set())
+    assert boot.platforms({"schemaVersion": 1, "architecture": "amd64"}, dict.get) == {"linux/amd64"}
 
 
 def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto, tmp_path):
@@ -169,7 +169,7 @@ def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto,
 
     ecr = boto(moto, "ecr")
     ecr.create_repository(repositoryName="single-arch")
-    manifest = {"schemaVersion": 2, "mediaType": imagecheck.MANIFEST_TYPES[1], "layers": [],
+    manifest = {"schemaVersion": 2, "mediaType": boot.MANIFEST_TYPES[1], "layers": [],
                 "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 2,
                            "digest": "sha256:" + "c" * 64}}
     ecr.put_image(repositoryName="single-arch", imageManifest=json.dumps(manifest), imageTag="1")
@@ -177,8 +177,8 @@ def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto,
     ecr.get_download_url_for_layer = lambda **kw: {"downloadUrl": f"https://blob/{kw['layerDigest']}"}
     blobs = {"https://blob/sha256:" + "c" * 64: json.dumps({"os": "linux", "architecture": "arm64"}).encode()}
     with pytest.raises(ValidationError, match="built for linux/arm64"):
-        imagecheck.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__)
+        boot.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__)
     with pytest.raises(ValidationError, match="cannot tell which platform"):
-        imagecheck.check_image(ecr, image, "us-east-1", fetch=lambda url: b"not json")
+        boot.check_image(ecr, image, "us-east-1", fetch=lambda url: b"not json")
     blobs = {k: json.dumps({"os": "linux", "architecture": "amd64"}).encode() for k in blobs}
-    assert imagecheck.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__) == "linux/amd64"
+    assert boot.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__) == "linux/amd64"

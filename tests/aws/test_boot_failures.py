@@ -22,8 +22,8 @@ import pytest
 
 from petctl.core.records import BootRecord
 from petctl.io.etcdpki import EtcdPki
+from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
-from petctl.providers.aws.userdata import etcd_user_data
 from tests.aws.test_boot_scripts import IMAGE, worker
 
 INSTANCE = "i-0123456789abcdef0"

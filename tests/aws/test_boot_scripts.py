@@ -12,14 +12,14 @@ import pytest
 
 from petctl.core.errors import ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.providers.aws.instance_types import validate_instance_types
-from petctl.providers.aws.network import plan_network
-from petctl.providers.aws.userdata import (
+from petctl.providers.aws.boot import (
     ETCD_VERSION,
     agent_config_from_user_data,
     etcd_user_data,
     worker_user_data,
 )
+from petctl.providers.aws.capacity import validate_instance_types
+from petctl.providers.aws.network import plan_network
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
@@ -187,8 +187,8 @@ def test_etcd_script_takes_its_binary_from_the_bucket_with_a_pinned_checksum():
 
 def cluster_script() -> tuple[str, str]:
     """Member 1's user data (the stub) and the members' shared boot script, for a 3-member etcd."""
+    from petctl.providers.aws.boot import etcd_hosts
     from petctl.providers.aws.etcdbin import EtcdArtifact
-    from petctl.providers.aws.userdata import etcd_hosts
 
     plan = plan_network(["us-east-1a", "us-east-1b", "us-east-1c"], etcd_nodes=3)
     artifact = EtcdArtifact(path=Path("etcd"), version="v3.5.1", sha256="ab" * 32, ctl_path=Path("etcdctl"),
@@ -330,7 +330,7 @@ def test_instance_types():
 
 
 def test_mixed_types_need_the_same_gpu_count_and_model():
-    from petctl.providers.aws.instance_types import Gpus, check_uniform_gpus
+    from petctl.providers.aws.capacity import Gpus, check_uniform_gpus
 
     assert check_uniform_gpus(["g5.xlarge", "g5.2xlarge", "g5.16xlarge"], 1) == Gpus(1, "A10G")
     assert check_uniform_gpus(["p5e.48xlarge", "p5en.48xlarge"], 8) == Gpus(8, "H200")

@@ -26,8 +26,8 @@ from petctl.core.keys import JobKeys
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import job_users, role_patterns
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
+from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
-from petctl.providers.aws.userdata import etcd_user_data
 from tests.test_etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"

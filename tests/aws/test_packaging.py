@@ -80,7 +80,7 @@ from petctl.providers.aws.templates import resource_dir
 from tests.aws import rendered
 for name in ("cfn", "worker_image"):
     assert resource_dir(name).resolve().is_relative_to(venv), resource_dir(name)
-from petctl.providers.aws.userdata import etcd_user_data
+from petctl.providers.aws.boot import etcd_user_data
 base = rendered.base_template()  # cfn/base.yaml.j2 with worker_image/etcd_member_stub.sh.j2 as user data
 etcd = etcd_user_data("petctl", "10.42.0.10", "dist/etcd/x/etcd", "ab" * 32)  # worker_image/etcd_boot.sh.j2
 job = rendered.job_template(Path(sys.argv[3]), "spot-mixed")  # job.yaml.j2 with worker_boot.sh.j2

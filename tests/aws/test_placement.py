@@ -14,7 +14,7 @@ import pytest
 from petctl.core.errors import ProviderError
 from petctl.core.spec import JobSpec
 from petctl.providers.aws import capacity
-from petctl.providers.aws.placement import (
+from petctl.providers.aws.capacity import (
     Activity,
     Placement,
     capacity_failure,

@@ -16,7 +16,7 @@ import pytest
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, ValidationError
 from petctl.core.spec import JobSpec
 from petctl.io.config import PetctlConfig
-from petctl.providers.aws.amis import CONTAINER_AMI_PARAM
+from petctl.providers.aws.boot import CONTAINER_AMI_PARAM
 from tests.aws.conftest import (
     REGION,
     all_stacks,
@@ -264,7 +264,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
 
 
 def test_instances_carry_the_boot_script_with_the_job_config(ready, moto, tmp_path, stack_name):
-    from petctl.providers.aws.userdata import agent_config_from_user_data
+    from petctl.providers.aws.boot import agent_config_from_user_data
 
     ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     instance = ready.hosts("demo")[0].host_id

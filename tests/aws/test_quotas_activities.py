@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from petctl.providers.aws.activities import Activity, explain, hint
-from petctl.providers.aws.quotas import Quota, assess, quota_for
+from petctl.providers.aws.capacity import Quota, assess, quota_for
+from petctl.providers.aws.inventory import Activity, explain, hint
 
 VCPUS = {"g5.xlarge": 4, "g5.12xlarge": 48, "g6.xlarge": 4, "p4d.24xlarge": 96, "p5.48xlarge": 192,
          "c5.xlarge": 4}

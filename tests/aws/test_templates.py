@@ -121,7 +121,7 @@ def test_launches_wait_in_a_hook_that_abandons_a_boot_that_never_joins(templates
     the DefaultResult applies; ABANDON terminates it. The agent completes the hook of the name its config
     carries; the boot script abandons the same one; the role may complete its group's actions (any hook)."""
     from petctl.core.spec import Timeouts
-    from petctl.providers.aws.userdata import agent_config_from_user_data
+    from petctl.providers.aws.boot import agent_config_from_user_data
 
     t = job(templates, variant)
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")

@@ -1,22 +1,36 @@
 """The installation's base stack: `petctl setup --provider aws` creates or updates it, `teardown`
-deletes it (and, with --force, the job stacks under it).
+deletes it (and, with --force, the job stacks under it), and an update waits until no job stack of an
+older layout is left under it.
 
 The base stack holds what every job shares: the VPC and its subnets (one per AZ), the etcd host, the
 bucket, the worker image repository, the log group, the workers' policy and the service role that
 creates and deletes job stacks.
+
+Why an update may be refused: since issue 17 every job's IAM role and instance profile live under the
+job's own IAM path (`/petctl/<stack>/<job>/`, jobscope.py), and the base stack's CloudFormation service
+role, which creates and deletes job stacks, may touch only roles under `/petctl/<stack>/`. A job stack
+created by an earlier petctl has its role at path `/`: once the base stack is updated, that service role
+is denied `iam:DeleteRole` on it, so `kill_job` would leave the stack in DELETE_FAILED and the job's
+instances running. So `setup` refuses the update while such a job stack exists and says which to kill
+first, while the old service role can still delete them; nothing is changed before that check. Since
+issue 24 every job role also has the base stack's JobBoundary as its permissions boundary, and the
+service role may change a role's policies (DeleteRolePolicy, DetachRolePolicy: what deleting a job stack
+does) only on a role with that boundary: a job stack from before it is refused the same way. Each job
+stack records its layout in the `petctl:layout` tag (`layout_tags`); a stack without it predates the tag.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
 from petctl.io.aws import AwsSession, aws_errors
-from petctl.providers.aws import etcdbin, etcdsecrets, inventory, jobrecords, upgrade
+from petctl.providers.aws import etcdbin, etcdsecrets, inventory, jobrecords
+from petctl.providers.aws.boot import BUCKET_PLACEHOLDER, etcd_hosts
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
 from petctl.providers.aws.templates import render_base
-from petctl.providers.aws.userdata import BUCKET_PLACEHOLDER, etcd_hosts
 
 if TYPE_CHECKING:
     from petctl.providers.aws.context import AwsContext
@@ -72,7 +86,7 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     etcd = etcdbin.setup_etcd(merged, provider.config.home / "cache" / "etcd")
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
-    # The workers' AMI is resolved by each run_job (amis.py: the Deep Learning AMI, or the ECS GPU AMI
+    # The workers' AMI is resolved by each run_job (boot.resolve: the Deep Learning AMI, or the ECS GPU AMI
     # for an --image job), so every job boots AWS's current one unless the user pinned worker_ami.
     hosts, boot_script = etcd_hosts(stack, plan, etcd)
     body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
@@ -81,7 +95,7 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
                        repository_name=f"{stack}-worker", noncurrent_days=NONCURRENT_DAYS,
                        log_retention_days=14)
     stacks = provider.stacks(session)
-    upgrade.check_upgrade(jobrecords.job_stacks(stacks, stack))
+    check_upgrade(jobrecords.job_stacks(stacks, stack))
     settings = provider.settings
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],
@@ -185,3 +199,33 @@ def _int_option(name: str, value: str, minimum: int) -> int:
     if number < minimum:
         raise ValidationError(f"aws setup option {name} must be >= {minimum} (got {number})")
     return number
+
+
+LAYOUT_TAG = "petctl:layout"
+# the job's role and profile under /petctl/<stack>/<job>/ (jobscope.py), the role bounded by JobBoundary
+LAYOUT = "job-iam-boundary"
+
+
+def layout_tags() -> dict[str, str]:
+    """The tag every new job stack carries."""
+    return {LAYOUT_TAG: LAYOUT}
+
+
+def outdated_jobs(job_stacks: Iterable[dict[str, Any]]) -> list[str]:
+    """The jobs (sorted names) whose stacks were made with another layout than this petctl's."""
+    names = []
+    for stack in job_stacks:
+        tags = jobrecords.tags(stack)
+        if tags.get(LAYOUT_TAG) != LAYOUT:
+            names.append(tags.get("petctl:job", stack.get("StackName", "?")))
+    return sorted(names)
+
+
+def check_upgrade(job_stacks: Iterable[dict[str, Any]]) -> None:
+    """Raises JobExists (one line, naming them) when a job stack of an older layout exists."""
+    old = outdated_jobs(job_stacks)
+    if old:
+        raise JobExists(
+            f"{len(old)} job(s) were started by an earlier petctl ({', '.join(old)}) whose IAM roles the "
+            "updated base stack could no longer delete: kill them first (`petctl kill_job NAME`; "
+            "checkpoints stay in the bucket), then run setup again")

@@ -1,6 +1,6 @@
 """What every AWS operation of petctl works in: the installation's settings, one AWS session, the stacks'
 names and operations, the job's S3 records, and the progress line. The leaf the provider's modules take
-(`basestack`, `launch`, `jobrecords`, `upgrade`): they are given an `AwsContext`, never the provider, so
+(`basestack`, `launch`, `jobrecords`): they are given an `AwsContext`, never the provider, so
 none of them imports the provider that imports them (no loop; `.importlinter`'s no-loops contract).
 `AwsProvider` is an `AwsContext` that also implements the `Provider` interface's capacity methods.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from petctl.core.errors import NotSetUp
 from petctl.io.aws import AwsSession
 from petctl.io.config import PetctlConfig
-from petctl.providers.aws import azfallback
+from petctl.providers.aws import capacity
 from petctl.providers.aws.stacks import StackOps, stderr_progress
 from petctl.providers.aws.storage import JobStore
 from petctl.providers.base import Provider
@@ -75,11 +75,11 @@ class AwsContext(Provider):
 
     def fallback_poller(self, name: str) -> Callable[[int], None]:
         """fallback_az at each poll of run_job's wait, its failures reported but never fatal."""
-        return azfallback.poller(lambda in_service: self.fallback_az(name, in_service), name, self.progress)
+        return capacity.poller(lambda in_service: self.fallback_az(name, in_service), name, self.progress)
 
     def fallback_az(self, name: str, in_service: int | None = None) -> str | None:
         """Move the job's group to its next AZ if its newest launch failed for lack of capacity there
-        (see azfallback.fall_back); returns the new AZ, or None when it stays."""
+        (see capacity.fall_back); returns the new AZ, or None when it stays."""
         session = self.session()
-        return azfallback.fall_back(session, self.store(session, name), self.job_stack(name), name,
-                                    in_service, self.progress)
+        return capacity.fall_back(session, self.store(session, name), self.job_stack(name), name,
+                                  in_service, self.progress)

@@ -77,7 +77,7 @@ def _guard(name: str, call) -> Check:
 
 
 def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check]:
-    from petctl.providers.aws import quotas
+    from petctl.providers.aws import capacity
     from petctl.providers.aws.stacks import StackOps
 
     checks: list[Check] = []
@@ -103,9 +103,9 @@ def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check
     checks.append(_guard("base stack", base_stack))
 
     servicequotas = session.client("service-quotas", profile="probe")  # unreadable is a warning, not a wait
-    vcpus = quotas.instance_vcpus(session.client("ec2"), [probe for _, _, probe in QUOTA_PROBES])
+    vcpus = capacity.instance_vcpus(session.client("ec2"), [probe for _, _, probe in QUOTA_PROBES])
     for code, name, probe in QUOTA_PROBES:
-        quota = quotas.fetch_quota(servicequotas, code, name)
+        quota = capacity.fetch_quota(servicequotas, code, name)
         label = f"spot vCPU quota {code} ({name})"
         if quota.value is None:
             checks.append(Check(label, "SKIP", quota.why_unknown))
@@ -116,7 +116,7 @@ def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check
             checks.append(Check(label, "OK", f"{quota.value:g} vCPUs"))
 
     def ami() -> Check:
-        from petctl.providers.aws.amis import AMI_PYTHON, resolve
+        from petctl.providers.aws.boot import AMI_PYTHON, resolve
 
         image_ref = settings.get("image", "")
         found = resolve(session.client("ssm"), session.client("ec2"), settings, container=bool(image_ref))
@@ -132,7 +132,7 @@ def run_checks(session, settings: dict[str, Any], stack_name: str) -> list[Check
     checks.append(_guard("worker AMI", ami))
 
     def image() -> Check:
-        from petctl.providers.aws.imagecheck import check_image
+        from petctl.providers.aws.boot import check_image
 
         ref = settings.get("image", "")
         if not ref:

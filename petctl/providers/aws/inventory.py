@@ -1,16 +1,34 @@
-"""What a job's capacity looks like from the AWS APIs: AZs, AMIs, the Auto Scaling group and its
-instances, and whether the job's etcd answers from here.
+"""What a job's capacity looks like from the AWS APIs, and how it is doing: the AZs and AWS's public AMI
+parameters, the Auto Scaling group and its instances, why the group is not filling, how its instances
+boot, and whether the job's etcd answers from here. Everything here reads; nothing changes a job but
+raising its group once its stack exists (`start_group`).
+
+Why the group is not filling: Auto Scaling records every launch attempt with a status and, on failure,
+EC2's reason (a vCPU quota, `InsufficientInstanceCapacity`, an instance profile IAM has not propagated
+yet). Without these a `run_job` that waits only sees "0/4 in service". `explain` is a pure function over
+the records, so the hints are tested without AWS; `recent` is the one call (DescribeScalingActivities).
+
+How the instances boot, for `status` and `run_job --wait`: the boot script and the agent write
+`BootRecord`s to `boots/` in the job's prefix (worker_image/boot_record.sh.j2, petctl/agent/notices.py);
+the rule that stops a job whose boots never join is petctl/core/boots.py, applied on the instances
+themselves. Here they are only read (`report`): the listing (stages and the breaker's view), the newest
+failure's record (its error and boot log lines), and the group's instances that wrote nothing yet
+(`launching`). `boot_settings` is what the boot script needs to write them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from petctl.core.boots import BREAKER_LIMIT, BootReport, breaker, parse_boot_key, stages
 from petctl.core.errors import JobNotFound, ProviderError
-from petctl.core.records import JobResult
+from petctl.core.records import BootRecord, JobResult, WireFormatError
+from petctl.core.spec import AgentConfig, Timeouts
 from petctl.io.aws import aws_errors, error_code
+from petctl.providers.aws.storage import JobStore, job_prefix
 from petctl.providers.base import HostInfo, JobInfo
 
 EC2_STATES = {"pending": "pending", "running": "running", "shutting-down": "terminating",
@@ -64,14 +82,11 @@ def wait_launched(autoscaling, asg_name: str, size: int, timeout: float, poll: f
                   on_short: Callable[[int], None] | None = None) -> int:
     """Wait until EC2 has launched `size` instances for the group; returns how many it has. Launched, not
     InService: the launch lifecycle hook holds each instance (Pending:Wait) until its agent has joined
-    the rendezvous, which `run_job --wait` follows from the boot records (boots.py); this wait is about
+    the rendezvous, which `run_job --wait` follows from the boot records (`report`); this wait is about
     capacity. A spot shortage is reported, not fatal: the group keeps trying, and the job runs as soon
     as `min` nodes are up. Each new scaling activity that did not succeed is reported with EC2's reason
     (quota, capacity, IAM propagation). `on_short(launched)` runs at each poll that finds the group short
     (the AZ fallback hooks in there)."""
-    from petctl.providers.aws import activities
-    from petctl.providers.aws.boots import launched
-
     deadline = time.monotonic() + timeout
     last = -1
     seen: set[str] = set()
@@ -80,11 +95,11 @@ def wait_launched(autoscaling, asg_name: str, size: int, timeout: float, poll: f
         if count != last:
             progress(f"instances launched: {count}/{size}")
             last = count
-        for activity in reversed(activities.recent(autoscaling, asg_name)):
+        for activity in reversed(recent(autoscaling, asg_name)):
             if activity.activity_id not in seen:
                 seen.add(activity.activity_id)
                 if activity.status != "Successful":
-                    progress(f"  scaling activity {activities.explain(activity)}")
+                    progress(f"  scaling activity {explain(activity)}")
         if count >= size:
             return count
         if on_short is not None:
@@ -156,3 +171,116 @@ def etcd_answers(endpoint: str, timeout: float) -> bool:
     from petctl.io.etcd import etcd_healthy
 
     return etcd_healthy(endpoint, timeout=timeout)
+
+
+# (substring of EC2's status message, what it means for the user); the first match wins.
+SPOT_QUOTA = ("spot vCPU quota reached: request an increase in Service Quotas "
+              "(`petctl doctor --provider aws` shows the quota)")
+HINTS = (
+    ("Max spot instance count exceeded", SPOT_QUOTA),
+    ("MaxSpotInstanceCountExceeded", "spot vCPU quota reached: request an increase in Service Quotas "
+                                     "(`petctl doctor --provider aws` shows the quota)"),
+    ("VcpuLimitExceeded", "vCPU quota reached: request an increase in Service Quotas "
+                          "(`petctl doctor --provider aws` shows the quota)"),
+    ("InsufficientInstanceCapacity", "AWS has no capacity for this type in this AZ right now: the group "
+                                     "keeps trying (other --instance-type choices widen the pool)"),
+    ("SpotMaxPriceTooLow", "the spot price is above the maximum price"),
+    ("Invalid IAM Instance Profile", "the job's instance profile is still propagating in IAM: the group "
+                                     "retries by itself"),
+    ("iamInstanceProfile", "the job's instance profile is still propagating in IAM: the group retries by "
+                           "itself"),
+    ("UnfulfillableCapacity", "no capacity for this type right now: the group keeps trying"),
+)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """One scaling activity as DescribeScalingActivities reports it."""
+
+    activity_id: str
+    status: str  # Successful | Failed | Cancelled | InProgress | PendingSpotBidPlacement | ...
+    description: str
+    message: str = ""
+    started: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("Failed", "Cancelled")
+
+
+def from_api(record: dict[str, Any]) -> Activity:
+    start = record.get("StartTime")
+    return Activity(activity_id=str(record.get("ActivityId", "")), status=str(record.get("StatusCode", "")),
+                    description=str(record.get("Description", "")),
+                    message=str(record.get("StatusMessage", "")),
+                    started=start.timestamp() if hasattr(start, "timestamp") else None)
+
+
+def hint(message: str) -> str:
+    """What a status message means for the user ("" when it is not one petctl recognises)."""
+    for needle, meaning in HINTS:
+        if needle.lower() in message.lower():
+            return meaning
+    return ""
+
+
+def explain(activity: Activity) -> str:
+    """One line: status, what was attempted, EC2's own reason, and the hint when there is one."""
+    line = f"{activity.status}: {activity.description}"
+    if activity.message:
+        line += f" - {activity.message}"
+    meaning = hint(activity.message)
+    line = " ".join(line.split())  # EC2's messages may span lines; this is one
+    return f"{line} ({meaning})" if meaning else line
+
+
+def recent(autoscaling, asg_name: str, limit: int = 10) -> list[Activity]:
+    """The group's latest activities, newest first. Raises ProviderError (one line) on an AWS error."""
+    with aws_errors(f"read the scaling activities of {asg_name}"):
+        records = autoscaling.describe_scaling_activities(AutoScalingGroupName=asg_name,
+                                                          MaxRecords=limit).get("Activities", [])
+    return [from_api(r) for r in records]
+
+
+# An instance the group has while it launches (Pending, held in the launch hook) or runs: capacity EC2
+# delivered, whether or not its boot has joined yet.
+LAUNCHED_STATES = ("Pending", "Pending:Wait", "Pending:Proceed", "InService")
+
+
+def boot_settings(config: AgentConfig) -> dict[str, Any]:
+    """What the boot script's records and breaker need (worker_image/boot_record.sh.j2)."""
+    url = config.status_url
+    bucket, _, prefix = url[len("s3://"):].partition("/") if url.startswith("s3://") else ("", "", "")
+    return {"bucket": bucket, "prefix": prefix.rstrip("/") or job_prefix(config.job.name),
+            "job": config.job.name, "asg": config.asg_name, "launch_hook": config.launch_hook,
+            "timeout": int(config.job.timeouts.boot_timeout), "limit": BREAKER_LIMIT}
+
+
+def launched(group: dict[str, Any]) -> list[str]:
+    """The group's instances that EC2 launched (see LAUNCHED_STATES)."""
+    return [i["InstanceId"] for i in group.get("Instances", []) if i.get("LifecycleState") in LAUNCHED_STATES]
+
+
+def boot_timeout(store: JobStore) -> float:
+    """The job's `Timeouts.boot_timeout` (job.json), or the default for a job that does not say."""
+    spec = store.get_json("job.json")
+    timeouts = spec.get("timeouts") if isinstance(spec, dict) else None
+    return Timeouts.from_dict(timeouts if isinstance(timeouts, dict) else {}).boot_timeout
+
+
+def report(store: JobStore, group: dict[str, Any] | None, now: float | None = None) -> BootReport:
+    """The job's boots as of `now`. Raises ProviderError when the prefix cannot be read."""
+    marks = [m for key in store.list_keys("boots") if (m := parse_boot_key(key)) is not None]
+    verdict = breaker(marks, time.time() if now is None else now, boot_timeout(store))
+    failures = sorted((m for m in marks if m.event == "failed"), key=lambda m: (m.ts, m.instance_id))
+    last = None
+    if failures:
+        newest = failures[-1]
+        data = store.get_bytes(f"boots/{newest.ts:010d}.{newest.instance_id}.failed.json")
+        try:
+            last = BootRecord.from_json(data.decode("utf-8", "replace")) if data else None
+        except WireFormatError:  # a record cut short: the listing still says it failed
+            last = BootRecord(instance_id=newest.instance_id, event="failed", ts=newest.ts,
+                              error="(its boot record is not readable)")
+    joined = sorted({m.instance_id for m in marks if m.event == "joined"})
+    return BootReport(stages(marks, launched(group) if group else ()), verdict, last, joined)

@@ -7,7 +7,7 @@ then are the code, petctl's wheel and the job's records uploaded, its stack crea
 and watched until EC2 launched it.
 
 Two ways to boot (JobBoot): by default the Deep Learning AMI, whose Python gets the petctl that launched
-the job (wheelhouse.py, amis.py); with --image, that container on the ECS GPU AMI (imagecheck.py).
+the job; with --image, that container on the ECS GPU AMI (both in boot.py).
 """
 
 from __future__ import annotations
@@ -19,13 +19,27 @@ from typing import TYPE_CHECKING
 from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
 from petctl.io.aws import AwsSession
-from petctl.providers.aws import amis, azfallback, capacity, etcdsecrets, inventory, upgrade, wheelhouse
-from petctl.providers.aws.instance_types import check_uniform_gpus, is_gpu, validate_instance_types
+from petctl.providers.aws import basestack, capacity, etcdsecrets, inventory
+from petctl.providers.aws.boot import (
+    AMI_PYTHON,
+    WHEEL_DIR,
+    WORKER_IMDS,
+    AmiBoot,
+    build_wheel,
+    check_image,
+    read_requirements,
+    resolve,
+    worker_user_data,
+)
+from petctl.providers.aws.capacity import (
+    capacity_rebalance,
+    check_uniform_gpus,
+    is_gpu,
+    validate_instance_types,
+)
 from petctl.providers.aws.jobscope import template_scope
-from petctl.providers.aws.placement import capacity_rebalance
 from petctl.providers.aws.storage import JobStore
 from petctl.providers.aws.templates import render_job
-from petctl.providers.aws.userdata import WORKER_IMDS, AmiBoot, worker_user_data
 
 if TYPE_CHECKING:
     from petctl.providers.aws.context import AwsContext
@@ -69,7 +83,7 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
     settings = provider.require_ready()
     spec = validate(provider, job)
     image = job.image or settings.get("image", "")
-    requirements = wheelhouse.read_requirements(job.requirements)
+    requirements = read_requirements(job.requirements)
     if image and requirements:
         raise ValidationError("--requirements is for the default (Deep Learning AMI) boot: with --image, "
                               "install them in your image")
@@ -80,10 +94,8 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
     stacks = provider.stacks(session)
     stack = provider.job_stack(spec.name)
     if image:
-        from petctl.providers.aws.imagecheck import check_image
-
         check_image(session.client("ecr"), image, session.region)
-    ami = amis.resolve(session.client("ssm"), session.client("ec2"), settings, container=bool(image))
+    ami = resolve(session.client("ssm"), session.client("ec2"), settings, container=bool(image))
     provider.progress(f"worker AMI {ami.summary()}" + (f"; image {image}" if image else ""))
     if stacks.describe(stack):
         raise JobExists(f"job {spec.name!r} already exists (stack {stack}): kill_job it or pick another name")
@@ -96,7 +108,7 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
         store, requirements, provider.progress))
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
-    placement = azfallback.plan(session, settings["outputs"], spec, provider.progress)
+    placement = capacity.plan(session, settings["outputs"], spec, provider.progress)
     # This run's etcd user: its certificate in a secret only the job's instances may read, the user
     # indexed in the bucket for the etcd hosts (etcdsecrets.py). The spec names the secret, not its value.
     secrets, s3 = session.client("secretsmanager"), session.client("s3")
@@ -114,7 +126,7 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
         store.put_json("placement.json", json.loads(placement.to_json()))
         body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids, boot)
         tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name,
-                **upgrade.layout_tags()}
+                **basestack.layout_tags()}
         stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
     except PetctlError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
@@ -142,9 +154,8 @@ def job_boundary(outputs: dict[str, str]) -> str:
 def check_quota(provider: AwsContext, session: AwsSession, spec: JobSpec) -> None:
     """Refuse (one line, nothing created) a job none of whose instances fits the vCPU quota; warn when
     the quota cannot be read (an emulator, a missing permission) or leaves --size out of reach."""
-    from petctl.providers.aws.quotas import check
-
-    verdict = check(session, spec.instance_types, "on-demand" if spec.on_demand else "spot", spec.size)
+    verdict = capacity.check(session, spec.instance_types, "on-demand" if spec.on_demand else "spot",
+                             spec.size)
     for warning in verdict.warnings:
         provider.progress(f"warning: {warning}")
     if verdict.error:
@@ -155,16 +166,16 @@ def upload_wheelhouse(store: JobStore, requirements: str, progress) -> AmiBoot:
     """The launching petctl's wheel (and the job's requirements) in the job's prefix, for its instances."""
     from petctl.io.aws import aws_errors
 
-    wheel = wheelhouse.build_wheel()
-    key = f"{wheelhouse.WHEEL_DIR}/{wheel.name}"
+    wheel = build_wheel()
+    key = f"{WHEEL_DIR}/{wheel.name}"
     with aws_errors(f"upload petctl's wheel to {store.url(key)}"):
         store.objects.put_bytes(key, wheel.data)
         if requirements:
-            store.objects.put_bytes(f"{wheelhouse.WHEEL_DIR}/requirements.txt", requirements.encode())
+            store.objects.put_bytes(f"{WHEEL_DIR}/requirements.txt", requirements.encode())
     progress(f"uploaded petctl {wheel.version} ({len(wheel.data) // 1024} KB) for the instances to install")
-    listed = store.url(wheelhouse.WHEEL_DIR, "requirements.txt") if requirements else ""
+    listed = store.url(WHEEL_DIR, "requirements.txt") if requirements else ""
     return AmiBoot(wheel_url=store.url(key), requirements_url=listed,
-                   python_bin=amis.AMI_PYTHON.rsplit("/", 1)[0])
+                   python_bin=AMI_PYTHON.rsplit("/", 1)[0])
 
 
 def render_job_template(provider: AwsContext, spec: JobSpec, agent: AgentConfig, config_url: str,

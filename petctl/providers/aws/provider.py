@@ -6,7 +6,7 @@ Settings live in `config.section("aws")`: region, profile, endpoint_url, stack_n
 stack's), image (a default --image; "" boots the Deep Learning AMI), worker_ami, root_volume_gb and
 `ready`. This class wires the AWS session, the stacks
 and the job's S3 prefix to the modules that do each job: basestack.py (setup, teardown), launch.py
-(run_job), jobrecords.py (jobs, kill_job), azfallback.py, inventory.py. Nothing here imports boto3 at
+(run_job), jobrecords.py (jobs, kill_job), capacity.py, inventory.py. Nothing here imports boto3 at
 module level.
 """
 
@@ -142,24 +142,20 @@ class AwsProvider(AwsContext):
         return run_checks(self.session(), self.settings, self.base_stack)
 
     def boots(self, name: str) -> BootReport:
-        """Each instance's boot stage, the boot breaker's view and the newest failure (boots.py)."""
-        from petctl.providers.aws import boots
-
+        """Each instance's boot stage, the boot breaker's view and the newest failure (inventory.report)."""
         self.require_ready()
         session = self.session()
         try:
             group = inventory.group(session.client("autoscaling"), self.job_stack(name), name)
         except JobNotFound:  # its stack is gone: the records say how it booted
             group = None
-        return boots.report(self.store(session, name), group)
+        return inventory.report(self.store(session, name), group)
 
     def scaling_activities(self, name: str) -> list[str]:
         """The group's latest scaling activities, explained (why instances are not launching)."""
-        from petctl.providers.aws import activities
-
         self.require_ready()
         session = self.session()
         if not self.stacks(session).describe(self.job_stack(name)):
             return []
-        return [activities.explain(a) for a in activities.recent(session.client("autoscaling"),
+        return [inventory.explain(a) for a in inventory.recent(session.client("autoscaling"),
                                                                  self.job_stack(name), limit=5)]
