@@ -46,7 +46,8 @@ SCENARIOS = {
 # issue 16 (1 s refreshes, 3 s TTL; with those the peer watch is off, agent/liveness.py), beside it.
 PETCTL_VARIANTS: dict[str, dict[str, float]] = {
     "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0},
-    "petctl-nosnap": {}}  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0
+    "petctl-nosnap": {},  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0
+    "petctl-spare": {}}  # a spare warm worker per slot: its env sets PETCTL_WARM_SPARES=1
 BASELINES = {"P2": ["petctl-ttl3"]}  # run after petctl whenever petctl runs this scenario
 
 
@@ -71,6 +72,8 @@ def workload_env(system: str = "petctl") -> dict[str, str]:
            "BENCH_CKPT": "elastic"}
     if system == "petctl-nosnap":
         env["PETCTL_SNAPSHOTS"] = "0"
+    if system == "petctl-spare":
+        env["PETCTL_WARM_SPARES"] = "1"
     return env
 
 
