@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from petctl.io.etcdauth import grant_job, job_user, job_users, revoke_user, role
 from petctl.io.etcdpki import EtcdPki, issue, new_ca
 from petctl.io.etcdsecure import SecureEtcdDir, start_secure
 from petctl.io.etcdtls import EtcdTls, write_credentials
+from tests.support.etcd_auth import denied
 
 A, B, SIBLING = "ja", "jb", "ja-b"  # "ja-b" starts with "ja": a prefix without its slash would match it
 
@@ -55,15 +56,6 @@ def inst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
         yield Installation(secure, server, root, creds, users)
     finally:
         server.stop(remove_data=True)
-
-
-def denied(call: Callable[[], object]) -> bool:
-    """Whether etcd refused the call for lack of permission (and nothing else)."""
-    try:
-        call()
-    except etcd.EtcdInsufficientPermissions:
-        return True
-    return False
 
 
 def test_a_job_works_in_its_own_prefix(inst: Installation) -> None:

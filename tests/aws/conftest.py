@@ -21,7 +21,7 @@ import pytest
 from petctl.core.spec import JobSpec, JobSubmission
 from petctl.io.config import PetctlConfig
 from tests.aws.moto_patches import patch_moto_stack_deletion
-from tests.conftest import serve_moto
+from tests.support.moto_server import serve_moto
 
 REGION = "us-east-1"
 

@@ -29,7 +29,7 @@ from petctl.io.etcdpki import EtcdPki
 from petctl.io.etcdtls import EtcdTls, write_credentials
 from petctl.providers.aws.etcdsecrets import host_bundle
 from petctl.providers.aws.userdata import etcd_user_data
-from tests.test_etcd_auth import denied
+from tests.support.etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
 
