@@ -1,8 +1,8 @@
 """petctl side of the benchmark: real agents (one process session each) against a real etcd.
 
-No provider in between, like tests/agent_harness.py: each node is `python -m petctl.agent.main --config
-agent.json` in its own session, and the benchmark plays the outside world (notices through the local
-metadata endpoint, SIGKILL, SIGSTOP, a new node).
+No provider in between, like tests/support/agent_harness.py: each node is
+`python -m petctl.agent.main --config agent.json` in its own session, and the benchmark plays the outside
+world (notices through the local metadata endpoint, SIGKILL, SIGSTOP, a new node).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.agent_harness import WORKLOADS, AgentCluster, dump, make_spec, wait_for
+from tests.support.agent_harness import WORKLOADS, AgentCluster, dump, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()

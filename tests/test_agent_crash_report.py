@@ -8,7 +8,7 @@ import json
 from petctl.agent.health import traceback_tail
 from petctl.agent.main import EXIT_CRASHED, main
 from petctl.core.spec import AgentConfig
-from tests.agent_harness import make_spec
+from tests.support.agent_harness import make_spec
 
 
 def test_a_crash_before_the_agent_runs_reports_its_traceback(tmp_path, capsys):

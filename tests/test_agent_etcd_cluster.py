@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent_harness import AgentCluster, dump, make_spec, wait_for
-from tests.etcd_cluster import running
+from tests.support.agent_harness import AgentCluster, dump, make_spec, wait_for
+from tests.support.etcd_cluster import running
 
 pytestmark = pytest.mark.slow
 STEPS = 80

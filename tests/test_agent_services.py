@@ -17,18 +17,8 @@ from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.io.etcd import etcd_client, free_port
-from tests.agent_harness import AgentCluster, make_spec, wait_for
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def __call__(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
-
-    def names(self) -> list[str]:
-        return [e for e, _ in self.events]
+from tests.support.agent_harness import AgentCluster, make_spec, wait_for
+from tests.support.emitter import Recorder
 
 
 # --- the outage reporter -------------------------------------------------------------------------------

@@ -6,16 +6,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import Petctl
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0, proc
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+from tests.support.cli import Petctl, assert_one_line_error
 
 
 def test_import_keeps_heavy_modules_out():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import Petctl, write_script
+from tests.support.cli import Petctl, write_script
 
 pytestmark = pytest.mark.slow
 

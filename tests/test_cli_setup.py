@@ -8,8 +8,7 @@ import ssl
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import Petctl
-from tests.test_cli_basics import assert_one_line_error
+from tests.support.cli import Petctl, assert_one_line_error
 
 
 def config(cli: Petctl) -> dict:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.test_cli_basics import assert_one_line_error
+from tests.support.cli import Petctl, assert_one_line_error
 
 SLEEPER = "import time\ntime.sleep(600)\n"
 

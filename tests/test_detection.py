@@ -18,7 +18,7 @@ import time
 import pytest
 
 from petctl.core.spec import Timeouts
-from tests.agent_harness import AgentCluster, make_spec, wait_for
+from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from petctl.elastic.dist import GLOO_THREAD_NAME, gloo_threads_runnable
-from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
+from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 
 def fake_task(root: Path, tid: int, name: str, state: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from petctl.core import controlfiles
 from petctl.elastic import Checkpointer, open_store
 from petctl.elastic import manifest as mf
-from tests.test_elastic_checkpointer import CountingStore, Recorder, assert_same, make_state, train
+from tests.support.checkpointing import CountingStore, Recorder, assert_same, make_state, train
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
+from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
 from petctl.elastic import Checkpointer, State

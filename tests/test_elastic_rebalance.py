@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
-from tests.ledger import manifests
+from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
+from tests.support.ledger import manifests
 
 pytestmark = pytest.mark.slow  # two torch processes each: ~15 s on 2 cores
 

@@ -10,7 +10,7 @@ import pytest
 
 from petctl.elastic import manifest as mf
 from petctl.elastic import open_store
-from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
+from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
 from torch.distributed.device_mesh import init_device_mesh

@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from petctl.io.etcdauth import (
     start_secure,
 )
 from petctl.io.etcdpki import EtcdPki, EtcdTls, issue, new_ca, write_credentials
+from tests.support.etcd_auth import denied
 
 A, B, SIBLING = "ja", "jb", "ja-b"  # "ja-b" starts with "ja": a prefix without its slash would match it
 
@@ -61,15 +62,6 @@ def inst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installation]:
         yield Installation(secure, server, root, creds, users)
     finally:
         server.stop(remove_data=True)
-
-
-def denied(call: Callable[[], object]) -> bool:
-    """Whether etcd refused the call for lack of permission (and nothing else)."""
-    try:
-        call()
-    except etcd.EtcdInsufficientPermissions:
-        return True
-    return False
 
 
 def test_a_job_works_in_its_own_prefix(inst: Installation) -> None:

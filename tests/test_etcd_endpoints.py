@@ -11,7 +11,7 @@ import pytest
 
 from petctl.io.etcd import etcd_client, etcd_healthy, parse_endpoints
 from petctl.io.procs import free_port
-from tests.etcd_cluster import EtcdCluster, running
+from tests.support.etcd_cluster import EtcdCluster, running
 
 
 def test_parse_endpoints():

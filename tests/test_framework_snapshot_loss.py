@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.matrix import FAST, wait_until
-from tests.snapshotloss import snapshot_root  # noqa: F401 - a fixture
-from tests.userledger import UserLedger
+from tests.support.cli import Petctl
+from tests.support.matrix import FAST, wait_until
+from tests.support.snapshotloss import snapshot_root  # noqa: F401 - a fixture
+from tests.support.userledger import UserLedger
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.matrix import FAST
+from tests.support.cli import Petctl
+from tests.support.matrix import FAST
 
 pytestmark = pytest.mark.slow
 

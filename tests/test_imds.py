@@ -11,7 +11,7 @@ from pathlib import Path
 from petctl.agent.imds import IMDSWatcher, Notice, parse_time
 from petctl.core.eventlog import EventLog, parse_lines
 from petctl.providers.local.metadata_server import LocalMetadataServer
-from tests.conftest import write_notice
+from tests.support.notices import write_notice
 
 
 def events(stream: io.StringIO, name: str) -> list[dict]:

@@ -27,7 +27,7 @@ from petctl.elastic.dist import Comm
 from petctl.elastic.integrations.paths import output_dir
 from petctl.elastic.integrations.protocol import Action, SaveNowProtocol
 from petctl.jobview.failure import WorkerFailure
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")

@@ -20,19 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.matrix import FAST, wait_until
-from tests.userledger import UserLedger
+from tests.support.cli import Petctl
+from tests.support.frameworks import SAVE_EVERY, STEP_TIME
+from tests.support.matrix import FAST, wait_until
+from tests.support.paths import WORKLOADS
+from tests.support.userledger import UserLedger
 
 pytest.importorskip("transformers")  # the `test` extra installs both frameworks (constraints.txt pins them)
 pytest.importorskip("lightning")
 
 pytestmark = pytest.mark.slow
 
-WORKLOADS = Path(__file__).resolve().parent / "workloads"
-SAVE_EVERY = 20
 STEPS = 160
-STEP_TIME = 0.05
 
 
 def run_framework_job(cli: Petctl, name: str, script: str, ledger_dir: Path, *script_args: str) -> None:

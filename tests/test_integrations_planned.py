@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.matrix import FAST, wait_until
-from tests.test_integrations_jobs import SAVE_EVERY, STEP_TIME, WORKLOADS
-from tests.userledger import UserLedger
+from tests.support.cli import Petctl
+from tests.support.frameworks import SAVE_EVERY, STEP_TIME
+from tests.support.matrix import FAST, wait_until
+from tests.support.paths import WORKLOADS
+from tests.support.userledger import UserLedger
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")

@@ -25,7 +25,7 @@ from petctl.io.objstore import (
     open_store,
     read_url,
 )
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import loop among the modules of any one package).
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
 import subprocess
@@ -104,3 +105,54 @@ def test_the_architecture_map_names_every_module_as_the_tree_has_it() -> None:
     assert named == on_disk, (f"not in the index: {sorted(on_disk - named)}; gone from the tree: "
                               f"{sorted(named - on_disk)}; run python -m tests.support.archmap --write")
     assert index == archmap.render(), "the module index is stale: run python -m tests.support.archmap --write"
+
+
+def forbidden_test_imports(source: str) -> list[str]:
+    """The modules `source` imports that a test file may not: a conftest (fixtures reach tests by name,
+    never by import) or a test module (`tests.test_*`, `tests.aws.test_*`, `.test_*`). What tests share
+    by import lives in tests/support/."""
+    def forbidden(module: str) -> bool:
+        parts = module.lstrip(".").split(".")
+        inside = parts if module.startswith(".") else parts[1:] if parts[0] == "tests" else []
+        return "conftest" in parts or any(part.startswith("test_") for part in inside)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if forbidden(alias.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            if forbidden(module):
+                found.append(module)
+            else:  # `from tests import conftest`, `from tests.aws import test_x`, `from . import test_x`
+                names = [module + ("" if module.endswith(".") else ".") + alias.name for alias in node.names]
+                found += [name for name in names if forbidden(name)]
+    return found
+
+
+def test_no_test_file_imports_a_conftest_or_another_test_module() -> None:
+    """Shared helpers live in tests/support/: a test module imported by another runs its tests' module
+    state twice and ties the two files' refactors together; a conftest imported as a module is a second
+    copy of it beside the one pytest loaded."""
+    bad = {str(path.relative_to(REPO)): found for path in sorted((REPO / "tests").rglob("*.py"))
+           if (found := forbidden_test_imports(path.read_text()))}
+    assert bad == {}, f"import these from tests/support/ instead: {bad}"
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("from tests.conftest import Petctl\n", ["tests.conftest"]),
+    ("import conftest\n", ["conftest"]),
+    ("from tests.aws.conftest import boto\n", ["tests.aws.conftest"]),
+    ("from tests.test_cli_basics import x\n", ["tests.test_cli_basics"]),
+    ("def f():\n    from tests.aws.test_boot_scripts import worker\n", ["tests.aws.test_boot_scripts"]),
+    ("from tests import test_snapshots\n", ["tests.test_snapshots"]),
+    ("from tests import conftest\n", ["tests.conftest"]),
+    ("from . import test_snapshots\n", [".test_snapshots"]),
+    ("import tests.test_snapshots as t\n", ["tests.test_snapshots"]),
+    ("from tests.support.cli import Petctl\nfrom tests.support.aws.boot import worker\nimport pytest\n", []),
+    ("from tests.workloads.framework_ledger import Ledger\n", []),
+], ids=["conftest", "bare_conftest", "aws_conftest", "test_module", "nested_in_a_function", "from_tests_test",
+        "from_tests_conftest", "relative", "import_as", "support", "workload"])
+def test_the_test_import_rule_sees_every_spelling(source: str, found: list[str]) -> None:
+    """The check above is live: each way of spelling a forbidden import is caught, a support import is not."""
+    assert forbidden_test_imports(source) == found

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from petctl.core.errors import PetctlError
-from petctl.providers.base import HostInfo
 from petctl.providers.local.chaos import choose_target
-
-
-def host(iid: str, state: str = "running", launched: float = 0.0) -> HostInfo:
-    return HostInfo(host_id=iid, state=state, instance_type="local", market="local", private_ip="127.0.0.1",
-                    launched_at=launched)
-
+from tests.support.hosts import host
 
 # After a first notice to rank 1 (i-b): it left the round and runs until its reclaim; its replacement (i-c)
 # is warming up outside the round. The only instance training is i-a.

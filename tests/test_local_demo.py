@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, processes_with_home
+from tests.support.paths import EXAMPLES
+from tests.support.procs import processes_with_home
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import EXAMPLES, Petctl
+from tests.support.cli import Petctl
+from tests.support.paths import EXAMPLES
 
 pytestmark = pytest.mark.slow
 

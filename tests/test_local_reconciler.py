@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.test_cli_basics import assert_one_line_error
+from tests.support.cli import Petctl, assert_one_line_error
 
 STUB_AGENT = '''
 import json, signal, sys, time

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Petctl
+from tests.support.cli import Petctl
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,9 @@ import pytest
 
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef
-from tests.conftest import Petctl
-from tests.ledger import Ledger, manifests
-from tests.matrix import final_rounds, ledger_steps, run_ledger_job, wait_until
+from tests.support.cli import Petctl
+from tests.support.ledger import Ledger, manifests
+from tests.support.matrix import final_rounds, ledger_steps, run_ledger_job, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.ledger import Ledger, manifests
-from tests.matrix import run_ledger_job
+from tests.support.cli import Petctl
+from tests.support.ledger import Ledger, manifests
+from tests.support.matrix import run_ledger_job
 
 pytestmark = pytest.mark.slow
 

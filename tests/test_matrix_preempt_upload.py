@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 
 from petctl.agent.notices import SHORT_NOTICE_SHARE, save_budget
-from tests.conftest import Petctl
-from tests.ledger import Ledger, data_steps, manifests
-from tests.matrix import run_ledger_job, wait_until
+from tests.support.cli import Petctl
+from tests.support.ledger import Ledger, data_steps, manifests
+from tests.support.matrix import run_ledger_job, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.ledger import Ledger, manifests
-from tests.matrix import ledger_steps, run_ledger_job, wait_until
+from tests.support.cli import Petctl
+from tests.support.ledger import Ledger, manifests
+from tests.support.matrix import ledger_steps, run_ledger_job, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.ledger import Ledger
-from tests.matrix import final_rounds, ledger_steps, run_ledger_job, wait_until
+from tests.support.cli import Petctl
+from tests.support.ledger import Ledger
+from tests.support.matrix import final_rounds, ledger_steps, run_ledger_job, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from petctl.providers.local.metadata_server import LocalMetadataServer, iso8601
-from tests.conftest import write_notice
+from tests.support.notices import write_notice
 
 
 def call(url: str, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, str]:

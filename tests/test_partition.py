@@ -1,10 +1,10 @@
 """Fault matrix item 1: a network partition of one node, end to end.
 
-Three real agents (tests/agent_harness.py, no provider) against a real etcd, real gloo workers training
-tests/workloads/ledger_steps.py with checkpoints in a shared directory. One node runs in its own network
-namespace (tests/netns.py): its agent and workers reach etcd and the other two nodes only through a veth
-link, and the cut is `ip link set <veth> down`. The namespaced node starts first, so it is rank 0: the
-checkpoint writer, the one whose fencing matters.
+Three real agents (tests/support/agent_harness.py, no provider) against a real etcd, real gloo workers
+training tests/workloads/ledger_steps.py with checkpoints in a shared directory. One node runs in its own
+network namespace (tests/support/netns.py): its agent and workers reach etcd and the other two nodes only
+through a veth link, and the cut is `ip link set <veth> down`. The namespaced node starts first, so it is
+rank 0: the checkpoint writer, the one whose fencing matters.
 
 Asserted from what the processes wrote: the step ledger (rank 0's `train.step` / `train.resumed` lines
 and the `checkpoint.saved` events), the final weights against the same steps applied once each in this
@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from petctl.core import controlfiles
-from tests.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
-from tests.netns import NetLab, Slot, netns_available
-from tests.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
+from tests.support.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
+from tests.support.netns import NetLab, Slot, netns_available
+from tests.support.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()

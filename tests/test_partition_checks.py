@@ -1,5 +1,5 @@
-"""The partition tests' lineage replay (tests/partition_checks.py) on made-up ledgers: a resume may come
-from a step the survivors completed and the cut-off rank 0 never logged (found in a loaded run of
+"""The partition tests' lineage replay (tests/support/partition_checks.py) on made-up ledgers: a resume
+may come from a step the survivors completed and the cut-off rank 0 never logged (found in a loaded run of
 test_partition_local.py: rank 0 logged step 20, the survivors completed 21 and resumed at 22), but never
 from a step nobody in the resumed lineage applied."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.partition_checks import Outcome
+from tests.support.partition_checks import Outcome
 
 
 def ledger(rank0_until: int, others_until: int, resume_at: int, then: int) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """Fault matrix item 1 on the local provider, as a user runs it: `petctl run_job`, the reconciler, its
 etcd, real agents and gloo workers training tests/workloads/ledger_steps.py; only the network is ours.
 
-`petctl setup --option agent_command=...` runs every instance through tests/netns_agent.py, which puts
-it in its own network namespace (tests/netns.py, three slots on one bridge) and points it at the
+`petctl setup --option agent_command=...` runs every instance through tests/support/netns_agent.py, which puts
+it in its own network namespace (tests/support/netns.py, three slots on one bridge) and points it at the
 provider's etcd through a forwarder on the bridge's address. Whichever node the rendezvous made rank 0
 (the checkpoint writer) is cut off with `ip link set <veth> down`; replacements are off (a long
 `--replace-delay`) so only the agents' own behaviour counts. The link comes back while the survivors
@@ -27,10 +27,11 @@ from urllib.parse import urlparse
 import pytest
 
 from petctl.io.etcdauth import SecureEtcdDir
-from tests.agent_harness import WORKLOADS
-from tests.conftest import REPO, Petctl
-from tests.netns import NetLab, TcpForwarder, netns_available
-from tests.partition_checks import FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
+from tests.support.agent_harness import WORKLOADS
+from tests.support.cli import Petctl
+from tests.support.netns import NetLab, TcpForwarder, netns_available
+from tests.support.partition_checks import FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
+from tests.support.paths import SUPPORT
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def lab_cli(petctl: Petctl, tmp_path: Path) -> Iterator[tuple[Petctl, NetLab, Pa
     forwarder: TcpForwarder | None = None
     try:
         lab.build()
-        wrapper = f"{sys.executable} {REPO / 'tests' / 'netns_agent.py'} {labdir / 'lab.json'} {{config}}"
+        wrapper = f"{sys.executable} {SUPPORT / 'netns_agent.py'} {labdir / 'lab.json'} {{config}}"
         petctl.run("setup", "--option", f"agent_command={wrapper}")
         settings = json.loads((petctl.home / "config.json").read_text())["settings"]["local"]
         port = urlparse(settings["etcd_endpoint"]).port

@@ -28,7 +28,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
 from petctl.io.etcd import etcd_client
-from tests.agent_harness import wait_for
+from tests.support.agent_harness import wait_for
 
 LIMIT, INTERVAL = 1.0, 0.2
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl, write_script
-from tests.matrix import FAST, wait_until
-from tests.userledger import USER_SCRIPT, UserLedger, replay
+from tests.support.cli import Petctl, write_script
+from tests.support.matrix import FAST, wait_until
+from tests.support.userledger import USER_SCRIPT, UserLedger, replay
 
 pytestmark = pytest.mark.slow
 

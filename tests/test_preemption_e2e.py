@@ -14,7 +14,7 @@ import time
 import pytest
 
 from petctl.providers.local.metadata_server import LocalMetadataServer
-from tests.agent_harness import AgentCluster, make_spec, wait_for
+from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()

@@ -20,8 +20,8 @@ from petctl.core.eventlog import EventLog, parse_lines
 from petctl.providers.local.chaos import choose_target
 from petctl.providers.local.metadata_server import LocalMetadataServer, iso8601
 from petctl.providers.local.rebalance import in_service, over_max_allowance, plan
-from tests.conftest import write_notice
-from tests.test_local_chaos import host
+from tests.support.hosts import host
+from tests.support.notices import write_notice
 
 
 def events(stream: io.StringIO, name: str) -> list[dict]:

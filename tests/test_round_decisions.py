@@ -32,7 +32,7 @@ from petctl.agent.decisions import (
     next_round,
 )
 from petctl.core.records import Phase, Preempt, Round
-from tests.round_cases import (
+from tests.support.round_cases import (
     INDEX,
     T0,
     WALL,

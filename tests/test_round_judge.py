@@ -30,7 +30,7 @@ from petctl.agent.roundjudge import (
     preempted_why,
 )
 from petctl.core.records import Phase, Preempt, Round
-from tests.round_cases import (
+from tests.support.round_cases import (
     T0,
     WALL,
     frozen_round,

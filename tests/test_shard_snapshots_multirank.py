@@ -14,7 +14,7 @@ import pytest
 
 from petctl.core.eventlog import parse_lines
 from petctl.io.procs import free_port
-from tests.helpers_gloo import run_ranks
+from tests.support.helpers_gloo import run_ranks
 
 WORKER = r'''
 import datetime, json, os, sys

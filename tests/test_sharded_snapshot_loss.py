@@ -26,14 +26,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Petctl
-from tests.snapshotloss import (
+from tests.support.cli import Petctl
+from tests.support.snapshotloss import (
     check_only_the_victims_snapshots_left,
     finished_ledger,
     run_and_kill_one,
     snapshot_root,  # noqa: F401 - a fixture
 )
-from tests.userledger import replay
+from tests.support.userledger import replay
 
 pytestmark = pytest.mark.slow
 

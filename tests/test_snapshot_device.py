@@ -21,7 +21,8 @@ import torch
 from petctl.elastic.snapshots import writer as snapdevice
 from petctl.elastic.snapshots.codec import Layout, tensor_view
 from petctl.elastic.snapshots.writer import SETTLE, WINDOW, Cadence, DeviceCopy, SnapshotFile, SnapshotWriter
-from tests.test_snapshots import Recorder, assert_same, frozen, make_state, read_back, train
+from tests.support.checkpointing import Recorder
+from tests.support.snapshot_states import assert_same, frozen, make_state, read_back, train
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -5,7 +5,6 @@ agent's directory (created, swept, removed)."""
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import signal
@@ -28,11 +27,11 @@ from petctl.core.snapshotrecord import (
 )
 from petctl.elastic import Checkpointer, State
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
-from petctl.elastic.snapshots.codec import decode
 from petctl.elastic.snapshots.resume import Offer, SnapshotReader, newest_common
 from petctl.elastic.snapshots.writer import Cadence, SnapshotWriter
-from tests.conftest import REPO
-from tests.test_elastic_checkpointer import Recorder
+from tests.support.checkpointing import Recorder
+from tests.support.paths import REPO
+from tests.support.snapshot_states import assert_same, frozen, make_state, read_back, train
 
 HEADER = SnapshotHeader(job="train", round=3, step=41, rank=2, world_size=3, data_length=128, meta_offset=128,
                         meta_length=50, checksum=0xDEADBEEF, written_at=1.5)
@@ -150,57 +149,6 @@ def test_a_snapshot_is_due_every_k_step_ends() -> None:
 
 
 # --- writing and reading ---------------------------------------------------------------------------------
-def make_state(seed: int = 0, width: int = 64) -> State:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width),
-                                torch.nn.Linear(width, 1)).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return State(model=model, optimizer=opt, scheduler=sched, extra={"step": -1, "note": "x"})
-
-
-def train(state: State, step: int, width: int = 64) -> None:
-    gen = torch.Generator().manual_seed(step)
-    x = torch.randn(32, width, generator=gen, dtype=torch.float64)
-    state.optimizer.zero_grad()
-    state.model(x).pow(2).mean().backward()
-    state.optimizer.step()
-    state.scheduler.step()
-    state.extra["step"] = step
-
-
-def frozen(state: State) -> dict:
-    """A deep copy of the state's values, to compare with what a snapshot holds."""
-    return torch.load(io.BytesIO(_saved(state.state_dict())), weights_only=True)
-
-
-def _saved(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
-def read_back(path: Path) -> tuple[SnapshotHeader, dict]:
-    header = read_header(path)
-    data = bytearray(path.read_bytes()[HEADER_SIZE:HEADER_SIZE + header.payload_length])
-    return header, decode(data, header.data_length, header.meta_offset, header.meta_length)
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["background_copy", "copy_at_step_end"])
 def test_a_snapshot_holds_the_state_after_its_step_while_the_next_step_runs(
         tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:

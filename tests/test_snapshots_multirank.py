@@ -11,7 +11,7 @@ import pytest
 
 from petctl.core.eventlog import parse_lines
 from petctl.core.snapshotrecord import HEADER_SIZE
-from tests.helpers_gloo import WORKER_PRELUDE, run_worker_pair
+from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
 from petctl.core.eventlog import EventLog

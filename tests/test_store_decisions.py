@@ -18,8 +18,18 @@ from petctl.agent.liveness import Heartbeat
 from petctl.agent.roundjudge import Continue, Over, Rebuild, RoundOutcome, judge
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round
-from tests.round_cases import T0, WALL, act, frozen_round, joined_state, joining, now, settings, snapshot
-from tests.test_agent_services import Recorder
+from tests.support.emitter import Recorder
+from tests.support.round_cases import (
+    T0,
+    WALL,
+    act,
+    frozen_round,
+    joined_state,
+    joining,
+    now,
+    settings,
+    snapshot,
+)
 
 RANKS = {"a": 0, "b": 1, "c": 2}
 
@@ -216,7 +226,7 @@ def test_the_heartbeat_writes_its_vanished_key_again_and_disturbs_the_store():
     beat.start()
     assert health.settled()
     client.gone = True
-    from tests.agent_harness import wait_for
+    from tests.support.agent_harness import wait_for
 
     wait_for(lambda: beat.reasserted == 1, 5, what="re-assertion")
     beat.stop(delete=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from petctl.io.etcd import EtcdServer
-from tests.agent_harness import AgentCluster, dump, make_spec, wait_for
+from tests.support.agent_harness import AgentCluster, dump, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 STEPS = 120

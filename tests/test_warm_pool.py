@@ -13,7 +13,7 @@ from pathlib import Path
 
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec
 from petctl.io.procs import die_with_parent
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 # What a newcomer's machine printed before torch was imported (no numpy), plus a line on stdout that is
 # not the ready signal: both streams are written before the worker is ready.

@@ -16,7 +16,7 @@ import pytest
 from petctl.core.errors import ValidationError
 from petctl.providers.aws import boot
 from petctl.providers.aws.boot import MAX_USER_DATA, AmiBoot, worker_user_data
-from tests.aws.test_boot_scripts import SECRET_MARKERS, agent_config, bash_syntax_ok
+from tests.support.aws.boot import SECRET_MARKERS, agent_config, bash_syntax_ok
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_URL = "s3://b/jobs/demo/wheelhouse/petctl-0.1.0+abcdef012345-py3-none-any.whl"
@@ -58,7 +58,7 @@ def test_ami_boot_without_requirements_installs_only_petctl():
 
 
 def test_ami_agent_unit_keeps_the_restart_and_onfailure_contract_without_docker():
-    from tests.aws.test_boot_scripts import unit_section
+    from tests.support.aws.boot import unit_section
 
     unit = unit_section(ami_worker(), "petctl-agent.service")
     assert unit["ExecStart"] == ["/opt/pytorch/bin/python -m petctl.agent.main --config "
@@ -165,7 +165,7 @@ def test_a_single_manifest_is_judged_by_its_config_and_unknown_is_refused():
 
 def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto, tmp_path):
     """The config blob comes from GetDownloadUrlForLayer (moto lacks it: stubbed on the client here)."""
-    from tests.aws.conftest import boto
+    from tests.support.aws.account import boto
 
     ecr = boto(moto, "ecr")
     ecr.create_repository(repositoryName="single-arch")

@@ -24,8 +24,8 @@ from petctl.core.boots import (
     trip_reason,
 )
 from petctl.core.records import BootRecord, JobResult
-from tests.aws.test_boot_failures import INSTANCE, Boot
-from tests.aws.test_boot_scripts import IMAGE, worker
+from tests.support.aws.boot import IMAGE, worker
+from tests.support.aws.boot_harness import INSTANCE, Boot
 
 NOW, TIMEOUT = 100_000, 900
 A, B, C, D = "i-0aaaaaaaaaaaaaaa1", "i-0bbbbbbbbbbbbbbb2", "i-0ccccccccccccccc3", "i-0ddddddddddddddd4"

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from petctl.core.errors import PetctlError
 from petctl.core.spec import JobSpec
-from tests.aws.conftest import REGION, boto, submit, write_script
 from tests.aws.instance_emulator import InstanceEmulator
+from tests.support.aws.account import REGION, boto, submit, write_script
 
 ERROR = "pip install -r requirements.txt failed: No matching distribution found for torhc==9.9"
 LOG = ["attempt 3/3 failed: pip install -r requirements.txt", "ERROR: No matching distribution found for "

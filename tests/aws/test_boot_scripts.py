@@ -4,53 +4,22 @@ their shell syntax, and the worker image's Dockerfile (read, not built: CI has n
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from petctl.core.errors import ProviderError, ValidationError
-from petctl.core.spec import AgentConfig, JobSpec
 from petctl.providers.aws.boot import (
     ETCD_VERSION,
     agent_config_from_user_data,
     etcd_user_data,
-    worker_user_data,
 )
 from petctl.providers.aws.capacity import validate_instance_types
 from petctl.providers.aws.network import plan_network
+from tests.support.aws.boot import IMAGE, SECRET_MARKERS, agent_config, bash_syntax_ok, unit_section, worker
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
-SECRET_MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws_secret_access_key", "AKIA", "BEGIN RSA",
-                  "BEGIN OPENSSH", "PRIVATE KEY", "password=", "AWS_SESSION_TOKEN")
-
-
-def agent_config(**job) -> AgentConfig:
-    spec = JobSpec(name="demo", min_size=1, max_size=3, size=2, entrypoint="train.py",
-                   args=["--msg", "it's $HOME `x`"], code_url="s3://b/jobs/demo/code/train.py",
-                   checkpoint_url="s3://b/jobs/demo/checkpoints", etcd_endpoint="http://10.42.0.10:2379",
-                   **job)
-    return AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work",
-                       imds_endpoint="http://169.254.169.254", asg_name="petctl-job-demo",
-                       lifecycle_hook="petctl-drain", launch_hook="petctl-boot", region="us-west-2",
-                       status_url="s3://b/jobs/demo/")
-
-
-def worker(gpus: bool = True, **job) -> str:
-    return worker_user_data(agent_config(**job), image=IMAGE, log_group="/petctl/petctl",
-                            config_url="s3://b/jobs/demo/agent.json", gpus=gpus)
-
-
-def bash_syntax_ok(text: str, tmp_path: Path) -> None:
-    bash = shutil.which("bash")
-    if bash is None:
-        pytest.skip("bash is not installed")
-    path = tmp_path / "boot.sh"
-    path.write_text(text)
-    result = subprocess.run([bash, "-n", str(path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
 
 
 # --- worker -------------------------------------------------------------------------------------------
@@ -86,17 +55,6 @@ def test_worker_script_logs_in_to_ecr_without_a_cli_and_runs_the_agent_container
     assert "ExecStop=/usr/bin/docker stop -t 60 petctl-agent" in unit
     assert "--restart" not in run  # systemd restarts it, and knows when to give up (OnFailure)
     assert IMAGE in text
-
-
-def unit_section(text: str, unit: str) -> dict[str, list[str]]:
-    """KEY -> values of one systemd unit the worker script writes (`cat > .../UNIT <<UNIT ... UNIT`)."""
-    body = text.split(f"/etc/systemd/system/{unit}\" <<UNIT\n", 1)[1].split("\nUNIT\n", 1)[0]
-    found: dict[str, list[str]] = {}
-    for line in body.replace("\\\\\n", " ").splitlines():
-        if "=" in line and not line.startswith(("#", "[")):
-            key, value = line.split("=", 1)
-            found.setdefault(key, []).append(value)
-    return found
 
 
 def test_a_crashed_agent_is_not_restarted_and_its_instance_is_replaced_at_once():
@@ -352,7 +310,7 @@ def test_setup_ships_only_a_linux_x86_64_etcd(tmp_path):
     import hashlib
 
     from petctl.providers.aws.etcdbin import local_etcd
-    from tests.aws.conftest import fake_etcd_binary
+    from tests.support.aws.etcd_release import fake_etcd_binary
 
     fake = fake_etcd_binary(tmp_path)
     ctl = fake.with_name("etcdctl")
@@ -377,7 +335,7 @@ def test_an_operators_etcd_binary_ships_only_with_the_hashes_they_verified(tmp_p
     import hashlib
 
     from petctl.providers.aws.etcdbin import local_etcd
-    from tests.aws.conftest import fake_etcd_binary
+    from tests.support.aws.etcd_release import fake_etcd_binary
 
     fake = fake_etcd_binary(tmp_path)
     etcd_sha, ctl_sha = (hashlib.sha256(p.read_bytes()).hexdigest()

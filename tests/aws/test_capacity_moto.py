@@ -18,8 +18,8 @@ from petctl.core.records import JobResult
 from petctl.core.spec import JobSpec
 from petctl.providers.aws import inventory
 from petctl.providers.base import JobInfo
-from tests.aws.conftest import all_stacks, boto, submit, write_script
 from tests.aws.rendered import parse
+from tests.support.aws.account import all_stacks, boto, submit, write_script
 
 
 def spec(name: str = "demo", min_size: int = 1, max_size: int = 4, size: int = 2, **kw) -> JobSpec:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from petctl.core.errors import PetctlError
 from petctl.io.config import PetctlConfig
-from tests.aws.conftest import REGION, boto, publish_dlami, write_script
+from tests.support.aws.account import REGION, boto, publish_dlami, write_script
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from petctl.providers.aws.doctor import principal_arn
-from tests.aws.conftest import REGION, boto, publish_dlami, push_worker_image, worker_image
+from tests.support.aws.account import REGION, boto, publish_dlami, push_worker_image, worker_image
 
 
 def run(*args: str):

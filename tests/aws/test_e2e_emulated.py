@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from petctl.core.spec import JobSpec, Timeouts
-from tests.aws.conftest import REGION, all_stacks, boto, submit, view
 from tests.aws.instance_emulator import InstanceEmulator
+from tests.support.aws.account import REGION, all_stacks, boto, submit, view
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

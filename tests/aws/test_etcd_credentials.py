@@ -13,7 +13,7 @@ import pytest
 
 from petctl.io import etcdpki
 from petctl.io.etcdpki import EtcdPki
-from tests.aws.conftest import boto
+from tests.support.aws.account import boto
 
 USER = "job-demo-0123abcd"
 

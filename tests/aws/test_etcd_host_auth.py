@@ -28,7 +28,7 @@ from petctl.io.etcdauth import job_users, role_patterns
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
-from tests.test_etcd_auth import denied
+from tests.support.etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
 

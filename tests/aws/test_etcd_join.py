@@ -17,7 +17,7 @@ import pytest
 
 from petctl.io.etcd import etcd_client
 from petctl.providers.aws.templates import render_boot
-from tests.etcd_cluster import EtcdCluster, etcdctl_binary
+from tests.support.etcd_cluster import EtcdCluster, etcdctl_binary
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ import pytest
 from petctl.core.errors import ValidationError
 from petctl.providers.aws import etcdbin
 from petctl.providers.aws.etcdbin import EtcdRelease, fetch_release
-from tests.aws.conftest import REGION, boto, fake_etcd_tarball
+from tests.support.aws.account import REGION, boto
+from tests.support.aws.etcd_release import fake_etcd_tarball
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,29 +24,16 @@ group release conditions and log streams are evaluated by tests/aws/policy_eval.
 
 from __future__ import annotations
 
-import ast
 import json
 
 import pytest
 
 from petctl.core.spec import JobSpec
-from tests.aws.conftest import REGION, boto, submit, write_script
 from tests.aws.policy_eval import allowed
+from tests.support.aws.account import REGION, boto, submit, write_script
+from tests.support.aws.iam import role_documents
 
 JOBS = ("ab", "ab-c")
-
-
-def role_documents(moto: str, stack: str, job: str) -> tuple[dict, list[dict]]:
-    """Job `job`'s worker role as moto's CloudFormation created it, and its policies' statements."""
-    iam = boto(moto, "iam")
-    (role,) = iam.list_roles(PathPrefix=f"/petctl/{stack}/{job}/")["Roles"]
-    statements = []
-    for name in iam.list_role_policies(RoleName=role["RoleName"])["PolicyNames"]:
-        doc = iam.get_role_policy(RoleName=role["RoleName"], PolicyName=name)["PolicyDocument"]
-        if isinstance(doc, str):  # moto's CloudFormation stores the document as Python's repr of a dict
-            doc = ast.literal_eval(doc)
-        statements += doc["Statement"] if isinstance(doc["Statement"], list) else [doc["Statement"]]
-    return role, statements
 
 
 def assume_copy(moto: str, role: dict, statements: list[dict]) -> dict:

@@ -25,7 +25,7 @@ from petctl.core.spec import JobSpec
 from petctl.io.etcdauth import USER_RE
 from petctl.io.etcdpki import EtcdPki, common_name
 from petctl.providers.aws import etcdsecrets
-from tests.aws.conftest import boto, submit, write_script
+from tests.support.aws.account import boto, submit, write_script
 
 
 def spec(name: str) -> JobSpec:
@@ -171,10 +171,10 @@ def test_two_jobs_side_by_side_job_a_cannot_reach_job_bs_rendezvous(ready, moto,
     from petctl.core.keys import JobKeys
     from petctl.io.etcd import etcd_client
     from petctl.io.etcdpki import write_credentials
-    from tests.aws.conftest import REGION
     from tests.aws.instance_emulator import InstanceEmulator
     from tests.aws.policy_eval import allowed
-    from tests.aws.test_isolation_moto import role_documents
+    from tests.support.aws.account import REGION
+    from tests.support.aws.iam import role_documents
 
     script = write_script(tmp_path / "src")
     for job in ("ab", "ab-c"):

@@ -23,7 +23,7 @@ from petctl.jobview.logs import follow_chunks, log_nodes
 from petctl.jobview.prefix import StorePrefix
 from petctl.providers.aws.storage import JobStore
 from tests.aws import rendered
-from tests.aws.conftest import boto
+from tests.support.aws.account import boto
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from petctl.providers.aws.capacity import (
     plan_placement,
     rank_azs,
 )
-from tests.aws.conftest import all_stacks, boto, submit, write_script
+from tests.support.aws.account import all_stacks, boto, submit, write_script
 
 SUBNETS = {"us-east-1a": "subnet-a", "us-east-1b": "subnet-b", "us-east-1c": "subnet-c"}
 NO_CAPACITY = Activity("Failed", "We currently do not have sufficient g5.xlarge capacity in the Availability "

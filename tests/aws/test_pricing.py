@@ -11,7 +11,7 @@ from botocore.stub import Stubber
 
 from petctl.jobview.cost import UsageKey
 from petctl.providers.aws.pricing import AwsPrices
-from tests.aws.conftest import REGION, boto
+from tests.support.aws.account import REGION, boto
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -17,7 +17,7 @@ from petctl.core.errors import JobExists, JobNotFound, NotSetUp, ProviderError, 
 from petctl.core.spec import JobSpec
 from petctl.io.config import PetctlConfig
 from petctl.providers.aws.boot import CONTAINER_AMI_PARAM
-from tests.aws.conftest import (
+from tests.support.aws.account import (
     REGION,
     all_stacks,
     boto,
@@ -158,7 +158,7 @@ def test_setup_with_private_subnets(provider, moto, stack_name, tmp_path):
     """`setup --option subnets=private` (issue 17.8): no public addresses, no internet gateway, and an
     interface endpoint for every AWS API the instances call; the choice holds for the stack's life."""
     from petctl.providers.aws.network import INTERFACE_ENDPOINTS
-    from tests.aws.conftest import fake_etcd_options
+    from tests.support.aws.etcd_release import fake_etcd_options
 
     with pytest.raises(ValidationError, match="subnets must be public or private .got 'hidden'"):
         provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, subnets="hidden")

@@ -2,10 +2,10 @@
 
 tests/workloads/hf_train.py and lightning_train.py run examples/hf_trainer.py and examples/lightning_ddp.py
 unchanged, adding one callback each: rank 0 appends one JSON line per completed step to
-`$LEDGER_DIR/ledger.jsonl` (read by tests/userledger.py), `{"event": "step", "step": i, "round", "world",
-"node", "ts"}` with i = global_step - 1 (0-based), `resumed` when training starts, and `done` once
-training ends at its last step. `--step-time S` pads each step (a slower model): the workloads take it
-off the command line before the example parses the rest.
+`$LEDGER_DIR/ledger.jsonl` (read by tests/support/userledger.py),
+`{"event": "step", "step": i, "round", "world", "node", "ts"}` with i = global_step - 1 (0-based),
+`resumed` when training starts, and `done` once training ends at its last step. `--step-time S` pads each
+step (a slower model): the workloads take it off the command line before the example parses the rest.
 """
 
 import json

@@ -1,6 +1,6 @@
 """examples/lightning_ddp.py, unchanged, with the test's step ledger (tests/workloads/framework_ledger.py).
 
-Run from the repository's PYTHONPATH (tests/conftest.py): `examples` and `tests` import as packages.
+Run from the repository's PYTHONPATH (tests/support/cli.py): `examples` and `tests` import as packages.
 `--step-time S` pads each step; every other argument is the example's.
 """
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Petctl
-from tests.ledger import WORKLOAD, Ledger
+from tests.support.cli import Petctl
+from tests.support.ledger import WORKLOAD, Ledger
 
 # Fast failure detection (the defaults favour a LAN with real machines), as tests/test_local_elastic.py.
 FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5",

@@ -1,6 +1,6 @@
 """The local provider's `agent_command` in the partition tests: each instance runs in a lab namespace.
 
-    python tests/netns_agent.py <lab.json> <agent.json>
+    python tests/support/netns_agent.py <lab.json> <agent.json>
 
 lab.json (written by the test): {"slots": [{"ns", "ns_if", "addr"}, ...], "etcd_endpoint": ...}. The
 instance claims the first free slot (an O_EXCL file `slot-<i>.claim` next to lab.json holding its node

@@ -13,7 +13,7 @@ from typing import Any
 
 from petctl.elastic import manifest as mf
 from petctl.elastic import open_store
-from tests.agent_harness import WORKLOADS
+from tests.support.agent_harness import WORKLOADS
 
 STEPS = 150
 CKPT_EVERY = 5

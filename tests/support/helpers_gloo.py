@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from petctl.io.procs import free_port
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 # Leaves `mode`, `out` (where the worker writes its JSON result), `rank`, `controlfiles` and an initialised
 # 2-rank gloo group to the rest of the script.

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO
+from tests.support.paths import REPO, WORKLOADS
 
-USER_SCRIPT = Path(__file__).resolve().parent / "workloads" / "user_train.py"
+USER_SCRIPT = WORKLOADS / "user_train.py"
 
 
 def _free_port() -> int:

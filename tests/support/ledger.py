@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKLOAD = Path(__file__).resolve().parent / "workloads" / "ledger_train.py"
+from tests.support.paths import WORKLOADS
+
+WORKLOAD = WORKLOADS / "ledger_train.py"
 
 
 @functools.cache

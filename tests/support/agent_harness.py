@@ -17,9 +17,7 @@ from petctl.core.eventlog import parse_line
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.io.etcd import etcd_client
 from petctl.jobview.state import JobState, read_job_state
-
-REPO = Path(__file__).resolve().parent.parent
-WORKLOADS = Path(__file__).resolve().parent / "workloads"
+from tests.support.paths import REPO, WORKLOADS
 
 
 @dataclass

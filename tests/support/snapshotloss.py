@@ -17,9 +17,9 @@ import pytest
 
 from petctl.agent.snapshots import sweep
 from petctl.core.eventlog import EventLog
-from tests.conftest import Petctl
-from tests.matrix import FAST, wait_until
-from tests.userledger import USER_SCRIPT, UserLedger
+from tests.support.cli import Petctl
+from tests.support.matrix import FAST, wait_until
+from tests.support.userledger import USER_SCRIPT, UserLedger
 
 WARM_WAIT = 45.0
 
