@@ -24,8 +24,8 @@ from petctl.agent.decisions import (
     ReadMembers,
     RendezvousState,
     RoundInfo,
-    Snapshot,
     StartNextRound,
+    StoreView,
     Wait,
     closing_order,
     decide,
@@ -79,7 +79,7 @@ def test_our_vanished_join_record_is_written_again():
 def test_join_records_read_at_this_etcd_index_are_not_read_again():
     st = joined_state(2, [("me", None)])
     assert not isinstance(act(snapshot({"me"}, joining(2)), st, settings()), ReadMembers)
-    stale = Snapshot(alive=frozenset({"me"}), round=joining(2), round_index=5, etcd_index=INDEX + 1)
+    stale = StoreView(alive=frozenset({"me"}), round=joining(2), round_index=5, etcd_index=INDEX + 1)
     assert act(stale, st, settings()) == ReadMembers(2)
 
 
@@ -146,11 +146,11 @@ def test_a_non_closer_does_not_reread_until_a_node_ahead_is_gone():
     action, st = decide(snapshot({"a", "me"}, joining(2, {"a": 0, "me": 1})), st, settings(), now())
     assert action == Wait(1.0, watch_membership=False) and st.ahead == {"a"}
     # A new etcd index (say, a heartbeat refresh) does not make it read the join records again ...
-    later = Snapshot(alive=frozenset({"a", "me"}), round=joining(2, {"a": 0, "me": 1}), round_index=5,
+    later = StoreView(alive=frozenset({"a", "me"}), round=joining(2, {"a": 0, "me": 1}), round_index=5,
                      etcd_index=INDEX + 9)
     assert act(later, st, settings()) == Wait(1.0, watch_membership=False)
     # ... but `a` leaving does: only that can make it the closer.
-    gone = Snapshot(alive=frozenset({"me"}), round=joining(2, {"a": 0, "me": 1}), round_index=5,
+    gone = StoreView(alive=frozenset({"me"}), round=joining(2, {"a": 0, "me": 1}), round_index=5,
                     etcd_index=INDEX + 9)
     assert act(gone, st, settings()) == ReadMembers(2)
 

@@ -230,6 +230,6 @@ def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
     failed = DoneRecord(ts=WALL, failure="local rank 0 exited with code 1")
     client.write(f"{keys.done(4)}/c", failed.to_json())
     client.write(f"{keys.done(4)}/d", "not json")  # corrupt: still done (its presence), counted, no failure
-    snap = LiveReader(client, keys, RequestStats(), EventLog("test")).snapshot()
+    snap = LiveReader(client, keys, RequestStats(), EventLog("test")).view()
     assert snap.done_in(4) == {"a", "c", "d"}
     assert snap.mixed == {4: {"c": "local rank 0 exited with code 1"}}

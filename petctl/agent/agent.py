@@ -7,7 +7,7 @@ The elastic agent: one per instance, beside the workers. Never imports torch.
 
 Loop: rendezvous (rendezvous.py) -> run the round (roundrunner.py) -> rendezvous again, until the job
 ends, the agent is asked to leave, or its instance is preempted. Every decision is taken on a fresh etcd
-snapshot, so a missed watch event costs latency, never correctness. Why a global restart on every
+view, so a missed watch event costs latency, never correctness. Why a global restart on every
 membership change: collective libraries (gloo, NCCL) cannot shrink or grow a live process group, and a
 peer that vanished leaves the others blocked in a collective; restarting every worker from the newest
 checkpoint is the one robust answer, and it is what torchrun does.
@@ -227,7 +227,7 @@ class Agent:
             return
         self.heartbeat.stop(delete=False)
         try:
-            snap = self.rdzv.snapshot()
+            snap = self.rdzv.view()
             rnd = snap.round
             if rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks:
                 self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}", leaving=self.node_id)

@@ -1,20 +1,20 @@
-"""The rendezvous' rules and what they read: the typed view of etcd (`Snapshot`, `Members`, `RoundInfo`: plain
-values, no I/O, no clock) and `decide`, the pure decision of what this node does next.
+"""The rendezvous' rules and what they read: the typed view of etcd (`StoreView`, `Members`,
+`RoundInfo`: plain values, no I/O, no clock) and `decide`, the pure decision of what this node does next.
 
 Sections: the view (what an agent knows at one moment; the round judges in roundjudge.py read it too); the
 decisions.
 
 The rendezvous' decisions as one pure function: given what etcd holds, what this node does next.
 
-Split as torch's `dynamic_rendezvous.py` splits it: `decide(snapshot, state, settings, now)` reads typed
+Split as torch's `dynamic_rendezvous.py` splits it: `decide(view, state, settings, now)` reads typed
 records and returns one `Action` and this node's updated `RendezvousState`; rendezvous.py performs the
-action (etcd compare-and-swap) and calls `decide` again on a fresh snapshot. Nothing here does I/O, reads a
+action (etcd compare-and-swap) and calls `decide` again on a fresh view. Nothing here does I/O, reads a
 clock or keeps state between calls, so every rule is a row in tests/test_round_decisions.py.
 
 The rules (docs/ARCHITECTURE.md has the whole protocol):
 - No round yet: open round 1 (or, if this node saw a round before, the store was wiped: open the next
   one, keeping the restart count: `opening_round`). A `final` round: the job is over.
-- While the snapshot is not `settled` (etcd just failed or stalled: agent/health.py), absences are
+- While the view is not `settled` (etcd just failed or stalled: agent/health.py), absences are
   not trusted: no round is frozen and no job fails below `min` until it settles.
 - Fewer than `min` nodes alive for `join_timeout`: end the job `failed`.
 - Joining: write our join record once per round. The *closer* is the first live joiner in (previous rank,
@@ -45,7 +45,7 @@ from petctl.core.spec import JobSpec
 # read only these. Keeping them apart from both is what lets the decisions be tested by tables.
 
 @dataclass(frozen=True)
-class Snapshot:
+class StoreView:
     """The `live/` prefix as of one etcd index."""
 
     alive: frozenset[str] = frozenset()  # nodes whose heartbeat key exists
@@ -73,9 +73,9 @@ class Member:
 
 @dataclass(frozen=True)
 class Members:
-    """The join records of round `round`, as read when the snapshot had index `read_at`.
+    """The join records of round `round`, as read when the view had index `read_at`.
 
-    While the snapshot's index is still `read_at` nothing in etcd changed, so they are still current.
+    While the view's index is still `read_at` nothing in etcd changed, so they are still current.
     """
 
     round: int
@@ -111,7 +111,7 @@ class RoundInfo:
 
 # --- the decisions ------------------------------------------------------------------------------------------
 
-EXPECT_MARGIN = 3.0  # beyond stop_grace: seeing the new round (a periodic snapshot at worst) and joining it
+EXPECT_MARGIN = 3.0  # beyond stop_grace: seeing the new round (a periodic view at worst) and joining it
 POLL_FAST = 0.05  # the closer's poll while a live node has not joined (join records are not watched)
 POLL_SLOW = 0.5  # ... once an expected member has been slow for EXPECT_FAST_FOR
 EXPECT_FAST_FOR = 0.5
@@ -227,7 +227,7 @@ Action = OpenFirstRound | Join | ReadMembers | Freeze | StartNextRound | EndJob 
 
 
 # --- the decision ----------------------------------------------------------------------------------
-def decide(snap: Snapshot, state: RendezvousState, s: Settings,
+def decide(snap: StoreView, state: RendezvousState, s: Settings,
            now: Now) -> tuple[Action, RendezvousState]:
     """What to do next, and the state to pass to the next call once it is done."""
     rnd = snap.round
@@ -249,7 +249,7 @@ def decide(snap: Snapshot, state: RendezvousState, s: Settings,
     return _frozen(snap, rnd, state, s)
 
 
-def _joining(snap: Snapshot, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
+def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
              now: Now) -> tuple[Action, RendezvousState]:
     if state.joined_round != round_no:
         prev_rank = None if rnd.prev_ranks and s.node_id not in rnd.prev_ranks else state.prev_rank
@@ -289,7 +289,7 @@ def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None 
     return sorted(live, key=key)
 
 
-def _close(snap: Snapshot, rnd: Round, live: dict[str, Member], order: list[str],
+def _close(snap: StoreView, rnd: Round, live: dict[str, Member], order: list[str],
            state: RendezvousState, s: Settings, now: Now) -> tuple[Action, RendezvousState]:
     """The closer's turn: freeze the round if it is ready, else wait (polling only while a live node
     has not joined: its join write follows its heartbeat within milliseconds, and join records are not
@@ -340,7 +340,7 @@ def frozen(rnd: Round, admitted: list[str], live: dict[str, Member], wall: float
                                master_addr=master.addr, master_port=int(master.port), frozen_ts=wall)
 
 
-def _frozen(snap: Snapshot, rnd: Round, state: RendezvousState,
+def _frozen(snap: StoreView, rnd: Round, state: RendezvousState,
             s: Settings) -> tuple[Action, RendezvousState]:
     if s.node_id in rnd.ranks:
         return Admitted(RoundInfo.of(rnd, s.node_id)), state

@@ -12,7 +12,7 @@ nodes. When etcd stalls for longer than the heartbeat TTL, every heartbeat (ours
 together once it resumes: absences read then are the outage's, not node losses.
 
 `StoreHealth` collects what every etcd-facing service of the agent sees (the heartbeat, the `live/`
-watch, snapshots, the status and event writes) and answers two questions:
+watch, views, the status and event writes) and answers two questions:
 - `settled()`: may membership be judged from etcd? Not while etcd fails, and not for `grace` seconds
   after the last *disturbance*: a failed call, a call slower than `slow` (a refresh that late may have let
   our key lapse), or our own heartbeat found gone. `grace` is long enough for every live node to notice

@@ -242,7 +242,7 @@ def observe(seen: Observation | None, r: Reading, limit: float,
 # acts. While a round runs, it reads the peer's heartbeat key every `poll` seconds. Once the peer is silent,
 # it removes the key with a compare-and-delete on the index it saw: a refresh that lands meanwhile changes
 # the index and the delete fails, so a peer that is alive after all is never removed. The removal wakes
-# every agent's `live/` watch exactly as an expiry would, so what follows is the usual path: a snapshot
+# every agent's `live/` watch exactly as an expiry would, so what follows is the usual path: a view
 # without the peer, `membership.lost`, the next round. The peer, if it thaws, finds its key gone
 # (`heartbeat.lost`), writes it again and rejoins, as after an expiry.
 #

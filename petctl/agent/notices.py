@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from petctl.agent.decisions import RoundInfo, Snapshot
+from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.health import describe
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first, preempted_why
@@ -246,7 +246,7 @@ class SaveFirst:
         """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
         return self.workers is not None and not self.flagged and self.workers.some_succeeded()
 
-    def _look(self, snap: Snapshot) -> SaveLook:
+    def _look(self, snap: StoreView) -> SaveLook:
         request = snap.round.preempt if snap.round is not None else None
         return SaveLook(node_id=self.node_id, request=request,
                         running=self.workers is not None and self.workers.running, saved=self._saved(request),
@@ -254,7 +254,7 @@ class SaveFirst:
                         finished=request is None and self.finished())
 
     # --- a request on the round: flag our workers ---------------------------------------------------
-    def flag(self, snap: Snapshot, info: RoundInfo) -> None:
+    def flag(self, snap: StoreView, info: RoundInfo) -> None:
         """Tell our workers the round carries a save-now request (every rank then saves the same step);
         once per round."""
         request = snap.round.preempt if snap.round is not None else None
@@ -272,9 +272,9 @@ class SaveFirst:
     # --- our notice or leave ------------------------------------------------------------------------
     def announce(self) -> bool:
         """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
-        return self.rdzv.set_preempt(self.rdzv.snapshot(), self.preemption.request(self.node_id))
+        return self.rdzv.set_preempt(self.rdzv.view(), self.preemption.request(self.node_id))
 
-    def defer_leave(self, snap: Snapshot) -> bool:
+    def defer_leave(self, snap: StoreView) -> bool:
         """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
         already under way), False when it is time to stop them and go (nothing to save, or too late)."""
         if self.preemption.notice is None:
@@ -284,7 +284,7 @@ class SaveFirst:
         return time.time() < self.preemption.save_deadline
 
     # --- admitting a waiting node -------------------------------------------------------------------
-    def admit(self, snap: Snapshot, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
+    def admit(self, snap: StoreView, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
         """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
         is done. Raises what the etcd calls raise (the round runner counts and retries)."""
         request = snap.round.preempt if snap.round is not None else None

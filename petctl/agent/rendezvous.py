@@ -10,7 +10,7 @@ vanishes without closing its sockets is noticed only when a collective times out
 key per node (see liveness.py), every round is one JSON value (`core.records.Round`) changed only by
 compare-and-swap, and a round can always be replaced by the next one, so no single failure wedges the job.
 
-This module is the executor: it reads etcd into typed snapshots (`LiveReader`), asks `decisions.decide`
+This module is the executor: it reads etcd into typed views (`LiveReader`), asks `decisions.decide`
 what to do, and does it. The rules (closer, last call, expected members, admission) live in decisions.py.
 
 Store outages: a failed etcd call ends nothing. The step is retried with backoff (counted, and reported
@@ -53,8 +53,8 @@ from petctl.agent.decisions import (
     RendezvousState,
     RoundInfo,
     Settings,
-    Snapshot,
     StartNextRound,
+    StoreView,
     Wait,
     decide,
     next_round,
@@ -78,9 +78,9 @@ from petctl.io.etcdpki import EtcdTls
 from petctl.io.jobresult import record_result
 
 # --- the live/ watch ----------------------------------------------------------------------------------------
-# The agent's watch on `live/`: long polls that set one flag, so the agent re-reads a fresh snapshot.
+# The agent's watch on `live/`: long polls that set one flag, so the agent re-reads a fresh view.
 #
-# The agent never acts on a watch event itself: it re-reads a snapshot, so a missed or coalesced event
+# The agent never acts on a watch event itself: it re-reads a view, so a missed or coalesced event
 # (history compaction, reconnects) cannot leave it with a stale view.
 #
 # Two threads: one on `live/round` (always on: round changes are what every node waits for) and one on the
@@ -246,7 +246,7 @@ class LiveWatcher:
         self._active.clear()
 
     def resume(self) -> None:
-        """Watch membership again; the first thing it does is wake the agent for a fresh snapshot."""
+        """Watch membership again; the first thing it does is wake the agent for a fresh view."""
         if not self._active.is_set():
             self._active.set()
 
@@ -310,14 +310,14 @@ class LiveReader:
         self.corrupt_records = 0  # unreadable join/heartbeat values seen (skipped)
         self._corrupt_seen: set[str] = set()
 
-    def snapshot(self) -> Snapshot:
+    def view(self) -> StoreView:
         """One read of `live/`. Raises WireFormatError if `live/round` is not a round record: only a bug
         or a foreign writer does that, and no agent can know what the job's state is then."""
         self.stats.reads += 1
         try:
             r = self.client.read(self.keys.live, recursive=True)
         except etcd.EtcdKeyNotFound:
-            return Snapshot()
+            return StoreView()
         alive: set[str] = set()
         nodes: dict[str, NodeRecord] = {}
         done: dict[int, set[str]] = {}
@@ -344,7 +344,7 @@ class LiveReader:
                         mixed.setdefault(int(round_no), {})[node] = failure
                 except WireFormatError as e:
                     self._corrupt(leaf.key, e)
-        return Snapshot(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
+        return StoreView(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
                         done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.etcd_index)
 
     def members(self, round_no: int) -> dict[str, Member]:
@@ -366,7 +366,7 @@ class LiveReader:
 
     def _corrupt(self, key: str, error: WireFormatError) -> None:
         self.corrupt_records += 1
-        if key not in self._corrupt_seen:  # once per key: a snapshot is read many times a second
+        if key not in self._corrupt_seen:  # once per key: a view is read many times a second
             self._corrupt_seen.add(key)
             self.events.emit("rendezvous.corrupt_record", key=key, error=str(error))
 
@@ -409,11 +409,11 @@ class EtcdRendezvous:
         self._prejoined: tuple[int, float] | None = None  # (round, monotonic time) of an early join
         self.last_round: Round | None = None  # the newest non-final round seen: rebuilt if etcd loses it
 
-    def snapshot(self) -> Snapshot:
+    def view(self) -> StoreView:
         """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
-        `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.snapshot`)."""
+        `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.view`)."""
         t0 = time.monotonic()
-        snap = self.reader.snapshot()
+        snap = self.reader.view()
         self.store.succeeded(time.monotonic() - t0, "snapshot")
         if snap.round is not None and snap.round.phase is not Phase.FINAL:
             self.last_round = snap.round
@@ -441,10 +441,10 @@ class EtcdRendezvous:
         try:
             self.client.write(self.keys.round, value.to_json(), prevExist=False)
         except etcd.EtcdAlreadyExist:
-            return False  # another node wrote it first: the next snapshot shows it
+            return False  # another node wrote it first: the next view shows it
         return True
 
-    def start_round(self, snap: Snapshot, cause: str, failure: bool = False, leaving: str = "") -> bool:
+    def start_round(self, snap: StoreView, cause: str, failure: bool = False, leaving: str = "") -> bool:
         """Replace the current round with round n+1 (joining). False if someone else moved it first.
 
         A worker failure counts against max_restarts; past it the job ends failed instead. `leaving` is
@@ -463,7 +463,7 @@ class EtcdRendezvous:
                              restarts=value.restarts)
         return ok
 
-    def set_preempt(self, snap: Snapshot, request: Preempt) -> bool:
+    def set_preempt(self, snap: StoreView, request: Preempt) -> bool:
         """Put a save-now request on our running round (CAS); False if the round moved meanwhile."""
         rnd, index = snap.round, snap.round_index
         ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
@@ -546,10 +546,10 @@ class EtcdRendezvous:
 
     def _step(self, state: RendezvousState,
               on_state: Callable[[str], None]) -> tuple[RoundInfo | None, RendezvousState]:
-        """One decision on a fresh snapshot, carried out: our place once admitted, else None. Raises
+        """One decision on a fresh view, carried out: our place once admitted, else None. Raises
         JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with)."""
-        snap = self.snapshot()
-        while True:  # Join and ReadMembers act on this snapshot; every other action needs a new one
+        snap = self.view()
+        while True:  # Join and ReadMembers act on this view; every other action needs a new one
             action, state = decide(snap, state, self.settings, Now(time.monotonic(), time.time()))
             if isinstance(action, ReadMembers):
                 members = Members(action.round, self.reader.members(action.round), snap.etcd_index)
@@ -580,7 +580,7 @@ class EtcdRendezvous:
             self._wait(action, snap, on_state)
         return None, state
 
-    def _wait(self, action: Wait, snap: Snapshot, on_state: Callable[[str], None]) -> None:
+    def _wait(self, action: Wait, snap: StoreView, on_state: Callable[[str], None]) -> None:
         if action.watch_membership:
             self.watcher.resume()
         else:

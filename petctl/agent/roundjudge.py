@@ -6,7 +6,7 @@ Sections: the judges of `live/` and of the workers; planned membership changes (
 What a running round's events mean, as pure functions: the round runner (roundrunner.py) acts on them.
 
 Two judges, both tested by tables (tests/test_round_decisions.py):
-- `judge(snapshot, info, settings)`: what `live/` says about the round (over, a member lost, a node
+- `judge(view, info, settings)`: what `live/` says about the round (over, a member lost, a node
   waiting that can be admitted, every member done).
 - `judge_workers(watch, workers, now, timing)`: what this node's workers say (succeeded, failed, stuck
   at exit), with the little the node remembers between two looks in `WorkerWatch`.
@@ -18,7 +18,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from petctl.agent.decisions import EndJob, RoundInfo, Settings, Snapshot
+from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView
 from petctl.core.records import Phase, Preempt, Round
 
 # --- judging a running round --------------------------------------------------------------------------------
@@ -80,8 +80,8 @@ class Rebuild:
 Verdict = Continue | Over | MembershipChange | EndJob | Rebuild
 
 
-def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
-    """What the snapshot means for the round `info` describes.
+def judge(snap: StoreView, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
+    """What the view means for the round `info` describes.
 
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
     exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
@@ -90,10 +90,10 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False)
     no membership change re-forms the round: re-forming would only restart every worker to load the
     final step and exit (issue 25). A waiting node is not admitted, and a member lost from then on is
     not replaced: the job ends `succeeded` once every member is done or gone.
-    While the snapshot is not `settled` (etcd just failed, stalled or lost our own key: see
+    While the view is not `settled` (etcd just failed, stalled or lost our own key: see
     agent/health.py), or our own heartbeat is missing from it (every key expired together),
     nobody is judged lost or admitted: absences then are the outage's expiries.
-    A snapshot with no round at all, while we run one, means the store was wiped: rebuild it.
+    A view with no round at all, while we run one, means the store was wiped: rebuild it.
     """
     rnd = snap.round
     if rnd is not None and rnd.phase is Phase.FINAL:
@@ -121,7 +121,7 @@ def judge(snap: Snapshot, info: RoundInfo, s: Settings, finishing: bool = False)
     return Continue()
 
 
-def finished(snap: Snapshot, round_no: int, lost: tuple[str, ...] = ()) -> str:
+def finished(snap: StoreView, round_no: int, lost: tuple[str, ...] = ()) -> str:
     """The reason of a job that finished in `round_no`: clean, or a mixed ending (a node's workers failed
     after a rank had exited 0: docs/reliability.md), whose failures the reason names so a user sees them."""
     reason = "all workers exited 0"
@@ -157,7 +157,7 @@ class WorkerWatch:
 
     failure: str = ""  # the first failure, described
     failed_at: float | None = None
-    restart_asked: bool = False  # we asked for the next round once; the snapshot will show it
+    restart_asked: bool = False  # we asked for the next round once; the view will show it
     finishing_since: float | None = None
     finished: bool = False
     hung: bool = False  # the hang watchdog fired: the restart it asks for is counted as a failure

@@ -1,15 +1,15 @@
 """One round on one node: start the workers, watch them and `live/`, act on what the judges say, stop.
 
-The decisions are roundjudge.py's pure functions; this module only looks (snapshots, worker polls,
+The decisions are roundjudge.py's pure functions; this module only looks (views, worker polls,
 flags) and acts (CAS, events, signals). `run` returns how the round ended, as a `RoundOutcome`.
-Every look at `live/` is a fresh snapshot, taken on a watch event or every `SNAPSHOT_EVERY` seconds, so
+Every look at `live/` is a fresh view, taken on a watch event or every `VIEW_EVERY` seconds, so
 a missed watch event costs latency, never correctness.
 
 etcd is needed only to change membership, so a failed etcd call ends nothing here: the workers keep
 training, the look or the write is tried again on the next pass (a node's `done` mark and a restart
 request are kept until they are stored), and the failures are counted and reported once per outage by
 the agent's `StoreHealth`. Two things happen only because of the store:
-- a snapshot without any round while we run one (etcd replaced by an empty one): we write our round back
+- a view without any round while we run one (etcd replaced by an empty one): we write our round back
   (the agent's `rebuild`), and the job carries on in it;
 - cut off from etcd past the heartbeat TTL while our workers stalled: we fence (health.py).
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.decisions import EndJob, RoundInfo, Settings, Snapshot
+from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView
 from petctl.agent.health import FenceLook, OutageReporter, fence, should_fence
 from petctl.agent.liveness import Heartbeat, PeerWatch
 from petctl.agent.notices import PreemptionHandler, SaveFirst
@@ -57,7 +57,7 @@ from petctl.io.etcd import store_errors
 
 # --- the round runner ---------------------------------------------------------------------------------------
 
-SNAPSHOT_EVERY = 2.0  # a fresh look at live/ even without a watch event
+VIEW_EVERY = 2.0  # a fresh look at live/ even without a watch event
 PASS = 0.1  # the round loop's pass when nothing wakes it
 SAVING_PASS = 0.02  # ... while our workers save for a re-form: its end is seen by polling their files
 PUBLISH_EVERY = 5.0
@@ -122,8 +122,8 @@ class RoundRunner:
         watch = WorkerWatch()
         self._fenced, self._done_pending = False, None
         started = last_publish = self._started = time.monotonic()
-        last_snapshot = 0.0  # look at once
-        snap = Snapshot(round=info.record, alive=frozenset(info.ranks))  # until the first look
+        last_view = 0.0  # look at once
+        snap = StoreView(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
             if p.leave.is_set() and not self.saves.defer_leave(snap):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
@@ -131,8 +131,8 @@ class RoundRunner:
                 self._store_call(p.preemption.announce, self.saves.announce)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
-            if woke or now - last_snapshot > SNAPSHOT_EVERY or self.saves.admission_saved():
-                last_snapshot = now
+            if woke or now - last_view > VIEW_EVERY or self.saves.admission_saved():
+                last_view = now
                 looked = self._look(info)
                 if looked is not None:
                     snap, outcome = looked
@@ -163,10 +163,10 @@ class RoundRunner:
         self.outage.succeeded()
         return True
 
-    def _look(self, info: RoundInfo) -> tuple[Snapshot, RoundOutcome | None] | None:
-        """A fresh snapshot and what it means for us; None when etcd did not answer (try again later)."""
+    def _look(self, info: RoundInfo) -> tuple[StoreView, RoundOutcome | None] | None:
+        """A fresh view and what it means for us; None when etcd did not answer (try again later)."""
         try:
-            snap = self.p.rdzv.snapshot()
+            snap = self.p.rdzv.view()
             outcome = self._act(snap, info)
             if outcome is None and self._fenced:
                 # Our workers are stopped but the round is still ours: etcd answers again; open the next.
@@ -191,7 +191,7 @@ class RoundRunner:
 
     def _ask_restart(self, info: RoundInfo, cause: str) -> None:
         """Replace our round after a worker failure; one already replaced covers ours (left alone)."""
-        snap = self.p.rdzv.snapshot()
+        snap = self.p.rdzv.view()
         if snap.round is not None and snap.round.round == info.round:
             self.p.rdzv.start_round(snap, cause, failure=True)
 
@@ -201,8 +201,8 @@ class RoundRunner:
         self._done_pending = None
 
     # --- live/ ---------------------------------------------------------------------------------------
-    def _act(self, snap: Snapshot, info: RoundInfo) -> RoundOutcome | None:
-        """Act on what the snapshot means; the outcome if the round is over for us."""
+    def _act(self, snap: StoreView, info: RoundInfo) -> RoundOutcome | None:
+        """Act on what the view means; the outcome if the round is over for us."""
         p = self.p
         verdict = judge(snap, info, p.settings, finishing=self.saves.finished())
         if isinstance(verdict, Over):
@@ -221,7 +221,7 @@ class RoundRunner:
         return None
 
     # --- the workers ---------------------------------------------------------------------------------
-    def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, snap: Snapshot, info: RoundInfo,
+    def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, snap: StoreView, info: RoundInfo,
                        now: float) -> WorkerWatch:
         p = self.p
         preempting = snap.round is not None and snap.round.preempt is not None
@@ -253,14 +253,14 @@ class RoundRunner:
             p.events.emit("workers.failed", round=info.round, local_rank=step.local_rank, code=step.code,
                           last_error=p.status.last_error)
         elif isinstance(step, AskRestart):
-            # Only once a settled snapshot was judged: a peer lost during a store outage (which made our
+            # Only once a settled view was judged: a peer lost during a store outage (which made our
             # workers fail) is then a membership change, not a failure counted against max_restarts.
             settled = snap.settled and p.rdzv.store.settled()
             if not settled or not self._store_call(self._ask_restart, info, step.cause):
                 return watch  # not asked yet: the next pass asks again
         return new
 
-    def _end(self, workers: WorkerGroup, info: RoundInfo, snap: Snapshot,
+    def _end(self, workers: WorkerGroup, info: RoundInfo, snap: StoreView,
              outcome: RoundOutcome) -> RoundOutcome:
         """The round was replaced: join the new one before our workers stop (they may take seconds to
         handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting.

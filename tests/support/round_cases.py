@@ -9,7 +9,7 @@ from petctl.agent.decisions import (
     Now,
     RendezvousState,
     Settings,
-    Snapshot,
+    StoreView,
     decide,
 )
 from petctl.core.records import JoinRecord, Phase, Round
@@ -35,8 +35,8 @@ def frozen_round(n: int, ranks: dict[str, int], **kw) -> Round:
                  master_addr="10.0.0.1", master_port=29500, **kw)
 
 
-def snapshot(alive, rnd: Round | None, done: dict[int, set[str]] | None = None) -> Snapshot:
-    return Snapshot(alive=frozenset(alive), round=rnd, round_index=5 if rnd else None,
+def snapshot(alive, rnd: Round | None, done: dict[int, set[str]] | None = None) -> StoreView:
+    return StoreView(alive=frozenset(alive), round=rnd, round_index=5 if rnd else None,
                     done={k: frozenset(v) for k, v in (done or {}).items()}, etcd_index=INDEX)
 
 
