@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
+    # A SIGTERM (`kill`, a timeout) unwinds like Ctrl-C: every `finally` runs, so the jobs' agents, their
+    # workers and the etcd stop with the bench. Without it a killed run left three nodes training for 40
+    # minutes (their own sessions), loading every later run on the machine.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     from bench.scenarios import spottrace  # a trace scenario: a shipped trace's name or a .json path
 
@@ -183,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[sid] = storefaults.run(ctx)
             results[sid]["wall_s"] = round(time.time() - t0, 1)
             _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))  # partial
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM) or failed: what was measured is in the JSON
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
     finally:
         if imds is not None:
             imds.stop()
