@@ -19,6 +19,7 @@ import etcd
 import pytest
 
 from petctl.core.keys import JobKeys
+from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import (
     SecureEtcdDir,
@@ -29,6 +30,7 @@ from petctl.io.etcdauth import (
     role_patterns,
     start_secure,
 )
+from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdPki, EtcdTls, issue, new_ca, write_credentials
 from tests.support.etcd_auth import denied
 
@@ -250,9 +252,9 @@ def test_pki_roundtrip_and_identities() -> None:
 
 @pytest.mark.slow
 def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Path) -> None:
-    """The local provider gives each job run its own etcd user and certificate; with auth on, both jobs'
-    agents form their rounds, and job A's credentials (what its code can read from its own directory)
-    reach nothing of job B's; kill_job A deletes A's user and leaves B running."""
+    """The local provider gives each job run its own etcd user (v2 and v3) and certificate; with auth on,
+    both jobs' agents form their rounds, and job A's credentials (what its code can read from its own
+    directory) reach nothing of job B's; kill_job A deletes A's user (from both) and leaves B running."""
     from petctl.core.records import Round
 
     script = tmp_path / "sleep.py"
@@ -286,7 +288,11 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
     users = job_users(root)
     a_user = json.loads((local.job_dir(A) / "job.json").read_text())["etcd_user"]
     assert a_user in users and len(users) == 2
+    v3 = V3Admin(spec["etcd_endpoint"], local.etcd_root_tls())  # the same users in v3's auth
+    assert etcdauthv3.job_users(v3) == sorted(users)
+    assert etcdauthv3.role_grants(v3, a_user) == [etcdauthv3.job_grant(A)]
     local.run("kill_job", A)
     assert a_user not in job_users(root)
+    assert a_user not in etcdauthv3.job_users(v3) and len(etcdauthv3.job_users(v3)) == 1
     assert denied(lambda: a.read(JobKeys(A).round))
     assert local.status(B)["state"] == "running"

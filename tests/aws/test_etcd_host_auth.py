@@ -23,8 +23,10 @@ import etcd
 import pytest
 
 from petctl.core.keys import JobKeys
+from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import job_users, role_patterns
+from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
@@ -172,8 +174,10 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
                                                "job-ja-0000000c", "etcd-users/ja/sub/job-ja-0000000d"))
     host.bash("sync_users")
     root = host.root_client()
-    assert job_users(root) == [USER_A, USER_B]
+    v3 = V3Admin(endpoint, host.admin)
+    assert job_users(root) == [USER_A, USER_B] == etcdauthv3.job_users(v3)
     assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
+    assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]  # the prefix with its slash
     log = (host.dir / "aws.log").read_text()
     assert "s3api list-objects-v2 --bucket petctl-bucket --prefix etcd-users/ --query Contents[].Key" in log
     assert "secretsmanager list-secrets" not in log  # no secret name of the account is listed
@@ -191,8 +195,13 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     # kill_job deleted B's index entry: its user goes, and its certificate authenticates as nobody.
     host.job_users_listed(USER_A)
     assert f"etcd user {USER_B} deleted" in host.bash("sync_users").stdout
-    assert job_users(root) == [USER_A]
+    assert job_users(root) == [USER_A] == etcdauthv3.job_users(v3)
     assert denied(lambda: b.read(JobKeys("jb").round))
+    # A user missing from v3's auth only (a host from before v3 users, a half-done grant) is granted again.
+    etcdauthv3.revoke_user(v3, USER_A)
+    assert f"etcd user {USER_A} created" in host.bash("sync_users").stdout
+    assert etcdauthv3.job_users(v3) == [USER_A]
+    assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]
     assert a.read(JobKeys("ja").round).value == "a's"
     host.bash("sync_users")  # nothing to do
     assert job_users(root) == [USER_A]
@@ -203,4 +212,5 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     host.bash("bootstrap_auth")
     host.job_users_listed(USER_A, USER_B)
     host.bash("sync_users")
-    assert job_users(host.root_client()) == [USER_A, USER_B]
+    v3 = V3Admin(host.server.endpoint, host.admin)
+    assert job_users(host.root_client()) == [USER_A, USER_B] == etcdauthv3.job_users(v3)

@@ -5,9 +5,10 @@ A job starts whole or not at all: if any step fails, what the earlier steps made
 a failed `run_job` leaves no directory, no etcd key, no etcd user and no process behind.
 
 Each run of a job gets its own etcd user (`job-<job>-<run id>`, petctl/io/etcdauth.py), allowed to read
-and write only `/petctl/jobs/<job>/`, and a client certificate for it in the job's directory; the agents
-and the reconciler connect with it (`JobSpec.etcd_credentials`). `kill_job`, and the next run of the same
-name, delete the user: its certificate then authenticates as nobody.
+and write only `/petctl/jobs/<job>/`, in both of etcd's auth stores (v2, etcdauth.py; v3, etcdauthv3.py),
+so that either store backend works with the one client certificate written to the job's directory; the
+agents and the reconciler connect with it (`JobSpec.etcd_credentials`). `kill_job`, and the next run of
+the same name, delete the user from both: its certificate then authenticates as nobody.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from petctl.core.errors import PetctlError, ProviderError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSubmission
 from petctl.io.etcdauth import AuthError
+from petctl.io.etcdauthv3 import V3Admin
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef, stop_group, wait_gone
 
@@ -48,11 +50,12 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
 
     spec, script = submission.spec, submission.script
     rec: ProcRef | None = None
+    v3 = v3_admin(endpoint, secure)
     try:
-        forget(job, client)
+        forget(job, client, v3)
         job.path.mkdir(parents=True)
         if secure is not None:
-            _give_credentials(job, submission, client, secure)
+            _give_credentials(job, submission, client, secure, v3)
         if script.is_dir():
             shutil.copytree(script, job.code, ignore=shutil.ignore_patterns("__pycache__", ".git"))
         else:
@@ -78,14 +81,22 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
     except (PetctlError, OSError, etcd.EtcdException, AuthError) as e:
         if rec is not None:
             stop_group(rec, grace=2.0)
-        forget(job, client)
+        forget(job, client, v3)
         if isinstance(e, PetctlError):
             raise
         raise ProviderError(f"could not start job {spec.name!r}: {e}") from e
 
 
-def _give_credentials(job: JobDir, submission: JobSubmission, client, secure) -> None:
-    """A new etcd user for this run, its certificate in the job's directory, named in the spec."""
+def v3_admin(endpoint: str, secure) -> V3Admin | None:
+    """Root's way into etcd's v3 auth (`secure`: the etcd's SecureEtcdDir), None for an etcd without
+    certificates (started by an older petctl: no auth, so no users to grant)."""
+    return V3Admin(endpoint, secure.root) if secure is not None else None
+
+
+def _give_credentials(job: JobDir, submission: JobSubmission, client, secure, v3: V3Admin | None) -> None:
+    """A new etcd user for this run (v2 and v3), its certificate in the job's directory, named in the
+    spec."""
+    from petctl.io import etcdauthv3
     from petctl.io.etcdauth import grant_job, job_user, new_run_id
 
     spec = submission.spec
@@ -93,26 +104,31 @@ def _give_credentials(job: JobDir, submission: JobSubmission, client, secure) ->
     job.update_meta(etcd_user=user)  # first, so that undoing a failed start finds the user to delete
     secure.job_credentials(user, job.etcd_credentials)
     grant_job(client, user, spec.name)
+    if v3 is not None:
+        etcdauthv3.grant_job(v3, user, spec.name)
     spec.etcd_credentials = job.etcd_credentials.resolve().as_uri()
 
 
-def revoke_credentials(job: JobDir, client) -> None:
-    """Delete the job's etcd user (its agents are stopped), so its certificate authenticates as nobody.
-    Raises AuthError when etcd does not answer."""
+def revoke_credentials(job: JobDir, client, v3: V3Admin | None) -> None:
+    """Delete the job's etcd user from v2's and v3's auth (its agents are stopped), so its certificate
+    authenticates as nobody. Raises AuthError when etcd does not answer."""
+    from petctl.io import etcdauthv3
     from petctl.io.etcdauth import revoke_user
 
     user = job.read_meta().get("etcd_user") if job.meta_path.exists() else None
     if user:
         revoke_user(client, user)
+        if v3 is not None:
+            etcdauthv3.revoke_user(v3, user)
 
 
-def forget(job: JobDir, client) -> None:
+def forget(job: JobDir, client, v3: V3Admin | None) -> None:
     """Remove a finished job's leftovers (its directory, etcd keys and etcd user) before its name is
     reused. Raises AuthError or etcd's errors when etcd does not answer."""
     import etcd
 
     stop_processes(job, grace=2.0)
-    revoke_credentials(job, client)
+    revoke_credentials(job, client, v3)
     shutil.rmtree(job.path, ignore_errors=True)
     try:
         client.delete(JobKeys(job.name).base, recursive=True)

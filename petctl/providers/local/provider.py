@@ -179,7 +179,8 @@ class LocalProvider(Provider):
         if job.read_meta().get("state") not in FINAL_STATES:
             job.update_meta(state="killed", reason=reason, finished_at=time.time())
         try:
-            jobstart.revoke_credentials(job, self._client())
+            v3 = jobstart.v3_admin(self.etcd_endpoint(), etcdhost.secure_dir(self.settings))
+            jobstart.revoke_credentials(job, self._client(), v3)
         except AuthError as e:  # the job is killed; its user goes at the next run of the name or teardown
             print(f"warning: could not delete job {name!r}'s etcd user: {e}", file=sys.stderr)
 
