@@ -26,6 +26,9 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
+        # etcd's v3 API over gRPC (the default store backend, and v3 RBAC per job; docs/ARCHITECTURE.md
+        # has the table that chose it). python-etcd stays for the v2 backend until etcd 3.5's end of support.
+        "etcd3aio>=0.3,<0.4",
         # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
         "cryptography>=41",
         "psutil>=5.9",
