@@ -26,6 +26,10 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
+        # The v3 store backend (petctl/io/store/v3.py), the default: etcd's gRPC API with client
+        # certificates (etcd's JSON gateway refuses certificates that carry a CN, and petctl's do).
+        # Below 0.4: the backend builds a Compare from its generated protobufs and uses its channel.
+        "etcd3aio>=0.3,<0.4",
         # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
         "cryptography>=41",
         "psutil>=5.9",
