@@ -41,9 +41,11 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def store(etcd_server: EtcdServer, backend: str) -> Iterator[Store]:
+    before = len(loop_threads())
     s = open_store(etcd_server.endpoint, backend, timeout=TIMEOUT)
     yield s
     s.close()
+    assert len(loop_threads()) == before  # a closed store leaves no thread of its own behind
 
 
 @pytest.fixture
@@ -104,6 +106,7 @@ def test_list_is_sorted_deep_and_bounded_by_the_directory(store: Store, d: str) 
     assert sorted(listing.leaves(d)) == ["a", "b/w", "b/x/y", "c"]
     assert listing.revision >= last
     assert [e.key for e in store.list(f"{d}/b").entries] == [f"{d}/b/w", f"{d}/b/x/y"]
+    assert store.list(f"{d}/a").entries == ()  # a key is not a directory
     assert store.list(f"{d}/a/nothing").entries == ()
 
 
@@ -176,9 +179,14 @@ def test_lease_keys_vanish_after_the_ttl_without_keepalive(store: Store, d: str)
         store.put(f"{d}/late", "v", lease)
 
 
-def test_keepalive_keeps_a_lease_and_revoke_ends_it_at_once(store: Store, d: str) -> None:
+def test_keepalive_keeps_a_lease_and_revoke_ends_it_at_once(store: Store, d: str, backend: str) -> None:
     lease = store.grant(1)
     store.put(f"{d}/k", "v", lease)
+    written = store.get(f"{d}/k").mod_revision
+    lease.keepalive()
+    # v3: a keep-alive is no write. v2: a TTL refresh is one, and moves the key's modifiedIndex (a CAS
+    # on a leased key must re-read it after a keep-alive there).
+    assert (store.get(f"{d}/k").mod_revision == written) is (backend == "v3")
     store.put(f"{d}/unleased", "v", lease)
     store.put(f"{d}/unleased", "w")  # written again without the lease: no longer under it
     end = time.monotonic() + lease.ttl * 2 + 0.5
@@ -432,3 +440,70 @@ def test_opening_a_store_module_imports_no_backend() -> None:
             "print(sorted(m for m in ('grpc', 'etcd', 'etcd3aio') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
+
+
+def test_losing_the_member_in_use_moves_to_another(tmp_path: Path) -> None:
+    """A 3-member cluster, both backends: the first member (the one in use) is killed, and the store
+    answers again from the others within a few seconds (a call in flight at the kill, or made while the
+    others elect a new leader, may be StoreUnavailable: the caller retries, as the contract says)."""
+    from tests.support.etcd_cluster import running
+
+    d = f"/t/{uuid.uuid4().hex[:12]}"
+    with running(tmp_path / "cluster") as cluster:
+        stores = {b: open_store(cluster.endpoints, b, timeout=TIMEOUT) for b in BACKENDS}
+        try:
+            for b, s in stores.items():
+                s.put(f"{d}/{b}", "before")
+            cluster.kill(cluster.members[0])
+            for b, s in stores.items():
+                assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}-after"), 10.0) is not None, b
+                assert s.get(f"{d}/{b}").value == "before"
+                assert s.list(d).values()[f"{d}/{b}-after"] == "v"
+        finally:
+            for s in stores.values():
+                s.close()
+
+
+def test_tls_on_a_three_member_cluster(tmp_path: Path) -> None:
+    """Client certificates on every member of a cluster (v3's round-robin channel checks each member's
+    certificate against the first member's address, which petctl's server certificate lists)."""
+    from petctl.io.etcd import etcd_binary
+    from petctl.io.etcdauth import SecureEtcdDir
+    from tests.support.etcd_cluster import distinct_ports
+
+    secure = SecureEtcdDir.create(tmp_path / "pki")
+    ports = distinct_ports(6)
+    peers = ",".join(f"m{i}=http://127.0.0.1:{ports[2 * i + 1]}" for i in range(3))
+    procs = []
+    for i in range(3):
+        client, peer = f"https://127.0.0.1:{ports[2 * i]}", f"http://127.0.0.1:{ports[2 * i + 1]}"
+        cmd = [etcd_binary(), "--enable-v2", "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
+               "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+               "--initial-advertise-peer-urls", peer, "--initial-cluster", peers, "--log-level", "error",
+               *secure.server.flags()]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    endpoints = ",".join(f"https://127.0.0.1:{ports[2 * i]}" for i in range(3))
+    d = f"/t/{uuid.uuid4().hex[:12]}"
+    stores: dict[str, Store] = {}
+    try:
+        stores = {b: open_store(endpoints, b, tls=secure.root, timeout=TIMEOUT) for b in BACKENDS}
+        for b, s in stores.items():
+            assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}"), 20.0) is not None, b
+        procs[0].kill()
+        procs[0].wait()
+        for b, s in stores.items():  # the others answer (after a new leader, when it was the leader)
+            assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}"), 10.0) is not None, b
+            assert s.replace(f"{d}/{b}", "again", s.get(f"{d}/{b}").mod_revision) is True, b
+    finally:
+        for s in stores.values():
+            s.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _puts(store: Store, key: str) -> bool:
+    try:
+        return store.put(key, "v") > 0
+    except StoreUnavailable:
+        return False
