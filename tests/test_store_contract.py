@@ -383,6 +383,10 @@ def test_tls_with_client_certificates(secure_etcd, backend: str) -> None:
             agent.get("/petctl/jobs/jb/k")  # another job's prefix
         with pytest.raises(StoreDenied):
             agent.put("/petctl/jobs/jb/k", "x")
+        spy = agent.watch("/petctl/jobs/jb", 1)
+        with pytest.raises(StoreDenied):
+            spy.wait(TIMEOUT)
+        spy.close()
         if backend == "v2":  # its own prefix: v2 roles only, until v3 RBAC per job exists
             assert agent.get(f"{d}/k").value == "v"
             assert agent.revision("/petctl/jobs/ja") >= agent.get(f"{d}/k").mod_revision

@@ -6,11 +6,9 @@ retries). python-etcd clients are not safe to share between threads (etcdclient.
 one client per thread.
 
 What v2 lacks is emulated, and the emulation is where it differs from v3:
-- **leases**: v2 has none. A lease here is a local object with a local id (a counter, meaningless to
-  other clients, which see `Entry.lease == 0`); a key put under it gets a TTL of the lease's remaining
-  time and is remembered; `keepalive` refreshes every such key (`refresh=True, prevExist=True`: one raft
-  proposal per key, unseen by watchers) and raises LeaseExpired when the lease's time ran out first or a
-  key is gone (then it deletes the rest, as v3 would have); `revoke` deletes them one by one.
+- **leases**: v2 has none. A lease is a local object over TTL'd keys, refreshed one by one (v2lease.py):
+  each refresh is a raft proposal, and it moves the key's modifiedIndex; its id means nothing to other
+  clients, which see `Entry.lease == 0`.
 - **watch**: a long poll (`wait=true&waitIndex=N&recursive=true`) returns one event per wait; etcd keeps
   only the last 1,000 events, and a wait that asks for an older one (error 401) raises Compacted.
   A recursive `delete_dir` is one delete event whose key is the directory, not one per key.
@@ -19,167 +17,18 @@ What v2 lacks is emulated, and the emulation is where it differs from v3:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import re
 import threading
-import time
-from collections.abc import Iterator
 
 import etcd
 
-from petctl.core.store import (
-    Batch,
-    Compacted,
-    Entry,
-    Event,
-    Lease,
-    LeaseExpired,
-    Listing,
-    StoreDenied,
-    StoreUnavailable,
-)
-from petctl.io.etcd import etcd_client, store_errors
+from petctl.core.store import Entry, Lease, LeaseExpired, Listing, StoreUnavailable
+from petctl.io.etcd import etcd_client
 from petctl.io.etcdpki import EtcdTls
-
-DELETES = ("delete", "expire", "compareAndDelete")
-# etcd's cause for error 401: "the requested history has been cleared [oldest/asked]"
-_CLEARED = re.compile(r"\[(\d+)/\d+\]")
-
-
-def _denied(e: etcd.EtcdException) -> bool:
-    payload = e.payload if isinstance(e.payload, dict) else {}
-    return isinstance(e, etcd.EtcdInsufficientPermissions) or payload.get("status") in (401, 403)
-
-
-@contextlib.contextmanager
-def _errors(what: str) -> Iterator[None]:
-    """python-etcd's failures as the store's: no permission → StoreDenied, anything else → StoreUnavailable.
-    Answers etcd gives on purpose (key not found, compare failed) are handled by the callers first."""
-    try:
-        yield
-    except etcd.EtcdException as e:
-        if _denied(e):
-            raise StoreDenied(f"{what}: {e}") from e
-        raise StoreUnavailable(f"{what}: {e}") from e
-    except store_errors() as e:
-        raise StoreUnavailable(f"{what}: {e}") from e
-
-
-def _index(e: etcd.EtcdException) -> int:
-    """The etcd index an error answer carries (every v2 error body has one)."""
-    payload = e.payload if isinstance(e.payload, dict) else {}
-    return int(payload.get("index") or 0)
-
-
-def _dirpath(directory: str) -> str:
-    """A directory as v2 requests name it: with its trailing slash, because a job's v2 role grants
-    `/petctl/jobs/<job>/*`, which `/petctl/jobs/<job>/` matches and `/petctl/jobs/<job>` does not."""
-    return directory.rstrip("/") + "/"
-
-
-def _entry(node, lease: int = 0) -> Entry:
-    return Entry(key=node.key, value=node.value if node.value is not None else "",
-                 mod_revision=int(node.modifiedIndex), create_revision=int(node.createdIndex), lease=lease)
-
-
-class V2Lease:
-    """An emulated lease (see the module docstring): the keys written under it, and when it runs out."""
-
-    def __init__(self, store: V2Store, lease_id: int, ttl: int) -> None:
-        self._store = store
-        self._id = lease_id
-        self._ttl = ttl
-        self._expires = time.monotonic() + ttl
-        self._keys: set[str] = set()
-        self._gone = False
-        self._lock = threading.Lock()
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    @property
-    def ttl(self) -> float:
-        return float(self._ttl)
-
-    def remaining(self) -> int:
-        """Whole seconds left (at least 1) for a key written under it now. Raises LeaseExpired."""
-        left = self._expires - time.monotonic()
-        if self._gone or left <= 0:
-            raise LeaseExpired(f"lease {self._id} expired")
-        return max(1, math.ceil(left))
-
-    def attach(self, key: str) -> None:
-        with self._lock:
-            self._keys.add(key)
-
-    def detach(self, key: str) -> None:
-        with self._lock:
-            self._keys.discard(key)
-
-    def holds(self, key: str) -> bool:
-        return key in self._keys
-
-    def keepalive(self) -> None:
-        started = time.monotonic()
-        try:
-            self.remaining()
-        except LeaseExpired:
-            self.revoke()
-            raise
-        client = self._store.client()
-        for key in sorted(self._keys):
-            with _errors(f"keepalive of lease {self._id}"):
-                try:
-                    client.refresh(key, ttl=self._ttl)
-                except etcd.EtcdKeyNotFound:
-                    self.revoke()
-                    raise LeaseExpired(f"lease {self._id} expired: {key} is gone") from None
-        self._expires = started + self._ttl
-
-    def revoke(self) -> None:
-        client = self._store.client()
-        for key in sorted(self._keys):
-            with _errors(f"revoke of lease {self._id}"), contextlib.suppress(etcd.EtcdKeyNotFound):
-                client.delete(key)
-            self.detach(key)
-        self._gone = True
-        self._store.forget(self)
-
-
-class V2Watch:
-    """A v2 long poll on a directory, resumed from the index after the last event it returned."""
-
-    def __init__(self, store: V2Store, directory: str, start_revision: int) -> None:
-        self._store = store
-        self._dir = _dirpath(directory)
-        self._next = max(1, start_revision)
-        self._seen = self._next - 1
-        self._closed = False
-
-    def wait(self, timeout: float) -> Batch:
-        if self._closed:
-            raise StoreUnavailable("watch closed")
-        client = self._store.client()
-        with _errors(f"watch {self._dir}"):
-            try:
-                node = client.watch(self._dir, index=self._next, timeout=timeout, recursive=True)
-            except etcd.EtcdWatchTimedOut:
-                return Batch((), self._seen)
-            except etcd.EtcdEventIndexCleared as e:
-                found = _CLEARED.search(str((e.payload or {}).get("cause", "")))
-                raise Compacted(int(found.group(1)) if found else _index(e) - 999) from None
-        revision = int(node.modifiedIndex)
-        kind = "delete" if node.action in DELETES else "put"
-        event = Event(kind, node.key, node.value if kind == "put" else None, revision)
-        self._next = revision + 1
-        self._seen = revision
-        return Batch((event,), revision)
-
-    def close(self) -> None:
-        self._closed = True
+from petctl.io.store.v2calls import dirpath, entry, errors, index
+from petctl.io.store.v2lease import V2Lease
+from petctl.io.store.v2watch import V2Watch
 
 
 class V2Store:
@@ -236,30 +85,30 @@ class V2Store:
         return lease.remaining()
 
     def get(self, key: str) -> Entry | None:
-        with _errors(f"get {key}"):
+        with errors(f"get {key}"):
             try:
                 node = self.client().read(key)
             except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir):  # NotDir: a path through a key
                 return None
-        return None if node.dir else _entry(node, self._lease_of(key))
+        return None if node.dir else entry(node, self._lease_of(key))
 
     def list(self, directory: str) -> Listing:
         base = directory.rstrip("/") + "/"
-        with _errors(f"list {directory}"):
+        with errors(f"list {directory}"):
             try:
-                result = self.client().read(_dirpath(directory), recursive=True)
+                result = self.client().read(dirpath(directory), recursive=True)
             except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir) as e:
-                return Listing((), _index(e))
+                return Listing((), index(e))
         leaves = sorted((n for n in result.leaves if not n.dir and n.key.startswith(base)),
                         key=lambda n: n.key)
-        return Listing(tuple(_entry(n, self._lease_of(n.key)) for n in leaves), int(result.etcd_index))
+        return Listing(tuple(entry(n, self._lease_of(n.key)) for n in leaves), int(result.etcd_index))
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         """An update where the key exists, else a create: a plain v2 `set` would replace the node and
         reset its createdIndex, where v3 keeps a key's create_revision across writes."""
         ttl = self._ttl(lease)
         client = self.client()
-        with _errors(f"put {key}"):
+        with errors(f"put {key}"):
             for _ in range(3):  # a key deleted or created by another writer in between: try again
                 try:
                     node = client.write(key, value, ttl=ttl, prevExist=True)
@@ -277,7 +126,7 @@ class V2Store:
         return int(node.modifiedIndex)
 
     def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
-        with _errors(f"create {key}"):
+        with errors(f"create {key}"):
             try:
                 self.client().write(key, value, ttl=self._ttl(lease), prevExist=False)
             except (etcd.EtcdAlreadyExist, etcd.EtcdNotFile):
@@ -288,7 +137,7 @@ class V2Store:
     def replace(self, key: str, value: str, mod_revision: int, lease: Lease | None = None) -> bool:
         if mod_revision <= 0:  # no key has revision 0 (v3 would compare a missing key's 0 as equal)
             return False
-        with _errors(f"replace {key}"):
+        with errors(f"replace {key}"):
             try:
                 self.client().write(key, value, ttl=self._ttl(lease), prevIndex=mod_revision)
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound, etcd.EtcdNotFile):
@@ -300,7 +149,7 @@ class V2Store:
         if mod_revision is not None and mod_revision <= 0:
             return False
         params = {} if mod_revision is None else {"prevIndex": mod_revision}
-        with _errors(f"delete {key}"):
+        with errors(f"delete {key}"):
             try:
                 self.client().delete(key, **params)
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound, etcd.EtcdNotFile):
@@ -312,13 +161,13 @@ class V2Store:
         """Counts the keys, then deletes the directory: not atomic (v3's is), so a key written between
         the two is deleted but not counted."""
         listing = self.list(directory)
-        with _errors(f"delete_dir {directory}"):
+        with errors(f"delete_dir {directory}"):
             try:
-                self.client().delete(_dirpath(directory), recursive=True, dir=True)
+                self.client().delete(dirpath(directory), recursive=True, dir=True)
             except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir):
                 return 0
-        for entry in listing.entries:
-            self._attach(entry.key, None)
+        for gone in listing.entries:
+            self._attach(gone.key, None)
         return len(listing.entries)
 
     def grant(self, ttl: float) -> Lease:
@@ -331,11 +180,11 @@ class V2Store:
         return V2Watch(self, directory, start_revision)
 
     def revision(self, directory: str = "/") -> int:
-        with _errors(f"revision via {directory}"):
+        with errors(f"revision via {directory}"):
             try:
-                return int(self.client().read(_dirpath(directory)).etcd_index)
+                return int(self.client().read(dirpath(directory)).etcd_index)
             except (etcd.EtcdKeyNotFound, etcd.EtcdNotDir) as e:
-                return _index(e)
+                return index(e)
 
     def close(self) -> None:
         with self._lock:
