@@ -64,6 +64,10 @@ class V2Lease:
         with self._lock:
             self._keys.discard(key)
 
+    def _held(self) -> list[str]:
+        with self._lock:  # a copy: another thread may put under this lease meanwhile
+            return sorted(self._keys)
+
     def holds(self, key: str) -> bool:
         return key in self._keys
 
@@ -75,7 +79,7 @@ class V2Lease:
             self.revoke()
             raise
         client = self._store.client()
-        for key in sorted(self._keys):
+        for key in self._held():
             with errors(f"keepalive of lease {self._id}"):
                 try:
                     client.refresh(key, ttl=self._ttl)
@@ -86,7 +90,7 @@ class V2Lease:
 
     def revoke(self) -> None:
         client = self._store.client()
-        for key in sorted(self._keys):
+        for key in self._held():
             with errors(f"revoke of lease {self._id}"), contextlib.suppress(etcd.EtcdKeyNotFound):
                 client.delete(key)
             self.detach(key)
