@@ -26,12 +26,12 @@ from petctl.io.etcdauthv3 import (
     KeyGrant,
     V3Admin,
     grant_job,
-    import_etcd3aio,
     job_users,
     revoke_user,
     role_grants,
 )
 from petctl.io.etcdpki import EtcdTls
+from petctl.io.store.v3grpc import import_etcd3aio
 from tests.support.etcd_auth import denied_v3
 
 A, AB = "ja", "jab"  # "/petctl/jobs/ja" is a prefix of "/petctl/jobs/jab/...": the slash keeps them apart

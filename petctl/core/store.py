@@ -116,7 +116,8 @@ class Lease(Protocol):
 
     @property
     def ttl(self) -> float:
-        """The TTL it was granted with, in seconds."""
+        """The TTL it was granted with, in seconds: etcd v3 raises one below its minimum (2 s with
+        etcd's default heartbeat and election ticks) to that minimum."""
         ...
 
     def keepalive(self) -> None:
@@ -161,7 +162,8 @@ class Store(Protocol):
         ...
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
-        """Write the key unconditionally (under `lease` when given); returns the write's revision."""
+        """Write the key unconditionally (under `lease` when given); returns the write's revision.
+        Raises LeaseExpired when `lease` is already gone (as create and replace do)."""
         ...
 
     def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
@@ -184,7 +186,7 @@ class Store(Protocol):
 
     def grant(self, ttl: float) -> Lease:
         """A new lease that lives `ttl` seconds past its last keep-alive (whole seconds on both
-        backends, at least 1)."""
+        backends, at least 1; `Lease.ttl` says what the store granted)."""
         ...
 
     def watch(self, directory: str, start_revision: int) -> Watch:
@@ -192,8 +194,9 @@ class Store(Protocol):
         + 1 misses nothing)."""
         ...
 
-    def revision(self) -> int:
-        """The store's current revision."""
+    def revision(self, directory: str = "/") -> int:
+        """The store's current revision, read through `directory`: a client confined to a prefix (a
+        job's agents under etcd auth) may read nothing else, so it names a directory it may read."""
         ...
 
     def close(self) -> None:

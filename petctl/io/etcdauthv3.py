@@ -19,8 +19,6 @@ AuthError (etcdauth.py) for anything etcd refuses or cannot answer.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,27 +29,12 @@ from petctl.core.keys import ROOT as JOBS_ROOT
 from petctl.io.etcd import parse_endpoints
 from petctl.io.etcdauth import USER_PREFIX, USER_RE, AuthError
 from petctl.io.etcdpki import EtcdTls
+from petctl.io.store.v3grpc import import_etcd3aio
 
 CALL_TIMEOUT = 10.0  # seconds for one auth call (each is a raft proposal, or a read of the auth store)
 PERM_NAMES = {0: "read", 1: "write", 2: "readwrite"}  # authpb.Permission.Type
 
 T = TypeVar("T")
-
-
-def import_etcd3aio() -> ModuleType:
-    """etcd3aio, importable beside python-etcd: its generated protobuf modules live in a top-level `etcd`
-    namespace package, which python-etcd's `etcd` package shadows. The fix puts etcd3aio's proto
-    directory on python-etcd's package path (idempotent), before etcd3aio is first imported. Raises
-    ImportError when etcd3aio is not installed."""
-    import etcd  # python-etcd: it must be the `etcd` that sys.modules holds
-
-    spec = importlib.util.find_spec("etcd3aio")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("etcd3aio is not installed (the v3 store's client)")
-    proto = str(Path(list(spec.submodule_search_locations)[0]) / "proto" / "etcd")
-    if proto not in etcd.__path__:
-        etcd.__path__.append(proto)
-    return importlib.import_module("etcd3aio")
 
 
 @dataclass(frozen=True)

