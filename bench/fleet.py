@@ -1,0 +1,445 @@
+"""P9, the fleet bench: N simulated nodes against one real etcd, on each store backend (issue 27).
+
+    python bench/fleet.py --backends v3,v2 --nodes 64,256,1000 --out bench/results/fleet.json
+
+What is real: the etcd 3.5 server (`--enable-v2`, one member on 127.0.0.1, its own data dir per run), the
+store backends (`petctl/io/store`: v3 over gRPC, v2 over python-etcd), and every request they send. What
+is simulated: the nodes. They run in this one process (threads; on v3 every node's store shares one
+event loop), and they run a model of the agent's liveness and rendezvous, written against the same
+`Store` interface, not the agent itself (the agent moves onto that interface in a later step; then this
+bench swaps the model for the agent's own code). The model is the agent's pattern:
+- liveness: a key `live/nodes/<node>` per node. v2: a TTL'd key refreshed every `--beat` seconds (the
+  agent's default, 0.2 s, each refresh a raft proposal). v3: the key lives under a lease of `--ttl`
+  seconds kept alive every ttl/3 (a keep-alive is not a proposal).
+- every node watches `live/` from the revision of its first listing, and keeps its own view of it.
+- the round: when a node's view holds every member and `live/round` does not rank them all, it writes a
+  new round with compare-and-swap (ranks kept, newcomers appended); every node races, one wins. A node is
+  ranked when its watch shows a round that ranks it.
+
+Measured, per backend and N:
+- `up_to_ranked_s`: the last node registered → every node has seen itself ranked;
+- `loss_known_s`: a node's lease revoked (a clean leave, as an agent does on a notice or a kill) →
+  every survivor's watch saw its key go;
+- `silent_loss_known_s`: a node that just stops keeping its lease alive (a host gone without a word) →
+  every survivor saw its key go: the TTL plus etcd's expiry granularity. (The agent's peer watch, which
+  drops a silent member after 1 s, is not modelled: on v3 it reads the peer's lease TTL, a later step.)
+- `join_ranked_s`: a new node registers → every node saw a round that ranks it, the old ranks unchanged
+  (`ranks_kept`);
+- at rest (`--rest` s): etcd's committed proposals and the client's requests per node per second (a
+  keep-alive, a refresh and a watch poll each count as one request), and etcd's CPU and RSS;
+- `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
+  and had to re-list;
+- `beats_late`: liveness beats that ran more than one interval late (the simulator itself saturated:
+  then the figures say more about this process than about etcd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from petctl.core.store import Batch, Compacted, Lease, Store, StoreError  # noqa: E402
+from petctl.io.etcd import EtcdServer  # noqa: E402
+from petctl.io.store import open_store  # noqa: E402
+
+JOB = "/petctl/jobs/fleet"
+LIVE = f"{JOB}/live"
+NODES = f"{LIVE}/nodes"
+ROUND = f"{LIVE}/round"
+
+
+@dataclass
+class Counters:
+    """Requests this process sent, by kind (thread-safe)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[kind] = self.counts.get(kind, 0) + n
+
+    def total(self) -> int:
+        with self.lock:
+            return sum(self.counts.values())
+
+
+@dataclass
+class FleetRow:
+    backend: str
+    nodes: int
+    up_to_ranked_s: float | None
+    loss_known_s: float | None
+    silent_loss_known_s: float | None
+    join_ranked_s: float | None
+    ranks_kept: bool
+    rest_proposals_per_node_s: float
+    rest_requests_per_node_s: float
+    reform_proposals_per_node: float
+    etcd_cpu_pct: float
+    etcd_rss_mb: float
+    lost_place: int
+    beats_late: int
+    errors: int
+    note: str = ""
+
+
+class SimNode:
+    """One simulated node: its liveness key, its watch on `live/`, its view, and its round writes."""
+
+    def __init__(self, name: str, store: Store, fleet: Fleet) -> None:
+        self.name = name
+        self.store = store
+        self.fleet = fleet
+        self.lease: Lease | None = None
+        self.last_beat = 0.0  # when the latest keep-alive that went through was sent
+        self.members: set[str] = set()
+        self.ranks: dict[str, int] = {}
+        self.round_rev = 0
+        self.seen: dict[str, float] = {}  # what this node saw, and when: "ranked", "gone:<n>", "ranked:<n>"
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    # --- liveness ----------------------------------------------------------------------------------------
+    def register(self) -> None:
+        # v3: a real lease; v2: the backend's emulation, a TTL'd key refreshed on each keep-alive
+        self.lease = self.store.grant(self.fleet.ttl)
+        self.store.put(f"{NODES}/{self.name}", self.name, self.lease)
+        self.fleet.counters.add("register", 2)
+
+    def beat(self) -> None:
+        lease = self.lease
+        if lease is not None:
+            sent = time.monotonic()
+            lease.keepalive()
+            self.last_beat = sent
+            self.fleet.counters.add("beat")
+
+    # --- the watch and the round -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=f"sim-{self.name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                listing = self.store.list(LIVE)
+                self.fleet.counters.add("list")
+                now = time.monotonic()
+                members = {k.rsplit("/", 1)[1] for k in listing.values() if k.startswith(NODES + "/")}
+                for node in self.members - members:  # gone while this watch had lost its place
+                    self.seen.setdefault(f"gone:{node}", now)
+                self.members = members
+                for entry in listing.entries:
+                    if entry.key == ROUND:
+                        self._round(entry.value, entry.mod_revision)
+                self._maybe_round()
+                watch = self.store.watch(LIVE, listing.revision + 1)
+                try:
+                    while not self.stop.is_set():
+                        batch = watch.wait(0.5)
+                        if self.store.backend == "v2":  # a long poll per wait; v3 streams on one call
+                            self.fleet.counters.add("watch")
+                        self._apply(batch)
+                finally:
+                    watch.close()
+            except Compacted:
+                self.fleet.lost_place_inc()
+            except StoreError:
+                self.fleet.error_inc()
+                self.stop.wait(0.1)
+
+    def _apply(self, batch: Batch) -> None:
+        now = time.monotonic()
+        for ev in batch.events:
+            if ev.key.startswith(NODES + "/"):
+                node = ev.key.rsplit("/", 1)[1]
+                if ev.kind == "put":
+                    self.members.add(node)
+                else:
+                    self.members.discard(node)
+                    self.seen.setdefault(f"gone:{node}", now)
+            elif ev.key == ROUND and ev.value is not None:
+                self._round(ev.value, ev.revision)
+        if batch.events:
+            self._maybe_round()
+
+    def _round(self, value: str, rev: int) -> None:
+        self.ranks = json.loads(value)
+        self.round_rev = rev
+        now = time.monotonic()
+        if self.name in self.ranks:
+            self.seen.setdefault("ranked", now)
+        for node in self.ranks:
+            self.seen.setdefault(f"ranked:{node}", now)
+
+    def _maybe_round(self) -> None:
+        """Write a round ranking every member this node sees, where the current one misses some. The
+        first round waits for all `expected` nodes (the agent's first round waits for the job's size);
+        the closer is the first member by name (the agent has one closer too), so one write per round."""
+        if not self.ranks and len(self.members) < self.fleet.expected:
+            return
+        missing = sorted(self.members - set(self.ranks))
+        if not missing or min(self.members) != self.name:
+            return
+        ranks = {n: r for n, r in self.ranks.items() if n in self.members}
+        nxt = max(ranks.values(), default=-1) + 1
+        for i, node in enumerate(missing):
+            ranks[node] = nxt + i
+        value = json.dumps(ranks, sort_keys=True)
+        if self.round_rev:
+            self.store.replace(ROUND, value, self.round_rev)
+        else:
+            self.store.create(ROUND, value)
+        self.fleet.counters.add("round")
+
+
+class Fleet:
+    """N simulated nodes, their shared beat scheduler, and what they measured."""
+
+    def __init__(self, endpoint: str, backend: str, ttl: int, beat: float) -> None:
+        self.endpoint = endpoint
+        self.backend = backend
+        self.ttl = ttl
+        self.beat_interval = beat if backend == "v2" else ttl / 3
+        self.counters = Counters()
+        self.expected = 0
+        self.nodes: list[SimNode] = []
+        self._lock = threading.Lock()
+        self.lost_place = 0
+        self.errors = 0
+        self.beats_late = 0
+        self._stop = threading.Event()
+        self._beater: threading.Thread | None = None
+        self._loop = None
+
+    def lost_place_inc(self) -> None:
+        with self._lock:
+            self.lost_place += 1
+
+    def error_inc(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def new_store(self) -> Store:
+        return open_store(self.endpoint, backend=self.backend)  # type: ignore[arg-type]
+
+    def add(self, name: str) -> SimNode:
+        node = SimNode(name, self.new_store(), self)
+        self.nodes.append(node)
+        return node
+
+    def start_beats(self) -> None:
+        self._beater = threading.Thread(target=self._beat_loop, name="sim-beats", daemon=True)
+        self._beater.start()
+
+    def _beat_loop(self) -> None:
+        pool = ThreadPoolExecutor(max_workers=16)
+        try:
+            due = time.monotonic()
+            while not self._stop.is_set():
+                due += self.beat_interval
+                live = [n for n in list(self.nodes) if n.lease is not None and not n.stop.is_set()]
+                list(pool.map(_beat_quietly(self), live))
+                lag = time.monotonic() - due
+                if lag > self.beat_interval:
+                    with self._lock:
+                        self.beats_late += len(live)
+                    due = time.monotonic()
+                else:
+                    self._stop.wait(max(0.0, -lag))
+        finally:
+            pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beater is not None:
+            self._beater.join(timeout=10)
+        for n in self.nodes:
+            n.stop.set()
+        for n in self.nodes:
+            if n.thread is not None:
+                n.thread.join(timeout=5)
+            n.store.close()
+
+
+def _beat_quietly(fleet: Fleet) -> Callable[[SimNode], None]:
+    def beat(node: SimNode) -> None:
+        try:
+            node.beat()
+        except StoreError:
+            fleet.error_inc()
+    return beat
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, poll: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()
+
+
+def proposals(endpoint: str) -> float:
+    """etcd's committed raft proposals, from its /metrics."""
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()  # noqa: S310
+    m = re.search(r"^etcd_server_proposals_committed_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path) -> FleetRow:
+    import psutil
+
+    server = EtcdServer.start(scratch / f"etcd-{backend}-{n}")
+    proc = psutil.Process(server.pid)
+    fleet = Fleet(server.endpoint, backend, ttl, beat)
+    note = ""
+    try:
+        fleet.expected = n
+        nodes = [fleet.add(f"n{i:04d}") for i in range(n)]
+        for node in nodes:
+            node.start()
+        fleet.start_beats()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(lambda s: s.register(), nodes[:-1]))
+        time.sleep(1.0)  # every watch caught up: the clock starts at the last node's registration
+        last_up = time.monotonic()
+        nodes[-1].register()
+        ok = wait_for(lambda: all("ranked" in s.seen for s in nodes), 60 + n / 10)
+        up_to_ranked = max(s.seen["ranked"] for s in nodes) - last_up if ok else None
+        before = dict(nodes[0].ranks)
+
+        # at rest
+        p0, c0, cpu0 = proposals(server.endpoint), fleet.counters.total(), proc.cpu_times()
+        t0 = time.monotonic()
+        time.sleep(rest)
+        p1, c1, cpu1 = proposals(server.endpoint), fleet.counters.total(), proc.cpu_times()
+        t1 = time.monotonic()
+        span = t1 - t0
+        rest_props = (p1 - p0) / n / span
+        rest_reqs = (c1 - c0) / n / span
+        cpu_pct = 100 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / span
+        rss = proc.memory_info().rss / 2**20
+
+        # a node lost (its lease revoked: a clean loss) -> every survivor knows
+        p_re0, t_re0 = proposals(server.endpoint), time.monotonic()
+        victim = nodes[-1]
+        victim.stop.set()
+        t_loss = time.monotonic()
+        if victim.lease is not None:
+            victim.lease.revoke()
+        victim.lease = None
+        survivors = nodes[:-1]
+        ok = wait_for(lambda: all(f"gone:{victim.name}" in s.seen for s in survivors), 30)
+        loss_known = max(s.seen[f"gone:{victim.name}"] for s in survivors) - t_loss if ok else None
+
+        # a node joins -> every node sees a round ranking it, old ranks kept
+        joiner = fleet.add(f"j{n:04d}")
+        joiner.start()
+        t_join = time.monotonic()
+        joiner.register()
+        everyone = [*survivors, joiner]
+        key = f"ranked:{joiner.name}"
+        ok = wait_for(lambda: all(key in s.seen for s in everyone), 30)
+        join_ranked = max(s.seen[key] for s in everyone) - t_join if ok else None
+        after = dict(survivors[0].ranks)
+        kept = all(after.get(k) == v for k, v in before.items() if k != victim.name)
+        # the leave's and the join's own proposals: the beats' steady rate over the same span taken out
+        beats = (p1 - p0) / span * (time.monotonic() - t_re0)
+        reform_props = (proposals(server.endpoint) - p_re0 - beats) / n
+
+        # a node goes silent: no revoke, no more keep-alives -> every other node sees its key expire
+        mute = survivors[-1]
+        beat_sent = mute.last_beat
+        mute.stop.set()
+        mute.lease = None  # the beat loop skips it from now on
+        others = [s for s in everyone if s is not mute]
+        gone = f"gone:{mute.name}"
+        ok = wait_for(lambda: all(gone in s.seen for s in others), 3 * ttl + 10)
+        silent_known = max(s.seen[gone] for s in others) - beat_sent if ok else None
+    finally:
+        fleet.close()
+        server.stop(remove_data=True)
+    if fleet.beats_late:
+        note = "simulator saturated: beats ran late"
+    return FleetRow(backend=backend, nodes=n, up_to_ranked_s=_r(up_to_ranked), loss_known_s=_r(loss_known),
+                    silent_loss_known_s=_r(silent_known),
+                    join_ranked_s=_r(join_ranked), ranks_kept=kept,
+                    rest_proposals_per_node_s=round(rest_props, 4),
+                    rest_requests_per_node_s=round(rest_reqs, 3),
+                    reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
+                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, beats_late=fleet.beats_late,
+                    errors=fleet.errors, note=note)
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def table(rows: list[FleetRow]) -> str:
+    head = ("| backend | N | all up → all ranked | leave → every survivor knows "
+            "| silent loss → every survivor knows "
+            "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
+            "| requests / node / s at rest | etcd CPU at rest | etcd RSS "
+            "| watches that lost their place | beats late |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        def s(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f} s"
+        lines.append(f"| {r.backend} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
+                     f"{s(r.silent_loss_known_s)} | "
+                     f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
+                     f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
+                     f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | {r.beats_late} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="v3,v2")
+    ap.add_argument("--nodes", default="64,256,1000")
+    ap.add_argument("--ttl", type=int, default=3, help="liveness TTL, seconds (the agent's heartbeat_ttl)")
+    ap.add_argument("--beat", type=float, default=0.2,
+                    help="v2 refresh interval (the agent's heartbeat_interval)")
+    ap.add_argument("--rest", type=float, default=10.0, help="seconds measured at rest")
+    ap.add_argument("--out", default="bench/results/fleet.json")
+    args = ap.parse_args(argv)
+    rows: list[FleetRow] = []
+    with tempfile.TemporaryDirectory(prefix="petctl-fleet-") as scratch:
+        for n in (int(x) for x in args.nodes.split(",")):
+            for backend in args.backends.split(","):
+                started = time.monotonic()
+                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch))
+                rows.append(row)
+                took = time.monotonic() - started
+                print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)
+    md = table(rows)
+    print(md)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(["python", "bench/fleet.py", *(argv or sys.argv[1:])]),
+                               "machine": {"cpus": os.cpu_count()}, "rows": [asdict(r) for r in rows],
+                               "median_up_to_ranked_s": statistics.median(
+                                   [r.up_to_ranked_s for r in rows if r.up_to_ranked_s is not None] or [0])},
+                              indent=2) + "\n")
+    out.with_suffix(".md").write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

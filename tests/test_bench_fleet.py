@@ -1,0 +1,40 @@
+"""The fleet bench (bench/fleet.py, P9) on a small fleet, both backends: it runs, and its figures say
+what each backend's liveness costs (a v3 keep-alive is no raft proposal; a v2 refresh is one).
+
+The bench's large-N figures live in bench/results/fleet.*, not here: this keeps its pipeline working
+and checks the outcomes that do not depend on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def test_fleet_bench_small_fleet_on_both_backends(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "fleet.py"), "--nodes", "8", "--rest", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"v3", "v2"}
+    for backend, row in rows.items():
+        assert row["nodes"] == 8
+        assert row["errors"] == 0, backend
+        assert row["ranks_kept"] is True, backend  # the join kept every old rank
+        for key in ("up_to_ranked_s", "loss_known_s", "join_ranked_s", "silent_loss_known_s"):
+            assert row[key] is not None, (backend, key)  # every node saw it happen
+        # a silent node is known gone only after its TTL (3 s by default), never before
+        assert row["silent_loss_known_s"] >= 2.0, backend
+    # at rest: v3 keep-alives are no raft proposals; every v2 refresh (5 a second per node) is one
+    assert rows["v3"]["rest_proposals_per_node_s"] < 0.1
+    assert rows["v2"]["rest_proposals_per_node_s"] > 2.0
+    assert "| v3 | 8 |" in out.with_suffix(".md").read_text()
