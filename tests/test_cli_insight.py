@@ -48,13 +48,13 @@ def test_events_and_report_of_a_finished_job(local: Petctl, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # etcd forgets (TTL, a new etcd): the mirror in the job's prefix still tells the story.
-    import etcd
+    from contextlib import closing
 
     from petctl.core.keys import JobKeys
 
-    local.etcd().delete(JobKeys("ins").events, recursive=True)
-    with pytest.raises(etcd.EtcdKeyNotFound):
-        local.etcd().read(JobKeys("ins").events)
+    with closing(local.store()) as store:
+        assert store.delete_dir(JobKeys("ins").events) > 0
+        assert store.list(JobKeys("ins").events).entries == ()
     assert [e["event"] for e in local.json("events", "ins")] == names
 
 

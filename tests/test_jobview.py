@@ -13,11 +13,12 @@ from petctl.core.errors import ProviderError
 from petctl.core.keys import JobKeys
 from petctl.core.mirrorchunks import chunk_name
 from petctl.core.records import JobResult, NodeRecord, NodeStatus, Phase, Round
+from petctl.core.store import BACKENDS, Backend
 from petctl.jobview.corrupt import Corrupt
 from petctl.jobview.events import etcd_events, merge, mirror_events
 from petctl.jobview.logs import follow_chunks
 from petctl.jobview.prefix import file_prefix
-from petctl.jobview.state import read_job_state, state_from_mirror
+from petctl.jobview.state import JobState, read_job_state, state_from_mirror
 from petctl.jobview.view import JobSources, JobView
 
 UNREACHABLE = "http://127.0.0.1:9"  # discard: nothing answers there
@@ -89,32 +90,40 @@ def test_state_from_the_mirror_skips_and_counts_a_corrupt_status(mirror: Path) -
     assert state_from_mirror("demo", file_prefix(mirror)).state == "succeeded"
 
 
-def test_etcd_state_with_typed_records(etcd_server, mirror: Path) -> None:
-    from petctl.io.etcd import etcd_client
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_etcd_state_with_typed_records(etcd_server, mirror: Path, backend: Backend) -> None:
+    """The same records read back through either store backend (the one the job's agents write with)."""
+    from contextlib import closing
 
-    client = etcd_client(etcd_server.endpoint)
-    keys = JobKeys("typed")
-    client.write(keys.round, Round(round=3, phase=Phase.FROZEN, ts=1.0, ranks={"n1": 0, "n2": 1},
-                                   world_size=2, restarts=1).to_json())
-    for node in ("n1", "n2", "n3"):
-        client.write(keys.node(node), NodeRecord(node_id=node, host_addr="10.0.0.1", pid=42).to_json())
-    client.write(keys.node_status("n1"), NodeStatus(node_id="n1", state="running", updated=2.0, rank=0,
-                                                    failures={"etcd": 4}).to_json())
-    client.write(keys.node_status("n2"), "[1, 2]")  # not an object: skipped, counted
-    client.write(f"{keys.events}/1", json.dumps(ev(1, "agent.started", "n1")))
-    client.write(f"{keys.events}/2", "garbage")
-    corrupt = Corrupt()
-    state = read_job_state(client, "typed", corrupt)
-    assert state.state == "running" and state.ranks == {"n1": 0, "n2": 1} and state.round.restarts == 1
-    assert state.nodes["n1"].failures == {"etcd": 4}
-    assert state.nodes["n2"].state == "" and state.nodes["n2"].pid == 42  # alive, its status unreadable
-    assert set(state.nodes) == {"n1", "n2", "n3"}
-    assert [e["event"] for e in etcd_events(client, "typed", corrupt)] == ["agent.started"]
-    assert corrupt.to_dict() == {"event": 1, "node status": 1}
-    view = JobView(JobSources(job="typed", etcd_endpoint=etcd_server.endpoint, mirror=file_prefix(mirror)))
-    assert view.state().source == "etcd"
-    assert sorted((e["ts"], e["node"]) for e in view.events()) == [(1, "i-a"), (1, "n1"), (2, "i-b"),
-                                                                  (3, "i-a")]  # both copies, once each
+    from tests.support.store import store_for
+
+    with closing(store_for(etcd_server.endpoint, backend=backend)) as store:
+        keys = JobKeys("typed")
+        store.delete_dir(keys.base)  # the other backend's run left nothing here (etcd 3.5: two keyspaces)
+        store.put(keys.round, Round(round=3, phase=Phase.FROZEN, ts=1.0, ranks={"n1": 0, "n2": 1},
+                                    world_size=2, restarts=1).to_json())
+        for node in ("n1", "n2", "n3"):
+            store.put(keys.node(node), NodeRecord(node_id=node, host_addr="10.0.0.1", pid=42).to_json())
+        store.put(keys.node_status("n1"), NodeStatus(node_id="n1", state="running", updated=2.0, rank=0,
+                                                     failures={"etcd": 4}).to_json())
+        store.put(keys.node_status("n2"), "[1, 2]")  # not an object: skipped, counted
+        store.put(keys.event("n1", 2), json.dumps(ev(1, "agent.started", "n1")))
+        store.put(keys.event("n1", 1), json.dumps(ev(0.5, "agent.booted", "n1")))  # earlier key: first
+        store.put(keys.event("n2", 3), "garbage")
+        corrupt = Corrupt()
+        state = read_job_state(store, "typed", corrupt)
+        assert state.state == "running" and state.ranks == {"n1": 0, "n2": 1} and state.round.restarts == 1
+        assert state.nodes["n1"].failures == {"etcd": 4}
+        assert state.nodes["n2"].state == "" and state.nodes["n2"].pid == 42  # alive, its status unreadable
+        assert set(state.nodes) == {"n1", "n2", "n3"}
+        assert [e["event"] for e in etcd_events(store, "typed", corrupt)] == ["agent.booted", "agent.started"]
+        assert corrupt.to_dict() == {"event": 1, "node status": 1}
+        assert read_job_state(store, "nothing-here") == JobState(job="nothing-here")
+    view = JobView(JobSources(job="typed", etcd_endpoint=etcd_server.endpoint, mirror=file_prefix(mirror),
+                              etcd_store=backend))
+    assert view.state().source == "etcd" and view.state().ranks == {"n1": 0, "n2": 1}
+    assert sorted((e["ts"], e["node"]) for e in view.events()) == [(0.5, "n1"), (1, "i-a"), (1, "n1"),
+                                                                  (2, "i-b"), (3, "i-a")]  # both copies, once
 
 
 def test_a_silent_etcd_falls_back_to_the_mirror_and_says_so(mirror: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,8 @@ def test_job_result_stops_the_reconciler_and_ends_logs_follow(stub: Petctl):
     follower = subprocess.Popen([sys.executable, "-m", "petctl", "logs", "done", "-f"], env=stub.env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        write_result(stub.etcd(), "done", "succeeded", "all workers exited 0")
+        with closing(stub.store()) as store:
+            write_result(store, "done", "succeeded", "all workers exited 0")
         out, err = follower.communicate(timeout=30)  # `logs -f` ends by itself once the job is over
     finally:
         if follower.poll() is None:

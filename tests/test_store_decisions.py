@@ -18,6 +18,7 @@ from petctl.agent.liveness import Heartbeat
 from petctl.agent.roundjudge import Continue, Over, Rebuild, RoundOutcome, judge
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round
+from petctl.core.store import BACKENDS
 from tests.support.emitter import Recorder
 from tests.support.round_cases import (
     T0,
@@ -236,9 +237,11 @@ def test_the_heartbeat_writes_its_vanished_key_again_and_disturbs_the_store():
 
 # --- the rebuild ----------------------------------------------------------------------------------------
 class FakeRendezvous:
+    """The rendezvous and its `kv` (the Store calls the rebuild makes) in one: a wiped store."""
+
     def __init__(self) -> None:
         self.keys = JobKeys("j")
-        self.client = self
+        self.kv = self
         self.written: dict[str, str] = {}
         self.created: list[Round] = []
 
@@ -246,13 +249,18 @@ class FakeRendezvous:
         self.created.append(rnd)
         return len(self.created) == 1
 
-    def write(self, key, value, prevExist=None, **kw):
-        if prevExist is False and key in self.written:
-            raise etcd.EtcdAlreadyExist("exists")
+    def create(self, key, value, lease=None) -> bool:
+        if key in self.written:
+            return False
         self.written[key] = value
+        return True
 
-    def read(self, key):
-        raise etcd.EtcdKeyNotFound(key)
+    def put(self, key, value, lease=None) -> int:
+        self.written[key] = value
+        return len(self.written)
+
+    def get(self, key):
+        return None  # wiped: the rebuild only writes what it holds
 
 
 class FakeMirror:
@@ -291,16 +299,21 @@ def test_a_wiped_store_of_an_ended_job_gets_its_result_back_not_its_round():
 
 
 # --- a result written by an agent that lost etcd before flipping the round --------------------------------
-def test_a_result_without_a_final_round_gets_one_from_the_next_writer(etcd_server):
-    from petctl.io.etcd import etcd_client
-    from petctl.io.jobresult import record_result
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_result_without_a_final_round_gets_one_from_the_next_writer(etcd_server, backend):
+    from contextlib import closing
 
-    client, keys = etcd_client(etcd_server.endpoint), JobKeys("half-ended")
+    from petctl.io.jobresult import record_result
+    from tests.support.store import store_for
+
+    keys = JobKeys("half-ended")
     first = JobResult(state="succeeded", reason="all workers exited 0", ts=WALL, round=3, job="half-ended")
-    client.write(keys.result, first.to_json())  # the first writer's second write never happened
-    client.write(keys.round, frozen_round(3, RANKS, restarts=1).to_json())
-    second = dataclasses.replace(first, state="failed", reason="a later verdict")
-    assert record_result(client, second) is False  # the first result stands ...
-    final = Round.from_json(client.read(keys.round).value)
-    assert (final.phase, final.state, final.restarts) == (Phase.FINAL, "succeeded", 1)  # ... and ends the job
-    assert JobResult.from_json(client.read(keys.result).value) == first
+    with closing(store_for(etcd_server.endpoint, backend=backend)) as store:
+        store.delete_dir(keys.base)
+        store.put(keys.result, first.to_json())  # the first writer's second write never happened
+        store.put(keys.round, frozen_round(3, RANKS, restarts=1).to_json())
+        second = dataclasses.replace(first, state="failed", reason="a later verdict")
+        assert record_result(store, second) is False  # the first result stands ...
+        final = Round.from_json(store.get(keys.round).value)
+        assert (final.phase, final.state, final.restarts) == (Phase.FINAL, "succeeded", 1)  # ... and ends it
+        assert JobResult.from_json(store.get(keys.result).value) == first

@@ -32,8 +32,6 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-import etcd
-
 from petctl.agent.code import fetch_code
 from petctl.agent.decisions import RoundInfo, Settings
 from petctl.agent.health import OutageReporter, StoreHealth, describe, traceback_tail
@@ -52,6 +50,7 @@ from petctl.core.spec import AgentConfig
 from petctl.io.etcd import etcd_client, store_errors
 from petctl.io.etcdpki import load_credentials
 from petctl.io.jobresult import record_result
+from petctl.io.store import open_store
 
 # --- the agent ----------------------------------------------------------------------------------------------
 
@@ -84,6 +83,7 @@ class Agent:
                                          slow=max(ttl - interval, ttl / 2), straggle=timeout)
         tls = load_credentials(spec.etcd_credentials, self.work_dir / ".etcd-credentials", config.region)
         self.client = etcd_client(endpoint, read_timeout=timeout, tls=tls)
+        self.kv = open_store(endpoint, spec.etcd_store, tls, timeout)  # type: ignore[arg-type]
         self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
                                    OutageReporter("watch", emit, parent=store), tls=tls)
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
@@ -94,7 +94,7 @@ class Agent:
                                 self.events, silence_limit(t), wake=self.watcher.nudge)
                       if watching_enabled(t) else None)
         self.rdzv = EtcdRendezvous(self.client, spec.name, self.node_id, config.host_addr, self.settings,
-                                   self.events, self.watcher, self.stats, store)
+                                   self.events, self.watcher, self.stats, store, self.kv)
         self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
         self.preemption.wake = self.watcher.nudge
@@ -138,6 +138,7 @@ class Agent:
                 raise AgentCrashed(describe(e)) from e
 
     def _run(self, services: contextlib.ExitStack) -> int:
+        services.callback(self.kv.close)  # last: every service above stops before the store closes
         self.event_sink.start()
         services.callback(self.event_sink.stop)
         if self.mirror is not None:
@@ -290,15 +291,12 @@ class StoreRebuilder:
         retries on its next look)."""
         prior = self._stored_result()
         if prior is not None:
-            if record_result(self.rdzv.client, prior):
+            if record_result(self.rdzv.kv, prior):
                 self.events.emit("store.rebuilt", result=prior.state, round=prior.round)
             return
         if self.rdzv.create_round(rnd):
             self.events.emit("store.rebuilt", round=rnd.round, phase=rnd.phase.value, restarts=rnd.restarts)
-        try:
-            self.rdzv.client.write(self.rdzv.keys.spec, self.spec_json, prevExist=False)
-        except etcd.EtcdAlreadyExist:
-            pass  # another agent put it back first
+        self.rdzv.kv.create(self.rdzv.keys.spec, self.spec_json)  # False: another agent put it back first
 
     def _stored_result(self) -> JobResult | None:
         if self.mirror is None:

@@ -73,6 +73,7 @@ from petctl.core.records import (
     Round,
     WireFormatError,
 )
+from petctl.core.store import Store
 from petctl.io.etcd import endpoint_scheme, free_port, parse_endpoints, store_errors
 from petctl.io.etcdpki import EtcdTls
 from petctl.io.jobresult import record_result
@@ -392,8 +393,10 @@ class RendezvousAborted(Exception):
 
 class EtcdRendezvous:
     def __init__(self, client: etcd.Client, job: str, node_id: str, host_addr: str, settings: Settings,
-                 events: EventLog, watcher: LiveWatcher, stats: RequestStats, store: StoreHealth) -> None:
+                 events: EventLog, watcher: LiveWatcher, stats: RequestStats, store: StoreHealth,
+                 kv: Store) -> None:
         self.client = client
+        self.kv = kv  # the job's keys through the Store interface (its backend: JobSpec.etcd_store)
         self.keys = JobKeys(job)
         self.job = job
         self.node_id = node_id
@@ -480,7 +483,7 @@ class EtcdRendezvous:
         self.stats.writes += 2
         result = JobResult(state=state, reason=reason, ts=time.time(), round=round_no, job=self.job,
                            node=self.node_id)
-        if not record_result(self.client, result):
+        if not record_result(self.kv, result):
             return False
         self.stats.reads += 1  # the replaced round's restart count, carried into the final one
         self.events.emit("job.result", state=state, reason=reason, round=round_no)

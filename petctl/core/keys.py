@@ -79,3 +79,9 @@ class JobKeys:
     @property
     def events(self) -> str:
         return f"{self.base}/events"
+
+    def event(self, node_id: str, ns: int) -> str:
+        """One event's key: its write time in nanoseconds, zero-padded so that key order is time order
+        (as v2's in-order keys were), then its writer, so two nodes writing in the same nanosecond do
+        not collide."""
+        return f"{self.events}/{ns:020d}-{node_id}"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.core.errors import ValidationError
+from petctl.core.store import BACKENDS, JOB_DEFAULT_BACKEND
 
 JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$")
 # AWS recommends price-capacity-optimized for spot: pools least likely to be interrupted, and of those the
@@ -96,6 +97,9 @@ class JobSpec:
     # Where the job's agents find their etcd client certificate (not the secret itself): "" (none),
     # file:///dir or a Secrets Manager secret's ARN. See petctl/io/etcdpki.py.
     etcd_credentials: str = ""
+    # Which of etcd's APIs the job's agents, its reconciler and its readers use (petctl/core/store.py):
+    # "v2" or "v3". etcd 3.5 keeps the two keyspaces apart, so all of them must agree.
+    etcd_store: str = JOB_DEFAULT_BACKEND
     env: dict[str, str] = field(default_factory=dict)
     warm_workers: bool = True  # keep workers with torch imported ready for the next restart
     warm_imports: list[str] = field(default_factory=list)  # more modules for warm workers to preload
@@ -127,6 +131,8 @@ class JobSpec:
             raise ValidationError(f"--nproc-per-node must be >= 1 (got {self.nproc_per_node})")
         if self.max_restarts < 0:
             raise ValidationError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        if self.etcd_store not in BACKENDS:
+            raise ValidationError(f"unknown etcd store {self.etcd_store!r}: use {' or '.join(BACKENDS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,6 +28,11 @@ from typing import Literal, Protocol
 Backend = Literal["v3", "v2"]
 BACKENDS: tuple[Backend, ...] = ("v3", "v2")
 DEFAULT_BACKEND: Backend = "v3"
+# The backend a job's agents (and the readers of its keys) use unless setup chose another
+# (`petctl setup --option store=v3`): v2 until the agents' liveness on v3 is settled (issue 27; see
+# petctl/agent/liveness.py). etcd 3.5 keeps its v2 and v3 keyspaces apart, so every reader of a job's
+# keys must use the backend its agents write with: it travels in `JobSpec.etcd_store`.
+JOB_DEFAULT_BACKEND: Backend = "v2"
 
 
 class StoreError(Exception):

@@ -261,11 +261,15 @@ def etcd_client(endpoint: str, read_timeout: float = 5.0, tls: EtcdTls | None = 
 
 def store_errors() -> tuple[type[BaseException], ...]:
     """What an etcd call raises when the store cannot answer (down, frozen, restarting, replaced, a
-    partition, no leader): every python-etcd error, and the socket and urllib3 errors it lets through.
+    partition, no leader): a `Store`'s StoreError (petctl/core/store.py), every python-etcd error, and
+    the socket and urllib3 errors it lets through (while some agent modules still call python-etcd;
+    issue 27 moves them onto the Store).
     `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
     callers handle those by name, in an `except` before this tuple. Imported lazily (python-etcd stays
     out of the CLI's import)."""
     import etcd
     import urllib3.exceptions
 
-    return (etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)
+    from petctl.core.store import StoreError
+
+    return (StoreError, etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)

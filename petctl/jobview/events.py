@@ -13,6 +13,7 @@ from typing import Any
 
 from petctl.core.eventlog import dedupe, parse_line
 from petctl.core.keys import JobKeys
+from petctl.core.store import Store
 from petctl.jobview.corrupt import Corrupt
 from petctl.jobview.prefix import PrefixReader, chunk_text, chunks
 
@@ -30,15 +31,11 @@ def _record(text: str, corrupt: Corrupt | None) -> dict[str, Any] | None:
     return record
 
 
-def etcd_events(client, job: str, corrupt: Corrupt | None = None) -> list[dict[str, Any]]:
-    """The events still in etcd (`events/`, TTL'd). Raises etcd.EtcdException when etcd fails."""
-    import etcd
-
-    try:
-        listing = client.read(JobKeys(job).events, recursive=True, sorted=True)
-    except etcd.EtcdKeyNotFound:
-        return []
-    return [r for leaf in listing.leaves if leaf.value and (r := _record(leaf.value, corrupt))]
+def etcd_events(store: Store, job: str, corrupt: Corrupt | None = None) -> list[dict[str, Any]]:
+    """The events still in etcd (`events/`, each under its writer's lease), in key order (each key
+    starts with its write time: `JobKeys.event`). Raises StoreError when etcd fails."""
+    entries = store.list(JobKeys(job).events).entries
+    return [r for entry in entries if entry.value and (r := _record(entry.value, corrupt))]
 
 
 def mirror_events(reader: PrefixReader, corrupt: Corrupt | None = None) -> list[dict[str, Any]]:

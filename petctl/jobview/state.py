@@ -13,6 +13,7 @@ from typing import Any
 
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, NodeStatus, Phase, Round, WireFormatError
+from petctl.core.store import Store
 from petctl.jobview.corrupt import Corrupt
 from petctl.jobview.prefix import PrefixReader
 
@@ -83,64 +84,38 @@ def ended(value: str | bytes | None, corrupt: Corrupt | None = None) -> JobResul
     return result
 
 
-def read_result(client, job: str, corrupt: Corrupt | None = None) -> JobResult | None:
-    """The job's result in etcd (None while it runs). Raises etcd.EtcdException when etcd fails."""
-    import etcd
-
-    try:
-        return ended(client.read(JobKeys(job).result).value, corrupt)
-    except etcd.EtcdKeyNotFound:
-        return None
+def read_result(store: Store, job: str, corrupt: Corrupt | None = None) -> JobResult | None:
+    """The job's result in etcd (None while it runs). Raises StoreError when etcd fails."""
+    entry = store.get(JobKeys(job).result)
+    return None if entry is None else ended(entry.value, corrupt)
 
 
-def read_round(client, job: str, corrupt: Corrupt | None = None) -> Round | None:
-    """The job's `live/round` (None before the first). Raises etcd.EtcdException when etcd fails."""
-    import etcd
-
-    try:
-        value = client.read(JobKeys(job).round).value
-    except etcd.EtcdKeyNotFound:
-        return None
-    return parse(Round, value, "round", corrupt)
+def read_round(store: Store, job: str, corrupt: Corrupt | None = None) -> Round | None:
+    """The job's `live/round` (None before the first). Raises StoreError when etcd fails."""
+    entry = store.get(JobKeys(job).round)
+    return None if entry is None else parse(Round, entry.value, "round", corrupt)
 
 
-def read_job_state(client, job: str, corrupt: Corrupt | None = None) -> JobState:
-    """The job's state from etcd in three reads: the job's top keys, the published statuses, `live/`.
+def read_job_state(store: Store, job: str, corrupt: Corrupt | None = None) -> JobState:
+    """The job's state from etcd in three reads: the job's result, the published statuses, `live/`.
 
     Only nodes with a live heartbeat are listed; a node's status without a heartbeat is a node that is
     gone (its status key outlives it for a while, by design, so a reader can say what it last did).
-    Raises etcd.EtcdException when etcd cannot be read.
+    Raises StoreError when etcd cannot be read.
     """
-    import etcd
-
     keys = JobKeys(job)
-    state = JobState(job=job)
-    try:
-        for leaf in client.read(keys.base, recursive=False).leaves:
-            if leaf.key == keys.result:
-                state.result = ended(leaf.value, corrupt)
-    except etcd.EtcdKeyNotFound:
-        return state
+    state = JobState(job=job, result=read_result(store, job, corrupt))
     statuses: dict[str, NodeStatus] = {}
-    try:
-        for leaf in client.read(keys.status, recursive=True).leaves:
-            if not leaf.dir and (status := parse(NodeStatus, leaf.value, "node status", corrupt)):
-                statuses[leaf.key.rsplit("/", 1)[1]] = status
-    except etcd.EtcdKeyNotFound:
-        pass  # no node has published a status yet
-    try:
-        live = client.read(keys.live, recursive=True)
-    except etcd.EtcdKeyNotFound:
-        return state
-    for leaf in live.leaves:
-        if leaf.dir:
-            continue
-        if leaf.key.startswith(keys.nodes + "/"):
-            node_id = leaf.key.rsplit("/", 1)[1]
-            beat = parse(NodeRecord, leaf.value, "heartbeat", corrupt)
+    for entry in store.list(keys.status).entries:
+        if status := parse(NodeStatus, entry.value, "node status", corrupt):
+            statuses[entry.key.rsplit("/", 1)[1]] = status
+    for entry in store.list(keys.live).entries:
+        if entry.key.startswith(keys.nodes + "/"):
+            node_id = entry.key.rsplit("/", 1)[1]
+            beat = parse(NodeRecord, entry.value, "heartbeat", corrupt)
             state.nodes[node_id] = statuses.get(node_id) or _unpublished(node_id, beat)
-        elif leaf.key == keys.round:
-            state.round = parse(Round, leaf.value, "round", corrupt)
+        elif entry.key == keys.round:
+            state.round = parse(Round, entry.value, "round", corrupt)
     return state
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from petctl.core.errors import ProviderError
 from petctl.core.records import JobResult
+from petctl.core.store import JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdpki import EtcdTls
 from petctl.jobview import events as timeline
 from petctl.jobview.accounting import Accounting, account
@@ -23,6 +24,7 @@ from petctl.jobview.cost import CostReport, Prices, price_usage, usage
 from petctl.jobview.prefix import PrefixReader
 from petctl.jobview.state import JobState, mirror_result, read_job_state, read_result, state_from_mirror
 
+T = TypeVar("T")
 LogReader = Callable[[str | None, bool], Iterator[str]]  # (node or None for all, follow) -> lines
 
 
@@ -36,6 +38,7 @@ class JobSources:
     logs: LogReader | None = None  # the provider's reader of the node logs
     extra_events: Callable[[], list[dict[str, Any]]] | None = None  # events kept by the provider itself
     etcd_tls: EtcdTls | None = None  # the client certificate an https etcd asks for (the operator's)
+    etcd_store: Backend = JOB_DEFAULT_BACKEND  # the API the job's agents write with (JobSpec.etcd_store)
 
 
 class JobView:
@@ -53,23 +56,27 @@ class JobView:
     def job(self) -> str:
         return self.sources.job
 
-    def _client(self):
-        from petctl.io.etcd import etcd_client
+    def _read(self, read: Callable[[Store], T]) -> T:
+        """`read` on a store opened for this one read (closed after: a v3 store holds a loop thread).
+        Raises StoreError when etcd fails."""
+        from petctl.io.store import open_store
 
-        return etcd_client(self.sources.etcd_endpoint, read_timeout=3.0, tls=self.sources.etcd_tls)
+        store = open_store(self.sources.etcd_endpoint, self.sources.etcd_store, self.sources.etcd_tls, 3.0)
+        try:
+            return read(store)
+        finally:
+            store.close()
 
     def _etcd_failed(self, error: Exception) -> None:
         self.unreadable.append(f"etcd at {self.sources.etcd_endpoint} did not answer: {error}")
 
     def state(self) -> JobState:
         """The live state: etcd's, else the agents' mirror. Raises ProviderError when neither is readable."""
-        import etcd
-
         endpoint, mirror = self.sources.etcd_endpoint, self.sources.mirror
         if endpoint:
             try:
-                state = read_job_state(self._client(), self.job, self.corrupt)
-            except etcd.EtcdException as e:
+                state = self._read(lambda store: read_job_state(store, self.job, self.corrupt))
+            except StoreError as e:
                 if mirror is None:
                     raise ProviderError(f"cannot read job {self.job!r} from etcd at {endpoint}: {e}") from e
                 self._etcd_failed(e)
@@ -83,12 +90,10 @@ class JobView:
 
     def result(self) -> JobResult | None:
         """How the job ended (None while it runs): etcd's record, else the one in the job's prefix."""
-        import etcd
-
         if self.sources.etcd_endpoint:
             try:
-                found = read_result(self._client(), self.job, self.corrupt)
-            except etcd.EtcdException as e:
+                found = self._read(lambda store: read_result(store, self.job, self.corrupt))
+            except StoreError as e:
                 self._etcd_failed(e)
             else:
                 if found is not None:
@@ -97,13 +102,11 @@ class JobView:
 
     def events(self) -> list[dict[str, Any]]:
         """Every copy of the timeline merged: etcd's (while it answers), the mirror's, the provider's."""
-        import etcd
-
         copies: list[list[dict[str, Any]]] = []
         if self.sources.etcd_endpoint:
             try:
-                copies.append(timeline.etcd_events(self._client(), self.job, self.corrupt))
-            except etcd.EtcdException as e:
+                copies.append(self._read(lambda store: timeline.etcd_events(store, self.job, self.corrupt)))
+            except StoreError as e:
                 self._etcd_failed(e)
         if self.sources.mirror is not None:
             copies.append(timeline.mirror_events(self.sources.mirror, self.corrupt))

@@ -9,15 +9,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from petctl.core.eventlog import parse_line
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.io.etcd import etcd_client
 from petctl.jobview.state import JobState, read_job_state
 from tests.support.paths import REPO, WORKLOADS
+from tests.support.store import store_for
 
 
 @dataclass
@@ -81,7 +82,8 @@ class AgentCluster:
         return agent
 
     def state(self) -> JobState:
-        return read_job_state(etcd_client(self.endpoint), self.spec.name)
+        with closing(store_for(self.endpoint, backend=self.spec.etcd_store)) as store:  # type: ignore[arg-type]
+            return read_job_state(store, self.spec.name)
 
     def steps(self, node_id: str) -> list[dict[str, Any]]:
         return self.agents[node_id].events("train.step")

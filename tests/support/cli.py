@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.core.eventlog import parse_line
+from petctl.core.store import JOB_DEFAULT_BACKEND
 from tests.support.paths import REPO
 from tests.support.procs import kill_processes_with_home, processes_with_home
 
@@ -51,10 +52,19 @@ class Petctl:
         return json.loads((self.home / "config.json").read_text())["settings"]["local"]
 
     def etcd(self, read_timeout: float = 3.0):
-        """A python-etcd client as root on this home's local etcd (it requires client certificates)."""
+        """A python-etcd client as root on this home's local etcd (it requires client certificates): for
+        tests of etcd's auth itself (petctl/io/etcdauth.py); everything else reads through `store()`."""
         from petctl.io.etcd import etcd_client
 
         return etcd_client(self.local_settings()["etcd_endpoint"], read_timeout, self.etcd_root_tls())
+
+    def store(self, read_timeout: float = 3.0):
+        """A `Store` as root on this home's local etcd, on the backend its jobs use (close it after)."""
+        from tests.support.store import store_for
+
+        settings = self.local_settings()
+        return store_for(settings["etcd_endpoint"], self.etcd_root_tls(),
+                         settings.get("store") or JOB_DEFAULT_BACKEND, read_timeout)
 
     def etcd_root_tls(self):
         from petctl.io.etcdpki import EtcdTls

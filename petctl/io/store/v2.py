@@ -35,6 +35,7 @@ class V2Store:
     """`Store` over python-etcd; see the module docstring."""
 
     backend = "v2"
+    beats_visible = True  # a keep-alive refreshes each key: its modifiedIndex moves
 
     def __init__(self, endpoint: str, tls: EtcdTls | None, timeout: float) -> None:
         self._endpoint = endpoint

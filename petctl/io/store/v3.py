@@ -77,6 +77,7 @@ class V3Store:
     """`Store` over etcd3aio; see the module docstring."""
 
     backend = "v3"
+    beats_visible = False  # a keep-alive touches no key: peers see only the lease's expiry
 
     def __init__(self, members: list[tuple[str, int]], tls: EtcdTls | None, timeout: float,
                  loop: LoopThread | None = None) -> None:

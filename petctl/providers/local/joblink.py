@@ -9,13 +9,15 @@ answered "not ended, no ranks", and the outage is reported once when it starts a
 from __future__ import annotations
 
 from petctl.core.eventlog import EventLog
+from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult
+from petctl.core.store import Store, StoreError
 from petctl.jobview.state import ranks_of, read_result, read_round
 
 
 class JobLink:
-    def __init__(self, client, job: str, events: EventLog) -> None:
-        self.client = client
+    def __init__(self, store: Store, job: str, events: EventLog) -> None:
+        self.store = store
         self.job = job
         self.events = events
         self.failures = 0  # consecutive failed reads; > 0 while etcd is out of reach
@@ -32,11 +34,9 @@ class JobLink:
 
     def result(self) -> JobResult | None:
         """The job's result (None while it runs, or while etcd does not answer)."""
-        import etcd
-
         try:
-            result = read_result(self.client, self.job)
-        except etcd.EtcdException as e:
+            result = read_result(self.store, self.job)
+        except StoreError as e:
             self._failed(e)
             return None
         self._answered()
@@ -44,11 +44,9 @@ class JobLink:
 
     def ranks(self) -> dict[str, int]:
         """node_id -> rank in the current frozen round ({} while forming, or while etcd does not answer)."""
-        import etcd
-
         try:
-            current = read_round(self.client, self.job)
-        except etcd.EtcdException as e:
+            current = read_round(self.store, self.job)
+        except StoreError as e:
             self._failed(e)
             return {}
         self._answered()
@@ -56,29 +54,21 @@ class JobLink:
 
     def alive(self) -> set[str]:
         """Nodes whose agent has a heartbeat in etcd (empty while etcd does not answer)."""
-        import etcd
-
-        from petctl.core.keys import JobKeys
-
+        nodes = JobKeys(self.job).nodes
         try:
-            nodes = self.client.read(JobKeys(self.job).nodes, recursive=True)
-        except etcd.EtcdKeyNotFound:
-            self._answered()
-            return set()
-        except etcd.EtcdException as e:
+            listing = self.store.list(nodes)
+        except StoreError as e:
             self._failed(e)
             return set()
         self._answered()
-        return {leaf.key.rsplit("/", 1)[1] for leaf in nodes.leaves if not leaf.dir and leaf.key != nodes.key}
+        return {node for node in listing.leaves(nodes) if "/" not in node}
 
     def end(self, state: str, reason: str) -> bool:
         """Record the job's end (as an agent would); False when etcd refused or another writer was first."""
-        import etcd
-
         from petctl.io.jobresult import write_result
 
         try:
-            return write_result(self.client, self.job, state, reason)
-        except etcd.EtcdException as e:
+            return write_result(self.store, self.job, state, reason)
+        except StoreError as e:
             self._failed(e)
             return False

@@ -25,6 +25,7 @@ import petctl
 from petctl.core.errors import PetctlError, ProviderError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSubmission
+from petctl.core.store import Store, StoreError
 from petctl.io.etcdauth import AuthError
 from petctl.io.etcdauthv3 import V3Admin
 from petctl.providers.local.jobdir import JobDir
@@ -39,20 +40,21 @@ def python_env() -> dict[str, str]:
     return env
 
 
-def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace_delay: float,
+def start(job: JobDir, submission: JobSubmission, endpoint: str, store: Store, client, replace_delay: float,
           agent_command: list[str] | None, secure=None) -> None:
-    """Copy the code, record the spec (job directory and etcd), give the job its etcd user when etcd
-    has auth (`secure`: its SecureEtcdDir; `client` is then root's) and start the job's reconciler.
+    """Copy the code, record the spec (job directory and `store`, on the job's backend), give the job
+    its etcd user when etcd has auth (`secure`: its SecureEtcdDir; `client`, root's python-etcd client,
+    grants it in v2's auth) and start the job's reconciler.
 
     `agent_command` replaces the agent each instance runs (None: petctl's own). Raises ProviderError
     (or the PetctlError met) after undoing every step that had been done."""
-    import etcd
+    from petctl.io.etcd import store_errors
 
     spec, script = submission.spec, submission.script
     rec: ProcRef | None = None
     v3 = v3_admin(endpoint, secure)
     try:
-        forget(job, client, v3)
+        forget(job, store, client, v3)
         job.path.mkdir(parents=True)
         if secure is not None:
             _give_credentials(job, submission, client, secure, v3)
@@ -69,8 +71,8 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
         job.update_meta(spec=spec.to_dict(), created_at=time.time(), replace_delay=replace_delay,
                         agent_command=agent_command)
         job.write_desired(spec.size)
-        client.write(JobKeys(spec.name).spec, spec.to_json())
-        client.write(JobKeys(spec.name).desired, str(spec.size))
+        store.put(JobKeys(spec.name).spec, spec.to_json())
+        store.put(JobKeys(spec.name).desired, str(spec.size))
         cmd = [sys.executable, "-m", "petctl.providers.local.reconciler", "--job-dir", str(job.path),
                "--etcd", endpoint, "--replace-delay", str(replace_delay)]
         with open(job.reconciler_log, "ab") as log:
@@ -78,10 +80,10 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, client, replace
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         rec = ProcRef.of(proc.pid)
         job.update_meta(reconciler=rec.to_dict())
-    except (PetctlError, OSError, etcd.EtcdException, AuthError) as e:
+    except (PetctlError, OSError, StoreError, AuthError, *store_errors()) as e:
         if rec is not None:
             stop_group(rec, grace=2.0)
-        forget(job, client, v3)
+        forget(job, store, client, v3)
         if isinstance(e, PetctlError):
             raise
         raise ProviderError(f"could not start job {spec.name!r}: {e}") from e
@@ -122,18 +124,13 @@ def revoke_credentials(job: JobDir, client, v3: V3Admin | None) -> None:
             etcdauthv3.revoke_user(v3, user)
 
 
-def forget(job: JobDir, client, v3: V3Admin | None) -> None:
-    """Remove a finished job's leftovers (its directory, etcd keys and etcd user) before its name is
-    reused. Raises AuthError or etcd's errors when etcd does not answer."""
-    import etcd
-
+def forget(job: JobDir, store: Store, client, v3: V3Admin | None) -> None:
+    """Remove a finished job's leftovers (its directory, its keys in `store` and its etcd user) before
+    its name is reused. Raises AuthError or StoreError when etcd does not answer."""
     stop_processes(job, grace=2.0)
     revoke_credentials(job, client, v3)
     shutil.rmtree(job.path, ignore_errors=True)
-    try:
-        client.delete(JobKeys(job.name).base, recursive=True)
-    except etcd.EtcdKeyNotFound:
-        pass  # nothing of it in etcd: already forgotten
+    store.delete_dir(JobKeys(job.name).base)  # nothing there (already forgotten) is no error
 
 
 def reconciler(job: JobDir) -> ProcRef | None:

@@ -8,6 +8,10 @@ The CLI talks to this class only through the `Provider` interface (plus the chao
 Setup option `agent_command` (e.g. `petctl setup --option "agent_command=python my_agent.py {config}"`)
 replaces the agent every instance runs, `{config}` standing for its agent.json: a stub agent in tests,
 or the agent under a profiler or a wrapper. An empty value restores petctl's own agent.
+
+Setup option `store` (`v2` or `v3`) picks the etcd API the jobs started from then on use
+(`JobSpec.etcd_store`: agents, reconciler and readers alike); the default is `JOB_DEFAULT_BACKEND`.
+v3 is refused until the agent speaks it (issue 27).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar
 
 from petctl.core.errors import JobExists, JobNotFound, NotSetUp, PetctlError, ValidationError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSpec, JobSubmission
+from petctl.core.store import BACKENDS, JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdauth import AuthError
 from petctl.jobview.prefix import file_prefix
 from petctl.jobview.view import JobSources
@@ -34,7 +40,18 @@ from petctl.providers.local.jobdir import JobDir, local_root
 
 FINAL_STATES = ("succeeded", "failed", "killed")
 DEFAULT_REPLACE_DELAY = 3.0
-SETUP_OPTIONS = ("agent_command",)
+SETUP_OPTIONS = ("agent_command", "store")
+
+
+def store_option(value: str) -> Backend:
+    """`--option store=v2|v3`: the etcd API the jobs started from now on use (petctl/core/store.py).
+    Raises ValidationError (one line) for another value, and for v3 until the agent speaks it."""
+    if value not in BACKENDS:
+        raise ValidationError(f"local setup option store must be one of {', '.join(BACKENDS)}, not {value!r}")
+    if value == "v3":  # the agents still write through python-etcd (issue 27's second half)
+        raise ValidationError("local setup option store=v3 is not available yet: the agent does not speak "
+                              "etcd's v3 API (issue 27)")
+    return value  # type: ignore[return-value]
 
 
 def agent_command_option(value: str) -> list[str] | None:
@@ -67,6 +84,8 @@ class LocalProvider(Provider):
         settings = self.settings
         if "agent_command" in options:
             settings["agent_command"] = agent_command_option(str(options["agent_command"]))
+        if "store" in options:
+            settings["store"] = store_option(str(options["store"]))
         if not (settings.get("ready") and settings.get("etcd_pki") and etcdhost.healthy(settings)):
             # A recorded but unhealthy etcd (say, after a crash) is replaced, as is one an older petctl
             # started without client certificates and auth.
@@ -93,7 +112,22 @@ class LocalProvider(Provider):
             raise NotSetUp("petctl is not set up: run `petctl setup` first")
         return str(self.settings["etcd_endpoint"])
 
-    def _client(self):
+    def _backend(self) -> Backend:
+        """The etcd API of the jobs this setup starts (`--option store=`; JOB_DEFAULT_BACKEND)."""
+        return self.settings.get("store") or JOB_DEFAULT_BACKEND
+
+    def _store(self, name: str | None = None) -> Store:
+        """A store as root, on job `name`'s backend (its spec's; this setup's for a new job). The caller
+        closes it."""
+        from petctl.io.store import open_store
+
+        backend = self._backend()
+        if name is not None and (job := JobDir.of(self.config.home, name)).meta_path.exists():
+            backend = job.read_meta().get("spec", {}).get("etcd_store", backend)
+        return open_store(self.etcd_endpoint(), backend, etcdhost.admin_tls(self.settings), timeout=3.0)
+
+    def _auth_client(self):
+        """Root's python-etcd client, for v2's auth store only (petctl/io/etcdauth.py)."""
         from petctl.io.etcd import etcd_client
 
         return etcd_client(self.etcd_endpoint(), read_timeout=3.0, tls=etcdhost.admin_tls(self.settings))
@@ -108,13 +142,12 @@ class LocalProvider(Provider):
 
     def _ended(self, name: str) -> tuple[str, str]:
         """(state, reason) of a job whose reconciler is gone without recording the end in job.json."""
-        import etcd
-
         from petctl.jobview.state import read_result
 
         try:
-            result = read_result(self._client(), name)
-        except etcd.EtcdException as e:
+            with closing(self._store(name)) as store:
+                result = read_result(store, name)
+        except StoreError as e:
             return "unknown", f"its reconciler is not running, and etcd did not answer ({e})"
         if result is None:
             return "unknown", "its reconciler is not running"
@@ -159,34 +192,33 @@ class LocalProvider(Provider):
         delay = DEFAULT_REPLACE_DELAY if job.replace_delay is None else job.replace_delay
         if (warning := torch_warning()) is not None:
             print(f"warning: {warning}", file=sys.stderr)
-        jobstart.start(job_dir, job, endpoint, self._client(), delay, self.settings.get("agent_command"),
-                       etcdhost.secure_dir(self.settings))
+        spec.etcd_store = self._backend()
+        with closing(self._store()) as store:
+            jobstart.start(job_dir, job, endpoint, store, self._auth_client(), delay,
+                           self.settings.get("agent_command"), etcdhost.secure_dir(self.settings))
         return self.job(spec.name)
 
     def kill_job(self, name: str) -> None:
-        import etcd
-
         from petctl.io.jobresult import write_result
 
         job, meta = self._job_dir(name)
         reason = "killed by the user (petctl kill_job)"
         if meta.get("state") not in FINAL_STATES:
             try:
-                write_result(self._client(), name, "killed", reason)
-            except etcd.EtcdException:
+                with closing(self._store(name)) as store:
+                    write_result(store, name, "killed", reason)
+            except StoreError:
                 pass  # etcd is down: stopping the processes below still ends the job, recorded in job.json
         jobstart.stop_processes(job, grace=JobSpec.from_dict(meta["spec"]).timeouts.stop_grace + 5.0)
         if job.read_meta().get("state") not in FINAL_STATES:
             job.update_meta(state="killed", reason=reason, finished_at=time.time())
         try:
             v3 = jobstart.v3_admin(self.etcd_endpoint(), etcdhost.secure_dir(self.settings))
-            jobstart.revoke_credentials(job, self._client(), v3)
+            jobstart.revoke_credentials(job, self._auth_client(), v3)
         except AuthError as e:  # the job is killed; its user goes at the next run of the name or teardown
             print(f"warning: could not delete job {name!r}'s etcd user: {e}", file=sys.stderr)
 
     def scale(self, name: str, size: int) -> None:
-        import etcd
-
         info = self.job(name)
         if info.state != "running":
             raise PetctlError(f"job {name!r} is {info.state}: only a running job can be scaled")
@@ -195,8 +227,9 @@ class LocalProvider(Provider):
                                   f"of job {name!r}")
         JobDir.of(self.config.home, name).write_desired(size)  # what the reconciler acts on
         try:
-            self._client().write(JobKeys(name).desired, str(size))
-        except etcd.EtcdException:
+            with closing(self._store(name)) as store:
+                store.put(JobKeys(name).desired, str(size))
+        except StoreError:
             pass  # informational for agents; the reconciler reads the file written above
 
     def hosts(self, name: str) -> list[HostInfo]:
@@ -209,8 +242,9 @@ class LocalProvider(Provider):
         def running() -> bool:
             return self.job(name).state == "running"
 
+        backend = job.read_meta().get("spec", {}).get("etcd_store", self._backend())
         return JobSources(job=name, etcd_endpoint=self.etcd_endpoint(), mirror=file_prefix(job.mirror),
-                          etcd_tls=etcdhost.admin_tls(self.settings),
+                          etcd_tls=etcdhost.admin_tls(self.settings), etcd_store=backend,
                           logs=lambda node, follow: logs.follow_logs(job, node, follow, running),
                           extra_events=lambda: logs.reconciler_events(job))
 
@@ -222,8 +256,6 @@ class LocalProvider(Provider):
 
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
         """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py)."""
-        import etcd
-
         from petctl.jobview.state import ranks_of, read_round
 
         check_chaos_mode(self, mode)
@@ -231,8 +263,9 @@ class LocalProvider(Provider):
         if info.state != "running":
             raise PetctlError(f"job {name!r} is {info.state}: no instance to take away")
         try:
-            current = read_round(self._client(), name)
-        except etcd.EtcdException as e:
+            with closing(self._store(name)) as store:
+                current = read_round(store, name)
+        except StoreError as e:
             raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
         return chaos.take_away(JobDir.of(self.config.home, name), ranks_of(current), host_id, mode, grace)
 

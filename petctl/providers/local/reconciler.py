@@ -70,8 +70,8 @@ class Reconciler:
     """The job's desired instance count kept alive, and every instance stopped when the job ends."""
 
     def __init__(self, opts: Options, spec: JobSpec, events: EventLog, command: list[str] | None = None):
-        from petctl.io.etcd import etcd_client
         from petctl.io.etcdpki import load_credentials
+        from petctl.io.store import open_store
 
         self.opts = opts
         self.job = JobDir(opts.job_dir)
@@ -79,7 +79,8 @@ class Reconciler:
         self.events = events
         # The job's own etcd user (the reconciler only reads and ends this job), not the provider's root.
         tls = load_credentials(spec.etcd_credentials, opts.job_dir / "etcd")
-        self.link = JobLink(etcd_client(opts.etcd_endpoint, read_timeout=2.0, tls=tls), spec.name, events)
+        store = open_store(opts.etcd_endpoint, spec.etcd_store, tls, timeout=2.0)  # type: ignore[arg-type]
+        self.link = JobLink(store, spec.name, events)
         self.fleet = Fleet(self.job, spec, events, command, stop_grace=spec.timeouts.stop_grace + 5.0)
         self.reclaimed: dict[str, str] = {}  # instance -> reason, for notices we enforced
         self.not_before = 0.0  # no launch before this (replacement delay after a loss)
@@ -114,6 +115,7 @@ class Reconciler:
             self.events.emit("reconciler.error", error=self.failure, traceback=traceback.format_exc())
         finally:
             result = self.shutdown(result)
+            self.link.store.close()
         return result
 
     def _on_sigterm(self, signum, frame) -> None:
