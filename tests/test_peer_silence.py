@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import time
 
-import etcd
 import pytest
 
 from petctl.agent.decisions import RoundInfo
@@ -27,8 +26,9 @@ from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
-from petctl.io.etcd import etcd_client
+from petctl.core.store import BACKENDS, Store
 from tests.support.agent_harness import wait_for
+from tests.support.store import FakeStore, store_for
 
 LIMIT, INTERVAL = 1.0, 0.2
 
@@ -87,32 +87,17 @@ def test_defaults_drop_within_the_goal_and_slow_heartbeats_stretch_the_limit():
     assert silence_limit(aws) == 8.0 and watching_enabled(aws)
     old = Timeouts(heartbeat_interval=1.0, heartbeat_ttl=3.0)  # the TTL is no slower: nobody watches
     assert not watching_enabled(old)
-
-
-class StallingClient:
-    """Refreshes that answer at once, except the `stall_at`-th, which takes `stall` seconds."""
-
-    def __init__(self, stall_at: int, stall: float) -> None:
-        self.calls, self.stall_at, self.stall = 0, stall_at, stall
-
-    def write(self, key, value, **kw):
-        return None
-
-    def refresh(self, key, ttl=None):
-        self.calls += 1
-        if self.calls == self.stall_at:
-            time.sleep(self.stall)
-
-    def delete(self, key):
-        return None
+    # v3: a keep-alive changes nothing a peer can read, so nobody watches (liveness.py's open design point)
+    assert not watching_enabled(t, beats_visible=False)
 
 
 @pytest.mark.parametrize("stall, reported", [(0.0, False), (0.7, True)])
 def test_a_long_gap_between_applied_refreshes_is_reported_once_it_ends(stall, reported):
     stream = io.StringIO()
     events = EventLog("agent", stream=stream)
-    beat = Heartbeat(StallingClient(3, stall), JobKeys("j"), NodeRecord(node_id="n", host_addr="h", pid=1),
-                     INTERVAL, 3, OutageReporter("heartbeat", events.emit), events=events)
+    store = FakeStore(stall_at=3, stall=stall)  # keep-alives answer at once, except the third
+    beat = Heartbeat(store, JobKeys("j"), NodeRecord(node_id="n", host_addr="h", pid=1), INTERVAL, 3,
+                     OutageReporter("heartbeat", events.emit), events=events)
     beat.start()
     time.sleep(2.0)  # the stalled refresh is the third, sent 0.6 s in; the gap ends at about 1.3 s
     beat.stop(delete=False)
@@ -133,10 +118,11 @@ class Node:
         self.stream = io.StringIO()
         events = EventLog("agent", stream=self.stream, node=node_id)
         self.store = StoreHealth(events.emit, grace=ttl + INTERVAL + 1.0, slow=ttl - INTERVAL)
-        self.beat = Heartbeat(etcd_client(endpoint), keys, NodeRecord(node_id=node_id, host_addr="h", pid=1),
+        self.kv = store_for(endpoint, backend="v2")  # the peer watch needs visible beats: v2 only
+        self.beat = Heartbeat(self.kv, keys, NodeRecord(node_id=node_id, host_addr="h", pid=1),
                               INTERVAL, ttl, OutageReporter("heartbeat", events.emit, parent=self.store),
                               self.store, events)
-        self.peers = PeerWatch(etcd_client(endpoint), keys, node_id, self.beat, self.store,
+        self.peers = PeerWatch(self.kv, keys, node_id, self.beat, self.store,
                                OutageReporter("peers", events.emit, parent=self.store), events, LIMIT)
 
     def events(self, name: str) -> list[dict]:
@@ -157,16 +143,19 @@ def pair(etcd_server, request):
     b.beat.start()
     a.peers.start()
     a.peers.watch(round_of("a", "b"))
-    yield a, b, keys, etcd_client(etcd_server.endpoint)
+    reader = store_for(etcd_server.endpoint, backend="v2")
+    yield a, b, keys, reader
     a.peers.stop()
     for n in (a, b):
         n.beat.stop(delete=True)
+        n.kv.close()
+    reader.close()
 
 
 def test_a_frozen_peer_is_removed_by_its_watcher_long_before_its_ttl(pair):
     a, b, keys, client = pair
     time.sleep(2.5)  # 12 refreshes of b, 25 reads by a: a live peer is never dropped
-    assert a.peers.dropped == 0 and client.read(keys.node("b")).value
+    assert a.peers.dropped == 0 and client.get(keys.node("b")).value
     frozen_at = time.monotonic()
     b.beat.stop(delete=False)  # b stops refreshing; its key would live 3 s more (the TTL)
     wait_for(lambda: not _exists(client, keys.node("b")), 5, interval=0.02, what="b's key removed")
@@ -189,9 +178,33 @@ def test_a_watcher_whose_own_refreshes_stop_judges_nobody(pair):
     assert a.peers.dropped == 0 and _exists(client, keys.node("b"))
 
 
-def _exists(client: etcd.Client, key: str) -> bool:
+def _exists(client: Store, key: str) -> bool:
+    return client.get(key) is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_heartbeat_lives_past_its_ttl_while_kept_alive_and_goes_with_its_lease(etcd_server, backend):
+    """On either backend: the key outlives its TTL while the heartbeat runs, is written again under a new
+    lease when the old one is found gone, and is deleted at once by the leave (the lease's revoke)."""
+    keys = JobKeys(f"beat-{backend}")
+    kv = store_for(etcd_server.endpoint, backend=backend)
+    kv.delete_dir(keys.base)
+    stream = io.StringIO()
+    events = EventLog("agent", stream=stream)
+    beat = Heartbeat(kv, keys, NodeRecord(node_id="n", host_addr="h", pid=1), 0.5, 2.0,
+                     OutageReporter("heartbeat", events.emit), events=events)
     try:
-        client.read(key)
-    except etcd.EtcdKeyNotFound:
-        return False
-    return True
+        beat.start()
+        first = beat.lease
+        time.sleep(3.0)  # past the TTL: only the keep-alives keep it
+        assert _exists(kv, keys.node("n")) and beat.reasserted == 0
+        assert beat.lease is first is not None
+        first.revoke()  # what an expiry does: the key goes with the lease
+        wait_for(lambda: beat.reasserted == 1 and _exists(kv, keys.node("n")), 5, what="re-assertion")
+        assert beat.lease is not first
+        beat.stop(delete=True)
+        assert not _exists(kv, keys.node("n")) and beat.deleted
+        assert kv.beats_visible is (backend == "v2")
+    finally:
+        beat.stop(delete=True)
+        kv.close()

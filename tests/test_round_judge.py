@@ -223,13 +223,14 @@ def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
     from petctl.core.eventlog import EventLog
     from petctl.core.keys import JobKeys
     from petctl.core.records import DoneRecord
-    from petctl.io.etcd import etcd_client
+    from tests.support.store import store_for
 
-    keys, client = JobKeys("mixed-done"), etcd_client(etcd_server.endpoint)
-    client.write(f"{keys.done(4)}/a", DoneRecord(ts=WALL).to_json())
+    keys, client = JobKeys("mixed-done"), store_for(etcd_server.endpoint)
+    client.put(f"{keys.done(4)}/a", DoneRecord(ts=WALL).to_json())
     failed = DoneRecord(ts=WALL, failure="local rank 0 exited with code 1")
-    client.write(f"{keys.done(4)}/c", failed.to_json())
-    client.write(f"{keys.done(4)}/d", "not json")  # corrupt: still done (its presence), counted, no failure
+    client.put(f"{keys.done(4)}/c", failed.to_json())
+    client.put(f"{keys.done(4)}/d", "not json")  # corrupt: still done (its presence), counted, no failure
     snap = LiveReader(client, keys, RequestStats(), EventLog("test")).view()
+    client.close()
     assert snap.done_in(4) == {"a", "c", "d"}
     assert snap.mixed == {4: {"c": "local rank 0 exited with code 1"}}

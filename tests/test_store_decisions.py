@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import etcd
 import pytest
 
 from petctl.agent.agent import StoreRebuilder
@@ -31,6 +30,7 @@ from tests.support.round_cases import (
     settings,
     snapshot,
 )
+from tests.support.store import FakeStore
 
 RANKS = {"a": 0, "b": 1, "c": 2}
 
@@ -195,29 +195,10 @@ def test_a_quiet_service_counts_its_own_failures_and_forwards_them():
 
 
 # --- the heartbeat re-asserts a vanished key ------------------------------------------------------------
-class ExpiringClient:
-    """refresh() finds the key gone once; write() records re-creations."""
-
-    def __init__(self) -> None:
-        self.writes = 0
-        self.gone = False
-
-    def write(self, key, value, **kw):
-        self.writes += 1
-        self.gone = False
-
-    def refresh(self, key, ttl=None):
-        if self.gone:
-            raise etcd.EtcdKeyNotFound("gone")
-
-    def delete(self, key):
-        pass
-
-
 def test_the_heartbeat_writes_its_vanished_key_again_and_disturbs_the_store():
     from petctl.core.eventlog import EventLog
 
-    client, rec = ExpiringClient(), Recorder()
+    client, rec = FakeStore(), Recorder()  # its `gone`: the next keep-alive finds the lease expired
     events = EventLog("agent", stream=None)
     events.add_sink(lambda record: rec(record["event"]))
     health = StoreHealth(rec, grace=60.0, slow=60.0)

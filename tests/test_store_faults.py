@@ -122,12 +122,15 @@ def test_every_heartbeat_gone_at_once_is_not_a_node_loss(job):
     """What a stall past the TTL leaves when etcd resumes (every key expired together), made exact: all
     heartbeats deleted at once under a running job. Each agent finds its own key gone, re-asserts it, and
     judges nobody lost."""
+    from contextlib import closing
+
     from petctl.core.keys import JobKeys
-    from petctl.io.etcd import etcd_client
+    from tests.support.store import store_for
 
     store, cluster = job()
     training(cluster)
-    etcd_client(store.server.endpoint).delete(JobKeys(cluster.spec.name).nodes, recursive=True, dir=True)
+    with closing(store_for(store.server.endpoint, backend=cluster.spec.etcd_store)) as kv:
+        assert kv.delete_dir(JobKeys(cluster.spec.name).nodes) == len(cluster.agents)
     assert finished(cluster) == {n: 0 for n in cluster.agents}
     assert_one_unbroken_round(cluster)
     for agent in cluster.agents.values():
@@ -170,11 +173,14 @@ def test_a_wiped_store_is_rebuilt_and_the_job_goes_on(job):
     assert st.result.state == "succeeded" and st.result.round == 1
     rebuilt = [e for a in cluster.agents.values() for e in a.events("store.rebuilt")]
     assert len(rebuilt) == 1 and rebuilt[0]["round"] == 1, dump(rebuilt)
+    from contextlib import closing
+
     from petctl.core.keys import JobKeys
     from petctl.core.spec import JobSpec
-    from petctl.io.etcd import etcd_client
+    from tests.support.store import store_for
 
-    assert JobSpec.from_json(etcd_client(store.server.endpoint).read(JobKeys(cluster.spec.name).spec).value)
+    with closing(store_for(store.server.endpoint, backend=cluster.spec.etcd_store)) as kv:
+        assert JobSpec.from_json(kv.get(JobKeys(cluster.spec.name).spec).value)
 
 
 def test_a_node_lost_during_the_outage_is_the_only_change(job):

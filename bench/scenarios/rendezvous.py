@@ -22,15 +22,13 @@ import time
 import urllib.request
 from typing import Any
 
-import etcd
-
 from bench import phases
 from bench.petctl_runner import BENCH, PetctlJob
 from bench.procs import Node, wait_for
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
 from petctl.core.keys import JobKeys
-from petctl.io.etcd import etcd_client
+from petctl.io.store import open_store
 
 TRIVIAL = BENCH / "trivial_worker.py"
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
@@ -141,15 +139,15 @@ def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
 
 def _agent_requests(job: PetctlJob, nodes: list[Node]) -> dict[str, Any]:
     """Mean and max over nodes of the agents' own counters divided by the rounds each one joined."""
-    client = etcd_client(job.endpoint)
+    store = open_store(job.endpoint, job.spec.etcd_store)  # type: ignore[arg-type]
     per: list[dict[str, float]] = []
     try:
-        leaves = client.read(JobKeys(job.spec.name).status, recursive=True).leaves
-    except etcd.EtcdKeyNotFound:  # no node published a status: nothing to average
-        return {}
+        leaves = store.list(JobKeys(job.spec.name).status).entries  # none published: nothing to average
+    finally:
+        store.close()
     rounds = {n.name: max(1, len(n.events("rendezvous.complete"))) for n in nodes}
     for leaf in leaves:
-        if leaf.dir or not leaf.value:
+        if not leaf.value:
             continue
         value = json.loads(leaf.value)
         req = value.get("etcd_requests")

@@ -35,6 +35,7 @@ from typing import IO, Any
 from petctl.agent.code import fetch_code
 from petctl.agent.decisions import RoundInfo, Settings
 from petctl.agent.health import OutageReporter, StoreHealth, describe, traceback_tail
+from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat, PeerWatch, silence_limit, watching_enabled
 from petctl.agent.notices import PreemptionHandler, RebalanceResponder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, LiveWatcher, RendezvousAborted, RequestStats
@@ -47,7 +48,7 @@ from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
-from petctl.io.etcd import etcd_client, store_errors
+from petctl.io.etcd import store_errors
 from petctl.io.etcdpki import load_credentials
 from petctl.io.jobresult import record_result
 from petctl.io.store import open_store
@@ -82,24 +83,26 @@ class Agent:
         self.store = store = StoreHealth(emit, grace=ttl + interval + STORE_MARGIN,
                                          slow=max(ttl - interval, ttl / 2), straggle=timeout)
         tls = load_credentials(spec.etcd_credentials, self.work_dir / ".etcd-credentials", config.region)
-        self.client = etcd_client(endpoint, read_timeout=timeout, tls=tls)
-        self.kv = open_store(endpoint, spec.etcd_store, tls, timeout)  # type: ignore[arg-type]
+        # One store for every service (safe across threads); its backend is the job's (JobSpec.etcd_store).
+        self.kv = kv = open_store(endpoint, spec.etcd_store, tls, timeout)  # type: ignore[arg-type]
+        self.leases = LeaseClasses(kv)
         self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
                                    OutageReporter("watch", emit, parent=store), tls=tls)
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
-        self.heartbeat = Heartbeat(etcd_client(endpoint, timeout, tls), self.keys, beat, interval, ttl,
+        self.heartbeat = Heartbeat(kv, self.keys, beat, interval, ttl,
                                    OutageReporter("heartbeat", emit, parent=store), store, self.events)
-        self.peers = (PeerWatch(etcd_client(endpoint, timeout, tls), self.keys, self.node_id,
-                                self.heartbeat, store, OutageReporter("peers", emit, parent=store),
-                                self.events, silence_limit(t), wake=self.watcher.nudge)
-                      if watching_enabled(t) else None)
-        self.rdzv = EtcdRendezvous(self.client, spec.name, self.node_id, config.host_addr, self.settings,
-                                   self.events, self.watcher, self.stats, store, self.kv)
+        # No peer watch where a keep-alive is invisible to peers (v3): see liveness.py's open design point.
+        self.peers = (PeerWatch(kv, self.keys, self.node_id, self.heartbeat, store,
+                                OutageReporter("peers", emit, parent=store), self.events, silence_limit(t),
+                                wake=self.watcher.nudge)
+                      if watching_enabled(t, kv.beats_visible) else None)
+        self.rdzv = EtcdRendezvous(kv, self.leases, spec.name, self.node_id, config.host_addr, self.settings,
+                                   self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
         self.preemption = PreemptionHandler(config, self.events)
         self.preemption.wake = self.watcher.nudge
         self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)
-        self.event_sink = EtcdEventSink(etcd_client(endpoint, timeout, tls), self.keys.events,
+        self.event_sink = EtcdEventSink(self.leases, self.keys, self.node_id,
                                         OutageReporter("events", emit, parent=store))
         self.events.add_sink(self.event_sink)
         self.mirror = (Mirror(config.status_url, self.node_id, log_path, log=self.events)
@@ -107,7 +110,7 @@ class Agent:
         if self.mirror is not None:
             self.events.add_sink(self.mirror.add_event)
         self.progress = Progress(spec.nproc_per_node, self.events)
-        self.status = StatusPublisher(self.client, self.keys, self.node_id, config.host_addr, self.stats,
+        self.status = StatusPublisher(self.leases, self.keys, self.node_id, config.host_addr, self.stats,
                                       self.progress, OutageReporter("status", emit, parent=store),
                                       self.failures, self.mirror)
 

@@ -3,7 +3,9 @@ executor that carries out each decision (`EtcdRendezvous`).
 
 Sections: the `live/` watch; the live reader; the rendezvous executor (this docstring).
 
-petctl's own rendezvous over etcd v2: barrier, rank assignment, world size in [min, max].
+petctl's own rendezvous over etcd: barrier, rank assignment, world size in [min, max]. Reads and writes
+go through the `Store` interface (petctl/core/store.py), on the job's backend; the `live/` watch below
+still long-polls etcd's v2 API itself (`LongPoll`): moving it onto `Store.watch` is issue 27's next step.
 
 Why not torchrun's etcd backends: one agent failure closes their rendezvous for good, and a host that
 vanishes without closing its sockets is noticed only when a collective times out. Here liveness is a TTL
@@ -37,8 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, urlencode
 
-import etcd
-
 from petctl.agent.decisions import (
     Admitted,
     Ended,
@@ -61,6 +61,7 @@ from petctl.agent.decisions import (
     opening_round,
 )
 from petctl.agent.health import OutageReporter, StoreHealth
+from petctl.agent.leases import LeaseClasses
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import (
@@ -303,8 +304,8 @@ class LiveWatcher:
 # `live/round` is fatal (WireFormatError), because then no agent can know where the job stands.
 
 class LiveReader:
-    def __init__(self, client: etcd.Client, keys: JobKeys, stats: RequestStats, events: EventLog) -> None:
-        self.client = client
+    def __init__(self, kv: Store, keys: JobKeys, stats: RequestStats, events: EventLog) -> None:
+        self.kv = kv
         self.keys = keys
         self.stats = stats
         self.events = events
@@ -315,19 +316,14 @@ class LiveReader:
         """One read of `live/`. Raises WireFormatError if `live/round` is not a round record: only a bug
         or a foreign writer does that, and no agent can know what the job's state is then."""
         self.stats.reads += 1
-        try:
-            r = self.client.read(self.keys.live, recursive=True)
-        except etcd.EtcdKeyNotFound:
-            return StoreView()
+        r = self.kv.list(self.keys.live)  # empty (a new or wiped store): no round, nobody alive
         alive: set[str] = set()
         nodes: dict[str, NodeRecord] = {}
         done: dict[int, set[str]] = {}
         mixed: dict[int, dict[str, str]] = {}
         rnd, index = None, None
         nodes_prefix, done_prefix = self.keys.nodes + "/", self.keys.live + "/done/"
-        for leaf in r.leaves:
-            if leaf.dir:
-                continue
+        for leaf in r.entries:
             if leaf.key.startswith(nodes_prefix):
                 node = leaf.key[len(nodes_prefix):]
                 alive.add(node)  # the key's presence is what alive means, whatever its value
@@ -336,7 +332,7 @@ class LiveReader:
                 except WireFormatError as e:
                     self._corrupt(leaf.key, e)
             elif leaf.key == self.keys.round:
-                rnd, index = Round.from_json(leaf.value), leaf.modifiedIndex
+                rnd, index = Round.from_json(leaf.value), leaf.mod_revision
             elif leaf.key.startswith(done_prefix):
                 round_no, node = leaf.key[len(done_prefix):].split("/", 1)
                 done.setdefault(int(round_no), set()).add(node)  # its presence is what done means
@@ -346,21 +342,16 @@ class LiveReader:
                 except WireFormatError as e:
                     self._corrupt(leaf.key, e)
         return StoreView(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
-                        done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.etcd_index)
+                        done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.revision)
 
     def members(self, round_no: int) -> dict[str, Member]:
         """The join records of `round_no` (unreadable ones skipped and counted)."""
         self.stats.reads += 1
-        try:
-            r = self.client.read(self.keys.round_members(round_no), recursive=True)
-        except etcd.EtcdKeyNotFound:
-            return {}
         out: dict[str, Member] = {}
-        for leaf in r.leaves:
-            if leaf.dir:
-                continue
+        for leaf in self.kv.list(self.keys.round_members(round_no)).entries:
+            node = leaf.key.rsplit("/", 1)[1]
             try:
-                out[leaf.key.rsplit("/", 1)[1]] = Member(JoinRecord.from_json(leaf.value), leaf.createdIndex)
+                out[node] = Member(JoinRecord.from_json(leaf.value), leaf.create_revision)
             except WireFormatError as e:
                 self._corrupt(leaf.key, e)
         return out
@@ -392,11 +383,11 @@ class RendezvousAborted(Exception):
 
 
 class EtcdRendezvous:
-    def __init__(self, client: etcd.Client, job: str, node_id: str, host_addr: str, settings: Settings,
-                 events: EventLog, watcher: LiveWatcher, stats: RequestStats, store: StoreHealth,
-                 kv: Store) -> None:
-        self.client = client
+    def __init__(self, kv: Store, leases: LeaseClasses, job: str, node_id: str, host_addr: str,
+                 settings: Settings, events: EventLog, watcher: LiveWatcher, stats: RequestStats,
+                 store: StoreHealth) -> None:
         self.kv = kv  # the job's keys through the Store interface (its backend: JobSpec.etcd_store)
+        self.leases = leases  # join and done records live under the JOIN_RECORD_TTL class
         self.keys = JobKeys(job)
         self.job = job
         self.node_id = node_id
@@ -405,7 +396,7 @@ class EtcdRendezvous:
         self.events = events
         self.watcher = watcher
         self.stats = stats
-        self.reader = LiveReader(client, self.keys, stats, events)
+        self.reader = LiveReader(kv, self.keys, stats, events)
         self.store = store
         self.outage = OutageReporter("rendezvous", events.emit, parent=store)
         self.on_result: Callable[[JobResult], None] | None = None
@@ -425,11 +416,7 @@ class EtcdRendezvous:
     # --- writing -----------------------------------------------------------------------------------
     def _cas_round(self, value: Round, prev_index: int) -> bool:
         self.stats.writes += 1
-        try:
-            self.client.write(self.keys.round, value.to_json(), prevIndex=prev_index)
-            return True
-        except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
-            return False
+        return self.kv.replace(self.keys.round, value.to_json(), prev_index)
 
     def open_first_round(self) -> None:
         """Round 1, or after a wiped store the round after the last one we saw (one creator wins)."""
@@ -439,13 +426,10 @@ class EtcdRendezvous:
                              restarts=value.restarts)
 
     def create_round(self, value: Round) -> bool:
-        """Write `live/round` where etcd holds none (`prevExist=False`); False if another node did first."""
+        """Write `live/round` where etcd holds none (create-only); False if another node did first (the
+        next view shows it)."""
         self.stats.writes += 1
-        try:
-            self.client.write(self.keys.round, value.to_json(), prevExist=False)
-        except etcd.EtcdAlreadyExist:
-            return False  # another node wrote it first: the next view shows it
-        return True
+        return self.kv.create(self.keys.round, value.to_json())
 
     def start_round(self, snap: StoreView, cause: str, failure: bool = False, leaving: str = "") -> bool:
         """Replace the current round with round n+1 (joining). False if someone else moved it first.
@@ -476,7 +460,7 @@ class EtcdRendezvous:
     def mark_done(self, round_no: int, failure: str = "") -> None:
         self.stats.writes += 1
         record = DoneRecord(ts=time.time(), failure=failure)  # failure: a mixed ending's, else ""
-        self.client.write(f"{self.keys.done(round_no)}/{self.node_id}", record.to_json(), ttl=JOIN_RECORD_TTL)
+        self.leases.put(f"{self.keys.done(round_no)}/{self.node_id}", record.to_json(), JOIN_RECORD_TTL)
 
     def end_job(self, state: str, reason: str, round_no: int | None) -> bool:
         """Record the final result; True for the one agent whose write it was (it releases capacity)."""
@@ -495,8 +479,7 @@ class EtcdRendezvous:
         record = JoinRecord(node_id=self.node_id, addr=self.host_addr, port=free_port(""), ts=time.time(),
                             prev_rank=prev_rank)
         self.stats.writes += 1
-        self.client.write(self.keys.round_member(round_no, self.node_id), record.to_json(),
-                          ttl=JOIN_RECORD_TTL)
+        self.leases.put(self.keys.round_member(round_no, self.node_id), record.to_json(), JOIN_RECORD_TTL)
         self.events.emit("rendezvous.joined", round=round_no, prev_rank=prev_rank)
 
     def prejoin(self, round_no: int, prev_rank: int) -> None:
@@ -506,7 +489,7 @@ class EtcdRendezvous:
 
     def _freeze(self, action: Freeze) -> None:
         if self._cas_round(action.value, action.index):
-            forget_round(self.client, self.keys, (action.value.round or 0) - 1, self.stats, self.events)
+            forget_round(self.kv, self.keys, (action.value.round or 0) - 1, self.stats, self.events)
 
     # --- the rendezvous ----------------------------------------------------------------------------
     def next_rendezvous(self, prev_rank: int | None, should_abort: Callable[[], bool],
@@ -595,7 +578,7 @@ class EtcdRendezvous:
         self.watcher.wait(action.timeout)
 
 
-def forget_round(client: etcd.Client, keys: JobKeys, round_no: int, stats: RequestStats,
+def forget_round(kv: Store, keys: JobKeys, round_no: int, stats: RequestStats,
                  events: EventLog) -> None:
     """Old join and done records are no longer read; drop them so `live/` stays small. Best effort:
     a failed delete leaves records that expire with their TTL."""
@@ -604,8 +587,6 @@ def forget_round(client: etcd.Client, keys: JobKeys, round_no: int, stats: Reque
     for key in (keys.round_members(round_no), keys.done(round_no)):
         stats.writes += 1
         try:
-            client.delete(key, recursive=True)
-        except etcd.EtcdKeyNotFound:
-            continue  # nothing was recorded in that round
+            kv.delete_dir(key)  # nothing recorded in that round: 0 deleted, no error
         except store_errors() as e:
             events.emit("rendezvous.cleanup_failed", key=key, error=str(e))

@@ -39,10 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import etcd
-
 from petctl.agent.decisions import RoundInfo
 from petctl.agent.health import OutageReporter
+from petctl.agent.leases import LeaseClasses
 from petctl.agent.rendezvous import RequestStats
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
@@ -243,11 +242,13 @@ def _read_offset(marker: Path) -> int:
 
 
 # --- event sink ---------------------------------------------------------------------------------------------
-# Ship the agent's events into etcd (`events/`, in-order keys), off the agent's critical path.
+# Ship the agent's events into etcd (`events/`, one key per event: `JobKeys.event`, its write time then the
+# node, so key order is time order), off the agent's critical path.
 #
 # `petctl events` reads the job's timeline from here while the job runs (and from the S3/file mirror after
 # etcd forgets it). Writes go through one background thread so an event emitted during a restart costs
-# the restart nothing; keys carry a TTL so a long-finished job does not fill etcd. An event that cannot be
+# the restart nothing; keys live under a lease of EVENT_TTL (leases.py) so a long-finished job does not
+# fill etcd. An event that cannot be
 # written is dropped (the mirror still has it) and counted; an outage is reported once when it starts and
 # once when it ends (health.py).
 
@@ -255,10 +256,13 @@ EVENT_TTL = 7 * 24 * 3600
 
 
 class EtcdEventSink:
-    def __init__(self, client: Any, key: str, outage: OutageReporter, ttl: int = EVENT_TTL) -> None:
-        self.client = client
-        self.key = key
+    def __init__(self, leases: LeaseClasses, keys: JobKeys, node_id: str, outage: OutageReporter,
+                 ttl: int = EVENT_TTL) -> None:
+        self.leases = leases
+        self.keys = keys
+        self.node_id = node_id
         self.ttl = ttl
+        self._last_ns = 0  # keys strictly increase per node, even when the clock does not
         self.outage = outage
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(maxsize=10000)
         self._thread = threading.Thread(target=self._run, name="event-sink", daemon=True)
@@ -278,8 +282,10 @@ class EtcdEventSink:
             record = self._queue.get()
             if record is None:
                 return
+            self._last_ns = max(self._last_ns + 1, time.time_ns())
             try:
-                self.client.write(self.key, json.dumps(record, default=str), append=True, ttl=self.ttl)
+                self.leases.put(self.keys.event(self.node_id, self._last_ns), json.dumps(record, default=str),
+                                self.ttl, new=True)
             except Exception as e:  # noqa: BLE001 - counted and reported; the sink thread must outlive it
                 self.dropped += 1
                 self.outage.failed(e)
@@ -367,10 +373,10 @@ class Progress:
 class StatusPublisher:
     """Publishes the node's status at each state change and whenever `publish()` is called."""
 
-    def __init__(self, client: etcd.Client, keys: JobKeys, node_id: str, host_addr: str, stats: RequestStats,
-                 progress: Progress, outage: OutageReporter,
+    def __init__(self, leases: LeaseClasses, keys: JobKeys, node_id: str, host_addr: str,
+                 stats: RequestStats, progress: Progress, outage: OutageReporter,
                  failures: Callable[[], dict[str, int]] = dict, mirror: Any = None) -> None:
-        self.client = client
+        self.leases = leases
         self.key = keys.node_status(node_id)
         self.node_id = node_id
         self.host_addr = host_addr
@@ -404,7 +410,7 @@ class StatusPublisher:
             self.mirror.set_status(status.to_dict())
         t0 = time.monotonic()
         try:
-            self.client.write(self.key, status.to_json(), ttl=STATUS_TTL)
+            self.leases.put(self.key, status.to_json(), STATUS_TTL)
         except store_errors() as e:
             self.outage.failed(e)
             return

@@ -1,21 +1,21 @@
 """The etcd key layout of a job, in one place (docs/ARCHITECTURE.md has it with each value's record).
 
 Everything a job writes lives under `/petctl/jobs/<job>/`. Agents watch `live/` (see agent/rendezvous.py), so
-only what changes membership or the round lives there: a heartbeat is refreshed with `refresh=True`, which
-etcd does not report to watchers, and the keys written often (status, join records, events) live outside
-`live/`, so a watch wakes only on events that matter.
+only what changes membership or the round lives there: a heartbeat lives under a lease kept alive, which
+etcd does not report to watchers (petctl/core/store.py), and the keys written often (status, join
+records, events) live outside `live/`, so a watch wakes only on events that matter.
 
     spec                    JobSpec JSON, written once by the provider
     desired                 desired node count (the provider's view; informational for agents)
-    live/nodes/<node_id>    heartbeat (NodeRecord), TTL'd, refreshed silently: its presence means alive
+    live/nodes/<node_id>    heartbeat (NodeRecord), under a lease kept alive: its presence means alive
     live/round              the current round (Round), changed only by compare-and-swap
     live/done/<n>/<node_id> DoneRecord: the node finished round n with all workers exiting 0
-    rounds/<n>/<node_id>    JoinRecord of round n (TTL'd; outside live/ so joins wake nobody: the
+    rounds/<n>/<node_id>    JoinRecord of round n (under a lease; outside live/ so joins wake nobody: the
                             closer polls for them)
-    status/<node_id>        NodeStatus (rank, round, step, failures, ...), TTL'd, rewritten every few
+    status/<node_id>        NodeStatus (rank, round, step, failures, ...), under a lease, rewritten every few
                             seconds: outside live/ so it never wakes a watch
     result                  JobResult; its presence ends the job (`live/round` goes final with it)
-    events/                 append-only structured events (in-order keys, TTL'd)
+    events/<ns>-<node_id>   append-only structured events (time-ordered keys, under a lease)
 """
 
 from __future__ import annotations

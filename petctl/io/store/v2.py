@@ -172,8 +172,11 @@ class V2Store:
         return len(listing.entries)
 
     def grant(self, ttl: float) -> Lease:
+        """A new emulated lease. Leases whose time ran out are dropped here (their keys expired in etcd
+        with their TTLs), so a holder that rotates leases without revoking them does not grow the store."""
         lease = V2Lease(self, next(self._ids), max(1, math.ceil(ttl)))
         with self._lock:
+            self._leases = {lid: held for lid, held in self._leases.items() if not held.expired()}
             self._leases[lease.id] = lease
         return lease
 

@@ -56,6 +56,10 @@ class V2Lease:
             raise LeaseExpired(f"lease {self._id} expired")
         return max(1, math.ceil(left))
 
+    def expired(self) -> bool:
+        """Its time ran out, or it was revoked: no key is held under it any more."""
+        return self._gone or self._expires <= time.monotonic()
+
     def attach(self, key: str) -> None:
         with self._lock:
             self._keys.add(key)
