@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import etcd
 
-from petctl.core.store import Entry, StoreDenied, StoreUnavailable
+from petctl.core.store import Entry, StoreDenied, StoreError, StoreUnavailable
 from petctl.io.etcd import store_errors
 
 
@@ -22,6 +22,8 @@ def errors(what: str) -> Iterator[None]:
     Answers etcd gives on purpose (key not found, compare failed) are handled by the callers first."""
     try:
         yield
+    except StoreError:
+        raise  # already the store's (Compacted, LeaseExpired): store_errors() below includes StoreError
     except etcd.EtcdException as e:
         if denied(e):
             raise StoreDenied(f"{what}: {e}") from e
