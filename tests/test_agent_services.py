@@ -194,5 +194,6 @@ def test_a_lease_class_rotates_after_its_ttl_and_replaces_a_lease_found_gone(etc
         second.revoke()
         leases.put(keys.node_status("b"), "2", 60)
         leases.put(keys.event("b", 1), "e", 60, new=True)
-        assert kv.get(keys.node_status("b")).value == "2" and kv.get(keys.event("b", 1)).value == "e"
+        leases.put(keys.node_status("b"), "3", 60, new=True)  # there after all: written over
+        assert kv.get(keys.node_status("b")).value == "3" and kv.get(keys.event("b", 1)).value == "e"
         assert leases.lease(60) is not second

@@ -39,13 +39,18 @@ class LeaseClasses:
             return held[0]
 
     def put(self, key: str, value: str, ttl: float, new: bool = False) -> None:
-        """Write `key` under the class's lease. `new`: the key is known not to exist (an event's own
-        key), so a create-only write does (one request on v2, where a put of a missing key is two).
-        Raises StoreError (StoreUnavailable, or LeaseExpired when a fresh lease is gone too)."""
-        write = self.kv.create if new else self.kv.put
+        """Write `key` under the class's lease. `new`: the key is most likely not there yet (an event's
+        own key, a join or done record of a new round): a create-only write is tried first, then a put
+        where the key did exist, so the usual case costs one request on v2 too (where a put of a
+        missing key is two: an update refused, then a create). Raises StoreError (StoreUnavailable, or
+        LeaseExpired when a fresh lease is gone too)."""
         try:
-            write(key, value, self.lease(ttl))
+            self._write(key, value, self.lease(ttl), new)
         except LeaseExpired:
             with self._lock:
                 self._held.pop(ttl, None)
-            write(key, value, self.lease(ttl))
+            self._write(key, value, self.lease(ttl), new)
+
+    def _write(self, key: str, value: str, lease: Lease, new: bool) -> None:
+        if not (new and self.kv.create(key, value, lease)):
+            self.kv.put(key, value, lease)

@@ -460,7 +460,8 @@ class EtcdRendezvous:
     def mark_done(self, round_no: int, failure: str = "") -> None:
         self.stats.writes += 1
         record = DoneRecord(ts=time.time(), failure=failure)  # failure: a mixed ending's, else ""
-        self.leases.put(f"{self.keys.done(round_no)}/{self.node_id}", record.to_json(), JOIN_RECORD_TTL)
+        self.leases.put(f"{self.keys.done(round_no)}/{self.node_id}", record.to_json(), JOIN_RECORD_TTL,
+                        new=True)
 
     def end_job(self, state: str, reason: str, round_no: int | None) -> bool:
         """Record the final result; True for the one agent whose write it was (it releases capacity)."""
@@ -479,7 +480,8 @@ class EtcdRendezvous:
         record = JoinRecord(node_id=self.node_id, addr=self.host_addr, port=free_port(""), ts=time.time(),
                             prev_rank=prev_rank)
         self.stats.writes += 1
-        self.leases.put(self.keys.round_member(round_no, self.node_id), record.to_json(), JOIN_RECORD_TTL)
+        self.leases.put(self.keys.round_member(round_no, self.node_id), record.to_json(), JOIN_RECORD_TTL,
+                        new=True)
         self.events.emit("rendezvous.joined", round=round_no, prev_rank=prev_rank)
 
     def prejoin(self, round_no: int, prev_rank: int) -> None:
