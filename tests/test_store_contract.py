@@ -234,6 +234,73 @@ def test_a_quiet_watch_times_out_with_an_empty_batch(store: Store, d: str) -> No
     watch.close()  # idempotent
 
 
+def test_a_key_watch_sees_that_key_only(store: Store, d: str) -> None:
+    """`watch_key` is what `watch` on a directory cannot be: on v3 a directory watch is the prefix
+    `dir + "/"`, which never matches the key `dir` itself (the agent's `live/round`)."""
+    start = store.revision() + 1
+    key_watch, dir_watch = store.watch_key(f"{d}/round", start), store.watch(f"{d}/round", start)
+    store.put(f"{d}/round", "1")
+    store.put(f"{d}/roundabout", "no")
+    store.put(f"{d}/nodes/a", "no")
+    store.put(f"{d}/round", "2")
+    store.delete(f"{d}/round")
+    events = collect(key_watch, 3)
+    assert key_watch.wait(0.3).events == ()  # nothing about its neighbours
+    assert dir_watch.wait(0.3).events == ()  # a directory watch never sees the key of that name
+    key_watch.close()
+    dir_watch.close()
+    assert [(e.kind, e.key, e.value) for e in events] == [
+        ("put", f"{d}/round", "1"), ("put", f"{d}/round", "2"), ("delete", f"{d}/round", None)]
+    resumed = store.watch_key(f"{d}/round", events[0].revision + 1)  # from a revision, as watch does
+    assert [e.value for e in collect(resumed, 2)] == ["2", None]
+    resumed.close()
+
+
+@pytest.mark.parametrize("kind", ["dir", "key"])
+def test_close_from_another_thread_ends_a_wait_in_progress_at_once(store: Store, d: str, kind: str) -> None:
+    """An agent stopping closes its watches while their threads sit in a long wait: each must return
+    within a second, not when the wait's timeout ends."""
+    start = store.revision() + 1
+    watch = store.watch(d, start) if kind == "dir" else store.watch_key(f"{d}/round", start)
+    outcome: list[BaseException | object] = []
+
+    def waiter() -> None:
+        try:
+            outcome.append(watch.wait(30.0))
+        except BaseException as e:  # noqa: BLE001 - the test asserts what it was
+            outcome.append(e)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the wait is now blocked in etcd (v2: its long poll; v3: its queue)
+    assert thread.is_alive()
+    began = time.monotonic()
+    watch.close()
+    thread.join(5.0)
+    took = time.monotonic() - began
+    assert not thread.is_alive() and took < 1.0, took
+    assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable), outcome
+    with pytest.raises(StoreUnavailable):  # and every later wait says it is closed
+        watch.wait(0.1)
+
+
+def test_closing_the_store_ends_its_watches_waits(store: Store, d: str) -> None:
+    watch = store.watch(d, store.revision() + 1)
+    done = threading.Event()
+
+    def waiter() -> None:
+        with pytest.raises(StoreUnavailable):
+            watch.wait(30.0)
+        done.set()
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    store.close()
+    assert done.wait(1.0), "a store's close ends a wait on its watch"
+    thread.join(1.0)
+
+
 def test_a_watch_resumes_from_a_batch_revision_without_loss_or_duplicates(store: Store, d: str) -> None:
     first = store.watch(d, store.revision() + 1)
     store.put(f"{d}/1", "1")

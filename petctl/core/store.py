@@ -145,7 +145,8 @@ class Watch(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop watching; idempotent."""
+        """Stop watching; idempotent. Safe from another thread: a `wait` in progress returns within
+        1 s, raising StoreUnavailable("watch closed"), as every later `wait` does."""
         ...
 
 
@@ -197,6 +198,11 @@ class Store(Protocol):
     def watch(self, directory: str, start_revision: int) -> Watch:
         """Watch every key under `directory`, from `start_revision` (inclusive; a listing's revision
         + 1 misses nothing)."""
+        ...
+
+    def watch_key(self, key: str, start_revision: int) -> Watch:
+        """Watch the one key `key` (a key, not a directory: `watch` on it would see only keys beneath
+        it), from `start_revision` (inclusive)."""
         ...
 
     def revision(self, directory: str = "/") -> int:

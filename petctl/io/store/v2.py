@@ -10,7 +10,8 @@ What v2 lacks is emulated, and the emulation is where it differs from v3:
   each refresh is a raft proposal, and it moves the key's modifiedIndex; its id means nothing to other
   clients, which see `Entry.lease == 0`.
 - **watch**: a long poll (`wait=true&waitIndex=N&recursive=true`) returns one event per wait; etcd keeps
-  only the last 1,000 events, and a wait that asks for an older one (error 401) raises Compacted.
+  only the last 1,000 events, and a wait that asks for an older one (error 401) raises Compacted. It runs
+  on a connection of its own (v2watch.py), so `Watch.close()` can cut a poll in flight.
   A recursive `delete_dir` is one delete event whose key is the directory, not one per key.
 - **revision**: the etcd index (`modifiedIndex`, `X-Etcd-Index`).
 """
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import ssl
 import threading
+import weakref
 
 import etcd
 
@@ -47,6 +50,8 @@ class V2Store:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
+        self._ssl: ssl.SSLContext | None = None
+        self._watches: weakref.WeakSet[V2Watch] = weakref.WeakSet()
 
     def client(self) -> etcd.Client:
         """This thread's python-etcd client. Raises StoreUnavailable once the store is closed."""
@@ -181,7 +186,26 @@ class V2Store:
         return lease
 
     def watch(self, directory: str, start_revision: int) -> V2Watch:
-        return V2Watch(self, directory, start_revision)
+        return self._watch(directory, True, start_revision)
+
+    def watch_key(self, key: str, start_revision: int) -> V2Watch:
+        return self._watch(key, False, start_revision)
+
+    def _watch(self, key: str, recursive: bool, start_revision: int) -> V2Watch:
+        if self._closed:
+            raise StoreUnavailable("store closed")
+        watch = V2Watch(self._endpoint, self._context(), key, recursive, start_revision)
+        self._watches.add(watch)
+        return watch
+
+    def _context(self) -> ssl.SSLContext | None:
+        """The TLS context every watch connection uses (the CA and our certificate, loaded once)."""
+        if self._tls is None:
+            return None
+        with self._lock:
+            if self._ssl is None:
+                self._ssl = self._tls.ssl_context()
+            return self._ssl
 
     def revision(self, directory: str = "/") -> int:
         with errors(f"revision via {directory}"):
@@ -194,5 +218,7 @@ class V2Store:
         with self._lock:
             self._closed = True
             clients, self._clients = self._clients, []
+        for watch in list(self._watches):
+            watch.close()
         for client in clients:
             client.http.clear()

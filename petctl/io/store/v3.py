@@ -224,9 +224,15 @@ class V3Store:
                 raise
 
     def watch(self, directory: str, start_revision: int) -> V3Watch:
+        return self._watch(directory, True, start_revision)
+
+    def watch_key(self, key: str, start_revision: int) -> V3Watch:
+        return self._watch(key, False, start_revision)
+
+    def _watch(self, key: str, prefix: bool, start_revision: int) -> V3Watch:
         if self._client._channel is None:
             raise StoreUnavailable("store closed")
-        watch = V3Watch(self._loop, self._client._channel, directory, start_revision, self._timeout)
+        watch = V3Watch(self._loop, self._client._channel, key, prefix, start_revision, self._timeout)
         self._watches.add(watch)
         return watch
 

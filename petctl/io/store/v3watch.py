@@ -1,4 +1,4 @@
-"""A v3 watch on a directory, consumed on the store's loop into a queue that a blocking `wait` reads.
+"""A v3 watch on a directory (or one key), consumed on the store's loop into a queue a blocking `wait` reads.
 
 It drives etcd's Watch stream itself rather than through etcd3aio's `WatchService.watch`, because that
 generator hides two things petctl must see: it skips ahead silently past a compaction (petctl re-lists
@@ -33,26 +33,28 @@ def _event(ev: Any) -> Event:
 class V3Watch:
     """See the module docstring. One thread waits on it at a time."""
 
-    def __init__(self, loop: LoopThread, channel: Any, directory: str, start_revision: int,
+    def __init__(self, loop: LoopThread, channel: Any, key: str, prefix: bool, start_revision: int,
                  timeout: float) -> None:
+        """`prefix`: watch every key under the directory `key` (`key + "/"` as a prefix); else `key` alone."""
         self._loop = loop
         self._queue: queue.Queue[tuple[Event, ...] | StoreError] = queue.Queue()
         self._pending: collections.deque[tuple[Event, ...] | StoreError] = collections.deque()
         self._fatal: StoreError | None = None
         self._seen = max(1, start_revision) - 1
         self._closed = False
-        prefix = directory.rstrip("/") + "/"
-        self._task = loop.call(self._start(channel, prefix, max(1, start_revision)), timeout)
+        name = key.rstrip("/") + "/" if prefix else key
+        self._task = loop.call(self._start(channel, name, prefix, max(1, start_revision)), timeout)
 
-    async def _start(self, channel: Any, prefix: str, start: int) -> asyncio.Task:
-        return asyncio.get_running_loop().create_task(self._consume(channel, prefix, start))
+    async def _start(self, channel: Any, name: str, prefix: bool, start: int) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(self._consume(channel, name, prefix, start))
 
-    async def _consume(self, channel: Any, prefix: str, start: int) -> None:
+    async def _consume(self, channel: Any, name: str, is_prefix: bool, start: int) -> None:
         from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
         from etcd3aio.kv import prefix_range_end
 
         stub = WatchStub(channel)
-        key, end = prefix.encode(), prefix_range_end(prefix)
+        prefix = name  # what errors name
+        key, end = name.encode(), prefix_range_end(name) if is_prefix else b""
         following, backoff = start, RECONNECT_FIRST
         while True:
             create = WatchCreateRequest(key=key, range_end=end, start_revision=following)
@@ -97,6 +99,8 @@ class V3Watch:
         if self._fatal is not None:
             raise self._fatal
         items = self._take(timeout)
+        if self._closed:  # closed from another thread while this wait was in progress
+            raise StoreUnavailable("watch closed")
         events: list[Event] = []
         while items:
             item = items[0]
@@ -134,6 +138,7 @@ class V3Watch:
         if self._closed:
             return
         self._closed = True
+        self._queue.put(StoreUnavailable("watch closed"))  # wakes a wait in progress at once
         try:
             self._loop.call(_cancel(self._task), 5.0)
         except StoreUnavailable:  # the loop is already closed: nothing runs on it any more
