@@ -70,20 +70,29 @@ def test_event_sink_counts_what_it_could_not_write():
 
 
 # --- the watcher --------------------------------------------------------------------------------------
-def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server):
-    keys = JobKeys("watched")
-    client = store_for(etcd_server.endpoint, backend="v2")  # the watcher still long-polls v2 (issue 27)
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, backend):
+    keys = JobKeys(f"watched-{backend}")
+    client = store_for(etcd_server.endpoint, backend=backend)
     client.put(keys.node("n0"), "{}")
     stats, rec = RequestStats(), Recorder()
-    watcher = LiveWatcher(etcd_server.endpoint, keys.live, stats, OutageReporter("watch", rec),
-                          poll_timeout=30)
+    watcher = LiveWatcher(client, keys.live, stats, OutageReporter("watch", rec), poll_timeout=30)
     watcher.start()
     assert watcher.wait(5)  # the first read wakes the agent for a fresh snapshot
     time.sleep(0.3)
     watcher.changed.clear()
     client.put(keys.node("n1"), "{}")
     assert watcher.wait(5), "a heartbeat under live/ wakes the watcher"
-    time.sleep(0.3)  # both threads are now blocked in their 30 s long polls
+    watcher.pause()
+    time.sleep(1.5)  # the membership watch is closed within its 1 s pause check
+    watcher.changed.clear()
+    client.put(keys.node("n2"), "{}")
+    assert not watcher.wait(1.0), "paused: a membership event wakes nobody"
+    client.put(keys.round, "{}")
+    assert watcher.wait(5), "paused or not, a round change wakes the watcher (its key watch)"
+    watcher.resume()
+    assert watcher.wait(5), "resuming wakes the agent for a fresh view"
+    time.sleep(0.3)  # both threads are now blocked in their 30 s waits
     t0 = time.monotonic()
     watcher.stop()
     assert time.monotonic() - t0 < 1.0
@@ -92,14 +101,17 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server):
     client.close()
 
 
-def test_watcher_failures_are_counted_and_reported_once(tmp_path):
-    endpoint = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_watcher_failures_are_counted_and_reported_once(tmp_path, backend):
+    client = store_for(f"http://127.0.0.1:{free_port()}", backend=backend, timeout=0.5)  # nobody listens
     rec = Recorder()
-    watcher = LiveWatcher(endpoint, "/petctl/jobs/x/live", RequestStats(), OutageReporter("watch", rec))
+    watcher = LiveWatcher(client, "/petctl/jobs/x/live", RequestStats(), OutageReporter("watch", rec))
     watcher.start()
-    wait_for(lambda: watcher.outage.failures >= 4, 10, what="failed polls")
+    wait_for(lambda: watcher.outage.failures >= 4, 15, what="failed polls")
     watcher.stop()
-    assert rec.names() == ["watch.failing"] and "refused" in rec.events[0][1]["error"].lower()
+    client.close()
+    assert rec.names() == ["watch.failing"], rec.events  # four failures, reported once
+    assert "StoreUnavailable: revision via /petctl/jobs/x/live" in rec.events[0][1]["error"]
 
 
 # --- a crash is never silent ---------------------------------------------------------------------------

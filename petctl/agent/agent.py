@@ -86,8 +86,8 @@ class Agent:
         # One store for every service (safe across threads); its backend is the job's (JobSpec.etcd_store).
         self.kv = kv = open_store(endpoint, spec.etcd_store, tls, timeout)  # type: ignore[arg-type]
         self.leases = LeaseClasses(kv)
-        self.watcher = LiveWatcher(endpoint, self.keys.live, self.stats,
-                                   OutageReporter("watch", emit, parent=store), tls=tls)
+        self.watcher = LiveWatcher(kv, self.keys.live, self.stats,
+                                   OutageReporter("watch", emit, parent=store))
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
         self.heartbeat = Heartbeat(kv, self.keys, beat, interval, ttl,
                                    OutageReporter("heartbeat", emit, parent=store), store, self.events)

@@ -4,8 +4,7 @@ executor that carries out each decision (`EtcdRendezvous`).
 Sections: the `live/` watch; the live reader; the rendezvous executor (this docstring).
 
 petctl's own rendezvous over etcd: barrier, rank assignment, world size in [min, max]. Reads and writes
-go through the `Store` interface (petctl/core/store.py), on the job's backend; the `live/` watch below
-still long-polls etcd's v2 API itself (`LongPoll`): moving it onto `Store.watch` is issue 27's next step.
+go through the `Store` interface (petctl/core/store.py), on the job's backend, the `live/` watch included.
 
 Why not torchrun's etcd backends: one agent failure closes their rendezvous for good, and a host that
 vanishes without closing its sockets is noticed only when a collective times out. Here liveness is a TTL
@@ -28,16 +27,11 @@ pays does not grow with N.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import http.client
-import json
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import quote, urlencode
 
 from petctl.agent.decisions import (
     Admitted,
@@ -74,13 +68,12 @@ from petctl.core.records import (
     Round,
     WireFormatError,
 )
-from petctl.core.store import Store
-from petctl.io.etcd import endpoint_scheme, free_port, parse_endpoints, store_errors
-from petctl.io.etcdpki import EtcdTls
+from petctl.core.store import Compacted, Store, StoreError, Watch
+from petctl.io.etcd import free_port, store_errors
 from petctl.io.jobresult import record_result
 
 # --- the live/ watch ----------------------------------------------------------------------------------------
-# The agent's watch on `live/`: long polls that set one flag, so the agent re-reads a fresh view.
+# The agent's watch on `live/`: two watches that set one flag, so the agent re-reads a fresh view.
 #
 # The agent never acts on a watch event itself: it re-reads a view, so a missed or coalesced event
 # (history compaction, reconnects) cannot leave it with a stale view.
@@ -90,11 +83,12 @@ from petctl.io.jobresult import record_result
 # start every instance's heartbeat appears in `live/nodes`; if all N agents woke for each of them, per-node
 # requests would grow with N. Paused, an event costs only the closer a wake-up.
 #
-# The long polls are plain HTTP(S) (etcd's v2 `?wait=true`) on connections this module owns, so `stop()`
-# can cut a poll that would otherwise hold its thread for `poll_timeout` and then join the threads
-# promptly. An https etcd gets the job's client certificate (`EtcdTls`), as every other etcd call does.
+# Both are `Store` watches (a key watch on `live/round`, a directory watch on the rest), on the job's
+# backend. `stop()` closes them, which ends a wait in progress at once on either backend (the Store's
+# contract), so the threads are joined promptly. A watch asked for history the store no longer keeps
+# (`Compacted`) starts again from a fresh read, as any other failure does (counted, reported once).
 
-JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a cut poll returns within milliseconds)
+JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a closed watch returns within a second)
 
 
 @dataclass
@@ -109,123 +103,27 @@ class RequestStats:
         return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
 
 
-class WatchError(Exception):
-    """etcd answered a watch with something other than an event (an HTTP error, not JSON)."""
-
-
-class IndexCleared(WatchError):
-    """The index we watch from is older than etcd's event history: start again from a fresh read."""
-
-
-class LongPoll:
-    """etcd v2 GETs over one HTTP connection that another thread can cut (`cut()`).
-
-    With several etcd members (`http://a:2379,http://b:2379,...`) a poll that fails to connect or breaks
-    moves to the next member; a v2 index is the same on every member, so a watch resumes where it was."""
-
-    def __init__(self, endpoint: str, timeout: float, tls: EtcdTls | None = None) -> None:
-        self._members = parse_endpoints(endpoint)
-        # An https etcd: one context (the CA and our certificate, loaded once) for every connection.
-        https = tls is not None and endpoint_scheme(endpoint) == "https"
-        self._context = tls.ssl_context() if https else None
-        self._member = 0
-        self.host, self.port = self._members[0]
-        self.timeout = timeout
-        self._conn: http.client.HTTPConnection | None = None
-        self._cut = False
-        self._lock = threading.Lock()
-
-    def current_index(self, key: str) -> int:
-        """etcd's index now (from a non-recursive read of `key`, O(1) even for a big directory)."""
-        _, _, headers = self._get(key, {})
-        try:
-            return int(headers.get("X-Etcd-Index", ""))
-        except ValueError as e:
-            raise WatchError(f"no X-Etcd-Index on {key}") from e
-
-    def watch(self, key: str, recursive: bool, index: int) -> int | None:
-        """Block until an event at `index` or later under `key`; its modifiedIndex, or None on timeout.
-        Raises IndexCleared, WatchError, OSError or http.client.HTTPException."""
-        params = {"wait": "true", "waitIndex": str(index)}
-        if recursive:
-            params["recursive"] = "true"
-        try:
-            status, body, _ = self._get(key, params)
-        except TimeoutError:
-            return None
-        if not body.strip():
-            return None
-        try:
-            doc = json.loads(body)
-        except ValueError as e:
-            raise WatchError(f"watch on {key}: HTTP {status}, not JSON") from e
-        if status == 200:
-            return int(doc.get("node", {}).get("modifiedIndex", index))
-        if status == 400 and doc.get("errorCode") == 401:
-            raise IndexCleared(str(doc.get("message", "")))
-        raise WatchError(f"watch on {key}: HTTP {status}: {doc.get('message', '')}")
-
-    def _get(self, key: str, params: dict[str, str]) -> tuple[int, bytes, http.client.HTTPMessage]:
-        waiting = params.get("wait") == "true"
-        with self._lock:
-            if self._cut:
-                raise OSError("watch stopped")
-            if self._conn is None:
-                self._conn = (http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                                          context=self._context)
-                              if self._context is not None else
-                              http.client.HTTPConnection(self.host, self.port, timeout=self.timeout))
-            conn = self._conn
-        url = "/v2/keys" + quote(key) + (f"?{urlencode(params)}" if params else "")
-        try:
-            conn.request("GET", url)
-            resp = conn.getresponse()
-            return resp.status, resp.read(), resp.headers
-        except BaseException as e:
-            self._drop(conn)  # a timed-out or broken connection cannot be reused
-            if not (waiting and isinstance(e, TimeoutError)):  # a quiet poll is not a failed member
-                self._next_member()
-            raise
-
-    def _next_member(self) -> None:
-        with self._lock:
-            self._member = (self._member + 1) % len(self._members)
-            self.host, self.port = self._members[self._member]
-
-    def _drop(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            if self._conn is conn:
-                self._conn = None
-        conn.close()
-
-    def cut(self) -> None:
-        """Make a poll in flight return now (its socket is shut down) and refuse new ones."""
-        with self._lock:
-            self._cut = True
-            conn = self._conn
-        sock = conn.sock if conn is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):  # already closed by its own thread: nothing to cut
-                sock.shutdown(socket.SHUT_RDWR)
-
-
 class LiveWatcher:
-    """Long-polls `live/` and sets `changed` on every event there (see the module docstring)."""
+    """Watches `live/` through the Store and sets `changed` on every event there (see the section above)."""
 
-    def __init__(self, endpoint: str, prefix: str, stats: RequestStats, outage: OutageReporter,
-                 poll_timeout: float = 10.0, tls: EtcdTls | None = None) -> None:
+    def __init__(self, kv: Store, prefix: str, stats: RequestStats, outage: OutageReporter,
+                 poll_timeout: float = 10.0) -> None:
+        self.kv = kv
         self.prefix = prefix
         self.stats = stats
         self.outage = outage
+        self.poll_timeout = poll_timeout
         self.changed = threading.Event()
         self._stop = threading.Event()
         self._active = threading.Event()  # clear = the membership watch is paused
         self._active.set()
-        self._polls = [LongPoll(endpoint, poll_timeout, tls), LongPoll(endpoint, poll_timeout, tls)]
+        self._lock = threading.Lock()
+        self._open: dict[str, Watch] = {}  # each thread's watch now, so stop() can close it mid-wait
+        round_key = f"{prefix}/round"
         self._threads = [
-            threading.Thread(target=self._run, args=(f"{prefix}/round", False, None, self._polls[0]),
-                             name="round-watch", daemon=True),
-            threading.Thread(target=self._run, args=(prefix, True, self._active, self._polls[1]),
+            threading.Thread(target=self._run, name="round-watch", daemon=True,
+                             args=(round_key, lambda rev: kv.watch_key(round_key, rev), None)),
+            threading.Thread(target=self._run, args=(prefix, lambda rev: kv.watch(prefix, rev), self._active),
                              name="live-watch", daemon=True),
         ]
 
@@ -234,11 +132,13 @@ class LiveWatcher:
             t.start()
 
     def stop(self) -> None:
-        """Stop both threads and wait for them (bounded: a cut poll returns at once)."""
+        """Stop both threads and wait for them (bounded: closing a watch ends its wait at once)."""
         self._stop.set()
         self._active.set()
-        for poll in self._polls:
-            poll.cut()
+        with self._lock:
+            watches = list(self._open.values())
+        for watch in watches:
+            watch.close()
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=JOIN_TIMEOUT)
@@ -261,39 +161,57 @@ class LiveWatcher:
         self.changed.clear()
         return fired
 
-    def _run(self, key: str, recursive: bool, gate: threading.Event | None, poll: LongPoll) -> None:
-        index: int | None = None
-        while not self._stop.is_set():
-            if gate is not None and not gate.is_set():
-                index = None  # events while paused are skipped: resuming starts from a fresh read
-                gate.wait(1.0)
-                continue
-            try:
-                if index is None:
-                    self.stats.reads += 1
-                    index = poll.current_index(self.prefix) + 1
-                    self.outage.succeeded()
-                    self.changed.set()
+    def _watching(self, key: str, watch: Watch | None) -> Watch | None:
+        """Record (or, with None, close and forget) `key`'s watch; a watch opened after stop() is closed."""
+        with self._lock:
+            old = self._open.pop(key, None)
+            if watch is not None and not self._stop.is_set():
+                self._open[key] = kept = watch
+                watch = None
+            else:
+                kept = None
+        for gone in (old, watch):
+            if gone is not None:
+                gone.close()
+        return kept
+
+    def _run(self, key: str, open_watch: Callable[[int], Watch], gate: threading.Event | None) -> None:
+        watch: Watch | None = None
+        try:
+            while not self._stop.is_set():
+                if gate is not None and not gate.is_set():
+                    # events while paused are skipped: resuming starts from a fresh read
+                    watch = self._watching(key, None)
+                    gate.wait(1.0)
                     continue
-                self.stats.watches += 1
-                modified = poll.watch(key, recursive, index)
-                if modified is None:  # a quiet poll, or a frozen member: one cheap read tells them apart
-                    self.stats.reads += 1
-                    poll.current_index(self.prefix)
+                try:
+                    if watch is None:
+                        self.stats.reads += 1
+                        start = self.kv.revision(self.prefix) + 1
+                        self.outage.succeeded()
+                        watch = self._watching(key, open_watch(start))
+                        self.changed.set()
+                        continue
+                    self.stats.watches += 1
+                    batch = watch.wait(self.poll_timeout)
+                    if not batch.events:  # a quiet wait, or a frozen member: one cheap read tells them apart
+                        self.stats.reads += 1
+                        self.kv.revision(self.prefix)
+                        self.outage.succeeded()
+                        continue
                     self.outage.succeeded()
-                    continue
-                self.outage.succeeded()
-                index = max(index, modified + 1)
-                if gate is None or gate.is_set():
-                    self.changed.set()
-            except IndexCleared:
-                index = None
-            except (WatchError, OSError, http.client.HTTPException) as e:
-                if self._stop.is_set():
-                    return
-                self.outage.failed(e, key=key)
-                index = None
-                self._stop.wait(0.2)
+                    if gate is None or gate.is_set():
+                        self.changed.set()
+                except Compacted:  # history we watch from is gone: start again from a fresh read
+                    watch = self._watching(key, None)
+                except StoreError as e:
+                    if self._stop.is_set():
+                        return
+                    self.outage.failed(e, key=key)
+                    watch = self._watching(key, None)
+                    self._stop.wait(0.2)
+        finally:
+            self._watching(key, None)
 
 
 # --- the live reader ----------------------------------------------------------------------------------------
