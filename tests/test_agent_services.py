@@ -4,6 +4,7 @@ crash that is never silent (one `agent.crashed` event, exit 70, services stopped
 from __future__ import annotations
 
 import json
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
@@ -99,6 +100,54 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, ba
     assert not any(t.is_alive() for t in watcher._threads)
     assert stats.watches >= 2 and rec.events == []
     client.close()
+
+
+class CompactingStore:
+    """Just what LiveWatcher calls: the first wait on each watch finds its history compacted."""
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, int]] = []
+
+    def revision(self, directory: str = "/") -> int:
+        return 100 + len(self.opened)
+
+    def watch(self, directory: str, start_revision: int):
+        return self._open(directory, start_revision)
+
+    def watch_key(self, key: str, start_revision: int):
+        return self._open(key, start_revision)
+
+    def _open(self, key: str, start: int):
+        from petctl.core.store import Batch, Compacted
+
+        first = not any(k == key for k, _ in self.opened)
+        self.opened.append((key, start))
+
+        class W:
+            closed = threading.Event()
+
+            def wait(self, timeout: float):
+                if first:
+                    raise Compacted(50)
+                self.closed.wait(timeout)
+                return Batch((), start - 1)
+
+            def close(self) -> None:
+                self.closed.set()
+
+        return W()
+
+
+def test_a_compacted_watch_starts_again_from_a_fresh_read_and_is_no_failure():
+    kv, rec = CompactingStore(), Recorder()
+    watcher = LiveWatcher(kv, "/petctl/jobs/c/live", RequestStats(), OutageReporter("watch", rec))
+    watcher.start()
+    wait_for(lambda: len(kv.opened) >= 4, 5, what="both watches opened again")
+    watcher.stop()
+    keys = [k for k, _ in kv.opened]
+    assert sorted(keys[:4]) == sorted(["/petctl/jobs/c/live"] * 2 + ["/petctl/jobs/c/live/round"] * 2)
+    assert all(start > 100 for _, start in kv.opened)  # each from a fresh read's revision + 1
+    assert watcher.outage.failures == 0 and rec.events == []
 
 
 @pytest.mark.parametrize("backend", ["v2", "v3"])
