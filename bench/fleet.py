@@ -29,6 +29,8 @@ Measured, per backend and N:
   keep-alive, a refresh and a watch poll each count as one request), and etcd's CPU and RSS;
 - `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
   and had to re-list;
+- `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
+  for its TTL: what a short TTL costs on a busy host);
 - `beats_late`: liveness beats that ran more than one interval late (the simulator itself saturated:
   then the figures say more about this process than about etcd).
 """
@@ -93,6 +95,7 @@ class FleetRow:
     etcd_cpu_pct: float
     etcd_rss_mb: float
     lost_place: int
+    spurious_losses: int
     beats_late: int
     errors: int
     note: str = ""
@@ -302,10 +305,16 @@ def proposals(endpoint: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path) -> FleetRow:
+# etcd's raft timing for a 1 s lease: etcd raises any TTL to 1.5 election timeouts (2 s at its defaults of
+# 100 ms heartbeats and a 1 s election timeout); a 500 ms election timeout allows 1 s (`--fast-raft`).
+FAST_RAFT = ("--heartbeat-interval", "50", "--election-timeout", "500")
+
+
+def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path,
+            fast_raft: bool = False) -> FleetRow:
     import psutil
 
-    server = EtcdServer.start(scratch / f"etcd-{backend}-{n}")
+    server = EtcdServer.start(scratch / f"etcd-{backend}-{n}", extra_args=FAST_RAFT if fast_raft else ())
     proc = psutil.Process(server.pid)
     fleet = Fleet(server.endpoint, backend, ttl, beat)
     note = ""
@@ -372,6 +381,9 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         gone = f"gone:{mute.name}"
         ok = wait_for(lambda: all(gone in s.seen for s in others), 3 * ttl + 10)
         silent_known = max(s.seen[gone] for s in others) - beat_sent if ok else None
+        stopped = {victim.name, mute.name}
+        spurious = len({k.split(":", 1)[1] for s in nodes for k in s.seen
+                        if k.startswith("gone:") and k.split(":", 1)[1] not in stopped})
     finally:
         fleet.close()
         server.stop(remove_data=True)
@@ -383,7 +395,8 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     rest_proposals_per_node_s=round(rest_props, 4),
                     rest_requests_per_node_s=round(rest_reqs, 3),
                     reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
-                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, beats_late=fleet.beats_late,
+                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, spurious_losses=spurious,
+                    beats_late=fleet.beats_late,
                     errors=fleet.errors, note=note)
 
 
@@ -396,8 +409,8 @@ def table(rows: list[FleetRow]) -> str:
             "| silent loss → every survivor knows "
             "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
             "| requests / node / s at rest | etcd CPU at rest | etcd RSS "
-            "| watches that lost their place | beats late |")
-    lines = [head, "|" + "---|" * 12]
+            "| watches that lost their place | nodes lost while alive | beats late |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
@@ -405,7 +418,8 @@ def table(rows: list[FleetRow]) -> str:
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
-                     f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | {r.beats_late} |")
+                     f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | "
+                     f"{r.spurious_losses} | {r.beats_late} |")
     return "\n".join(lines)
 
 
@@ -417,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beat", type=float, default=0.2,
                     help="v2 refresh interval (the agent's heartbeat_interval)")
     ap.add_argument("--rest", type=float, default=10.0, help="seconds measured at rest")
+    ap.add_argument("--fast-raft", action="store_true",
+                    help="etcd with a 500 ms election timeout, so a lease may be 1 s (default: etcd's)")
     ap.add_argument("--out", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     rows: list[FleetRow] = []
@@ -424,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in (int(x) for x in args.nodes.split(",")):
             for backend in args.backends.split(","):
                 started = time.monotonic()
-                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch))
+                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft)
                 rows.append(row)
                 took = time.monotonic() - started
                 print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)
