@@ -31,6 +31,7 @@ Measured, per backend and N:
   and had to re-list;
 - `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
   for its TTL: what a short TTL costs on a busy host);
+- `reasserted`: keys a live node had to write again because its lease had run out;
 - `beats_late`: liveness beats that ran more than one interval late (the simulator itself saturated:
   then the figures say more about this process than about etcd).
 """
@@ -54,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from petctl.core.store import Batch, Compacted, Lease, Store, StoreError  # noqa: E402
+from petctl.core.store import Batch, Compacted, Lease, LeaseExpired, Store, StoreError  # noqa: E402
 from petctl.io.etcd import EtcdServer  # noqa: E402
 from petctl.io.store import open_store  # noqa: E402
 
@@ -96,6 +97,7 @@ class FleetRow:
     etcd_rss_mb: float
     lost_place: int
     spurious_losses: int
+    reasserted: int
     beats_late: int
     errors: int
     note: str = ""
@@ -126,11 +128,16 @@ class SimNode:
 
     def beat(self) -> None:
         lease = self.lease
-        if lease is not None:
-            sent = time.monotonic()
+        if lease is None:
+            return
+        sent = time.monotonic()
+        try:
             lease.keepalive()
-            self.last_beat = sent
-            self.fleet.counters.add("beat")
+        except LeaseExpired:  # too late for its TTL: write the key again, as the agent reasserts its own
+            self.fleet.reasserted_inc()
+            self.register()
+        self.last_beat = sent
+        self.fleet.counters.add("beat")
 
     # --- the watch and the round -------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,8 +169,8 @@ class SimNode:
                     watch.close()
             except Compacted:
                 self.fleet.lost_place_inc()
-            except StoreError:
-                self.fleet.error_inc()
+            except StoreError as e:
+                self.fleet.error_inc(e)
                 self.stop.wait(0.1)
 
     def _apply(self, batch: Batch) -> None:
@@ -224,22 +231,35 @@ class Fleet:
         self.nodes: list[SimNode] = []
         self._lock = threading.Lock()
         self.lost_place = 0
+        self.reasserted = 0  # keys written again after their lease ran out under a live node
         self.errors = 0
+        self.error_kinds: dict[str, int] = {}
         self.beats_late = 0
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
         self._loop = None
 
+    def reasserted_inc(self) -> None:
+        with self._lock:
+            self.reasserted += 1
+
     def lost_place_inc(self) -> None:
         with self._lock:
             self.lost_place += 1
 
-    def error_inc(self) -> None:
+    def error_inc(self, error: BaseException | None = None) -> None:
         with self._lock:
             self.errors += 1
+            if error is not None:
+                kind = f"{type(error).__name__}: {str(error)[:120]}"
+                self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
     def new_store(self) -> Store:
-        return open_store(self.endpoint, backend=self.backend)  # type: ignore[arg-type]
+        if self.backend == "v3" and self._loop is None:
+            from petctl.io.store.v3 import LoopThread
+
+            self._loop = LoopThread("fleet-loop")  # every simulated node's store on one event loop
+        return open_store(self.endpoint, backend=self.backend, loop=self._loop)  # type: ignore[arg-type]
 
     def add(self, name: str) -> SimNode:
         node = SimNode(name, self.new_store(), self)
@@ -278,14 +298,16 @@ class Fleet:
             if n.thread is not None:
                 n.thread.join(timeout=5)
             n.store.close()
+        if self._loop is not None:
+            self._loop.close()
 
 
 def _beat_quietly(fleet: Fleet) -> Callable[[SimNode], None]:
     def beat(node: SimNode) -> None:
         try:
             node.beat()
-        except StoreError:
-            fleet.error_inc()
+        except StoreError as e:
+            fleet.error_inc(e)
     return beat
 
 
@@ -345,6 +367,12 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         cpu_pct = 100 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / span
         rss = proc.memory_info().rss / 2**20
 
+        # nodes taken for lost so far while alive (a keep-alive too late for the TTL), then a clean slate
+        spurious_up = {k for s in nodes for k in s.seen if k.startswith("gone:")}
+        for s in nodes:
+            for k in [k for k in s.seen if k.startswith("gone:")]:
+                del s.seen[k]
+
         # a node lost (its lease revoked: a clean loss) -> every survivor knows
         p_re0, t_re0 = proposals(server.endpoint), time.monotonic()
         victim = nodes[-1]
@@ -382,13 +410,16 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         ok = wait_for(lambda: all(gone in s.seen for s in others), 3 * ttl + 10)
         silent_known = max(s.seen[gone] for s in others) - beat_sent if ok else None
         stopped = {victim.name, mute.name}
-        spurious = len({k.split(":", 1)[1] for s in nodes for k in s.seen
-                        if k.startswith("gone:") and k.split(":", 1)[1] not in stopped})
+        spurious = len(spurious_up | {k for s in nodes for k in s.seen
+                                      if k.startswith("gone:") and k.split(":", 1)[1] not in stopped})
     finally:
         fleet.close()
         server.stop(remove_data=True)
     if fleet.beats_late:
         note = "simulator saturated: beats ran late"
+    if fleet.error_kinds:
+        top = sorted(fleet.error_kinds.items(), key=lambda kv: -kv[1])[:3]
+        note = "; ".join([note, *(f"{n} x {k}" for k, n in top)]).strip("; ")
     return FleetRow(backend=backend, nodes=n, up_to_ranked_s=_r(up_to_ranked), loss_known_s=_r(loss_known),
                     silent_loss_known_s=_r(silent_known),
                     join_ranked_s=_r(join_ranked), ranks_kept=kept,
@@ -396,6 +427,7 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     rest_requests_per_node_s=round(rest_reqs, 3),
                     reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
                     etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, spurious_losses=spurious,
+                    reasserted=fleet.reasserted,
                     beats_late=fleet.beats_late,
                     errors=fleet.errors, note=note)
 
