@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.warm_worker import READY
+from petctl.agent.warm_worker import ENV_WARM_NICE, READY
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
@@ -126,14 +126,75 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 # torch (seconds). The pool keeps `nproc` workers (`petctl.agent.warm_worker`) waiting; `WorkerGroup`
 # takes one per rank when a round forms and sends it its environment and command line on stdin.
 #
-# Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): a round takes `nproc` workers and the
-# pool refills only once the round trains (imports beside a starting round would slow it), so a second
-# disruption within the refill's imports (seconds; tens for a framework job on a busy host) found no warm
-# worker. With a spare per slot the pool keeps `nproc * (1 + spares)`: the spares start once the node's
-# first `nproc` are ready, and the next round takes them while the refill is still importing. Each costs
-# an idle interpreter with the script's imports (torch: a few hundred MB of host memory).
+# When to refill (`refill_due`): a round takes `nproc` workers, and a second disruption within the refill's
+# imports (seconds; tens for a framework job on a busy host) finds no warm worker, so the refill starts as
+# early as it can without slowing the round it refills for: at once when the round has formed, if the host
+# has a core to spare per import or the imports yield the CPU (`REFILL_NICE`: the refill's workers import at
+# a lower priority and get their own back with their orders, see warm_worker.py); otherwise only once the
+# round trains (its first step) or REFILL_AFTER into it. Measured (bench/README.md, "Notices close
+# together"): a refill started after the first step left notices 1.6-2.3 s into a round 1.7-2.7 s to train
+# again; started at the formation, at low priority, the round's own start was not slower.
+#
+# Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): the pool keeps `nproc * (1 + spares)`,
+# so the next round takes spares while the refill is still importing. They import together with the node's
+# first `nproc` where the host has a core for each (`spare_cores`), else once those are ready. Each costs an
+# idle interpreter with the script's imports (torch: a few hundred MB of host memory).
 
 WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
+REFILL_AFTER = 10.0  # a refill that has to wait for the round's first step waits this long at most
+REFILL_NICE = 10  # added to a refill worker's nice value while it imports (Linux: per thread)
+
+
+@dataclass(frozen=True)
+class RefillLook:
+    """What decides whether the warm pool refills now (`refill_due`)."""
+
+    missing: int  # workers the pool lacks (0: full, or it cannot be used)
+    round_age: float  # seconds since this round's workers were handed out
+    step_seen: bool  # the round trains: its first step (or a framework's progress report) was seen
+    spare_cores: int  # the host's cores beyond this node's workers and its agent
+    yielding: bool  # the refill imports at a lower CPU priority and its workers can get theirs back
+
+
+def refill_due(look: RefillLook) -> bool:
+    """Refill now? Never when nothing is missing; at once when the imports cannot slow the round's own
+    start (a core to spare for each, or they yield the CPU); else once the round trains, or REFILL_AFTER
+    into it (a script that reports no steps)."""
+    if look.missing <= 0:
+        return False
+    if look.spare_cores >= look.missing or look.yielding:
+        return True
+    return look.step_seen or look.round_age >= REFILL_AFTER
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def can_restore_priority() -> bool:
+    """Whether a thread of ours that lowered its CPU priority can raise it back (root, CAP_SYS_NICE or
+    RLIMIT_NICE allow it). Probed in a throwaway thread: Linux nice values are per thread, so the agent's
+    own threads are never touched. Never raises."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            tid = threading.get_native_id()
+            base = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, base + 1))
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+            result.append(True)
+        except (AttributeError, OSError):
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="nice-probe", daemon=True)
+    thread.start()
+    thread.join(5.0)
+    return bool(result and result[0])
 
 
 class WarmPool:
@@ -145,10 +206,13 @@ class WarmPool:
     `warm_worker.signal_ready`), never on the worker's output.
     """
 
-    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0) -> None:
+    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0,
+                 cores: int | None = None, yielding: bool = False) -> None:
         self.spec = spec
         self.preexec = preexec
         self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
+        self.spare_cores = (host_cores() if cores is None else cores) - spec.nproc - 1  # less the agent's
+        self.yielding = yielding  # refills import at REFILL_NICE (the caller checked can_restore_priority)
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
@@ -165,13 +229,23 @@ class WarmPool:
         return (not self.usable or self.given_up
                 or sum(1 for p in self.ready if p.poll() is None) >= self.size)
 
-    def fill(self, up_to: int | None = None) -> int:
-        """Start workers until `up_to` (default: the pool's size) wait in the pool; returns how many were
-        started now."""
+    def refill_look(self, round_age: float, step_seen: bool) -> RefillLook:
+        """The pool's side of `refill_due`, during a round `round_age` seconds old."""
+        live = sum(1 for p in self.ready if p.poll() is None)
+        missing = 0 if not self.usable or self.given_up else max(0, self.size - live)
+        return RefillLook(missing=missing, round_age=round_age, step_seen=step_seen,
+                          spare_cores=self.spare_cores, yielding=self.yielding)
+
+    def fill(self, up_to: int | None = None, nice: int = 0) -> int:
+        """Start workers until `up_to` (default: the pool's size) wait in the pool, importing at `nice`
+        more than ours (they lower it again at their orders); returns how many were started now."""
         if not self.usable:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
         env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        if nice > 0:
+            env[ENV_WARM_NICE] = str(nice)
+        preexec = _niced(self.preexec, nice) if nice > 0 else self.preexec
         started = 0
         while len(self.ready) < min(self.size, up_to or self.size):
             read_fd, write_fd = os.pipe()
@@ -180,7 +254,7 @@ class WarmPool:
                     [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload),
                      str(write_fd), os.path.join(self.spec.cwd, self.spec.cmd[2])],
                     cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, preexec_fn=self.preexec, pass_fds=(write_fd,))
+                    stderr=subprocess.STDOUT, preexec_fn=preexec, pass_fds=(write_fd,))
             except BaseException:
                 os.close(read_fd)
                 raise
@@ -247,6 +321,15 @@ class WarmPool:
         self.ready = []
 
 
+def _niced(preexec: Callable[[], None] | None, nice: int) -> Callable[[], None]:
+    """`preexec`, then `nice` more (in the child, before it runs anything)."""
+    def run() -> None:
+        if preexec is not None:
+            preexec()
+        os.nice(nice)
+    return run
+
+
 @dataclass
 class _Readiness:
     """A warm worker's handshake: `settled` once it signalled or died, `ready` if it signalled."""
@@ -256,12 +339,11 @@ class _Readiness:
 
 
 def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) -> None:
-    """Refill the pool once `due` (the round's first step was seen: off the restart's critical path, or
-    some seconds into the round). One report per refill, never one per call (a pool that cannot fill
-    starts nothing)."""
+    """Refill the pool once `due` (`refill_due`), at low CPU priority where the pool yields. One report
+    per refill, never one per call (a pool that cannot fill starts nothing)."""
     if pool is None or pool.full or not due:
         return
-    if pool.fill():
+    if pool.fill(nice=REFILL_NICE if pool.yielding else 0):
         threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
 
 
@@ -471,13 +553,16 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
     prefetch = Prefetch(spec.checkpoint_url, work_dir / "cache", {**os.environ, **spec.env}, events, out,
                         die_with_parent())
     prefetch.start()
-    pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
+    pool = (WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env), yielding=can_restore_priority())
+            if spec.warm_workers else None)
     if pool is not None:
         services.callback(pool.close)
-        pool.fill(worker_spec.nproc)
+        # The spares import beside the first workers where the host has a core for each, else after them.
+        together = pool.spare_cores >= pool.size - worker_spec.nproc
+        pool.fill(None if together else worker_spec.nproc)
         ready = pool.wait_ready(WARM_WAIT)
         events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
-        refill(pool, True, 0, events)  # the spares, if any: importing while the node registers
+        refill(pool, True, 0, events)  # the spares, if any and not started yet: importing while it registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
 

@@ -1,0 +1,124 @@
+"""When the warm pool refills during a round (`refill_due`), and the low CPU priority a refill imports at.
+
+A refill that waits for the round's first step left a second notice 1.6-2.3 s into a round without a warm
+worker (bench P1 --notice-at burst). It now starts when the round forms wherever that cannot slow the
+round's own start: the host has a core to spare per import, or the imports yield the CPU and the workers
+get their priority back with their orders. The processes here preload small modules of the test's own,
+not torch, so they are fast.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from petctl.agent.workers import (
+    REFILL_AFTER,
+    REFILL_NICE,
+    RefillLook,
+    WarmPool,
+    WorkerGroup,
+    WorkerSpec,
+    can_restore_priority,
+    refill_due,
+)
+from petctl.io.procs import die_with_parent
+from tests.support.paths import REPO
+
+
+def look(**changes: object) -> RefillLook:
+    base = {"missing": 1, "round_age": 0.0, "step_seen": False, "spare_cores": 0, "yielding": False}
+    return RefillLook(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_a_full_pool_never_refills():
+    assert not refill_due(look(missing=0, step_seen=True, spare_cores=8, yielding=True,
+                               round_age=REFILL_AFTER))
+
+
+def test_a_round_just_formed_refills_at_once_when_the_imports_cannot_slow_it():
+    assert refill_due(look(spare_cores=1))  # a core for the one import
+    assert refill_due(look(spare_cores=4, missing=4))
+    assert refill_due(look(yielding=True, missing=8))  # no core to spare, but the imports yield the CPU
+
+
+def test_on_a_host_without_cores_to_spare_the_refill_waits_for_the_round_to_train():
+    assert not refill_due(look(spare_cores=1, missing=2))  # two imports, one spare core
+    assert not refill_due(look(spare_cores=0, round_age=REFILL_AFTER - 0.1))
+    assert refill_due(look(step_seen=True))
+    assert refill_due(look(round_age=REFILL_AFTER))  # a script that reports no steps
+
+
+def test_the_pool_reports_what_it_lacks(tmp_path: Path):
+    spec = WorkerSpec(cmd=[sys.executable, "-u", "train.py"], cwd=str(tmp_path), nproc=2)
+    pool = WarmPool(spec, None, spares=1, cores=4, yielding=True)
+    assert pool.refill_look(1.5, False) == RefillLook(missing=4, round_age=1.5, step_seen=False,
+                                                      spare_cores=1, yielding=True)
+    pool.given_up = True  # every worker died importing: nothing to refill
+    assert pool.refill_look(0.0, True).missing == 0
+    unusable = WarmPool(WorkerSpec(cmd=[sys.executable, "-m", "mod"], cwd=str(tmp_path), nproc=1), None)
+    assert unusable.refill_look(0.0, True).missing == 0
+
+
+SLOW_IMPORT = "import time\ntime.sleep(float(__import__('os').environ.get('SLOW_IMPORT', '0')))\n"
+PRINTS_NICE = "import os\nprint('nice', os.getpriority(os.PRIO_PROCESS, 0), flush=True)\n"
+
+
+def _spec(tmp_path: Path) -> WorkerSpec:
+    (tmp_path / "slowmod.py").write_text(SLOW_IMPORT)
+    (tmp_path / "train.py").write_text(PRINTS_NICE)
+    return WorkerSpec(cmd=[sys.executable, "-u", "train.py"], cwd=str(tmp_path), nproc=1,
+                      base_env={"PYTHONPATH": str(REPO), "SLOW_IMPORT": "3"}, preload=("slowmod",))
+
+
+def _hand_out(pool: WarmPool) -> tuple[WorkerGroup, io.StringIO]:
+    out = io.StringIO()
+    group = WorkerGroup(pool.spec, out, pool=pool)
+    group.start(node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=1, restart_count=0,
+                max_restarts=0, run_id="t", extra_env={})
+    return group, out
+
+
+@pytest.mark.skipif(not can_restore_priority(), reason="this host cannot raise a thread's priority back")
+def test_a_refill_imports_at_low_priority_and_a_worker_handed_out_mid_import_gets_its_own_back(tmp_path):
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True)
+    try:
+        assert pool.fill(nice=REFILL_NICE) == 1
+        (proc,) = pool.ready
+        time.sleep(0.5)
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + REFILL_NICE)  # importing, yielding
+        group, out = _hand_out(pool)  # 2.5 s of its import left
+        assert (group.warm_started, group.warm_ready) == (1, 0)
+        deadline = time.monotonic() + 1.0
+        while os.getpriority(os.PRIO_PROCESS, proc.pid) != ours:  # at once, not once its import is done
+            assert time.monotonic() < deadline, "the order did not restore the worker's priority"
+            time.sleep(0.02)
+        assert proc.poll() is None  # still importing
+        assert group.wait_exit(30)
+        assert f"nice {ours}" in out.getvalue()  # the script trains at the agent's priority
+        group.stop(1.0)
+    finally:
+        pool.close()
+
+
+def test_the_first_fill_does_not_yield(tmp_path: Path):
+    """The node's first workers are on its join's critical path: they import at its own priority."""
+    spec = _spec(tmp_path)
+    spec.base_env["SLOW_IMPORT"] = "0"
+    pool = WarmPool(spec, die_with_parent(), yielding=True)
+    try:
+        assert pool.fill() == 1
+        assert pool.wait_ready(30) == 1
+        assert os.getpriority(os.PRIO_PROCESS, pool.ready[0].pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        group, out = _hand_out(pool)
+        assert group.wait_exit(30)
+        assert f"nice {os.getpriority(os.PRIO_PROCESS, 0)}" in out.getvalue()
+        group.stop(1.0)
+    finally:
+        pool.close()
