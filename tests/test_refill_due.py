@@ -20,44 +20,54 @@ import pytest
 from petctl.agent.workers import (
     REFILL_AFTER,
     REFILL_NICE,
+    Refill,
     RefillLook,
     WarmPool,
     WorkerGroup,
     WorkerSpec,
     can_restore_priority,
+    refill,
     refill_due,
 )
+from petctl.core.eventlog import EventLog
 from petctl.io.procs import die_with_parent
 from tests.support.paths import REPO
 
 
 def look(**changes: object) -> RefillLook:
-    base = {"missing": 1, "round_age": 0.0, "step_seen": False, "spare_cores": 0, "yielding": False}
+    base = {"missing": 1, "niced": 0, "round_age": 0.0, "step_seen": False, "spare_cores": 0,
+            "yielding": False}
     return RefillLook(**{**base, **changes})  # type: ignore[arg-type]
 
 
-def test_a_full_pool_never_refills():
-    assert not refill_due(look(missing=0, step_seen=True, spare_cores=8, yielding=True,
-                               round_age=REFILL_AFTER))
+def test_a_full_pool_with_nothing_yielding_does_nothing():
+    assert refill_due(look(missing=0, step_seen=True, spare_cores=8, yielding=True,
+                           round_age=REFILL_AFTER)) is Refill.WAIT
 
 
-def test_a_round_just_formed_refills_at_once_when_the_imports_cannot_slow_it():
-    assert refill_due(look(spare_cores=1))  # a core for the one import
-    assert refill_due(look(spare_cores=4, missing=4))
-    assert refill_due(look(yielding=True, missing=8))  # no core to spare, but the imports yield the CPU
+def test_a_round_just_formed_refills_at_once_and_yields_the_cpu_unless_the_host_has_cores_to_spare():
+    assert refill_due(look(spare_cores=1)) is Refill.NOW  # a core for the one import
+    assert refill_due(look(spare_cores=4, missing=4)) is Refill.NOW
+    assert refill_due(look(spare_cores=1, missing=2, yielding=True)) is Refill.YIELD  # two imports, one core
+    assert refill_due(look(missing=0, niced=2, spare_cores=1, yielding=True)) is Refill.YIELD
 
 
-def test_on_a_host_without_cores_to_spare_the_refill_waits_for_the_round_to_train():
-    assert not refill_due(look(spare_cores=1, missing=2))  # two imports, one spare core
-    assert not refill_due(look(spare_cores=0, round_age=REFILL_AFTER - 0.1))
-    assert refill_due(look(step_seen=True))
-    assert refill_due(look(round_age=REFILL_AFTER))  # a script that reports no steps
+def test_once_the_round_trains_the_refill_runs_at_the_nodes_priority():
+    for trains in ({"step_seen": True}, {"round_age": REFILL_AFTER}):  # the latter: a script with no steps
+        assert refill_due(look(yielding=True, **trains)) is Refill.NOW
+        assert refill_due(look(missing=0, niced=1, yielding=True, **trains)) is Refill.NOW  # raised back
+
+
+def test_where_a_priority_cannot_be_raised_back_the_refill_waits_for_the_round_to_train():
+    assert refill_due(look(spare_cores=1, missing=2)) is Refill.WAIT
+    assert refill_due(look(round_age=REFILL_AFTER - 0.1)) is Refill.WAIT
+    assert refill_due(look(step_seen=True)) is Refill.NOW
 
 
 def test_the_pool_reports_what_it_lacks(tmp_path: Path):
     spec = WorkerSpec(cmd=[sys.executable, "-u", "train.py"], cwd=str(tmp_path), nproc=2)
     pool = WarmPool(spec, None, spares=1, cores=4, yielding=True)
-    assert pool.refill_look(1.5, False) == RefillLook(missing=4, round_age=1.5, step_seen=False,
+    assert pool.refill_look(1.5, False) == RefillLook(missing=4, niced=0, round_age=1.5, step_seen=False,
                                                       spare_cores=1, yielding=True)
     pool.given_up = True  # every worker died importing: nothing to refill
     assert pool.refill_look(0.0, True).missing == 0
@@ -103,6 +113,24 @@ def test_a_refill_imports_at_low_priority_and_a_worker_handed_out_mid_import_get
         assert group.wait_exit(30)
         assert f"nice {ours}" in out.getvalue()  # the script trains at the agent's priority
         group.stop(1.0)
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(not can_restore_priority(), reason="this host cannot raise a thread's priority back")
+def test_once_the_round_trains_the_agent_raises_a_pooled_workers_priority(tmp_path: Path):
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True)
+    events = EventLog("test")
+    try:
+        refill(pool, refill_due(pool.refill_look(0.0, False)), 2, events)  # the round just formed: yield
+        (proc,) = pool.ready
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, ours + REFILL_NICE)
+        assert pool.refill_look(0.5, False).niced == 1
+        refill(pool, refill_due(pool.refill_look(0.5, True)), 2, events)  # its first step
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == ours  # still importing, at the node's priority
+        assert pool.refill_look(0.6, True).niced == 0
+        assert pool.ready == [proc]  # nothing more started
     finally:
         pool.close()
 

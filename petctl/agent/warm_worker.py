@@ -178,7 +178,7 @@ def await_store(env: dict[str, str], timeout: float = STORE_WAIT) -> float | Non
 # --- the warm worker process --------------------------------------------------------------------------------
 
 READY = b"petctl-warm-worker-ready\n"
-ENV_WARM_NICE = "PETCTL_WARM_NICE"  # set by the warm pool on a refill's workers: they import at nice +N
+ENV_WARM_NICE = "PETCTL_WARM_NICE"  # on a refill's workers: the node's nice value, theirs again at the order
 # When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.workerprotocol`
 # reads it under the same name; a cold worker's process start time is the same moment).
 ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"
@@ -198,12 +198,12 @@ def signal_ready(fd: int) -> None:
 
 class OrderReader:
     """Reads the order (one line on stdin) in a thread of its own, so that it arrives while the imports still
-    run: a refill worker imports at a lower CPU priority (`ENV_WARM_NICE`, workers.py's `refill_due`), and
-    gets its priority back the moment it is handed out, not once its imports are done (the round waits
-    for those)."""
+    run: a refill worker imports at a lower CPU priority (`ENV_WARM_NICE`, workers.py's `refill_due`) and
+    gets the node's back the moment it is handed out, not once its imports are done (the round waits for
+    those)."""
 
-    def __init__(self, nice: int) -> None:
-        self.nice = nice
+    def __init__(self, base_nice: int | None) -> None:
+        self.base_nice = base_nice
         self.line = ""
         self.done = threading.Event()
         threading.Thread(target=self._read, name="warm-order", daemon=True).start()
@@ -211,8 +211,9 @@ class OrderReader:
     def _read(self) -> None:
         try:
             self.line = sys.stdin.readline()
-            if self.line and self.nice > 0:
-                restore_priority(self.nice)
+            if self.line and self.base_nice is not None and not raise_priority("self", self.base_nice):
+                print(f"petctl warm worker: CPU priority not raised back to nice {self.base_nice} after the "
+                      "warm-up; the script runs at the warm-up's", file=sys.stderr, flush=True)
         finally:
             self.done.set()
 
@@ -221,16 +222,17 @@ class OrderReader:
         return self.line
 
 
-def restore_priority(nice: int) -> bool:
-    """Lower the nice value of every thread of this process by `nice` (the imports' yield is over). One
-    line on stderr (the node log) if refused: the worker then trains at the lower priority. Never raises."""
+def raise_priority(pid: int | str, nice: int) -> bool:
+    """Bring every thread of process `pid` ("self": this one) that runs at a higher nice value down to `nice`
+    (Linux nice values are per thread; the threads an import started inherited the warm-up's). False if
+    refused or not on Linux (nothing changed then, or only some threads). Never raises."""
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-        for tid in tids:
-            os.setpriority(os.PRIO_PROCESS, tid, max(-20, os.getpriority(os.PRIO_PROCESS, tid) - nice))
-    except (OSError, ValueError) as e:
-        print(f"petctl warm worker: CPU priority not restored after the warm-up ({e}); training at nice "
-              f"+{nice}", file=sys.stderr, flush=True)
+        for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+            if os.getpriority(os.PRIO_PROCESS, tid) > nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except ProcessLookupError:
+        return True  # it exited (or a thread did): nothing left to raise
+    except (OSError, ValueError):
         return False
     return True
 
@@ -247,8 +249,8 @@ def main() -> None:
     names = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
     ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
     script = sys.argv[3] if len(sys.argv) > 3 else ""
-    nice = os.environ.get(ENV_WARM_NICE, "")
-    orders = OrderReader(int(nice) if nice.isdigit() else 0)
+    base = os.environ.get(ENV_WARM_NICE, "")
+    orders = OrderReader(int(base) if base.lstrip("-").isdigit() else None)
     for name in names:
         try:
             importlib.import_module(name)

@@ -29,10 +29,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.warm_worker import ENV_WARM_NICE, READY
+from petctl.agent.warm_worker import ENV_WARM_NICE, READY, raise_priority
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
@@ -127,13 +128,13 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 # takes one per rank when a round forms and sends it its environment and command line on stdin.
 #
 # When to refill (`refill_due`): a round takes `nproc` workers, and a second disruption within the refill's
-# imports (seconds; tens for a framework job on a busy host) finds no warm worker, so the refill starts as
-# early as it can without slowing the round it refills for: at once when the round has formed, if the host
-# has a core to spare per import or the imports yield the CPU (`REFILL_NICE`: the refill's workers import at
-# a lower priority and get their own back with their orders, see warm_worker.py); otherwise only once the
-# round trains (its first step) or REFILL_AFTER into it. Measured (bench/README.md, "Notices close
-# together"): a refill started after the first step left notices 1.6-2.3 s into a round 1.7-2.7 s to train
-# again; started at the formation, at low priority, the round's own start was not slower.
+# imports (seconds; tens for a framework job on a busy host) finds no warm worker. So the refill starts when
+# the round forms, where that cannot slow the round's own start: at the node's priority where the host has a
+# core to spare per import; elsewhere at a low CPU priority (`REFILL_NICE`), raised back to the node's once
+# the round trains (its first step, or REFILL_AFTER into it: the moment the refill used to start) and by each
+# worker itself the moment its order arrives, even mid-import (warm_worker.py). So the refill is never later
+# than it was, and the imports yield the CPU to the round while it starts. Where the agent cannot raise a
+# priority back (no root, CAP_SYS_NICE or RLIMIT_NICE), the refill waits for the round to train, as it did.
 #
 # Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): the pool keeps `nproc * (1 + spares)`,
 # so the next round takes spares while the refill is still importing. They import together with the node's
@@ -147,24 +148,32 @@ REFILL_NICE = 10  # added to a refill worker's nice value while it imports (Linu
 
 @dataclass(frozen=True)
 class RefillLook:
-    """What decides whether the warm pool refills now (`refill_due`)."""
+    """What decides whether and how the warm pool refills now (`refill_due`)."""
 
     missing: int  # workers the pool lacks (0: full, or it cannot be used)
+    niced: int  # pooled workers still importing at the low priority
     round_age: float  # seconds since this round's workers were handed out
     step_seen: bool  # the round trains: its first step (or a framework's progress report) was seen
     spare_cores: int  # the host's cores beyond this node's workers and its agent
-    yielding: bool  # the refill imports at a lower CPU priority and its workers can get theirs back
+    yielding: bool  # the agent can lower a refill's priority and raise it back
 
 
-def refill_due(look: RefillLook) -> bool:
-    """Refill now? Never when nothing is missing; at once when the imports cannot slow the round's own
-    start (a core to spare for each, or they yield the CPU); else once the round trains, or REFILL_AFTER
-    into it (a script that reports no steps)."""
-    if look.missing <= 0:
-        return False
-    if look.spare_cores >= look.missing or look.yielding:
-        return True
-    return look.step_seen or look.round_age >= REFILL_AFTER
+class Refill(Enum):
+    WAIT = "wait"  # not now: the imports would slow the round's start
+    YIELD = "yield"  # start what is missing, at the low priority
+    NOW = "now"  # start what is missing at the node's priority, and raise the ones at the low one to it
+
+
+def refill_due(look: RefillLook) -> Refill:
+    """What the pool does now: nothing when it is full and none of its workers yields; at the node's priority
+    once the round trains (its first step, or REFILL_AFTER into it: a script that reports no steps) or where
+    the host has a core for each import; before that at the low priority where the agent can raise it back,
+    else not yet."""
+    if look.missing <= 0 and look.niced <= 0:
+        return Refill.WAIT
+    if look.step_seen or look.round_age >= REFILL_AFTER or look.spare_cores >= look.missing + look.niced:
+        return Refill.NOW
+    return Refill.YIELD if look.yielding else Refill.WAIT
 
 
 def host_cores() -> int:
@@ -212,7 +221,8 @@ class WarmPool:
         self.preexec = preexec
         self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
         self.spare_cores = (host_cores() if cores is None else cores) - spec.nproc - 1  # less the agent's
-        self.yielding = yielding  # refills import at REFILL_NICE (the caller checked can_restore_priority)
+        self.yielding = yielding  # refills may import at REFILL_NICE (see can_restore_priority)
+        self._niced: dict[int, int] = {}  # pooled low-priority worker's pid -> the nice value it returns to
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
@@ -233,8 +243,14 @@ class WarmPool:
         """The pool's side of `refill_due`, during a round `round_age` seconds old."""
         live = sum(1 for p in self.ready if p.poll() is None)
         missing = 0 if not self.usable or self.given_up else max(0, self.size - live)
-        return RefillLook(missing=missing, round_age=round_age, step_seen=step_seen,
+        niced = sum(1 for p in self.ready if p.pid in self._niced and p.poll() is None)
+        return RefillLook(missing=missing, niced=niced, round_age=round_age, step_seen=step_seen,
                           spare_cores=self.spare_cores, yielding=self.yielding)
+
+    def hurry(self) -> int:
+        """Raise the pooled low-priority workers back to the node's priority; how many were refused."""
+        niced, self._niced = self._niced, {}
+        return sum(1 for pid, nice in niced.items() if not raise_priority(pid, nice))
 
     def fill(self, up_to: int | None = None, nice: int = 0) -> int:
         """Start workers until `up_to` (default: the pool's size) wait in the pool, importing at `nice`
@@ -243,8 +259,9 @@ class WarmPool:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
         env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        base = os.getpriority(os.PRIO_PROCESS, 0) if nice > 0 else 0
         if nice > 0:
-            env[ENV_WARM_NICE] = str(nice)
+            env[ENV_WARM_NICE] = str(base)
         preexec = _niced(self.preexec, nice) if nice > 0 else self.preexec
         started = 0
         while len(self.ready) < min(self.size, up_to or self.size):
@@ -261,6 +278,8 @@ class WarmPool:
             finally:
                 os.close(write_fd)  # the child holds the only write end: its exit means EOF here
             warm = self._warm[proc.pid] = _Readiness()
+            if nice > 0:
+                self._niced[proc.pid] = base
             threading.Thread(target=self._await_ready, args=(read_fd, warm), name="warm-ready",
                              daemon=True).start()
             self.ready.append(proc)
@@ -303,6 +322,7 @@ class WarmPool:
         while self.ready:
             proc = self.ready.pop(0)
             readiness = self._warm.pop(proc.pid, None)
+            self._niced.pop(proc.pid, None)  # it raises its own priority at its order
             warm = readiness is not None and readiness.ready and proc.poll() is None
             if readiness is not None and readiness.settled.is_set() and not readiness.ready:
                 proc.kill()
@@ -338,12 +358,16 @@ class _Readiness:
     ready: bool = False
 
 
-def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) -> None:
-    """Refill the pool once `due` (`refill_due`), at low CPU priority where the pool yields. One report
-    per refill, never one per call (a pool that cannot fill starts nothing)."""
-    if pool is None or pool.full or not due:
+def refill(pool: WarmPool | None, due: Refill, round_no: int, events: EventLog) -> None:
+    """Act on `refill_due`. One report per refill, never one per call (a pool that cannot fill starts
+    nothing); a priority that could not be raised back is reported each time it is refused (once per
+    refill: the workers are forgotten either way)."""
+    if pool is None or due is Refill.WAIT:
         return
-    if pool.fill(nice=REFILL_NICE if pool.yielding else 0):
+    if due is Refill.NOW and (refused := pool.hurry()):
+        events.emit("workers.warm_priority_refused", round=round_no, workers=refused,
+                    reason="the warm workers import at the low CPU priority until their orders")
+    if not pool.full and pool.fill(nice=REFILL_NICE if due is Refill.YIELD else 0):
         threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
 
 
@@ -562,7 +586,7 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
         pool.fill(None if together else worker_spec.nproc)
         ready = pool.wait_ready(WARM_WAIT)
         events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
-        refill(pool, True, 0, events)  # the spares, if any and not started yet: importing while it registers
+        refill(pool, Refill.NOW, 0, events)  # the spares, if not started yet: importing while it registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
 
