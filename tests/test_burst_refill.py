@@ -1,5 +1,6 @@
 """Notices close together: the warm pool is refilled from the moment a round forms, not from its first
-step, so a second notice early in a round is served by a warm worker.
+step, so a second notice early in a round is served by a warm worker. On this machine no node has a core to
+spare, so it is the low-priority refill (`PETCTL_WARM_YIELD=1`) that runs.
 
 Real etcd, real gloo workers (torch), the local metadata endpoint. The job's script spends 2 s in set-up
 before its first step (data loading, a framework's set-up): a refill that waits for the first step (as it
@@ -33,7 +34,8 @@ def imds(tmp_path):
 def cluster(etcd_server, tmp_path):
     spec = make_spec("burstrefill", etcd_server.endpoint, min_size=1, max_size=3, size=3,
                      script="elastic_steps.py", checkpoint_url=f"file://{tmp_path / 'ckpt'}",
-                     env={"STEP_TIME": "0.05", "CKPT_EVERY": "1000", "SETUP_TIME": str(SETUP_TIME)},
+                     env={"STEP_TIME": "0.05", "CKPT_EVERY": "1000", "SETUP_TIME": str(SETUP_TIME),
+                          "PETCTL_WARM_YIELD": "1"},  # 2 shared cores here: no core to spare
                      imds_interval=0.5)
     c = AgentCluster(etcd_server.endpoint, tmp_path / "nodes", spec)
     yield c

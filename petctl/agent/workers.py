@@ -130,11 +130,12 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 # When to refill (`refill_due`): a round takes `nproc` workers, and a second disruption within the refill's
 # imports (seconds; tens for a framework job on a busy host) finds no warm worker. So the refill starts when
 # the round forms, where that cannot slow the round's own start: at the node's priority where the host has a
-# core to spare per import; elsewhere at a low CPU priority (`REFILL_NICE`), raised back to the node's once
+# core to spare per import; elsewhere, where the job asks for it (`warm_yield`), at a low CPU priority
+# (`REFILL_NICE`), raised back to the node's once
 # the round trains (its first step, or REFILL_AFTER into it: the moment the refill used to start) and by each
 # worker itself the moment its order arrives, even mid-import (warm_worker.py). So the refill is never later
-# than it was, and the imports yield the CPU to the round while it starts. Where the agent cannot raise a
-# priority back (no root, CAP_SYS_NICE or RLIMIT_NICE), the refill waits for the round to train, as it did.
+# than it was, and the imports yield the CPU to the round while it starts. Otherwise (the default on a host
+# without cores to spare, or where the agent cannot raise a priority back) it waits for the round to train.
 #
 # Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): the pool keeps `nproc * (1 + spares)`,
 # so the next round takes spares while the refill is still importing. They import together with the node's
@@ -577,8 +578,12 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
     prefetch = Prefetch(spec.checkpoint_url, work_dir / "cache", {**os.environ, **spec.env}, events, out,
                         die_with_parent())
     prefetch.start()
-    pool = (WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env), yielding=can_restore_priority())
-            if spec.warm_workers else None)
+    pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
+    if pool is not None and warm_yield(spec.env):
+        pool.yielding = can_restore_priority()
+        if not pool.yielding:
+            events.emit("workers.warm_yield_unavailable",
+                        reason="this agent cannot raise a priority back: the refill waits for the first step")
     if pool is not None:
         services.callback(pool.close)
         # The spares import beside the first workers where the host has a core for each, else after them.
@@ -589,6 +594,13 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
         refill(pool, Refill.NOW, 0, events)  # the spares, if not started yet: importing while it registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
+
+
+def warm_yield(env: Mapping[str, str]) -> bool:
+    """Whether the job asks for the low-priority refill from the round's formation (`PETCTL_WARM_YIELD=1`).
+    Opt-in: on the bench (3 nodes on 2 shared cores) it slowed the re-formed round's start (bench/README.md,
+    "Notices close together"), which a host of its own may not show; unmeasured there."""
+    return env.get("PETCTL_WARM_YIELD", "").strip() == "1"
 
 
 def warm_spares(env: Mapping[str, str]) -> int:
