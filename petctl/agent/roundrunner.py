@@ -150,7 +150,7 @@ class RoundRunner:
             if now - last_publish > PUBLISH_EVERY:
                 last_publish = now
                 p.status.publish()
-            if p.pool is not None:  # from the formation, yielding the CPU until the round trains
+            if p.pool is not None:  # when, and at which CPU priority: refill_due
                 look = p.pool.refill_look(now - started, bool(p.progress.round_step_seen))
                 refill(p.pool, refill_due(look), info.round, p.events)
 

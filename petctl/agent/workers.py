@@ -131,10 +131,9 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 # imports (seconds; tens for a framework job on a busy host) finds no warm worker. So the refill starts when
 # the round forms, where that cannot slow the round's own start: at the node's priority where the host has a
 # core to spare per import; elsewhere, where the job asks for it (`warm_yield`), at a low CPU priority
-# (`REFILL_NICE`), raised back to the node's once
-# the round trains (its first step, or REFILL_AFTER into it: the moment the refill used to start) and by each
-# worker itself the moment its order arrives, even mid-import (warm_worker.py). So the refill is never later
-# than it was, and the imports yield the CPU to the round while it starts. Otherwise (the default on a host
+# (`REFILL_NICE`), raised back to the node's once the round trains (its first step, or REFILL_AFTER into it:
+# the moment the refill used to start) and by each worker itself the moment its order arrives, even
+# mid-import (warm_worker.py), so the refill is never later than it was. Otherwise (the default on a host
 # without cores to spare, or where the agent cannot raise a priority back) it waits for the round to train.
 #
 # Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): the pool keeps `nproc * (1 + spares)`,
