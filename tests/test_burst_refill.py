@@ -15,19 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from petctl.providers.local.metadata_server import LocalMetadataServer
 from tests.support.agent_harness import AgentCluster, AgentProc, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 SETUP_TIME = 2.0
-
-
-@pytest.fixture
-def imds(tmp_path):
-    server = LocalMetadataServer(tmp_path / "notices")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -58,8 +49,8 @@ def one(events: list[dict], what: str) -> dict:
     return events[0]
 
 
-def test_a_second_notice_early_in_a_round_finds_a_warm_worker(cluster, imds, tmp_path):
-    nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(3)]
+def test_a_second_notice_early_in_a_round_finds_a_warm_worker(cluster, metadata_server, tmp_path):
+    nodes = [cluster.start(imds=metadata_server.endpoint_for) for _ in range(3)]
     st = wait_for(lambda: (s := cluster.state()).world_size == 3 and s, 60, what="world of 3")
     wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 5 for n in nodes), 40, what="training")
     # The first notice, once every pool is warm again (a job that ran a while).
