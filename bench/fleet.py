@@ -29,6 +29,9 @@ Measured, per backend and N:
   keep-alive, a refresh and a watch poll each count as one request), and etcd's CPU and RSS;
 - `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
   and had to re-list;
+- `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
+  for its TTL: what a short TTL costs on a busy host);
+- `reasserted`: keys a live node had to write again because its lease had run out;
 - `beats_late`: liveness beats that ran more than one interval late (the simulator itself saturated:
   then the figures say more about this process than about etcd).
 """
@@ -52,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from petctl.core.store import Batch, Compacted, Lease, Store, StoreError  # noqa: E402
+from petctl.core.store import Batch, Compacted, Lease, LeaseExpired, Store, StoreError  # noqa: E402
 from petctl.io.etcd import EtcdServer  # noqa: E402
 from petctl.io.store import open_store  # noqa: E402
 
@@ -93,6 +96,8 @@ class FleetRow:
     etcd_cpu_pct: float
     etcd_rss_mb: float
     lost_place: int
+    spurious_losses: int
+    reasserted: int
     beats_late: int
     errors: int
     note: str = ""
@@ -123,11 +128,16 @@ class SimNode:
 
     def beat(self) -> None:
         lease = self.lease
-        if lease is not None:
-            sent = time.monotonic()
+        if lease is None:
+            return
+        sent = time.monotonic()
+        try:
             lease.keepalive()
-            self.last_beat = sent
-            self.fleet.counters.add("beat")
+        except LeaseExpired:  # too late for its TTL: write the key again, as the agent reasserts its own
+            self.fleet.reasserted_inc()
+            self.register()
+        self.last_beat = sent
+        self.fleet.counters.add("beat")
 
     # --- the watch and the round -------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,8 +169,8 @@ class SimNode:
                     watch.close()
             except Compacted:
                 self.fleet.lost_place_inc()
-            except StoreError:
-                self.fleet.error_inc()
+            except StoreError as e:
+                self.fleet.error_inc(e)
                 self.stop.wait(0.1)
 
     def _apply(self, batch: Batch) -> None:
@@ -221,22 +231,35 @@ class Fleet:
         self.nodes: list[SimNode] = []
         self._lock = threading.Lock()
         self.lost_place = 0
+        self.reasserted = 0  # keys written again after their lease ran out under a live node
         self.errors = 0
+        self.error_kinds: dict[str, int] = {}
         self.beats_late = 0
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
         self._loop = None
 
+    def reasserted_inc(self) -> None:
+        with self._lock:
+            self.reasserted += 1
+
     def lost_place_inc(self) -> None:
         with self._lock:
             self.lost_place += 1
 
-    def error_inc(self) -> None:
+    def error_inc(self, error: BaseException | None = None) -> None:
         with self._lock:
             self.errors += 1
+            if error is not None:
+                kind = f"{type(error).__name__}: {str(error)[:120]}"
+                self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
     def new_store(self) -> Store:
-        return open_store(self.endpoint, backend=self.backend)  # type: ignore[arg-type]
+        if self.backend == "v3" and self._loop is None:
+            from petctl.io.store.v3 import LoopThread
+
+            self._loop = LoopThread("fleet-loop")  # every simulated node's store on one event loop
+        return open_store(self.endpoint, backend=self.backend, loop=self._loop)  # type: ignore[arg-type]
 
     def add(self, name: str) -> SimNode:
         node = SimNode(name, self.new_store(), self)
@@ -275,14 +298,16 @@ class Fleet:
             if n.thread is not None:
                 n.thread.join(timeout=5)
             n.store.close()
+        if self._loop is not None:
+            self._loop.close()
 
 
 def _beat_quietly(fleet: Fleet) -> Callable[[SimNode], None]:
     def beat(node: SimNode) -> None:
         try:
             node.beat()
-        except StoreError:
-            fleet.error_inc()
+        except StoreError as e:
+            fleet.error_inc(e)
     return beat
 
 
@@ -302,10 +327,16 @@ def proposals(endpoint: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path) -> FleetRow:
+# etcd's raft timing for a 1 s lease: etcd raises any TTL to 1.5 election timeouts (2 s at its defaults of
+# 100 ms heartbeats and a 1 s election timeout); a 500 ms election timeout allows 1 s (`--fast-raft`).
+FAST_RAFT = ("--heartbeat-interval", "50", "--election-timeout", "500")
+
+
+def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path,
+            fast_raft: bool = False) -> FleetRow:
     import psutil
 
-    server = EtcdServer.start(scratch / f"etcd-{backend}-{n}")
+    server = EtcdServer.start(scratch / f"etcd-{backend}-{n}", extra_args=FAST_RAFT if fast_raft else ())
     proc = psutil.Process(server.pid)
     fleet = Fleet(server.endpoint, backend, ttl, beat)
     note = ""
@@ -335,6 +366,12 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         rest_reqs = (c1 - c0) / n / span
         cpu_pct = 100 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / span
         rss = proc.memory_info().rss / 2**20
+
+        # nodes taken for lost so far while alive (a keep-alive too late for the TTL), then a clean slate
+        spurious_up = {k for s in nodes for k in s.seen if k.startswith("gone:")}
+        for s in nodes:
+            for k in [k for k in s.seen if k.startswith("gone:")]:
+                del s.seen[k]
 
         # a node lost (its lease revoked: a clean loss) -> every survivor knows
         p_re0, t_re0 = proposals(server.endpoint), time.monotonic()
@@ -372,18 +409,26 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         gone = f"gone:{mute.name}"
         ok = wait_for(lambda: all(gone in s.seen for s in others), 3 * ttl + 10)
         silent_known = max(s.seen[gone] for s in others) - beat_sent if ok else None
+        stopped = {victim.name, mute.name}
+        spurious = len(spurious_up | {k for s in nodes for k in s.seen
+                                      if k.startswith("gone:") and k.split(":", 1)[1] not in stopped})
     finally:
         fleet.close()
         server.stop(remove_data=True)
     if fleet.beats_late:
         note = "simulator saturated: beats ran late"
+    if fleet.error_kinds:
+        top = sorted(fleet.error_kinds.items(), key=lambda kv: -kv[1])[:3]
+        note = "; ".join([note, *(f"{n} x {k}" for k, n in top)]).strip("; ")
     return FleetRow(backend=backend, nodes=n, up_to_ranked_s=_r(up_to_ranked), loss_known_s=_r(loss_known),
                     silent_loss_known_s=_r(silent_known),
                     join_ranked_s=_r(join_ranked), ranks_kept=kept,
                     rest_proposals_per_node_s=round(rest_props, 4),
                     rest_requests_per_node_s=round(rest_reqs, 3),
                     reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
-                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, beats_late=fleet.beats_late,
+                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, spurious_losses=spurious,
+                    reasserted=fleet.reasserted,
+                    beats_late=fleet.beats_late,
                     errors=fleet.errors, note=note)
 
 
@@ -396,8 +441,8 @@ def table(rows: list[FleetRow]) -> str:
             "| silent loss → every survivor knows "
             "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
             "| requests / node / s at rest | etcd CPU at rest | etcd RSS "
-            "| watches that lost their place | beats late |")
-    lines = [head, "|" + "---|" * 12]
+            "| watches that lost their place | nodes lost while alive | beats late |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
@@ -405,7 +450,8 @@ def table(rows: list[FleetRow]) -> str:
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
-                     f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | {r.beats_late} |")
+                     f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | "
+                     f"{r.spurious_losses} | {r.beats_late} |")
     return "\n".join(lines)
 
 
@@ -417,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beat", type=float, default=0.2,
                     help="v2 refresh interval (the agent's heartbeat_interval)")
     ap.add_argument("--rest", type=float, default=10.0, help="seconds measured at rest")
+    ap.add_argument("--fast-raft", action="store_true",
+                    help="etcd with a 500 ms election timeout, so a lease may be 1 s (default: etcd's)")
     ap.add_argument("--out", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     rows: list[FleetRow] = []
@@ -424,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in (int(x) for x in args.nodes.split(",")):
             for backend in args.backends.split(","):
                 started = time.monotonic()
-                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch))
+                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft)
                 rows.append(row)
                 took = time.monotonic() - started
                 print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)

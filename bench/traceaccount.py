@@ -12,9 +12,13 @@ instance's billed life (launch -> gone). Definitions:
 
 Simulated time. The trace is replayed `S` (time_scale) times faster than it was drawn, so the gaps between
 losses are S times too short, while each loss costs what it really costs. The simulated figure keeps
-every loss's waste and stretches the rest: with f the overhead of undisturbed training (1 - kept /
-instance before the first action), waste E = (instance - kept) - f x instance is what the events cost,
-and goodput_sim = 1 - f - E / (S x instance). The instance time is dominated by the gaps, so S x instance
+every loss's waste and stretches the rest: with f the overhead of undisturbed training, waste
+E = (instance - kept) - f x instance is what the events cost, and goodput_sim = 1 - f - E / (S x instance).
+f comes from every undisturbed stretch of the run (`steady_overhead`): runs of at least MIN_STRETCH
+consecutive steps of one round with no gap over 3 T, where f = 1 - (steps x T) / (the stretch's time), so
+the checkpoint stalls and slow steps of steady training count, and one noisy window does not decide it
+(it used to come from the window before the first event alone: 0.56 on a loaded machine).
+The instance time is dominated by the gaps, so S x instance
 is the simulated instance time (within the boot and notice windows that do not stretch).
 Boot time B (launch -> agent start) enters as n_launches x (B - B_replayed) more billed, idle instance
 time: the world trains at N-1 meanwhile, so nothing else changes to first order. That is how the
@@ -51,12 +55,43 @@ class Outcome:
     kept_node_hours_sim: float
 
 
+MIN_STRETCH = 10  # steps: a shorter run between two disruptions says little about steady training
+
+
+def steady_overhead(rows: list[tuple[float, int, int, str, Any]], t: float) -> float:
+    """f: 1 - (steps x T) / time, over every undisturbed stretch in `rows` (ts, step, world, node, round,
+    sorted by ts): consecutive steps on one node in one round with no gap over 3 T, MIN_STRETCH steps at
+    least. 0.0 when there is no such stretch or T is 0."""
+    if t <= 0:
+        return 0.0
+    useful = elapsed = 0.0
+    by_run: dict[tuple[str, Any], list[tuple[float, int]]] = {}
+    for ts, step, _w, node, rnd in rows:
+        by_run.setdefault((node, rnd), []).append((ts, step))
+    for run in by_run.values():
+        stretch = [run[0]]
+        for prev, cur in zip(run, run[1:], strict=False):
+            if cur[1] == prev[1] + 1 and cur[0] - prev[0] <= 3 * t:
+                stretch.append(cur)
+                continue
+            useful, elapsed = _add(stretch, t, useful, elapsed)
+            stretch = [cur]
+        useful, elapsed = _add(stretch, t, useful, elapsed)
+    return max(0.0, 1.0 - useful / elapsed) if elapsed > 0 else 0.0
+
+
+def _add(stretch: list[tuple[float, int]], t: float, useful: float, elapsed: float) -> tuple[float, float]:
+    if len(stretch) < MIN_STRETCH:
+        return useful, elapsed
+    return useful + (len(stretch) - 1) * t, elapsed + stretch[-1][0] - stretch[0][0]
+
+
 def _clip(a: float, b: float, lo: float, hi: float) -> float:
     return max(0.0, min(b, hi) - max(a, lo))
 
 
 def account(steps: Iterable[dict[str, Any]], lives: Iterable[Life], start: float, end: float,
-            first_action: float, time_scale: float, launches: int, boot_replayed: float,
+            time_scale: float, launches: int, boot_replayed: float,
             boots: dict[str, float]) -> Outcome:
     """See the module. `steps`: rank 0's train.step records (any order); times are unix seconds."""
     rows = sorted((float(r["ts"]), int(r["step"]), int(r.get("world_size", 1)), str(r.get("node", "")),
@@ -72,9 +107,7 @@ def account(steps: Iterable[dict[str, Any]], lives: Iterable[Life], start: float
     kept_node_s = sum(w for _, w in kept) * t
     lives = list(lives)
     inst = sum(_clip(x.launched, x.ended, start, end) for x in lives)
-    pre_inst = sum(_clip(x.launched, x.ended, start, first_action) for x in lives)
-    pre_kept = sum(w for ts, w in kept if ts < first_action) * t
-    f = max(0.0, 1.0 - pre_kept / pre_inst) if pre_inst > 0 else 0.0
+    f = steady_overhead(in_window, t)
     reform = 0.0
     times = [r[0] for r in in_window]
     for a, b in zip([start, *times], [*times, end], strict=False):

@@ -30,6 +30,7 @@ def test_fleet_bench_small_fleet_on_both_backends(tmp_path: Path) -> None:
         assert row["nodes"] == 8
         assert row["errors"] == 0, backend
         assert row["ranks_kept"] is True, backend  # the join kept every old rank
+        assert row["spurious_losses"] == 0, backend  # nobody alive was taken for lost
         for key in ("up_to_ranked_s", "loss_known_s", "join_ranked_s", "silent_loss_known_s"):
             assert row[key] is not None, (backend, key)  # every node saw it happen
         # a silent node is known gone only after its TTL (3 s by default), never before
@@ -37,4 +38,5 @@ def test_fleet_bench_small_fleet_on_both_backends(tmp_path: Path) -> None:
     # at rest: v3 keep-alives are no raft proposals; every v2 refresh (5 a second per node) is one
     assert rows["v3"]["rest_proposals_per_node_s"] < 0.1
     assert rows["v2"]["rest_proposals_per_node_s"] > 2.0
+    assert rows["v3"]["lost_place"] == 0  # a v3 watch keeps its place (v2's may lose it: 1,000 events)
     assert "| v3 | 8 |" in out.with_suffix(".md").read_text()

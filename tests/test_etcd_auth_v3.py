@@ -31,7 +31,7 @@ from petctl.io.etcdauthv3 import (
     role_grants,
 )
 from petctl.io.etcdpki import EtcdTls
-from petctl.io.store.v3grpc import import_etcd3aio
+from petctl.io.store.v3 import import_etcd3aio
 from tests.support.etcd_auth import denied_v3
 
 A, AB = "ja", "jab"  # "/petctl/jobs/ja" is a prefix of "/petctl/jobs/jab/...": the slash keeps them apart

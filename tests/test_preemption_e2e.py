@@ -13,19 +13,10 @@ import time
 
 import pytest
 
-from petctl.providers.local.metadata_server import LocalMetadataServer
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
-
-
-@pytest.fixture
-def imds(tmp_path):
-    server = LocalMetadataServer(tmp_path / "notices")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -42,8 +33,8 @@ def round_steps(cluster: AgentCluster, node_id: str) -> list[dict]:
     return cluster.steps(node_id)
 
 
-def test_announced_preemption_loses_no_step(cluster, imds, tmp_path):
-    nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(3)]
+def test_announced_preemption_loses_no_step(cluster, metadata_server, tmp_path):
+    nodes = [cluster.start(imds=metadata_server.endpoint_for) for _ in range(3)]
     st = wait_for(lambda: (s := cluster.state()).world_size == 3 and s, 40, what="world of 3")
     wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 5 for n in nodes), 30, what="training")
     victim = next(n for n in nodes if st.ranks[n.node_id] == 1)
@@ -74,13 +65,13 @@ def test_announced_preemption_loses_no_step(cluster, imds, tmp_path):
     victim.signal_group(signal.SIGKILL)  # the instance is reclaimed at the notice's time
 
 
-def test_kill_without_notice_resumes_from_last_periodic_checkpoint(cluster, imds):
+def test_kill_without_notice_resumes_from_last_periodic_checkpoint(cluster, metadata_server):
     """The store path: with the in-memory snapshots off, a loss without notice resumes right after the
     newest periodic save. (With them on, the survivors resume from their snapshot of the last step:
     tests/test_snapshot_loss.py; here the kill's step against the save cadence decided which.)"""
     cluster.spec.env["CKPT_EVERY"] = "5"
     cluster.spec.env["PETCTL_SNAPSHOTS"] = "0"
-    nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(3)]
+    nodes = [cluster.start(imds=metadata_server.endpoint_for) for _ in range(3)]
     st = wait_for(lambda: (s := cluster.state()).world_size == 3 and s, 40, what="world of 3")
     wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 8 for n in nodes), 30, what="training")
     victim = next(n for n in nodes if st.ranks[n.node_id] == 2)
@@ -97,14 +88,14 @@ def test_kill_without_notice_resumes_from_last_periodic_checkpoint(cluster, imds
     assert first_after <= max(before) + 1
 
 
-def test_a_plain_script_stopped_at_a_notice_is_not_said_to_have_saved(etcd_server, imds, tmp_path):
+def test_a_plain_script_stopped_at_a_notice_is_not_said_to_have_saved(etcd_server, metadata_server, tmp_path):
     """A script without petctl.elastic (tests/workloads/steps.py) gets SIGTERM at the notice and reports
     no save: the noticed node's round ends saying so, not "preemption checkpoint done" (issue 15)."""
     spec = make_spec(f"plain{next(_names)}", etcd_server.endpoint, min_size=1, max_size=2, size=2,
                      env={"STEP_TIME": "0.1"}, imds_interval=0.5)
     cluster = AgentCluster(etcd_server.endpoint, tmp_path / "nodes", spec)
     try:
-        nodes = [cluster.start(imds=imds.endpoint_for) for _ in range(2)]
+        nodes = [cluster.start(imds=metadata_server.endpoint_for) for _ in range(2)]
         st = wait_for(lambda: (s := cluster.state()).world_size == 2 and s, 40, what="world of 2")
         wait_for(lambda: all(len(cluster.steps(n.node_id)) >= 3 for n in nodes), 30, what="training")
         victim = next(n for n in nodes if st.ranks[n.node_id] == 1)

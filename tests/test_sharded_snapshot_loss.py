@@ -28,16 +28,17 @@ import pytest
 
 from tests.support.cli import Petctl
 from tests.support.snapshotloss import (
+    Drill,
     check_only_the_victims_snapshots_left,
     finished_ledger,
     run_and_kill_one,
     snapshot_root,  # noqa: F401 - a fixture
 )
-from tests.support.userledger import replay
+from tests.support.userledger import USER_SCRIPT, replay
 
 pytestmark = pytest.mark.slow
 
-STEPS = 600
+STEPS = 600  # padded until the survivors' first step, then unpadded (tests/support/snapshotloss.py: finish)
 EVERY = 20
 STEP_TIME = 0.1
 GLOBAL_BATCH = 24  # splits over 3 ranks and over the 2 survivors
@@ -54,9 +55,10 @@ def test_a_node_killed_at_a_random_step_costs_at_most_one_sharded_step(local: Pe
     seed = int(os.environ.get("PETCTL_TEST_SEED") or random.randrange(1 << 30))
     ledger_dir = tmp_path / "ledger"
     ledger_dir.mkdir()
-    kill = run_and_kill_one(local, "shsnap", ledger_dir, snapshot_root, seed, script_args(), STEPS, STEP_TIME)
+    drill = Drill("shsnap", USER_SCRIPT, script_args(), STEPS, STEP_TIME)
+    kill = run_and_kill_one(local, drill, ledger_dir, snapshot_root, seed)
     expected = replay(*script_args())
-    ledger, story = finished_ledger(local, "shsnap", tmp_path, ledger_dir, kill, STEPS, expected, TOLERANCE)
+    ledger, story = finished_ledger(local, drill, tmp_path, ledger_dir, kill, expected, TOLERANCE)
     redone = ledger.redone()
     lines = local.events("shsnap", "snapshot.resume") + local.events("shsnap", "snapshot.fallback")
     resumes = [e for e in lines if e["ts"] > kill.at]

@@ -29,7 +29,7 @@ from petctl.core.store import (
 )
 from petctl.io.etcd import EtcdServer, etcdctl_binary
 from petctl.io.store import open_store
-from petctl.io.store.aioloop import LoopThread
+from petctl.io.store.v3 import LoopThread
 
 TIMEOUT = 2.0  # every store call's bound in this suite
 
@@ -501,7 +501,7 @@ def test_v3_stores_share_a_loop_and_leave_no_thread(etcd_server: EtcdServer, d: 
 
 @pytest.mark.parametrize("first", ["python-etcd", "etcd3aio"])
 def test_python_etcd_and_etcd3aio_import_in_either_order(first: str) -> None:
-    etcd3aio = "from petctl.io.store.v3grpc import import_etcd3aio; m = import_etcd3aio(); m.Etcd3Client"
+    etcd3aio = "from petctl.io.store.v3 import import_etcd3aio; m = import_etcd3aio(); m.Etcd3Client"
     python_etcd = "import etcd; etcd.Client"
     code = "; ".join((python_etcd, etcd3aio) if first == "python-etcd" else (etcd3aio, python_etcd))
     code += "; from etcd3aio._protobuf import Compare; Compare.MOD"

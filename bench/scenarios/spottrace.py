@@ -101,9 +101,8 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
     steps = [dict(r, node=name) for name, node in fleet.nodes.items() for r in node.events("train.step")
              if int(r.get("rank", -1)) == 0]
     lives = [ta.Life(b.launched, b.ended or end) for b in fleet.billed.values()]
-    first = log.t0 + (min((a["at"] for a in log.actions), default=trace.replay_seconds()))
     boots = {f"local-{boot_s:g}s": boot_s, **AWS_BOOTS}
-    outcome = ta.account(steps, lives, log.t0, end, first, trace.time_scale, len(log.launches), boot_s, boots)
+    outcome = ta.account(steps, lives, log.t0, end, trace.time_scale, len(log.launches), boot_s, boots)
     intervals = [r for node in fleet.nodes.values() for r in node.events("checkpoint.interval")]
     return {"outcome": outcome.__dict__, "cost": ta.cost(outcome, prices["spot_usd_per_hour"],
                                                           prices["on_demand_usd_per_hour"]),

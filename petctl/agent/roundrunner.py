@@ -48,7 +48,7 @@ from petctl.agent.roundjudge import (
     judge,
     judge_workers,
 )
-from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, round_env
+from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, refill_due, round_env
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Phase, Round
@@ -61,7 +61,6 @@ VIEW_EVERY = 2.0  # a fresh look at live/ even without a watch event
 PASS = 0.1  # the round loop's pass when nothing wakes it
 SAVING_PASS = 0.02  # ... while our workers save for a re-form: its end is seen by polling their files
 PUBLISH_EVERY = 5.0
-REFILL_AFTER = 10.0  # refill the warm pool after the round's first step, or this long into the round
 
 
 @dataclass
@@ -151,7 +150,9 @@ class RoundRunner:
             if now - last_publish > PUBLISH_EVERY:
                 last_publish = now
                 p.status.publish()
-            refill(p.pool, p.progress.round_step_seen or now - started > REFILL_AFTER, info.round, p.events)
+            if p.pool is not None:  # when, and at which CPU priority: refill_due
+                look = p.pool.refill_look(now - started, bool(p.progress.round_step_seen))
+                refill(p.pool, refill_due(look), info.round, p.events)
 
     def _store_call(self, fn: Callable[..., object], *args: object) -> bool:
         """Run an etcd call of the round; False (counted, reported once per outage) if etcd failed."""

@@ -22,6 +22,7 @@ import os
 import runpy
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -177,6 +178,7 @@ def await_store(env: dict[str, str], timeout: float = STORE_WAIT) -> float | Non
 # --- the warm worker process --------------------------------------------------------------------------------
 
 READY = b"petctl-warm-worker-ready\n"
+ENV_WARM_NICE = "PETCTL_WARM_NICE"  # on a refill's workers: the node's nice value, theirs again at the order
 # When this worker got its orders, for petctl.elastic's recovery timeline (`petctl.elastic.workerprotocol`
 # reads it under the same name; a cold worker's process start time is the same moment).
 ENV_ORDER_TS = "PETCTL_WORKER_ORDER_TS"
@@ -194,6 +196,47 @@ def signal_ready(fd: int) -> None:
         os.close(fd)
 
 
+class OrderReader:
+    """Reads the order (one line on stdin) in a thread of its own, so that it arrives while the imports still
+    run: a refill worker imports at a lower CPU priority (`ENV_WARM_NICE`, workers.py's `refill_due`) and
+    gets the node's back the moment it is handed out, not once its imports are done (the round waits for
+    those)."""
+
+    def __init__(self, base_nice: int | None) -> None:
+        self.base_nice = base_nice
+        self.line = ""
+        self.done = threading.Event()
+        threading.Thread(target=self._read, name="warm-order", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            self.line = sys.stdin.readline()
+            if self.line and self.base_nice is not None and not raise_priority("self", self.base_nice):
+                print(f"petctl warm worker: CPU priority not raised back to nice {self.base_nice} after the "
+                      "warm-up; the script runs at the warm-up's", file=sys.stderr, flush=True)
+        finally:
+            self.done.set()
+
+    def wait(self) -> str:
+        self.done.wait()
+        return self.line
+
+
+def raise_priority(pid: int | str, nice: int) -> bool:
+    """Bring every thread of process `pid` ("self": this one) that runs at a higher nice value down to `nice`
+    (Linux nice values are per thread; the threads an import started inherited the warm-up's). False if
+    refused or not on Linux (nothing changed then, or only some threads). Never raises."""
+    try:
+        for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+            if os.getpriority(os.PRIO_PROCESS, tid) > nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except ProcessLookupError:
+        return True  # it exited (or a thread did): nothing left to raise
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _script_source(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -206,6 +249,8 @@ def main() -> None:
     names = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
     ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
     script = sys.argv[3] if len(sys.argv) > 3 else ""
+    base = os.environ.get(ENV_WARM_NICE, "")
+    orders = OrderReader(int(base) if base.lstrip("-").isdigit() else None)
     for name in names:
         try:
             importlib.import_module(name)
@@ -221,7 +266,7 @@ def main() -> None:
     # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
     if ready_fd >= 0:
         signal_ready(ready_fd)
-    line = sys.stdin.readline()
+    line = orders.wait()
     if not line:
         sys.exit(0)  # the agent discarded us unused
     order = json.loads(line)

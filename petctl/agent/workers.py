@@ -29,10 +29,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.warm_worker import READY
+from petctl.agent.warm_worker import ENV_WARM_NICE, READY, raise_priority
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
@@ -126,14 +127,83 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 # torch (seconds). The pool keeps `nproc` workers (`petctl.agent.warm_worker`) waiting; `WorkerGroup`
 # takes one per rank when a round forms and sends it its environment and command line on stdin.
 #
-# Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): a round takes `nproc` workers and the
-# pool refills only once the round trains (imports beside a starting round would slow it), so a second
-# disruption within the refill's imports (seconds; tens for a framework job on a busy host) found no warm
-# worker. With a spare per slot the pool keeps `nproc * (1 + spares)`: the spares start once the node's
-# first `nproc` are ready, and the next round takes them while the refill is still importing. Each costs
-# an idle interpreter with the script's imports (torch: a few hundred MB of host memory).
+# When to refill (`refill_due`): a round takes `nproc` workers, and a second disruption within the refill's
+# imports (seconds; tens for a framework job on a busy host) finds no warm worker. So the refill starts when
+# the round forms, where that cannot slow the round's own start: at the node's priority where the host has a
+# core to spare per import; elsewhere, where the job asks for it (`warm_yield`), at a low CPU priority
+# (`REFILL_NICE`), raised back to the node's once the round trains (its first step, or REFILL_AFTER into it:
+# the moment the refill used to start) and by each worker itself the moment its order arrives, even
+# mid-import (warm_worker.py), so the refill is never later than it was. Otherwise (the default on a host
+# without cores to spare, or where the agent cannot raise a priority back) it waits for the round to train.
+#
+# Spares (`PETCTL_WARM_SPARES` in the job's environment, per slot): the pool keeps `nproc * (1 + spares)`,
+# so the next round takes spares while the refill is still importing. They import together with the node's
+# first `nproc` where the host has a core for each (`spare_cores`), else once those are ready. Each costs an
+# idle interpreter with the script's imports (torch: a few hundred MB of host memory).
 
 WARM_WAIT = 60.0  # longest a node waits for its warm workers' imports
+REFILL_AFTER = 10.0  # a refill that has to wait for the round's first step waits this long at most
+REFILL_NICE = 10  # added to a refill worker's nice value while it imports (Linux: per thread)
+
+
+@dataclass(frozen=True)
+class RefillLook:
+    """What decides whether and how the warm pool refills now (`refill_due`)."""
+
+    missing: int  # workers the pool lacks (0: full, or it cannot be used)
+    niced: int  # pooled workers still importing at the low priority
+    round_age: float  # seconds since this round's workers were handed out
+    step_seen: bool  # the round trains: its first step (or a framework's progress report) was seen
+    spare_cores: int  # the host's cores beyond this node's workers and its agent
+    yielding: bool  # the agent can lower a refill's priority and raise it back
+
+
+class Refill(Enum):
+    WAIT = "wait"  # not now: the imports would slow the round's start
+    YIELD = "yield"  # start what is missing, at the low priority
+    NOW = "now"  # start what is missing at the node's priority, and raise the ones at the low one to it
+
+
+def refill_due(look: RefillLook) -> Refill:
+    """What the pool does now: nothing when it is full and none of its workers yields; at the node's priority
+    once the round trains (its first step, or REFILL_AFTER into it: a script that reports no steps) or where
+    the host has a core for each import; before that at the low priority where the agent can raise it back,
+    else not yet."""
+    if look.missing <= 0 and look.niced <= 0:
+        return Refill.WAIT
+    if look.step_seen or look.round_age >= REFILL_AFTER or look.spare_cores >= look.missing + look.niced:
+        return Refill.NOW
+    return Refill.YIELD if look.yielding else Refill.WAIT
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def can_restore_priority() -> bool:
+    """Whether a thread of ours that lowered its CPU priority can raise it back (root, CAP_SYS_NICE or
+    RLIMIT_NICE allow it). Probed in a throwaway thread: Linux nice values are per thread, so the agent's
+    own threads are never touched. Never raises."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            tid = threading.get_native_id()
+            base = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, base + 1))
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+            result.append(True)
+        except (AttributeError, OSError):
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="nice-probe", daemon=True)
+    thread.start()
+    thread.join(5.0)
+    return bool(result and result[0])
 
 
 class WarmPool:
@@ -145,10 +215,14 @@ class WarmPool:
     `warm_worker.signal_ready`), never on the worker's output.
     """
 
-    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0) -> None:
+    def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0,
+                 cores: int | None = None, yielding: bool = False) -> None:
         self.spec = spec
         self.preexec = preexec
         self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
+        self.spare_cores = (host_cores() if cores is None else cores) - spec.nproc - 1  # less the agent's
+        self.yielding = yielding  # refills may import at REFILL_NICE (see can_restore_priority)
+        self._niced: dict[int, int] = {}  # pooled low-priority worker's pid -> the nice value it returns to
         self.ready: list[subprocess.Popen] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
@@ -165,13 +239,30 @@ class WarmPool:
         return (not self.usable or self.given_up
                 or sum(1 for p in self.ready if p.poll() is None) >= self.size)
 
-    def fill(self, up_to: int | None = None) -> int:
-        """Start workers until `up_to` (default: the pool's size) wait in the pool; returns how many were
-        started now."""
+    def refill_look(self, round_age: float, step_seen: bool) -> RefillLook:
+        """The pool's side of `refill_due`, during a round `round_age` seconds old."""
+        live = sum(1 for p in self.ready if p.poll() is None)
+        missing = 0 if not self.usable or self.given_up else max(0, self.size - live)
+        niced = sum(1 for p in self.ready if p.pid in self._niced and p.poll() is None)
+        return RefillLook(missing=missing, niced=niced, round_age=round_age, step_seen=step_seen,
+                          spare_cores=self.spare_cores, yielding=self.yielding)
+
+    def hurry(self) -> int:
+        """Raise the pooled low-priority workers back to the node's priority; how many were refused."""
+        niced, self._niced = self._niced, {}
+        return sum(1 for pid, nice in niced.items() if not raise_priority(pid, nice))
+
+    def fill(self, up_to: int | None = None, nice: int = 0) -> int:
+        """Start workers until `up_to` (default: the pool's size) wait in the pool, importing at `nice`
+        more than ours (they lower it again at their orders); returns how many were started now."""
         if not self.usable:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
         env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        base = os.getpriority(os.PRIO_PROCESS, 0) if nice > 0 else 0
+        if nice > 0:
+            env[ENV_WARM_NICE] = str(base)
+        preexec = _niced(self.preexec, nice) if nice > 0 else self.preexec
         started = 0
         while len(self.ready) < min(self.size, up_to or self.size):
             read_fd, write_fd = os.pipe()
@@ -180,13 +271,15 @@ class WarmPool:
                     [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload),
                      str(write_fd), os.path.join(self.spec.cwd, self.spec.cmd[2])],
                     cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, preexec_fn=self.preexec, pass_fds=(write_fd,))
+                    stderr=subprocess.STDOUT, preexec_fn=preexec, pass_fds=(write_fd,))
             except BaseException:
                 os.close(read_fd)
                 raise
             finally:
                 os.close(write_fd)  # the child holds the only write end: its exit means EOF here
             warm = self._warm[proc.pid] = _Readiness()
+            if nice > 0:
+                self._niced[proc.pid] = base
             threading.Thread(target=self._await_ready, args=(read_fd, warm), name="warm-ready",
                              daemon=True).start()
             self.ready.append(proc)
@@ -229,6 +322,7 @@ class WarmPool:
         while self.ready:
             proc = self.ready.pop(0)
             readiness = self._warm.pop(proc.pid, None)
+            self._niced.pop(proc.pid, None)  # it raises its own priority at its order
             warm = readiness is not None and readiness.ready and proc.poll() is None
             if readiness is not None and readiness.settled.is_set() and not readiness.ready:
                 proc.kill()
@@ -247,6 +341,15 @@ class WarmPool:
         self.ready = []
 
 
+def _niced(preexec: Callable[[], None] | None, nice: int) -> Callable[[], None]:
+    """`preexec`, then `nice` more (in the child, before it runs anything)."""
+    def run() -> None:
+        if preexec is not None:
+            preexec()
+        os.nice(nice)
+    return run
+
+
 @dataclass
 class _Readiness:
     """A warm worker's handshake: `settled` once it signalled or died, `ready` if it signalled."""
@@ -255,13 +358,16 @@ class _Readiness:
     ready: bool = False
 
 
-def refill(pool: WarmPool | None, due: bool, round_no: int, events: EventLog) -> None:
-    """Refill the pool once `due` (the round's first step was seen: off the restart's critical path, or
-    some seconds into the round). One report per refill, never one per call (a pool that cannot fill
-    starts nothing)."""
-    if pool is None or pool.full or not due:
+def refill(pool: WarmPool | None, due: Refill, round_no: int, events: EventLog) -> None:
+    """Act on `refill_due`. One report per refill, never one per call (a pool that cannot fill starts
+    nothing); a priority that could not be raised back is reported each time it is refused (once per
+    refill: the workers are forgotten either way)."""
+    if pool is None or due is Refill.WAIT:
         return
-    if pool.fill():
+    if due is Refill.NOW and (refused := pool.hurry()):
+        events.emit("workers.warm_priority_refused", round=round_no, workers=refused,
+                    reason="the warm workers import at the low CPU priority until their orders")
+    if not pool.full and pool.fill(nice=REFILL_NICE if due is Refill.YIELD else 0):
         threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
 
 
@@ -472,14 +578,28 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
                         die_with_parent())
     prefetch.start()
     pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
+    if pool is not None and warm_yield(spec.env):
+        pool.yielding = can_restore_priority()
+        if not pool.yielding:
+            events.emit("workers.warm_yield_unavailable",
+                        reason="this agent cannot raise a priority back: the refill waits for the first step")
     if pool is not None:
         services.callback(pool.close)
-        pool.fill(worker_spec.nproc)
+        # The spares import beside the first workers where the host has a core for each, else after them.
+        together = pool.spare_cores >= pool.size - worker_spec.nproc
+        pool.fill(None if together else worker_spec.nproc)
         ready = pool.wait_ready(WARM_WAIT)
         events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
-        refill(pool, True, 0, events)  # the spares, if any: importing while the node registers
+        refill(pool, Refill.NOW, 0, events)  # the spares, if not started yet: importing while it registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
+
+
+def warm_yield(env: Mapping[str, str]) -> bool:
+    """Whether the job asks for the low-priority refill from the round's formation (`PETCTL_WARM_YIELD=1`).
+    Opt-in: on the bench (3 nodes on 2 shared cores) it slowed the re-formed round's start (bench/README.md,
+    "Notices close together"), which a host of its own may not show; unmeasured there."""
+    return env.get("PETCTL_WARM_YIELD", "").strip() == "1"
 
 
 def warm_spares(env: Mapping[str, str]) -> int:

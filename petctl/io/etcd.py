@@ -152,11 +152,12 @@ class EtcdServer:
     @classmethod
     def start(cls, data_dir: str | Path, log_path: str | Path | None = None, detach: bool = False,
               timeout: float = 20.0, ports: tuple[int, int] | None = None, tls: ServerTls | None = None,
-              admin: EtcdTls | None = None) -> EtcdServer:
+              admin: EtcdTls | None = None, extra_args: tuple[str, ...] = ()) -> EtcdServer:
         """Start etcd and wait until it answers. `detach` puts it in its own session (outlives the CLI).
         `ports` (client, peer): the same address again, as a replaced etcd host keeps its address.
         `tls`: serve https only and require client certificates; `admin` is then a client identity the
-        server trusts, used to see that it is up. Raises ProviderError."""
+        server trusts, used to see that it is up. `extra_args`: more etcd flags (the fleet bench's raft
+        timing, say). Raises ProviderError."""
         data_dir = Path(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         scheme = "https" if tls is not None else "http"
@@ -177,6 +178,7 @@ class EtcdServer:
                 "--initial-cluster", f"petctl={url_p}",
                 "--log-level", "warn",
                 *(tls.flags() if tls is not None else []),
+                *extra_args,
             ]
             log = open(log_path or os.devnull, "ab")
             try:

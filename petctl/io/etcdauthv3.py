@@ -29,7 +29,7 @@ from petctl.core.keys import ROOT as JOBS_ROOT
 from petctl.io.etcd import parse_endpoints
 from petctl.io.etcdauth import USER_PREFIX, USER_RE, AuthError
 from petctl.io.etcdpki import EtcdTls
-from petctl.io.store.v3grpc import import_etcd3aio
+from petctl.io.store.v3 import import_etcd3aio
 
 CALL_TIMEOUT = 10.0  # seconds for one auth call (each is a raft proposal, or a read of the auth store)
 PERM_NAMES = {0: "read", 1: "write", 2: "readwrite"}  # authpb.Permission.Type

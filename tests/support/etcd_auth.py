@@ -23,7 +23,7 @@ async def denied_v3(call: Awaitable[object]) -> bool:
     permission denied"), and for nothing else: any other failure propagates."""
     import grpc
 
-    from petctl.io.store.v3grpc import import_etcd3aio
+    from petctl.io.store.v3 import import_etcd3aio
 
     mod = import_etcd3aio()
     try:

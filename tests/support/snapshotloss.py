@@ -1,7 +1,8 @@
-"""The lost-node drill both snapshot-loss tests run (tests/test_snapshot_loss.py: DDP,
-tests/test_sharded_snapshot_loss.py: FSDP2): a job of 3 local-provider nodes running tests/workloads/
-user_train.py, one node (a random rank) SIGKILLed with its agent at a random step once the warm pools
-are full, and the checks of what the script's ledger and the agents' snapshot directories show after."""
+"""The lost-node drill every snapshot-loss test runs (tests/test_snapshot_loss.py: DDP,
+tests/test_sharded_snapshot_loss.py: FSDP2, both tests/workloads/user_train.py;
+tests/test_framework_snapshot_loss.py: the HF Trainer and Lightning examples): a job of 3 local-provider
+nodes, one node (a random rank) SIGKILLed with its agent at a random step, and the checks of what the
+script's ledger and the agents' snapshot directories show after."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from petctl.agent.snapshots import sweep
 from petctl.core.eventlog import EventLog
 from tests.support.cli import Petctl
 from tests.support.matrix import FAST, wait_until
-from tests.support.userledger import USER_SCRIPT, UserLedger
+from tests.support.userledger import UserLedger, end_padding
 
 WARM_WAIT = 45.0
 
@@ -34,49 +35,90 @@ def snapshot_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Drill:
+    """One lost-node drill: a job of 3 local-provider nodes (min 2, no replacement) running `script`, one
+    node killed at a random step `offsets` past the drill's start point. The start point is either the
+    warm pools full (`after_step` None: the steady state of a job that ran for a while) or rank 0 past
+    step `after_step` at world 3 (a framework's first periodic checkpoint: memory must beat a file that
+    exists). At the kill the job must still have more than `margin` steps to go."""
+
+    job: str
+    script: Path
+    script_args: tuple[str, ...]
+    steps: int
+    step_time: float
+    offsets: tuple[int, int] = (3, 60)  # random.randrange's bounds
+    margin: int = 150
+    after_step: int | None = None
+    launch_timeout: float = 120  # run_job's --wait-timeout: the workers' imports
+    finish_timeout: float = 300  # from the kill to the job's end
+
+
 @dataclass
 class Kill:
     why: str  # "seed S: SIGKILL of rank R's node at step N", for every assertion message
     victim: str  # the node killed
+    victim_rank: int
     at: float  # when (time.time())
 
 
-def run_and_kill_one(local: Petctl, job: str, ledger_dir: Path, snapshot_root: Path, seed: int,
-                     script_args: tuple[str, ...], steps: int, step_time: float) -> Kill:
-    """Start `job` (3 nodes, min 2, no replacement), wait for the warm pools (bounded: the steps lost
-    do not depend on it), SIGKILL a random rank's node at a random step (anywhere within it)."""
+def run_and_kill_one(local: Petctl, drill: Drill, ledger_dir: Path, snapshot_root: Path, seed: int) -> Kill:
+    """Start the drill's job, wait for its start point (the warm pools: bounded, the steps lost do not
+    depend on it), SIGKILL a random rank's node at a random step (anywhere within it)."""
     rng = random.Random(seed)
-    offset, victim_rank = rng.randrange(3, 60), rng.randrange(3)
+    offset, victim_rank = rng.randrange(*drill.offsets), rng.randrange(3)
     local.env["PETCTL_SNAPSHOT_ROOT"] = str(snapshot_root)
-    local.run("run_job", "--name", job, *FAST, "--min", "2", "--max", "3", "--size", "3",
+    local.run("run_job", "--name", drill.job, *FAST, "--min", "2", "--max", "3", "--size", "3",
               "--replace-delay", "600", "--env", f"LEDGER_DIR={ledger_dir}", "--wait",
-              "--wait-timeout", "120", str(USER_SCRIPT), "--", *script_args, "--step-time", str(step_time))
-    deadline = time.monotonic() + WARM_WAIT
-    while len(local.events(job, "workers.warm_ready")) < 6 and time.monotonic() < deadline:
-        time.sleep(0.5)
+              "--wait-timeout", str(drill.launch_timeout), str(drill.script), "--", *drill.script_args,
+              "--step-time", str(drill.step_time))
+    if drill.after_step is None:
+        deadline = time.monotonic() + WARM_WAIT
+        while len(local.events(drill.job, "workers.warm_ready")) < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    else:
+        wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= drill.after_step, 240,
+                   f"step {drill.after_step} at world 3", every=0.05)
     kill_at = (UserLedger.read(ledger_dir).last_step(world=3) or 0) + offset
     why = f"seed {seed}: SIGKILL of rank {victim_rank}'s node at step {kill_at}"
-    assert kill_at < steps - 150, f"{why}: the job got too far before the kill"
+    assert kill_at < drill.steps - drill.margin, f"{why}: the job got too far before the kill"
     wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= kill_at, 180,
                f"step {kill_at} at world 3 ({why})", every=0.02)
-    time.sleep(rng.uniform(0, step_time))
-    (victim,) = [node for node, rank in local.status(job)["ranks"].items() if rank == victim_rank]
+    time.sleep(rng.uniform(0, drill.step_time))
+    (victim,) = [node for node, rank in local.status(drill.job)["ranks"].items() if rank == victim_rank]
     t_kill = time.time()
-    local.run("chaos", job, "--node", victim, "--kill")
-    return Kill(why, victim, t_kill)
+    local.run("chaos", drill.job, "--node", victim, "--kill")
+    return Kill(why, victim, victim_rank, t_kill)
 
 
-def finished_ledger(local: Petctl, job: str, tmp_path: Path, ledger_dir: Path, kill: Kill, steps: int,
-                    expected: tuple[float, ...], tolerance: float) -> tuple[UserLedger, str]:
-    """Wait for the job's end; check it succeeded, every step was done and the final weights are those
-    of an uninterrupted run within `tolerance`. (The ledger, its story for messages.)"""
-    info = local.wait_finished(job, timeout=300)
-    for log in local.job_dir(job).glob("instances/*/agent.log"):  # kept for a post-mortem
+def finish(local: Petctl, drill: Drill, tmp_path: Path, ledger_dir: Path,
+           kill: Kill) -> tuple[dict, UserLedger, str]:
+    """Wait for the job's end (its state, the ledger, its story for messages), the agents' logs kept in
+    `tmp_path` for a post-mortem.
+
+    Once rank 0 has done a step at world 2 after the kill (the survivors re-formed and resumed: all the
+    drill asserts on happened at the padded step), the rest of the run goes unpadded
+    (tests/workloads/padding.py): those steps only have to be done, and done right."""
+    deadline = time.monotonic() + drill.finish_timeout
+    while time.monotonic() < deadline and not any(
+            e["world"] == 2 and e["ts"] > kill.at for e in UserLedger.read(ledger_dir).of("step")):
+        time.sleep(0.1)
+    end_padding(ledger_dir)
+    info = local.wait_finished(drill.job, timeout=max(deadline - time.monotonic(), 1.0))
+    for log in local.job_dir(drill.job).glob("instances/*/agent.log"):
         shutil.copy(log, tmp_path / f"{log.parent.name}.log")
     ledger = UserLedger.read(ledger_dir)
-    story = f"{kill.why}; {ledger.story()}"
+    return info, ledger, f"{kill.why}; {ledger.story()}"
+
+
+def finished_ledger(local: Petctl, drill: Drill, tmp_path: Path, ledger_dir: Path, kill: Kill,
+                    expected: tuple[float, ...], tolerance: float) -> tuple[UserLedger, str]:
+    """`finish`, then check the job succeeded, every step was done and the final weights are those of an
+    uninterrupted run within `tolerance`. (The ledger, its story for messages.)"""
+    info, ledger, story = finish(local, drill, tmp_path, ledger_dir, kill)
     assert info["state"] == "succeeded", (info, story)
-    assert not ledger.missing(steps), f"steps never done: {ledger.missing(steps)[:10]}; {story}"
+    assert not ledger.missing(drill.steps), f"steps never done: {ledger.missing(drill.steps)[:10]}; {story}"
     dw = max(abs(a - b) for a, b in zip(expected, ledger.final_weights(), strict=True))
     assert dw <= tolerance, f"final weights differ from an uninterrupted run: max |dw| = {dw:.3g}; {story}"
     return ledger, story

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.paths import REPO, WORKLOADS
+from tests.workloads.padding import UNPADDED
 
 USER_SCRIPT = WORKLOADS / "user_train.py"
 
@@ -48,6 +49,12 @@ def replay(*script_args: str) -> tuple[float, ...]:
         ledger = UserLedger.read(Path(tmp))
         assert ledger.redone() == {} and [r["world"] for r in ledger.of("resumed")] == [1], ledger.entries[:3]
         return tuple(ledger.final_weights())
+
+
+def end_padding(ledger_dir: Path) -> None:
+    """From now on the job's steps go unpadded (tests/workloads/padding.py): call it once the test has seen,
+    at the padded step, everything it asserts on that depends on the step's time."""
+    (ledger_dir / UNPADDED).touch()
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A torchrun-style job that uses petctl.elastic: resumable, and saves on a preemption notice.
 
 Prints one JSON line per step (`train.step`) so tests can check that no step was lost or repeated.
-Env: STEP_TIME, CKPT_EVERY, STEPS.
+Env: STEP_TIME, CKPT_EVERY, STEPS, SETUP_TIME (seconds of set-up before the first step: data loading).
 """
 
 import json
@@ -21,6 +21,7 @@ state = State(model=model, optimizer=opt, extra={"step": 0})
 ckpt = Checkpointer(keep=3, every=int(os.environ.get("CKPT_EVERY", "20")))
 start = ckpt.resume(state)
 print(json.dumps({"ts": time.time(), "event": "train.resumed", "step": start, "rank": rank}), flush=True)
+time.sleep(float(os.environ.get("SETUP_TIME", "0")))
 for step in range(start, int(os.environ.get("STEPS", "1000000"))):
     loss = model(torch.ones(4, 8)).sum()
     opt.zero_grad()

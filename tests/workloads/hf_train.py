@@ -1,17 +1,17 @@
 """examples/hf_trainer.py, unchanged, with the test's step ledger (tests/workloads/framework_ledger.py).
 
 Run from the repository's PYTHONPATH (tests/support/cli.py): `examples` and `tests` import as packages.
-`--step-time S` pads each step; every other argument is the example's.
+`--step-time S` pads each step (tests/workloads/padding.py); every other argument is the example's.
 """
 
 import os
 import sys
-import time
 
 from transformers import TrainerCallback
 
 from examples.hf_trainer import main
 from tests.workloads.framework_ledger import Ledger, take_step_time
+from tests.workloads.padding import pad
 
 
 class LedgerCallback(TrainerCallback):
@@ -27,7 +27,7 @@ class LedgerCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.rank0:
             self.ledger.write("step", step=state.global_step - 1)
-        time.sleep(self.step_time)
+        pad(self.step_time)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.rank0 and state.global_step >= state.max_steps:

@@ -22,7 +22,8 @@ that the all-reduced gradient equals its own (ranks that resumed from different 
 Env: STEPS, STEP_TIME (seconds slept per step; SLOW_TIME instead while the world is smaller than
 SLOW_BELOW_WORLD, so a job cannot finish before the capacity a test waits for is in), CKPT_EVERY
 (periodic save after every N steps), KEEP,
-LEDGER_DIR, UPLOAD_SECONDS (rank 0's uploads of state go through `ThrottledStore`: that long per object),
+LEDGER_DIR (a test ends the step padding with `$LEDGER_DIR/unpadded`: tests/workloads/padding.py),
+UPLOAD_SECONDS (rank 0's uploads of state go through `ThrottledStore`: that long per object),
 FAIL_AT (rank 0 raises at that step: a bug in the user's script).
 """
 
@@ -35,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tests.workloads.padding import pad
 
 DIM = 16
 LR = 2.0 ** -4
@@ -148,7 +151,7 @@ def main() -> int:
         ledger.write("step", step=step, digest=digest(model))
         print(json.dumps({"ts": time.time(), "event": "train.step", "step": step, "rank": rank,
                           "world_size": world}), flush=True)
-        time.sleep(step_time if world >= slow_below else slow_time)
+        pad(step_time if world >= slow_below else slow_time)
         if ckpt.step_end(step, state):
             ledger.write("preempt_saved", step=step)
             left = True

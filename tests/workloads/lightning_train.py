@@ -1,16 +1,16 @@
 """examples/lightning_ddp.py, unchanged, with the test's step ledger (tests/workloads/framework_ledger.py).
 
 Run from the repository's PYTHONPATH (tests/support/cli.py): `examples` and `tests` import as packages.
-`--step-time S` pads each step; every other argument is the example's.
+`--step-time S` pads each step (tests/workloads/padding.py); every other argument is the example's.
 """
 
 import sys
-import time
 
 import lightning.pytorch as pl
 
 from examples.lightning_ddp import main
 from tests.workloads.framework_ledger import Ledger, take_step_time
+from tests.workloads.padding import pad
 
 
 class LedgerCallback(pl.Callback):
@@ -26,7 +26,7 @@ class LedgerCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.ledger:
             self.ledger.write("step", step=trainer.global_step - 1)
-        time.sleep(self.step_time)
+        pad(self.step_time)
 
     def on_train_end(self, trainer, pl_module):
         if self.ledger and trainer.global_step >= trainer.max_steps:

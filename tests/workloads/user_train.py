@@ -15,7 +15,7 @@ The one addition is the ledger a test reads: rank 0 appends one JSON line per co
     {"event": "done", "step": s, "weights": [...], ...}     the last step done; the final weights
 
 each with `ts`, `round` ($PETCTL_ROUND), `world` and `node` ($PETCTL_NODE_ID). Without $LEDGER_DIR it
-writes no ledger.
+writes no ledger. `--step-time` pads each step until the test ends the padding (tests/workloads/padding.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from petctl.elastic import Checkpointer, State
+from tests.workloads.padding import pad
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,7 +110,7 @@ def main() -> int:
         if ledger:
             digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
             ledger.write("step", step=step, digest=digest.hexdigest()[:16], loss=loss.item())
-        time.sleep(args.step_time)
+        pad(args.step_time)
         if ckpt.step_end(step, state):
             left = True
             if ledger:
@@ -155,7 +156,7 @@ def main_fsdp(args: argparse.Namespace) -> int:
         if ledger:  # this rank's shard: the full weights would take a collective at every step
             local = b"".join(p.to_local().detach().numpy().tobytes() for p in model.parameters())
             ledger.write("step", step=step, digest=hashlib.sha256(local).hexdigest()[:16], loss=loss.item())
-        time.sleep(args.step_time)
+        pad(args.step_time)
         if ckpt.step_end(step, app):
             left = True
             if ledger:

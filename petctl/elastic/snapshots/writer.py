@@ -543,9 +543,12 @@ def _cuda_device(tensors: list[torch.Tensor]) -> torch.device | None:
 # delays do not pass for the snapshot's cost; wall time for the waits, because then the step really stalls.
 #
 # K (snapshot every K steps) >= median cost / (budget * median step time), over the last WINDOW samples so
-# one outlier moves nothing; raised at once, lowered only when half of K would do with 25 % to spare
-# (LOWER_MARGIN: a cost hovering at the budget, 0.93-1.08 ms of a 100 ms step for a 1 GB state on an H200,
-# flapped K between 1 and 2 four times in 200 steps with half of K alone). No
+# one outlier moves nothing; raised at once, lowered only when half of K would do for the window's dearest
+# sample with 25 % to spare (LOWER_MARGIN). Why both: a cost hovering at the budget, 0.93-1.08 ms of a
+# 100 ms step for a 1 GB state on an H200, flapped K between 1 and 2 four times in 200 steps when the median
+# alone decided; with the median and the margin it still flapped four times (2026-11-27: the window's
+# median wandered 0.78-1.07 ms, the samples being two clusters, not noise around one value). A K one too
+# high costs at most one step of work on a loss; a flapping K costs a log line and a wrong overhead. No
 # verdict on the cost before SETTLE samples (the first snapshots pay one-time costs), except for a GPU's
 # hold on the next optimizer step, timed by CUDA events (`writer`): the smallest such cost so far may
 # raise K at once. A snapshot
@@ -566,7 +569,7 @@ WINDOW = 9
 SETTLE = 5  # samples before K may change (the first snapshots pay one-time costs: imports, page faults)
 FREE = 0.001
 MAX_EVERY = 1000
-LOWER_MARGIN = 1.25  # K is lowered only to a K whose cost is under budget (and FREE) with 25 % to spare
+LOWER_MARGIN = 1.25  # K is lowered only to a K the window's dearest cost fits (and FREE) with 25 % to spare
 
 
 @dataclass
@@ -614,17 +617,18 @@ class Cadence:
             # 16 GB copy stalls one step, not SETTLE of them
             cost_k = min(self.costs)
 
-        def need(margin: float) -> int:
-            cost = cost_k * margin  # the margin applies to FREE too: FREE is the budget at a 100 ms step
+        def need(cost: float) -> int:
+            # a margin applies to FREE too: FREE is the budget at a 100 ms step
             k = math.ceil(cost / (self.budget * step_m)) if cost > FREE and step_m > 0 else 1
             if self.busy and step_m > 0:
                 k = max(k, math.ceil(statistics.median(self.busy) / step_m))
             return min(MAX_EVERY, k)
 
-        up = need(1.0)
+        up = need(cost_k)
         if len(self.costs) < SETTLE and up <= self.every:
             return None  # before the cost has settled, only the pipeline bound may raise K
-        new = up if up > self.every else need(LOWER_MARGIN)  # lowered only with the margin to spare
+        # lowered only when the window's dearest snapshot fits with the margin to spare
+        new = up if up > self.every else need(max(self.costs) * LOWER_MARGIN)
         if up > self.every or new <= self.every // 2:
             old, self.every = self.every, new
             self.due = min(self.due, new)

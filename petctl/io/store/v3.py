@@ -4,7 +4,7 @@ Why etcd3aio and not the JSON gateway (etcd3gw): etcd's gRPC gateway refuses cli
 carry a CN (etcd PR #10392), and petctl authenticates every job by its certificate's CN.
 
 etcd3aio is asyncio-only and the agent is threads and blocking calls: each store runs its client on a
-`LoopThread` (aioloop.py; its own, or one shared by many stores) and every method is a blocking call
+`LoopThread` (below; its own, or one shared by many stores) and every method is a blocking call
 into it. How it maps the contract:
 - compare-and-swap is a transaction: create compares `create_revision == 0`, replace and delete-if
   compare `mod_revision`;
@@ -22,17 +22,31 @@ into it. How it maps the contract:
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import importlib.util
 import math
+import queue
+import threading
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
-from petctl.core.store import Entry, Lease, LeaseExpired, Listing, StoreUnavailable
+from petctl.core.store import (
+    Batch,
+    Compacted,
+    Entry,
+    Event,
+    Lease,
+    LeaseExpired,
+    Listing,
+    StoreDenied,
+    StoreError,
+    StoreUnavailable,
+)
 from petctl.io.etcdpki import EtcdTls
-from petctl.io.store.aioloop import LoopThread
-from petctl.io.store.v3grpc import import_etcd3aio, store_error
-from petctl.io.store.v3watch import V3Watch
 
 T = TypeVar("T")
 READ_ATTEMPTS = 3
@@ -247,3 +261,257 @@ class V3Store:
         finally:
             if self._own_loop:
                 self._loop.close()
+
+
+# --- etcd3aio for the v3 backend: importing it beside python-etcd, and its failures as the store's errors.
+#
+# Both python-etcd and etcd3aio's generated protobuf modules are a top-level package named `etcd`:
+# python-etcd's is a regular package, etcd3aio's (`etcd3aio/proto/etcd/api/...`, reached through the
+# `etcd3aio/proto` directory its `_protobuf.py` puts first on sys.path) a namespace package, and a regular
+# package always wins the name. Importing etcd3aio in a process that has python-etcd installed therefore
+# fails (`No module named 'etcd.api'`) whatever the order, unless etcd3aio's directory is added to
+# python-etcd's package path first: then `etcd.Client` is python-etcd's and `etcd.api` etcd3aio's, in one
+# process (the agent needs both while v2 is supported).
+
+def import_etcd3aio() -> ModuleType:
+    """etcd3aio, importable beside python-etcd (see the comment above). Raises ImportError when
+    etcd3aio is not installed."""
+    try:
+        import etcd  # python-etcd: it must own the name `etcd`, with etcd3aio's protos added below
+    except ImportError:  # no python-etcd: etcd3aio's namespace package has the name to itself
+        etcd = None
+    spec = importlib.util.find_spec("etcd3aio")
+    if spec is None or spec.origin is None:
+        raise ImportError("etcd3aio is not installed: pip install 'etcd3aio>=0.3,<0.4'")
+    protos = str(Path(spec.origin).parent / "proto" / "etcd")
+    if etcd is not None and protos not in list(etcd.__path__):
+        etcd.__path__.append(protos)
+    import etcd3aio
+
+    return etcd3aio
+
+
+def store_error(e: BaseException, what: str) -> StoreError | None:
+    """What an etcd3aio or gRPC failure means to a store caller, or None for one that is not a store
+    failure (a bug: let it raise). No permission, or a certificate naming no user → StoreDenied; a lease
+    etcd no longer has → LeaseExpired; down, unreachable, too slow, no leader → StoreUnavailable."""
+    import grpc
+    from etcd3aio import errors
+
+    if isinstance(e, StoreError):
+        return e
+    if isinstance(e, (errors.EtcdPermissionDeniedError, errors.EtcdUnauthenticatedError)):
+        return StoreDenied(f"{what}: {e}")
+    if isinstance(e, (errors.EtcdConnectionError, errors.EtcdTransientError, TimeoutError)):
+        return StoreUnavailable(f"{what}: {e or 'timed out'}")
+    if isinstance(e, grpc.aio.AioRpcError):
+        code, detail = e.code(), e.details() or ""
+        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or (
+                "user name not found" in detail or "authentication failed" in detail):
+            return StoreDenied(f"{what}: {code.name} {detail}")
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+            return LeaseExpired(f"{what}: {detail}")
+        return StoreUnavailable(f"{what}: {code.name} {detail}")
+    if isinstance(e, OSError):
+        return StoreUnavailable(f"{what}: {e}")
+    return None
+
+
+# --- A v3 watch on a directory (or one key), consumed on the store's loop into a queue a blocking `wait` reads.
+#
+# It drives etcd's Watch stream itself rather than through etcd3aio's `WatchService.watch`, because that
+# generator hides two things petctl must see: it skips ahead silently past a compaction (petctl re-lists
+# instead), and it resumes a broken stream from the last response's header revision, which for a watch
+# created on old history is the current revision, ahead of events not yet delivered (a loss). Here a
+# broken stream resumes from the revision after the last event delivered, and each break is reported
+# once to the waiter as StoreUnavailable while it reconnects.
+
+RECONNECT_FIRST = 0.2  # seconds before the first reconnect of a broken watch stream, doubling ...
+RECONNECT_MAX = 2.0  # ... up to this
+
+
+def _event(ev: Any) -> Event:
+    kv = ev.kv
+    if ev.type == 1:  # mvccpb.Event.DELETE (an expired lease's keys too)
+        return Event("delete", kv.key.decode(), None, kv.mod_revision)
+    return Event("put", kv.key.decode(), kv.value.decode(), kv.mod_revision)
+
+
+class V3Watch:
+    """See the module docstring. One thread waits on it at a time."""
+
+    def __init__(self, loop: LoopThread, channel: Any, key: str, prefix: bool, start_revision: int,
+                 timeout: float) -> None:
+        """`prefix`: watch every key under the directory `key` (`key + "/"` as a prefix); else `key` alone."""
+        self._loop = loop
+        self._queue: queue.Queue[tuple[Event, ...] | StoreError] = queue.Queue()
+        self._pending: collections.deque[tuple[Event, ...] | StoreError] = collections.deque()
+        self._fatal: StoreError | None = None
+        self._seen = max(1, start_revision) - 1
+        self._closed = False
+        name = key.rstrip("/") + "/" if prefix else key
+        self._task = loop.call(self._start(channel, name, prefix, max(1, start_revision)), timeout)
+
+    async def _start(self, channel: Any, name: str, prefix: bool, start: int) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(self._consume(channel, name, prefix, start))
+
+    async def _consume(self, channel: Any, name: str, is_prefix: bool, start: int) -> None:
+        from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
+        from etcd3aio.kv import prefix_range_end
+
+        stub = WatchStub(channel)
+        prefix = name  # what errors name
+        key, end = name.encode(), prefix_range_end(name) if is_prefix else b""
+        following, backoff = start, RECONNECT_FIRST
+        while True:
+            create = WatchCreateRequest(key=key, range_end=end, start_revision=following)
+
+            async def requests(create: Any = create) -> Any:
+                yield WatchRequest(create_request=create)
+                await asyncio.Future()  # keep the request side open: closing it ends the watch
+
+            stream = stub.Watch(requests())
+            try:
+                async for response in stream:
+                    backoff = RECONNECT_FIRST
+                    if response.compact_revision > 0:
+                        self._queue.put(Compacted(response.compact_revision))
+                        return
+                    if response.canceled:
+                        reason = response.cancel_reason or "canceled by etcd"
+                        denied = "permission denied" in reason or "auth" in reason
+                        error = StoreDenied if denied else StoreUnavailable
+                        self._queue.put(error(f"watch {prefix}: {reason}"))
+                        return
+                    if response.events:
+                        events = tuple(_event(ev) for ev in response.events)
+                        following = events[-1].revision + 1
+                        self._queue.put(events)
+                self._queue.put(StoreUnavailable(f"watch {prefix}: etcd ended the stream"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - mapped; a failure that is no store failure is a bug
+                mapped = store_error(e, f"watch {prefix}")
+                self._queue.put(mapped if mapped is not None else StoreUnavailable(f"watch {prefix}: {e!r}"))
+                if mapped is None or not isinstance(mapped, StoreUnavailable):
+                    return
+            finally:
+                stream.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_MAX)
+
+    def wait(self, timeout: float) -> Batch:
+        if self._closed:
+            raise StoreUnavailable("watch closed")
+        if self._fatal is not None:
+            raise self._fatal
+        items = self._take(timeout)
+        if self._closed:  # closed from another thread while this wait was in progress
+            raise StoreUnavailable("watch closed")
+        events: list[Event] = []
+        while items:
+            item = items[0]
+            if isinstance(item, StoreError):
+                if events:
+                    break
+                items.popleft()
+                if not isinstance(item, StoreUnavailable):
+                    self._fatal = item
+                while items and isinstance(items[0], StoreUnavailable):  # one outage, one error
+                    items.popleft()
+                self._pending = items
+                raise item
+            events.extend(items.popleft())
+        self._pending = items
+        if events:
+            self._seen = events[-1].revision
+        return Batch(tuple(events), self._seen)
+
+    def _take(self, timeout: float) -> collections.deque:
+        items = self._pending
+        if not items:
+            try:
+                items.append(self._queue.get(timeout=max(0.0, timeout)))
+            except queue.Empty:
+                return items
+        while True:  # and what else already arrived, without waiting
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return items
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(StoreUnavailable("watch closed"))  # wakes a wait in progress at once
+        try:
+            self._loop.call(_cancel(self._task), 5.0)
+        except StoreUnavailable:  # the loop is already closed: nothing runs on it any more
+            pass
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+# --- An asyncio loop in a daemon thread, and blocking calls into it: how the agent (threads and blocking
+# calls) drives the asyncio-only etcd3aio client of the v3 backend.
+#
+# One `LoopThread` serves any number of stores: each v3 store starts its own unless it is given one, so a
+# fleet bench can put 1,000 simulated nodes' stores on a single loop thread.
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A running event loop on its own daemon thread; `call` runs a coroutine there and waits for it."""
+
+    def __init__(self, name: str = "petctl-store-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the loop and return its result, or raise what it raised. A coroutine that has
+        not finished within `timeout` seconds is cancelled: StoreUnavailable (the coroutines bound
+        their own RPCs; this is the backstop). Never call it from the loop's own thread (deadlock)."""
+        if self._closed:
+            coro.close()
+            raise StoreUnavailable("store closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if not future.done():
+                future.cancel()
+                raise StoreUnavailable(f"no answer within {timeout:.1f}s") from None
+            raise
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, stop it and join its thread; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(5.0)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5.0)
+        self.loop.close()
+
+
+async def _cancel_all() -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
