@@ -317,7 +317,7 @@ def store_error(e: BaseException, what: str) -> StoreError | None:
     return None
 
 
-# --- A v3 watch on a directory (or one key), consumed on the store's loop into a queue a blocking `wait` reads.
+# --- A v3 watch on a directory (or one key), read on the store's loop into a queue a blocking `wait` reads.
 #
 # It drives etcd's Watch stream itself rather than through etcd3aio's `WatchService.watch`, because that
 # generator hides two things petctl must see: it skips ahead silently past a compaction (petctl re-lists
