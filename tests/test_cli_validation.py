@@ -116,7 +116,6 @@ def test_duplicate_running_name_and_bad_steering(local: Petctl, script: Path):
     ("agent_command=python 'unclosed", "not a command line"),
     ("region=us-east-1", "unknown local setup option(s) region"),
     ("store=v4", "store must be one of v3, v2"),
-    ("store=v3", "store=v3 is not available yet"),  # until the agent speaks v3 (issue 27)
 ])
 def test_bad_local_setup_options_set_nothing_up(petctl: Petctl, option: str, needle: str):
     assert_one_line_error(petctl.run("setup", "--option", option, check=False), needle)

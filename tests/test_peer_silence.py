@@ -34,9 +34,9 @@ LIMIT, INTERVAL = 1.0, 0.2
 
 
 def reading(index: int | None, sent: float, received: float | None = None, own: float | None = None,
-            settled: bool = True, node: str = "b") -> Reading:
+            settled: bool = True, node: str = "b", quiet: float | None = None) -> Reading:
     return Reading(node=node, index=index, sent=sent, received=sent + 0.01 if received is None else received,
-                   own_refresh_sent=sent - 0.05 if own is None else own, settled=settled)
+                   own_refresh_sent=sent - 0.05 if own is None else own, settled=settled, quiet=quiet)
 
 
 SEEN = Observation("b", 7, since=100.0)
@@ -62,6 +62,19 @@ SEEN = Observation("b", 7, since=100.0)
     (SEEN, reading(None, 105.0), (None, None)),
     # Another peer to watch (a new round): its own clock.
     (SEEN, reading(7, 105.0, node="c", received=105.01), (Observation("c", 7, 105.01), None)),
+    # v3: the store measured the silence (whole seconds since the peer's lease last saw a keep-alive).
+    # A second of it while ours, sent since, went through: dropped at once, no clock of ours needed.
+    (None, reading(7, 100.0, quiet=1.0), (Observation("b", 7, 100.01), 1.0)),
+    # Less than a second: a live peer (its keep-alives come every fraction of one).
+    (SEEN, reading(7, 103.0, quiet=0.0), (Observation("b", 7, 103.01), None)),
+    # Ours did not go through since the peer's last one can have landed (etcd stalled, or we are
+    # starved): no verdict, however long the store says the peer has been quiet.
+    (None, reading(7, 100.0, own=99.1, quiet=1.0), (Observation("b", 7, 100.01), None)),
+    (None, reading(7, 100.0, own=97.9, quiet=2.0), (Observation("b", 7, 100.01), None)),
+    (None, reading(7, 100.0, own=98.3, quiet=2.0), (Observation("b", 7, 100.01), 2.0)),
+    # The store not settled, or the key gone: nothing judged, on v3 as on v2.
+    (None, reading(7, 100.0, settled=False, quiet=3.0), (None, None)),
+    (None, reading(None, 100.0, quiet=None), (None, None)),
 ])
 def test_silence_is_judged_relative_to_our_own_refreshes(seen, r, expected):
     got, silent = observe(seen, r, LIMIT, INTERVAL)
@@ -87,8 +100,6 @@ def test_defaults_drop_within_the_goal_and_slow_heartbeats_stretch_the_limit():
     assert silence_limit(aws) == 8.0 and watching_enabled(aws)
     old = Timeouts(heartbeat_interval=1.0, heartbeat_ttl=3.0)  # the TTL is no slower: nobody watches
     assert not watching_enabled(old)
-    # v3: a keep-alive changes nothing a peer can read, so nobody watches (liveness.py's open design point)
-    assert not watching_enabled(t, beats_visible=False)
 
 
 @pytest.mark.parametrize("stall, reported", [(0.0, False), (0.7, True)])
@@ -114,11 +125,11 @@ def test_a_long_gap_between_applied_refreshes_is_reported_once_it_ends(stall, re
 class Node:
     """One node's heartbeat and peer watch, as the agent wires them (agent.py)."""
 
-    def __init__(self, endpoint: str, keys: JobKeys, node_id: str, ttl: float = 3.0) -> None:
+    def __init__(self, endpoint: str, keys: JobKeys, node_id: str, backend: str, ttl: float = 3.0) -> None:
         self.stream = io.StringIO()
         events = EventLog("agent", stream=self.stream, node=node_id)
         self.store = StoreHealth(events.emit, grace=ttl + INTERVAL + 1.0, slow=ttl - INTERVAL)
-        self.kv = store_for(endpoint, backend="v2")  # the peer watch needs visible beats: v2 only
+        self.kv = store_for(endpoint, backend=backend)
         self.beat = Heartbeat(self.kv, keys, NodeRecord(node_id=node_id, host_addr="h", pid=1),
                               INTERVAL, ttl, OutageReporter("heartbeat", events.emit, parent=self.store),
                               self.store, events)
@@ -135,15 +146,15 @@ def round_of(*nodes: str) -> RoundInfo:
                      restarts=0, cause="", started=0.0)
 
 
-@pytest.fixture
+@pytest.fixture(params=BACKENDS)
 def pair(etcd_server, request):
     keys = JobKeys(f"peers{abs(hash(request.node.name)) % 10**6}")
-    a, b = Node(etcd_server.endpoint, keys, "a"), Node(etcd_server.endpoint, keys, "b")
+    a, b = (Node(etcd_server.endpoint, keys, n, request.param) for n in ("a", "b"))
     a.beat.start()
     b.beat.start()
     a.peers.start()
     a.peers.watch(round_of("a", "b"))
-    reader = store_for(etcd_server.endpoint, backend="v2")
+    reader = store_for(etcd_server.endpoint, backend=request.param)
     yield a, b, keys, reader
     a.peers.stop()
     for n in (a, b):
@@ -204,7 +215,6 @@ def test_a_heartbeat_lives_past_its_ttl_while_kept_alive_and_goes_with_its_lease
         assert beat.lease is not first
         beat.stop(delete=True)
         assert not _exists(kv, keys.node("n")) and beat.deleted
-        assert kv.beats_visible is (backend == "v2")
     finally:
         beat.stop(delete=True)
         kv.close()

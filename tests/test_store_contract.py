@@ -202,6 +202,49 @@ def test_keepalive_keeps_a_lease_and_revoke_ends_it_at_once(store: Store, d: str
         lease.keepalive()
 
 
+def test_liveness_tells_a_kept_lease_from_a_silent_one(store: Store, d: str) -> None:
+    """What a peer can tell of a key's holder from reads: on v3 the store measures the silence of the
+    key's lease (`quiet`, whole seconds, a lower bound); on v2 one read cannot tell (`quiet` None) and
+    each keep-alive moves the key's revision, which a watcher times instead."""
+    lease = store.grant(3)
+    store.put(f"{d}/n", "x", lease)
+    assert store.liveness(f"{d}/gone") is None
+    revisions = set()
+    for _ in range(6):  # kept alive every 0.2 s: never a whole second quiet
+        lease.keepalive()
+        stopped = time.monotonic()  # the last keep-alive had landed by then
+        seen = store.liveness(f"{d}/n")
+        assert seen is not None and seen.quiet in (None, 0.0), seen
+        revisions.add(seen.mod_revision)
+        time.sleep(0.2)
+    if seen.quiet is None:  # v2: the keep-alives were visible as new revisions
+        assert len(revisions) == 6
+        return
+    assert seen.lease == lease.id and len(revisions) == 1  # v3: keep-alives touch no key
+    late = poll(lambda: (store.liveness(f"{d}/n") or seen).quiet >= 1.0, 3.0)
+    assert late is not None
+    quiet_after = time.monotonic() - stopped
+    # a lower bound: a second of silence shows no earlier than a second after the last keep-alive
+    assert 1.0 - 0.05 <= quiet_after < 1.0 + 0.2 + 0.3, quiet_after
+    lease.keepalive()  # alive again: quiet drops back at once
+    assert store.liveness(f"{d}/n").quiet == 0.0
+
+
+def test_expire_ends_the_holders_lease_only_while_the_key_is_unchanged(store: Store, d: str) -> None:
+    lease = store.grant(5)
+    r1 = store.put(f"{d}/n", "1", lease)
+    r2 = store.put(f"{d}/n", "2", lease)
+    assert not store.expire(f"{d}/n", r1)  # changed since: a peer that wrote again is not ended
+    assert store.get(f"{d}/n").value == "2"
+    assert not store.expire(f"{d}/other", r2)  # no such key
+    assert store.expire(f"{d}/n", r2)
+    assert store.get(f"{d}/n") is None
+    with pytest.raises(LeaseExpired):  # the holder learns at its next keep-alive
+        lease.keepalive()
+    unleased = store.put(f"{d}/u", "x")
+    assert store.expire(f"{d}/u", unleased) and store.get(f"{d}/u") is None
+
+
 # --- watches -----------------------------------------------------------------------------------------
 
 

@@ -91,11 +91,10 @@ class Agent:
         beat = NodeRecord(node_id=self.node_id, host_addr=config.host_addr, pid=os.getpid())
         self.heartbeat = Heartbeat(kv, self.keys, beat, interval, ttl,
                                    OutageReporter("heartbeat", emit, parent=store), store, self.events)
-        # No peer watch where a keep-alive is invisible to peers (v3): see liveness.py's open design point.
         self.peers = (PeerWatch(kv, self.keys, self.node_id, self.heartbeat, store,
                                 OutageReporter("peers", emit, parent=store), self.events, silence_limit(t),
                                 wake=self.watcher.nudge)
-                      if watching_enabled(t, kv.beats_visible) else None)
+                      if watching_enabled(t) else None)
         self.rdzv = EtcdRendezvous(kv, self.leases, spec.name, self.node_id, config.host_addr, self.settings,
                                    self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result

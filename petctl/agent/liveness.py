@@ -1,7 +1,6 @@
 """A node's liveness: its own heartbeat key, and the watch on the next member that drops a silent one.
 
 Sections: the heartbeat (this docstring); when a peer is silent (pure); the peer watch that acts on it.
-On the v3 backend there is no peer watch yet: see "OPEN DESIGN POINT" in the silence section.
 
 The node's liveness key: written on join under a lease of `heartbeat_ttl` (petctl/core/store.py), kept
 alive, re-asserted (a new lease, the key written again) if the lease was found gone, revoked on leave.
@@ -178,15 +177,18 @@ class Heartbeat:
 #   shortens the span it can prove. While the store is not settled (health.py) nothing is judged and
 #   the clock starts again.
 #
-# OPEN DESIGN POINT (issue 27), the v3 backend: a v3 lease keep-alive changes no key (its mod_revision
-# stays; that is what makes it cheap: not a raft proposal, no watcher woken), so a peer reading the key
-# sees the same revision whether its holder is alive or frozen, and would judge every peer silent.
-# `Store.beats_visible` says so (v2 True, v3 False), and on v3 the agent runs no peer watch: liveness
-# rests on lease expiry alone (TTL = `heartbeat_ttl`, 1 to 1.5 s past it on etcd 3.5), which misses
-# the ~1.2 s detection below and the issue's 1.5 s goal with the default 3 s TTL. Options for the next
-# step: a shorter lease TTL (etcd v3's minimum is about 2 s: 1.5 x election timeout), a beat a peer can
-# see that is not a proposal (none in etcd: every put is one), or peers judging each other over the
-# workers' own channel instead of etcd. Until one is chosen and measured, v2 stays the default.
+# On v3 a keep-alive changes no key (its mod_revision stays: that is what makes it cheap, no raft
+# proposal and no watcher woken), so the key's revision says nothing of its holder. The lease does: etcd
+# answers LeaseTimeToLive with the lease's remaining time truncated to whole seconds, so a lease kept
+# alive reads its granted TTL - 1 and one left alone for a whole second reads one less from that moment
+# on (`Store.liveness`, petctl/io/store/v3.py). The store measures the silence itself (`Reading.quiet`,
+# a lower bound in whole seconds, on the store's clock): no clock of the watcher's starts, and the peer
+# is silent once `quiet` reaches the limit while our own keep-alive, sent at least one interval after
+# the peer's last one can have landed, went through. The limit is thus met in whole seconds on v3 (1 s by
+# default: detection 1.0 s + one poll after the last keep-alive). The drop revokes the peer's lease
+# (`Store.expire`): its key goes, and its next keep-alive raises LeaseExpired, as after an expiry. A
+# new etcd leader renews every lease on taking over (etcd's lessor "promote"): a peer frozen across an
+# election reads fresh again for a while, which delays a verdict but never makes a false one.
 #
 # Detection after a freeze is at most `limit` + 2 polls (+ the removal and the others' wake-up), about
 # 1.2 s with the defaults; an absent key (expired, deleted, never written) is no verdict: etcd's TTL remains
@@ -202,10 +204,9 @@ def silence_limit(t: Timeouts) -> float:
     return max(t.peer_silence, MIN_MISSES * t.heartbeat_interval)
 
 
-def watching_enabled(t: Timeouts, beats_visible: bool = True) -> bool:
-    """Whether peers watch each other at all: not when etcd's own expiry (the TTL) is as fast, and not
-    on a backend whose keep-alives a peer cannot see (`Store.beats_visible`: v3; see below)."""
-    return beats_visible and silence_limit(t) < t.heartbeat_ttl
+def watching_enabled(t: Timeouts) -> bool:
+    """Whether peers watch each other at all: not when etcd's own expiry (the TTL) is as fast."""
+    return silence_limit(t) < t.heartbeat_ttl
 
 
 def poll_period(limit: float) -> float:
@@ -233,6 +234,9 @@ class Reading:
     # had applied that refresh before it answered the read. None: none went through yet.
     own_refresh_sent: float | None
     settled: bool  # StoreHealth.settled(): may membership be judged from etcd now?
+    # v3: whole seconds the store has seen no keep-alive for the peer's lease, a lower bound measured
+    # by the store (`Liveness.quiet`); None on v2, where the watcher times an unchanged index instead
+    quiet: float | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,13 @@ def observe(seen: Observation | None, r: Reading, limit: float,
     (else None). See the module docstring for why each condition is there."""
     if not r.settled or r.index is None:
         return None, None
+    if r.quiet is not None:  # measured by the store: no clock of ours to start
+        # the peer's last keep-alive landed by (answer - quiet) at the latest; ours, sent an interval after
+        # that, went through
+        ours_went_through = (r.own_refresh_sent is not None
+                             and r.own_refresh_sent >= r.received - r.quiet + interval)
+        return Observation(r.node, r.index, r.received), (
+            r.quiet if r.quiet >= limit and ours_went_through else None)
     if seen is None or seen.node != r.node or seen.index != r.index:
         return Observation(r.node, r.index, r.received), None
     silent = r.sent - seen.since
@@ -263,9 +274,11 @@ def observe(seen: Observation | None, r: Reading, limit: float,
 # The watch on the next member of the running round: a frozen or cut-off host is dropped in about 1.2 s.
 #
 # The silence rules above decide (and say why relative silence, not a shorter TTL); this thread reads and
-# acts. While a round runs, it reads the peer's heartbeat key every `poll` seconds. Once the peer is silent,
-# it removes the key with a compare-and-delete on the index it saw: a refresh that lands meanwhile changes
-# the index and the delete fails, so a peer that is alive after all is never removed. The removal wakes
+# acts. While a round runs, it reads the peer's heartbeat key (`Store.liveness`) every `poll` seconds. Once
+# the peer is silent it ends the peer's hold (`Store.expire`, on the index it saw). On v2 that is a
+# compare-and-delete: a refresh that lands meanwhile changes the index and the delete fails, so a peer
+# that is alive after all is never removed. On v3 it revokes the peer's lease: the store itself measured
+# a whole second with no keep-alive from it. The removal wakes
 # every agent's `live/` watch exactly as an expiry would, so what follows is the usual path: a view
 # without the peer, `membership.lost`, the next round. The peer, if it thaws, finds its key gone
 # (`heartbeat.lost`), writes it again and rejoins, as after an expiry.
@@ -349,15 +362,15 @@ class PeerWatch:
         """One read of the peer's key. Raises one of `store_errors()`."""
         own = self.heartbeat.last_ok  # before the read: etcd applied it before answering (see `observe`)
         sent = time.monotonic()
-        entry = self.kv.get(self.keys.node(peer))
-        index = entry.mod_revision if entry is not None else None
-        return Reading(node=peer, index=index, sent=sent, received=time.monotonic(),
-                       own_refresh_sent=own, settled=self.store.settled())
+        found = self.kv.liveness(self.keys.node(peer))
+        return Reading(node=peer, index=found.mod_revision if found is not None else None, sent=sent,
+                       received=time.monotonic(), own_refresh_sent=own, settled=self.store.settled(),
+                       quiet=found.quiet if found is not None else None)
 
     def _drop(self, round_no: int, seen: Observation, silent_for: float) -> None:
         """Remove the silent peer's key, unless it was refreshed (or removed) since we read it."""
         try:
-            if not self.kv.delete(self.keys.node(seen.node), mod_revision=seen.index):
+            if not self.kv.expire(self.keys.node(seen.node), seen.index):
                 return  # refreshed at the last moment, or gone already: nothing to do
         except store_errors() as e:
             self.outage.failed(e)

@@ -29,10 +29,9 @@ Backend = Literal["v3", "v2"]
 BACKENDS: tuple[Backend, ...] = ("v3", "v2")
 DEFAULT_BACKEND: Backend = "v3"
 # The backend a job's agents (and the readers of its keys) use unless setup chose another
-# (`petctl setup --option store=v3`): v2 until the agents' liveness on v3 is settled (issue 27; see
-# petctl/agent/liveness.py). etcd 3.5 keeps its v2 and v3 keyspaces apart, so every reader of a job's
-# keys must use the backend its agents write with: it travels in `JobSpec.etcd_store`.
-JOB_DEFAULT_BACKEND: Backend = "v2"
+# (`petctl setup --option store=v2`). etcd 3.5 keeps its v2 and v3 keyspaces apart, so every reader of a
+# job's keys must use the backend its agents write with: it travels in `JobSpec.etcd_store`.
+JOB_DEFAULT_BACKEND: Backend = DEFAULT_BACKEND
 
 
 class StoreError(Exception):
@@ -74,6 +73,21 @@ class Entry:
     mod_revision: int
     create_revision: int
     lease: int = 0
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What one read tells a peer of a leased key's holder (`Store.liveness`).
+
+    `quiet` is how long the store itself has received no keep-alive for the key's lease: a lower bound,
+    in whole seconds, measured on the store's clock (v3: the lease's remaining time to live, which etcd
+    reports truncated to whole seconds, against the TTL it granted). None where one read cannot tell: v2,
+    whose keep-alive rewrites the key instead, so `mod_revision` moves with every keep-alive and a
+    watcher times how long it stays put (petctl/agent/liveness.py)."""
+
+    mod_revision: int
+    lease: int
+    quiet: float | None
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,19 @@ class Store(Protocol):
 
     def delete_dir(self, directory: str) -> int:
         """Delete every key under `directory`; how many there were."""
+        ...
+
+    def liveness(self, key: str) -> Liveness | None:
+        """What a peer can tell of the key's holder from one read (`Liveness`); None when the key (or,
+        on v3, its lease) is gone. On v3 this is two requests (the key, then its lease's time to live),
+        neither a raft proposal."""
+        ...
+
+    def expire(self, key: str, mod_revision: int) -> bool:
+        """End the hold on a silent peer's key, as its lease's expiry would: v3 revokes the key's lease
+        (every key under it goes, and the holder's next keep-alive raises LeaseExpired); v2 deletes the
+        key (the holder's next refresh finds it gone and raises LeaseExpired). Only while the key's
+        `mod_revision` is the one given; False when it changed or is gone."""
         ...
 
     def grant(self, ttl: float) -> Lease:

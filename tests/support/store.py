@@ -30,7 +30,6 @@ class FakeStore:
     seconds first. `calls` names every call (grant, put, keepalive, revoke); `writes` counts puts."""
 
     backend = "v2"
-    beats_visible = True
 
     def __init__(self, failures: int = 0, stall_at: int = 0, stall: float = 0.0) -> None:
         self.failures = failures

@@ -43,6 +43,7 @@ from petctl.core.store import (
     Lease,
     LeaseExpired,
     Listing,
+    Liveness,
     StoreDenied,
     StoreError,
     StoreUnavailable,
@@ -55,7 +56,6 @@ class V2Store:
     """`Store` over python-etcd; see the module docstring."""
 
     backend = "v2"
-    beats_visible = True  # a keep-alive refreshes each key: its modifiedIndex moves
 
     def __init__(self, endpoint: str, tls: EtcdTls | None, timeout: float) -> None:
         self._endpoint = endpoint
@@ -178,6 +178,25 @@ class V2Store:
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound, etcd.EtcdNotFile):
                 return False
         self._attach(key, None)
+        return True
+
+    def liveness(self, key: str) -> Liveness | None:
+        # a keep-alive rewrites the key (`refresh=True`): its modifiedIndex moves, which one read cannot
+        # time; the watcher does (petctl/agent/liveness.py)
+        found = self.get(key)
+        return None if found is None else Liveness(found.mod_revision, found.lease, None)
+
+    def expire(self, key: str, mod_revision: int) -> bool:
+        # An emulated lease lives in its holder's process: deleting the key is all another node can do,
+        # and the holder's next refresh finds it gone (LeaseExpired). Unlike `delete`, the key stays
+        # attached to a lease of this store that holds it: that holder must find it gone too.
+        if mod_revision <= 0:
+            return False
+        with errors(f"expire {key}"):
+            try:
+                self.client().delete(key, prevIndex=mod_revision)
+            except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound, etcd.EtcdNotFile):
+                return False
         return True
 
     def delete_dir(self, directory: str) -> int:

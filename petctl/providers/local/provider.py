@@ -10,8 +10,8 @@ replaces the agent every instance runs, `{config}` standing for its agent.json: 
 or the agent under a profiler or a wrapper. An empty value restores petctl's own agent.
 
 Setup option `store` (`v2` or `v3`) picks the etcd API the jobs started from then on use
-(`JobSpec.etcd_store`: agents, reconciler and readers alike); the default is `JOB_DEFAULT_BACKEND`.
-v3 is refused until the agent speaks it (issue 27).
+(`JobSpec.etcd_store`: agents, reconciler and readers alike); the default is `JOB_DEFAULT_BACKEND`, v3.
+`store=v2` runs the same job through python-etcd on the embedded etcd 3.5's v2 API.
 """
 
 from __future__ import annotations
@@ -44,13 +44,11 @@ SETUP_OPTIONS = ("agent_command", "store")
 
 
 def store_option(value: str) -> Backend:
-    """`--option store=v2|v3`: the etcd API the jobs started from now on use (petctl/core/store.py).
-    Raises ValidationError (one line) for another value, and for v3 until the agent speaks it."""
+    """`--option store=v3|v2`: the etcd API the jobs started from now on use (petctl/core/store.py; v3
+    by default, v2 for python-etcd until etcd 3.5's end of support). Raises ValidationError (one line)
+    for another value."""
     if value not in BACKENDS:
         raise ValidationError(f"local setup option store must be one of {', '.join(BACKENDS)}, not {value!r}")
-    if value == "v3":  # the agents still write through python-etcd (issue 27's second half)
-        raise ValidationError("local setup option store=v3 is not available yet: the agent does not speak "
-                              "etcd's v3 API (issue 27)")
     return value  # type: ignore[return-value]
 
 
