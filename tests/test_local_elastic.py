@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -136,6 +137,38 @@ def test_job_succeeds_when_its_workers_finish(local: Petctl):
     assert max(e["step"] for e in local.events("ok", "checkpoint.saved")) == 20
     assert (local.job_dir("ok") / "checkpoints" / "checkpoint.pt").exists()
     assert len(local.processes()) == 1  # the reconciler exited and took every instance with it
+    assert keyspaces_holding(local, "ok") == ["v3"]  # the default backend wrote it, and only it
+
+
+def keyspaces_holding(cli: Petctl, job: str) -> list[str]:
+    """The etcd APIs whose keyspace holds the job's result (etcd 3.5 keeps v2's and v3's apart)."""
+    from petctl.core.keys import JobKeys
+    from petctl.core.store import BACKENDS
+    from tests.support.store import store_for
+
+    settings = cli.local_settings()
+    found = []
+    for backend in BACKENDS:
+        with contextlib.closing(store_for(settings["etcd_endpoint"], cli.etcd_root_tls(), backend)) as kv:
+            if kv.get(JobKeys(job).result) is not None:
+                found.append(backend)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_setup_option_store_v2_runs_the_same_job_through_python_etcd(petctl: Petctl):
+    """`petctl setup --option store=v2`: the job's agents, reconciler and readers use etcd's v2 API, and
+    the job ends as it does on v3 (every status read through v2)."""
+    petctl.run("setup", "--option", "store=v2")
+    assert petctl.local_settings()["store"] == "v2"
+    petctl.run("run_job", "--name", "old", "--min", "2", "--max", "2", *FAST, TRAIN, "--", "--steps", "10",
+               "--ckpt-every", "5")
+    info = petctl.wait_finished("old", timeout=150)
+    assert info["state"] == "succeeded", info
+    status = petctl.status("old")
+    assert status["state"] == "succeeded" and status["source"] == "etcd", status
+    assert [e["step"] for e in petctl.events("old", "train.done")] == [10]
+    assert keyspaces_holding(petctl, "old") == ["v2"]
 
 
 @pytest.mark.timeout(240)

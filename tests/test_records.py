@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core import records
+from petctl.core.keys import JobKeys
 from petctl.core.records import (
     BootRecord,
     Checkpoint,
@@ -151,3 +152,34 @@ def test_architecture_doc_lists_every_phase():
     section = DOC.read_text().split("### `Phase`", 1)[1].split("###", 1)[0]
     assert isinstance(Phase.JOINING, enum.Enum)
     assert re.findall(r"`(\w+)` \(", section) == [p.value for p in Phase]
+
+
+# --- docs/ARCHITECTURE.md's key layout -------------------------------------------------------------------
+def documented_keys(doc: str) -> dict[str, dict[str, str]]:
+    """The `## etcd layout` table: key pattern -> its cells by column name."""
+    section = doc.split("## etcd layout", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    head = [c.strip() for c in rows[0].strip("|").split("|")]
+    out = {}
+    for row in rows[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        out[cells[0].strip("`")] = dict(zip(head, cells, strict=True))
+    return out
+
+
+def test_architecture_doc_lists_every_key_a_job_writes_with_its_lease_and_revision():
+    """Every key JobKeys builds, with placeholders for its parts, is a row of the layout table, and every
+    row is such a key; each row says what the key lives under and what its revision is used for."""
+    keys = JobKeys("j")
+    built = {keys.spec, keys.desired, keys.node("<node_id>"), keys.round, f"{keys.done(0)}/<node_id>",
+             keys.round_member(0, "<node_id>"), keys.node_status("<node_id>"), keys.result,
+             keys.event("<node_id>", 0)}
+    shapes = {k.removeprefix(keys.base + "/").replace("/0/", "/<n>/")
+              .replace("00000000000000000000-", "<ns>-") for k in built}
+    documented = documented_keys(DOC.read_text())
+    assert set(documented) == shapes
+    assert all(set(row) == {"key", "writer", "lease", "revision", "value"} for row in documented.values())
+    leased = {k for k, row in documented.items() if row["lease"] != "none"}
+    assert leased == {"live/nodes/<node_id>", "live/done/<n>/<node_id>", "rounds/<n>/<node_id>",
+                      "status/<node_id>", "events/<ns>-<node_id>"}
+    assert "compare-and-swap" in documented["live/round"]["writer"]

@@ -227,7 +227,11 @@ def test_liveness_tells_a_kept_lease_from_a_silent_one(store: Store, d: str) -> 
     # a lower bound: a second of silence shows no earlier than a second after the last keep-alive
     assert 1.0 - 0.05 <= quiet_after < 1.0 + 0.2 + 0.3, quiet_after
     lease.keepalive()  # alive again: quiet drops back at once
-    assert store.liveness(f"{d}/n").quiet == 0.0
+    known = store.liveness(f"{d}/n")
+    assert known is not None and known.quiet == 0.0
+    assert store.liveness(f"{d}/n", known) == known  # asked through the known lease: the same answer
+    lease.revoke()
+    assert store.liveness(f"{d}/n", known) is None  # that lease is gone (a holder writes again anew)
 
 
 def test_expire_ends_the_holders_lease_only_while_the_key_is_unchanged(store: Store, d: str) -> None:

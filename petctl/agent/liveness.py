@@ -43,7 +43,7 @@ from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
-from petctl.core.store import Lease, LeaseExpired, Store
+from petctl.core.store import Lease, LeaseExpired, Liveness, Store
 from petctl.io.etcd import store_errors
 
 # --- heartbeat ----------------------------------------------------------------------------------------------
@@ -308,6 +308,7 @@ class PeerWatch:
         self.dropped = 0  # peers this node removed
         self._lock = threading.Lock()
         self._target: tuple[int, str] | None = None  # (round, the member we watch)
+        self._known: tuple[str, Liveness] | None = None  # the watched peer's last Store.liveness answer
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -342,27 +343,29 @@ class PeerWatch:
             with self._lock:
                 target = self._target
             if target != watched:  # a new round (even with the same peer): its own clock
-                seen, watched = None, target
+                seen, watched, self._known = None, target, None
             if target is None:
                 continue
             try:
                 reading = self._read(target[1])
             except errors as e:  # etcd unreachable or stalled: counted; judged again once settled
                 self.outage.failed(e)
-                seen = None
+                seen, self._known = None, None
                 self._stop.wait(RETRY_PAUSE)
                 continue
             self.outage.succeeded(reading.received - reading.sent)
             seen, silent_for = observe(seen, reading, self.limit, self.heartbeat.interval)
             if silent_for is not None and seen is not None:
                 self._drop(target[0], seen, silent_for)
-                seen = None
+                seen, self._known = None, None
 
     def _read(self, peer: str) -> Reading:
         """One read of the peer's key. Raises one of `store_errors()`."""
         own = self.heartbeat.last_ok  # before the read: etcd applied it before answering (see `observe`)
         sent = time.monotonic()
-        found = self.kv.liveness(self.keys.node(peer))
+        known = self._known[1] if self._known is not None and self._known[0] == peer else None
+        found = self.kv.liveness(self.keys.node(peer), known)  # v3: one request once the lease is known
+        self._known = (peer, found) if found is not None else None
         return Reading(node=peer, index=found.mod_revision if found is not None else None, sent=sent,
                        received=time.monotonic(), own_refresh_sent=own, settled=self.store.settled(),
                        quiet=found.quiet if found is not None else None)

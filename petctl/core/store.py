@@ -204,10 +204,11 @@ class Store(Protocol):
         """Delete every key under `directory`; how many there were."""
         ...
 
-    def liveness(self, key: str) -> Liveness | None:
+    def liveness(self, key: str, known: Liveness | None = None) -> Liveness | None:
         """What a peer can tell of the key's holder from one read (`Liveness`); None when the key (or,
-        on v3, its lease) is gone. On v3 this is two requests (the key, then its lease's time to live),
-        neither a raft proposal."""
+        on v3, its lease) is gone. `known`: this key's previous answer. On v3 only its lease is asked
+        about then (one LeaseTimeToLive, not the key and then the lease: a holder that writes its key
+        again does so under a new lease, and the old one reads as gone); neither is a raft proposal."""
         ...
 
     def expire(self, key: str, mod_revision: int) -> bool:

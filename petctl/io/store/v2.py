@@ -180,7 +180,7 @@ class V2Store:
         self._attach(key, None)
         return True
 
-    def liveness(self, key: str) -> Liveness | None:
+    def liveness(self, key: str, known: Liveness | None = None) -> Liveness | None:
         # a keep-alive rewrites the key (`refresh=True`): its modifiedIndex moves, which one read cannot
         # time; the watcher does (petctl/agent/liveness.py)
         found = self.get(key)

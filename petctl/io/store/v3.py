@@ -215,26 +215,30 @@ class V3Store:
             raise StoreUnavailable(f"grant: {response.error}")
         return V3Lease(self, response.ID, response.TTL)
 
-    def liveness(self, key: str) -> Liveness | None:
+    def liveness(self, key: str, known: Liveness | None = None) -> Liveness | None:
         # A keep-alive touches no key (that is what makes it cheap), so the key's revision says nothing
         # of its holder; the lease's remaining time does. etcd reports it truncated to whole seconds: a
         # lease kept alive every fraction of a second reads granted - 1, and one left alone for a whole
         # second reads granted - 2 from that second on (measured on etcd 3.5.1: the step comes 1.00 s after
         # the last keep-alive). So granted - 1 - remaining is a lower bound on the silence, exact to the
         # whole second, measured where the keep-alives land: on the store's clock, not the reader's.
-        entry = self.get(key)
-        if entry is None:
-            return None
-        if not entry.lease:
-            return Liveness(entry.mod_revision, 0, None)
+        if known is not None and known.lease:
+            mod_revision, lease_id = known.mod_revision, known.lease
+        else:
+            entry = self.get(key)
+            if entry is None:
+                return None
+            if not entry.lease:
+                return Liveness(entry.mod_revision, 0, None)
+            mod_revision, lease_id = entry.mod_revision, entry.lease
         if self._client.lease is None:
             raise StoreUnavailable("store closed")
         lease = self.run(f"time to live of {key}'s lease",
-                         self._client.lease.time_to_live(entry.lease, timeout=self._timeout,
+                         self._client.lease.time_to_live(lease_id, timeout=self._timeout,
                                                          max_attempts=READ_ATTEMPTS))
-        if lease.TTL < 0:  # expired: its keys go with it any moment now
+        if lease.TTL < 0:  # expired or revoked: its keys go (or went) with it
             return None
-        return Liveness(entry.mod_revision, entry.lease, float(max(0, lease.grantedTTL - 1 - lease.TTL)))
+        return Liveness(mod_revision, lease_id, float(max(0, lease.grantedTTL - 1 - lease.TTL)))
 
     def expire(self, key: str, mod_revision: int) -> bool:
         # LeaseRevoke is no transaction operation: the compare is a read first. The window between the
