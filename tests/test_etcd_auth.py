@@ -253,26 +253,51 @@ def test_pki_roundtrip_and_identities() -> None:
 @pytest.mark.slow
 def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Path) -> None:
     """The local provider gives each job run its own etcd user (v2 and v3) and certificate; with auth on,
-    both jobs' agents form their rounds, and job A's credentials (what its code can read from its own
-    directory) reach nothing of job B's; kill_job A deletes A's user (from both) and leaves B running."""
+    both jobs' agents form their rounds (through the default store, v3), and job A's credentials (what
+    its code can read from its own directory) reach nothing of job B's, through either API; kill_job A
+    deletes A's user (from both) and leaves B running."""
+    from contextlib import closing
+
     from petctl.core.records import Round
+    from petctl.core.store import StoreDenied
+    from tests.support.store import store_for
 
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(600)\n")
     for job in (A, B):
         local.run("run_job", "--name", job, "--min", "1", "--max", "1", "--wait", str(script))
-    root = local.etcd()
+    root, root_kv = local.etcd(), local.store()
     for job in (A, B):  # each job's agent formed its round with its own credentials
         local.wait_status(job, lambda s: any(n.get("state") == "running" for n in s["nodes"].values()), 120,
                           f"job {job}'s node running")
-        assert Round.from_json(root.read(JobKeys(job).round).value).world_size == 1
+        assert Round.from_json(root_kv.get(JobKeys(job).round).value).world_size == 1
     spec = json.loads((local.job_dir(A) / "job.json").read_text())["spec"]
     assert spec["etcd_endpoint"].startswith("https://") and spec["etcd_credentials"].startswith("file://")
     a_tls = EtcdTls.in_dir(local.job_dir(A) / "etcd")
     a = etcd_client(spec["etcd_endpoint"], read_timeout=3.0, tls=a_tls)
     b_keys = JobKeys(B)
-    before = root.read(b_keys.round).value
-    attacks = {
+    before = root_kv.get(b_keys.round).value
+    with closing(store_for(spec["etcd_endpoint"], a_tls, spec["etcd_store"])) as a_kv:
+
+        def refused(call) -> bool:
+            try:
+                call()
+            except StoreDenied:
+                return True
+            return False
+
+        store_attacks = {  # through the job's own backend, as the agents talk
+            "read b's round": lambda: a_kv.get(b_keys.round),
+            "list b's nodes": lambda: a_kv.list(b_keys.nodes),
+            "end b": lambda: a_kv.create(b_keys.result, "{}"),
+            "overwrite b's round": lambda: a_kv.put(b_keys.round, "{}"),
+            "delete b's heartbeats": lambda: a_kv.delete_dir(b_keys.nodes),
+            "delete b": lambda: a_kv.delete_dir(b_keys.base),
+            "wipe the store": lambda: a_kv.delete_dir("/"),
+        }
+        assert [name for name, attack in store_attacks.items() if not refused(attack)] == []
+        assert a_kv.get(JobKeys(A).round).value  # A's own keys are A's to read
+    attacks = {  # and through the other API, python-etcd's v2, where the same user exists
         "read b's round": lambda: a.read(b_keys.round),
         "read b's nodes": lambda: a.read(b_keys.nodes, recursive=True),
         "end b": lambda: a.write(b_keys.result, "{}"),
@@ -282,8 +307,8 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
         "wipe the store": lambda: a.delete("/", recursive=True, dir=True),
     }
     assert [name for name, attack in attacks.items() if not denied(attack)] == []
-    assert root.read(b_keys.round).value == before
-    assert a.read(JobKeys(A).round).value  # A's own keys are A's to read
+    assert root_kv.get(b_keys.round).value == before
+    root_kv.close()
 
     users = job_users(root)
     a_user = json.loads((local.job_dir(A) / "job.json").read_text())["etcd_user"]
@@ -295,4 +320,6 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
     assert a_user not in job_users(root)
     assert a_user not in etcdauthv3.job_users(v3) and len(etcdauthv3.job_users(v3)) == 1
     assert denied(lambda: a.read(JobKeys(A).round))
+    with closing(store_for(spec["etcd_endpoint"], a_tls, spec["etcd_store"])) as a_kv:
+        assert refused(lambda: a_kv.get(JobKeys(A).round))  # and through v3: the user is gone from both
     assert local.status(B)["state"] == "running"

@@ -218,3 +218,27 @@ def test_a_heartbeat_lives_past_its_ttl_while_kept_alive_and_goes_with_its_lease
     finally:
         beat.stop(delete=True)
         kv.close()
+
+
+def test_a_view_without_our_key_writes_it_again_unless_it_predates_our_write():
+    """v3's keep-alive notices a revoked lease, not a key deleted under a live one: a view that lacks our
+    key tells the heartbeat (`missing_from`), which writes the key again, once, as after a lost lease."""
+    stream = io.StringIO()
+    events = EventLog("agent", stream=stream)
+    store = FakeStore()
+    beat = Heartbeat(store, JobKeys("j"), NodeRecord(node_id="n", host_addr="h", pid=1), INTERVAL, 3,
+                     OutageReporter("heartbeat", events.emit), events=events)
+    beat.missing_from(5)  # never written yet (a view read before our first write): nothing to re-assert
+    beat.register()
+    written = store.writes
+    beat.missing_from(written - 1)  # a view older than our write: it could not have seen the key
+    assert beat.reasserted == 0 and store.writes == written
+    beat.missing_from(written)
+    assert beat.reasserted == 1 and store.writes == written + 1
+    beat.missing_from(written)  # the same stale view again: our new write is newer than it
+    assert beat.reasserted == 1
+    beat.stop(delete=True)
+    beat.missing_from(10 ** 6)  # left the job: our key is meant to be gone
+    assert beat.reasserted == 1
+    lines = [e["event"] for e in map(parse_line, stream.getvalue().splitlines()) if e]
+    assert lines.count("heartbeat.lost") == 1 and lines.count("heartbeat.reasserted") == 1

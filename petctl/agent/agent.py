@@ -98,6 +98,7 @@ class Agent:
         self.rdzv = EtcdRendezvous(kv, self.leases, spec.name, self.node_id, config.host_addr, self.settings,
                                    self.events, self.watcher, self.stats, store)
         self.rdzv.on_result = self._on_result
+        self.rdzv.on_own_key_missing = self.heartbeat.missing_from
         self.preemption = PreemptionHandler(config, self.events)
         self.preemption.wake = self.watcher.nudge
         self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)

@@ -70,13 +70,19 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._deleted = False
+        self._written = 0  # the revision of our key's latest write
+        self._lock = threading.Lock()  # one (re)registration at a time: the refresher's, or a view's
 
     def register(self) -> None:
         """(Re)create the key under a new lease of `ttl`. Safe to call when it already exists. Raises
         one of `store_errors()` if etcd cannot be reached."""
+        with self._lock:
+            self._register()
+
+    def _register(self) -> None:
         sent = time.monotonic()
         lease = self.kv.grant(self.ttl)
-        self.kv.put(self.key, self.value, lease)
+        self._written = self.kv.put(self.key, self.value, lease)
         old, self.lease = self.lease, lease
         self._applied(sent)
         self._deleted = False
@@ -100,12 +106,14 @@ class Heartbeat:
             due += self.interval
             if due < t0:  # late by more than a beat (a stall of this process): skip, don't burst
                 due = t0 + self.interval
+            lease = self.lease
             try:
-                if self.lease is None:
+                if lease is None:
                     raise LeaseExpired("no lease yet")
-                self.lease.keepalive()
+                lease.keepalive()
             except LeaseExpired:
-                self._reassert(errors)
+                if lease is self.lease:  # else a view's re-assertion replaced it meanwhile (missing_from)
+                    self._reassert(errors)
             except errors as e:  # etcd unreachable (any form): retry until it answers
                 self.outage.failed(e)
                 due = min(due, time.monotonic() + min(self.interval, 0.2))
@@ -122,14 +130,27 @@ class Heartbeat:
         if gap is not None and gap >= GAP_BEATS * self.interval and self.events is not None:
             self.events.emit("heartbeat.gap", seconds=round(gap, 3))
 
-    def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
+    def missing_from(self, revision: int) -> None:
+        """A view of `live/` read at `revision` lacks our key. On v3 a keep-alive notices only its lease
+        gone, not its key deleted under a live lease (a recursive delete of `live/nodes`, an operator's
+        `etcdctl del`), so whoever reads a view tells the heartbeat, which writes the key again as after
+        a lost lease. Nothing when the view predates our latest write, or once we stopped or left."""
+        with self._lock:
+            if self._stop.is_set() or self._deleted or not self._written or revision < self._written:
+                return
+            self._reassert(store_errors(), locked=True)
+
+    def _reassert(self, errors: tuple[type[BaseException], ...], locked: bool = False) -> None:
         """Our key vanished while we kept refreshing it: say so, then write it again."""
         if self.store is not None:
             self.store.own_key_missing()
         if self.events is not None:
             self.events.emit("heartbeat.lost", reasserting=True)
         try:
-            self.register()
+            if locked:
+                self._register()
+            else:
+                self.register()
         except errors as e:
             self.outage.failed(e)
             return

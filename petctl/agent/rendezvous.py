@@ -318,6 +318,8 @@ class EtcdRendezvous:
         self.store = store
         self.outage = OutageReporter("rendezvous", events.emit, parent=store)
         self.on_result: Callable[[JobResult], None] | None = None
+        # told when a view lacks our own heartbeat key, with the view's revision (Heartbeat.missing_from)
+        self.on_own_key_missing: Callable[[int], None] | None = None
         self._prejoined: tuple[int, float] | None = None  # (round, monotonic time) of an early join
         self.last_round: Round | None = None  # the newest non-final round seen: rebuilt if etcd loses it
 
@@ -329,6 +331,8 @@ class EtcdRendezvous:
         self.store.succeeded(time.monotonic() - t0, "snapshot")
         if snap.round is not None and snap.round.phase is not Phase.FINAL:
             self.last_round = snap.round
+        if self.node_id not in snap.alive and self.on_own_key_missing is not None:
+            self.on_own_key_missing(snap.etcd_index)  # before `settled` is read: a re-assertion unsettles it
         return dataclasses.replace(snap, settled=self.store.settled())
 
     # --- writing -----------------------------------------------------------------------------------
