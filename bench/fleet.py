@@ -21,8 +21,13 @@ Measured, per backend and N:
 - `loss_known_s`: a node's lease revoked (a clean leave, as an agent does on a notice or a kill) →
   every survivor's watch saw its key go;
 - `silent_loss_known_s`: a node that just stops keeping its lease alive (a host gone without a word) →
-  every survivor saw its key go: the TTL plus etcd's expiry granularity. (The agent's peer watch, which
-  drops a silent member after 1 s, is not modelled: on v3 it reads the peer's lease TTL, a later step.)
+  every survivor saw its key go: the TTL plus etcd's expiry granularity, or with `--peer-watch` the peer
+  watch's limit plus a poll;
+- `--peer-watch`: the agent's peer watch too, with its own rules (`observe`, `successor`, `silence_limit`
+  from petctl/agent/liveness.py) and the same Store calls (`Store.liveness`, `Store.expire`): each node
+  reads the next-ranked member every limit/10 s and ends its hold once silent for the limit (1 s); the
+  keep-alives then come every `--beat` s on both backends, as the agent's do. `silent_loss_known_s` is
+  then the peer watch's detection, and the requests at rest include its reads;
 - `join_ranked_s`: a new node registers → every node saw a round that ranks it, the old ranks unchanged
   (`ranks_kept`);
 - at rest (`--rest` s): etcd's committed proposals and the client's requests per node per second (a
@@ -101,6 +106,7 @@ class FleetRow:
     beats_late: int
     errors: int
     note: str = ""
+    peer_watch: bool = False  # the agent's peer watch ran too (--peer-watch)
 
 
 class SimNode:
@@ -118,6 +124,8 @@ class SimNode:
         self.seen: dict[str, float] = {}  # what this node saw, and when: "ranked", "gone:<n>", "ranked:<n>"
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.peer_seen = None  # the peer watch's Observation (petctl/agent/liveness.py)
+        self.peer_known = None  # (peer, its last Store.liveness answer)
 
     # --- liveness ----------------------------------------------------------------------------------------
     def register(self) -> None:
@@ -138,6 +146,30 @@ class SimNode:
             self.register()
         self.last_beat = sent
         self.fleet.counters.add("beat")
+
+    # --- the peer watch (the agent's rules: petctl/agent/liveness.py) --------------------------------------
+    def peer_poll(self) -> None:
+        """One read of the member this node watches, judged by the agent's own `observe`; a silent one's
+        hold ended with `Store.expire`, as the agent's PeerWatch does."""
+        from petctl.agent.liveness import Reading, observe, successor
+
+        peer = successor(self.ranks, self.name) if self.name in self.ranks else None
+        if peer is None or self.stop.is_set():
+            self.peer_seen, self.peer_known = None, None
+            return
+        known = self.peer_known if self.peer_known is not None and self.peer_known[0] == peer else None
+        sent = time.monotonic()
+        found = self.store.liveness(f"{NODES}/{peer}", known[1] if known else None)
+        self.fleet.counters.add("peer", 1 if known is not None or self.store.backend == "v2" else 2)
+        self.peer_known = (peer, found) if found is not None else None
+        reading = Reading(node=peer, index=found.mod_revision if found else None, sent=sent,
+                          received=time.monotonic(), own_refresh_sent=self.last_beat or None, settled=True,
+                          quiet=found.quiet if found else None)
+        self.peer_seen, silent = observe(self.peer_seen, reading, self.fleet.limit, self.fleet.beat_interval)
+        if silent is not None and self.peer_seen is not None:
+            if self.store.expire(f"{NODES}/{peer}", self.peer_seen.index):
+                self.fleet.counters.add("expire")
+            self.peer_seen, self.peer_known = None, None
 
     # --- the watch and the round -------------------------------------------------------------------------
     def start(self) -> None:
@@ -221,11 +253,20 @@ class SimNode:
 class Fleet:
     """N simulated nodes, their shared beat scheduler, and what they measured."""
 
-    def __init__(self, endpoint: str, backend: str, ttl: int, beat: float) -> None:
+    def __init__(self, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool = False) -> None:
+        from petctl.agent.liveness import poll_period, silence_limit
+        from petctl.core.spec import Timeouts
+
         self.endpoint = endpoint
         self.backend = backend
         self.ttl = ttl
-        self.beat_interval = beat if backend == "v2" else ttl / 3
+        # the agent keeps alive every `beat` on both backends; the model without a peer watch needs only
+        # ttl/3 on v3 (nothing reads the lease but etcd's expiry)
+        self.beat_interval = beat if backend == "v2" or peer_watch else ttl / 3
+        self.peer_watch = peer_watch
+        self.limit = silence_limit(Timeouts(heartbeat_interval=beat, heartbeat_ttl=float(ttl)))
+        self.poll = poll_period(self.limit)
+        self._watcher: threading.Thread | None = None
         self.counters = Counters()
         self.expected = 0
         self.nodes: list[SimNode] = []
@@ -269,6 +310,31 @@ class Fleet:
     def start_beats(self) -> None:
         self._beater = threading.Thread(target=self._beat_loop, name="sim-beats", daemon=True)
         self._beater.start()
+        if self.peer_watch:
+            self._watcher = threading.Thread(target=self._peer_loop, name="sim-peers", daemon=True)
+            self._watcher.start()
+
+    def _peer_loop(self) -> None:
+        pool = ThreadPoolExecutor(max_workers=16)
+
+        def poll(node: SimNode) -> None:
+            try:
+                node.peer_poll()
+            except StoreError as e:
+                node.peer_seen, node.peer_known = None, None
+                self.error_inc(e)
+        try:
+            due = time.monotonic()
+            while not self._stop.is_set():
+                due += self.poll
+                list(pool.map(poll, [n for n in list(self.nodes) if n.lease is not None]))
+                lag = time.monotonic() - due
+                if lag > self.poll:
+                    due = time.monotonic()
+                else:
+                    self._stop.wait(max(0.0, -lag))
+        finally:
+            pool.shutdown(wait=True)
 
     def _beat_loop(self) -> None:
         pool = ThreadPoolExecutor(max_workers=16)
@@ -290,8 +356,9 @@ class Fleet:
 
     def close(self) -> None:
         self._stop.set()
-        if self._beater is not None:
-            self._beater.join(timeout=10)
+        for thread in (self._beater, self._watcher):
+            if thread is not None:
+                thread.join(timeout=10)
         for n in self.nodes:
             n.stop.set()
         for n in self.nodes:
@@ -333,12 +400,12 @@ FAST_RAFT = ("--heartbeat-interval", "50", "--election-timeout", "500")
 
 
 def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path,
-            fast_raft: bool = False) -> FleetRow:
+            fast_raft: bool = False, peer_watch: bool = False) -> FleetRow:
     import psutil
 
     server = EtcdServer.start(scratch / f"etcd-{backend}-{n}", extra_args=FAST_RAFT if fast_raft else ())
     proc = psutil.Process(server.pid)
-    fleet = Fleet(server.endpoint, backend, ttl, beat)
+    fleet = Fleet(server.endpoint, backend, ttl, beat, peer_watch)
     note = ""
     try:
         fleet.expected = n
@@ -429,7 +496,7 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, spurious_losses=spurious,
                     reasserted=fleet.reasserted,
                     beats_late=fleet.beats_late,
-                    errors=fleet.errors, note=note)
+                    errors=fleet.errors, note=note, peer_watch=peer_watch)
 
 
 def _r(x: float | None) -> float | None:
@@ -446,7 +513,8 @@ def table(rows: list[FleetRow]) -> str:
     for r in rows:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
-        lines.append(f"| {r.backend} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
+        name = f"{r.backend} + peer watch" if r.peer_watch else r.backend
+        lines.append(f"| {name} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
@@ -465,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rest", type=float, default=10.0, help="seconds measured at rest")
     ap.add_argument("--fast-raft", action="store_true",
                     help="etcd with a 500 ms election timeout, so a lease may be 1 s (default: etcd's)")
+    ap.add_argument("--peer-watch", action="store_true",
+                    help="run the agent's peer watch too (each node reads its successor's liveness)")
     ap.add_argument("--out", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     rows: list[FleetRow] = []
@@ -472,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in (int(x) for x in args.nodes.split(",")):
             for backend in args.backends.split(","):
                 started = time.monotonic()
-                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft)
+                row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft,
+                              args.peer_watch)
                 rows.append(row)
                 took = time.monotonic() - started
                 print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)
