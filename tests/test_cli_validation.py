@@ -120,3 +120,16 @@ def test_duplicate_running_name_and_bad_steering(local: Petctl, script: Path):
 def test_bad_local_setup_options_set_nothing_up(petctl: Petctl, option: str, needle: str):
     assert_one_line_error(petctl.run("setup", "--option", option, check=False), needle)
     assert not (petctl.home / "local").exists() and petctl.processes() == []
+
+
+@pytest.mark.parametrize("meta, backend", [
+    ({"spec": {"etcd_store": "v3"}}, "v3"),
+    ({"spec": {"etcd_store": "v2"}}, "v2"),
+    ({"spec": {"name": "old"}}, "v2"),  # recorded before the store interface: its agents spoke v2 only
+    ({}, "v2"),
+    ({"spec": {"etcd_store": "v9"}}, "v2"),
+])
+def test_a_local_job_is_read_through_the_api_its_agents_write_with(meta, backend):
+    from petctl.providers.local.provider import recorded_backend
+
+    assert recorded_backend(meta) == backend

@@ -52,6 +52,14 @@ def store_option(value: str) -> Backend:
     return value  # type: ignore[return-value]
 
 
+def recorded_backend(meta: dict) -> Backend:
+    """The etcd API a local job's agents write with, as its recorded spec says. A spec without
+    `etcd_store` was written by a petctl from before the store interface, whose agents spoke v2 only:
+    such a job (still running across an upgrade) is read through v2, not the new default."""
+    backend = meta.get("spec", {}).get("etcd_store", "v2")
+    return backend if backend in BACKENDS else "v2"
+
+
 def agent_command_option(value: str) -> list[str] | None:
     """`--option agent_command=...` as the command list the reconciler runs (None: petctl's agent)."""
     try:
@@ -121,7 +129,7 @@ class LocalProvider(Provider):
 
         backend = self._backend()
         if name is not None and (job := JobDir.of(self.config.home, name)).meta_path.exists():
-            backend = job.read_meta().get("spec", {}).get("etcd_store", backend)
+            backend = recorded_backend(job.read_meta())
         return open_store(self.etcd_endpoint(), backend, etcdhost.admin_tls(self.settings), timeout=3.0)
 
     def _auth_client(self):
@@ -240,7 +248,7 @@ class LocalProvider(Provider):
         def running() -> bool:
             return self.job(name).state == "running"
 
-        backend = job.read_meta().get("spec", {}).get("etcd_store", self._backend())
+        backend = recorded_backend(job.read_meta())
         return JobSources(job=name, etcd_endpoint=self.etcd_endpoint(), mirror=file_prefix(job.mirror),
                           etcd_tls=etcdhost.admin_tls(self.settings), etcd_store=backend,
                           logs=lambda node, follow: logs.follow_logs(job, node, follow, running),
