@@ -7,6 +7,7 @@ differently on purpose (docs/ARCHITECTURE.md, "The store") is asserted by name, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -628,3 +629,30 @@ def _puts(store: Store, key: str) -> bool:
         return store.put(key, "v") > 0
     except StoreUnavailable:
         return False
+
+
+def test_a_process_with_a_v3_store_forks_without_grpc_noise(etcd_server: EtcdServer) -> None:
+    """The agent forks its workers while its store's threads are in gRPC calls; gRPC's fork handlers
+    then log a line on every fork into the agent's event log. The v3 backend turns them off (the children
+    exec, or never use gRPC)."""
+    code = f"""
+import subprocess, sys, threading
+from petctl.io.store import open_store
+s = open_store({etcd_server.endpoint!r}, "v3")
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        s.get("/fork-test")
+t = threading.Thread(target=busy)
+t.start()
+for _ in range(5):
+    subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, check=True)  # a real fork
+stop.set()
+t.join()
+s.close()
+print("forked")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "forked", proc.stderr[-2000:]
+    assert "fork" not in proc.stderr, proc.stderr[-2000:]

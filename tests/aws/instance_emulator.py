@@ -35,8 +35,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
 from petctl.io.etcdauth import USER_RE, bootstrap, grant_job, job_users, revoke_user
+from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdTls
 from petctl.providers.aws.boot import agent_config_from_user_data
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
@@ -155,6 +157,12 @@ class InstanceEmulator:
             grant_job(root, user, user[len("job-"):].rsplit("-", 1)[0])
         for user in sorted(have - wanted):
             revoke_user(root, user)
+        v3 = V3Admin(self.etcd.endpoint, self.etcd_admin)  # and v3's auth store, as the script's sync does
+        have_v3 = set(etcdauthv3.job_users(v3))
+        for user in sorted(wanted - have_v3):
+            etcdauthv3.grant_job(v3, user, user[len("job-"):].rsplit("-", 1)[0])
+        for user in sorted(have_v3 - wanted):
+            etcdauthv3.revoke_user(v3, user)
 
     # --- workers -------------------------------------------------------------------------------------
     def boot_worker(self, instance_id: str, user_data: str | None = None) -> Booted:

@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import importlib.util
 import math
+import os
 import queue
 import threading
 import weakref
@@ -323,6 +324,11 @@ def import_etcd3aio() -> ModuleType:
     protos = str(Path(spec.origin).parent / "proto" / "etcd")
     if etcd is not None and protos not in list(etcd.__path__):
         etcd.__path__.append(protos)
+    # gRPC's fork handlers, read when grpc is first imported: the agent forks its workers (which exec, or
+    # never touch gRPC) while its store's threads are in calls, and gRPC then logs "Other threads are
+    # currently calling into gRPC, skipping fork() handlers" on every fork, into the agent's event log.
+    # A user's own setting wins.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     import etcd3aio
 
     return etcd3aio
