@@ -80,8 +80,9 @@ def stack_name() -> str:
 
 @pytest.fixture
 def etcd_mirror(aws_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[EtcdMirror]:
-    """A fake etcd release (v3.5.99) on loopback, pinned in place of the real one (etcdbin.RELEASES) and
-    named by PETCTL_ETCD_DOWNLOAD_URL, so `setup` with no etcd options downloads and verifies it."""
+    """Fake etcd releases on loopback (v3.6.99 for store=v3, v3.5.99 for store=v2), pinned in place of the
+    real ones (etcdbin.RELEASES) and named by PETCTL_ETCD_DOWNLOAD_URL, so `setup` with no etcd options
+    downloads and verifies one."""
     import threading
     from functools import partial
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -105,11 +106,13 @@ def etcd_mirror(aws_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
     mirror = EtcdMirror(url=f"http://127.0.0.1:{server.server_address[1]}", root=root, requests=requests)
     build = tmp_path / "build"
     build.mkdir()
-    version = "v3.5.99"
-    mirror.release = etcdbin.EtcdRelease(version, mirror.publish(fake_etcd_tarball(build, version), version))
+    for version in ("v3.5.99", "v3.6.99"):
+        release = etcdbin.EtcdRelease(version, mirror.publish(fake_etcd_tarball(build, version), version))
+        mirror.releases[release.version[:4]] = release
+    mirror.release = mirror.releases["v3.6"]
     mirror.etcd_sha256 = hashlib.sha256((build / "fake-etcd").read_bytes()).hexdigest()
     mirror.etcdctl_sha256 = hashlib.sha256((build / "etcdctl").read_bytes()).hexdigest()
-    monkeypatch.setattr(etcdbin, "RELEASES", (mirror.release,))
+    monkeypatch.setattr(etcdbin, "RELEASES", {"v3": mirror.release, "v2": mirror.releases["v3.5"]})
     monkeypatch.setenv(etcdbin.DOWNLOAD_URL_ENV, mirror.url)
     try:
         yield mirror

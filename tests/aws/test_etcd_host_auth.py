@@ -1,4 +1,7 @@
 """The etcd host's own auth steps (worker_image/etcd_boot.sh.j2), run by bash against a real etcd 3.5.
+Both stores: store=v3 (the default: on AWS etcd 3.6, whose only API and auth store is v3) must leave v2's
+auth alone and confine each job in v3's; store=v2 (etcd 3.5 with `--enable-v2`) keeps both in step. The
+jobs' certificates are then checked through the store the jobs use (petctl.io.store, the agents' own).
 
 On AWS the CLI cannot reach etcd, so the etcd host turns auth on and creates each job's user itself, from
 the users run_job indexes in the stack's bucket (petctl/providers/aws/etcdsecrets.py; the certificates are
@@ -16,21 +19,22 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import etcd
 import pytest
 
 from petctl.core.keys import JobKeys
+from petctl.core.store import Store, StoreDenied
 from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import job_users, role_patterns
 from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
+from petctl.io.store import open_store
 from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
-from tests.support.etcd_auth import denied
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
 
@@ -54,7 +58,9 @@ class Host:
     script: Path
     env: dict[str, str]
     pki: EtcdPki
+    store: str  # the stack's `store` option the script was rendered for
     server: EtcdServer | None = None
+    stores: list[Store] = field(default_factory=list)  # closed by the fixture
 
     @property
     def pki_dir(self) -> Path:
@@ -100,9 +106,29 @@ class Host:
         assert self.server is not None
         return etcd_client(self.server.endpoint, tls=self.admin)
 
+    def kv(self, user: str) -> Store:
+        """The job user's store, on the stack's backend (what its agents open)."""
+        assert self.server is not None
+        store = open_store(self.server.endpoint, self.store, self.job_tls(user), timeout=5.0)  # type: ignore[arg-type]
+        self.stores.append(store)
+        return store
 
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
+    def v2_job_users(self) -> list[str]:
+        """The job users of v2's auth: store=v3 never makes any (etcd 3.6 has no v2 auth)."""
+        return job_users(self.root_client())
+
+
+def refused(call) -> bool:
+    """Whether the store refused the call for lack of permission (StoreDenied), and for nothing else."""
+    try:
+        call()
+    except StoreDenied:
+        return True
+    return False
+
+
+@pytest.fixture(params=["v3", "v2"], ids=["store=v3", "store=v2"])
+def host(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Host]:
     if not shutil.which("curl") or not shutil.which("openssl"):
         pytest.skip("curl and openssl are needed to run the etcd host's script")
     fakes = tmp_path / "fakes"
@@ -113,18 +139,21 @@ def host(tmp_path: Path) -> Iterator[Host]:
     pki = EtcdPki.new("petctl")
     (tmp_path / "host-secret").write_text(host_bundle(pki, ("10.42.0.10",)))
     script = tmp_path / "etcd-boot.sh"
-    script.write_text(etcd_user_data("petctl", "10.42.0.10", "dist/etcd/v3.5.1-x/etcd", "ab" * 32, "v3.5.1"))
+    script.write_text(etcd_user_data("petctl", "10.42.0.10", "dist/etcd/v3.5.1-x/etcd", "ab" * 32, "v3.5.1",
+                                     store=request.param))
     root = tmp_path / "root"
     (root / "tmp").mkdir(parents=True)
     env = {"PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(root), "PETCTL_BOOT_LIB_ONLY": "1",
            "PETCTL_BUCKET": "petctl-bucket",
            "FAKE_DIR": str(tmp_path), "ETCDCTL": etcdctl_binary(), "HOME": str(tmp_path)}
-    h = Host(tmp_path, root, script, env, pki)
+    h = Host(tmp_path, root, script, env, pki, request.param)
     h.job_users_listed()
     h.bash("fetch_certificates")
     try:
         yield h
     finally:
+        for store in h.stores:
+            store.close()
         if h.server is not None:
             h.server.stop(remove_data=True)
 
@@ -150,15 +179,19 @@ def test_until_auth_is_on_only_roots_certificate_gets_in(host: Host) -> None:
     host.bash("bootstrap_auth")
     host.bash("bootstrap_auth")  # a second run (a restart, another member) changes nothing
     root = host.root_client()
-    assert json.loads(root.http.request("GET", root.base_uri + "/v2/auth/enable").data)["enabled"]
-    guest = json.loads(root.http.request("GET", root.base_uri + "/v2/auth/roles/guest").data)
-    assert guest["permissions"]["kv"] == {"read": [], "write": []}
-    assert "Authentication Status: true" in host.bash("ctl auth status").stdout  # v3 too
+    v2_auth = json.loads(root.http.request("GET", root.base_uri + "/v2/auth/enable").data)["enabled"]
+    if host.store == "v2":
+        assert v2_auth
+        guest = json.loads(root.http.request("GET", root.base_uri + "/v2/auth/roles/guest").data)
+        assert guest["permissions"]["kv"] == {"read": [], "write": []}
+    else:
+        assert v2_auth is False  # no v2 call at all: etcd 3.6 has no v2 API to answer one
+    assert "Authentication Status: true" in host.bash("ctl auth status").stdout  # v3
     host.bash("trust admin-ca jobs-ca")
     assert (host.pki_dir / "trusted.pem").read_text() == host.pki.admin_ca.cert + host.pki.jobs_ca.cert
     host.restart()
     assert host.server is not None and etcd_healthy(host.server.endpoint, tls=job)  # now it connects ...
-    assert denied(lambda: etcd_client(host.server.endpoint, tls=job).write(JobKeys("ja").round, "r"))
+    assert refused(lambda: host.kv(USER_A).put(JobKeys("ja").round, "r"))  # ... as no user yet
 
 
 def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
@@ -175,36 +208,39 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     host.bash("sync_users")
     root = host.root_client()
     v3 = V3Admin(endpoint, host.admin)
-    assert job_users(root) == [USER_A, USER_B] == etcdauthv3.job_users(v3)
-    assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
+    in_v2 = [USER_A, USER_B] if host.store == "v2" else []
+    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2
+    if host.store == "v2":
+        assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
     assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]  # the prefix with its slash
     log = (host.dir / "aws.log").read_text()
     assert "s3api list-objects-v2 --bucket petctl-bucket --prefix etcd-users/ --query Contents[].Key" in log
     assert "secretsmanager list-secrets" not in log  # no secret name of the account is listed
-    a = etcd_client(endpoint, tls=host.job_tls(USER_A))
-    b = etcd_client(endpoint, tls=host.job_tls(USER_B))
-    a.write(JobKeys("ja").round, "a's")
-    b.write(JobKeys("jb").round, "b's")
-    assert denied(lambda: a.read(JobKeys("jb").round))
-    assert denied(lambda: a.delete("/", recursive=True, dir=True))
+    a, b = host.kv(USER_A), host.kv(USER_B)
+    a.put(JobKeys("ja").round, "a's")
+    b.put(JobKeys("jb").round, "b's")
+    assert refused(lambda: a.get(JobKeys("jb").round))
+    assert refused(lambda: a.delete_dir("/petctl/jobs"))
     # A listing that fails deletes nothing.
     (host.dir / "list-fails").touch()
     assert host.bash("sync_users", check=False).returncode != 0
-    assert job_users(root) == [USER_A, USER_B]
+    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2
     (host.dir / "list-fails").unlink()
     # kill_job deleted B's index entry: its user goes, and its certificate authenticates as nobody.
     host.job_users_listed(USER_A)
     assert f"etcd user {USER_B} deleted" in host.bash("sync_users").stdout
-    assert job_users(root) == [USER_A] == etcdauthv3.job_users(v3)
-    assert denied(lambda: b.read(JobKeys("jb").round))
-    # A user missing from v3's auth only (a host from before v3 users, a half-done grant) is granted again.
+    assert etcdauthv3.job_users(v3) == [USER_A] and host.v2_job_users() == in_v2[:1]
+    assert refused(lambda: b.get(JobKeys("jb").round))
+    # A user missing from v3's auth (a half-done grant; with store=v2 a host from before v3 users) is
+    # granted again.
     etcdauthv3.revoke_user(v3, USER_A)
     assert f"etcd user {USER_A} created" in host.bash("sync_users").stdout
     assert etcdauthv3.job_users(v3) == [USER_A]
     assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]
-    assert a.read(JobKeys("ja").round).value == "a's"
-    host.bash("sync_users")  # nothing to do
-    assert job_users(root) == [USER_A]
+    entry = host.kv(USER_A).get(JobKeys("ja").round)
+    assert entry is not None and entry.value == "a's"
+    assert "created" not in host.bash("sync_users").stdout  # nothing to do
+    assert etcdauthv3.job_users(v3) == [USER_A] and host.v2_job_users() == in_v2[:1]
     # A replaced host starts empty: the sync gives every running job its user back.
     host.server.stop(remove_data=True)
     shutil.rmtree(host.dir / "data", ignore_errors=True)
@@ -213,4 +249,4 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     host.job_users_listed(USER_A, USER_B)
     host.bash("sync_users")
     v3 = V3Admin(host.server.endpoint, host.admin)
-    assert job_users(host.root_client()) == [USER_A, USER_B] == etcdauthv3.job_users(v3)
+    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.errors import ValidationError
+from petctl.core.store import BACKENDS
 from petctl.providers.aws import etcdbin
 from petctl.providers.aws.etcdbin import EtcdRelease, fetch_release
 from tests.support.aws.account import REGION, boto
@@ -27,18 +28,29 @@ from tests.support.aws.etcd_release import fake_etcd_tarball
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_one_table_pins_a_current_supported_35_release():
-    versions = [r.version for r in etcdbin.RELEASES]
-    assert len(set(versions)) == len(versions) >= 1
-    for release in etcdbin.RELEASES:
+def test_one_table_pins_a_current_release_per_store():
+    assert set(etcdbin.RELEASES) == set(BACKENDS) == {"v3", "v2"}
+    for release in etcdbin.RELEASES.values():
         assert re.fullmatch(r"v3\.\d+\.\d+", release.version)
         assert re.fullmatch(r"[0-9a-f]{64}", release.sha256)
-    shipped = tuple(int(n) for n in etcdbin.RELEASES[0].version[1:].split("."))
-    # 3.5 until the agents' v2 backend goes (issue 27): the v2 API is gone from 3.6. At least 3.5.10: the
+        assert release.tarball == f"etcd-{release.version}-linux-amd64.tar.gz"
+    v3, v2 = (tuple(int(n) for n in etcdbin.RELEASES[s].version[1:].split(".")) for s in ("v3", "v2"))
+    # store=v3 (the default): a current 3.6 release, and at least 3.6.11, the oldest 3.6 the 3.7 upgrade
+    # guide lets roll to 3.7 (https://etcd.io/docs/v3.7/upgrades/upgrade_3_7/).
+    assert v3[:2] == (3, 6) and v3 >= (3, 6, 11)
+    # store=v2: 3.5 until etcd 3.5's end of support (the v2 API is gone from 3.6). At least 3.5.10: the
     # HTTP/2 rapid-reset fix (CVE-2023-44487), and past the 3.5.3/3.5.4 crash-consistency fixes.
-    assert shipped[:2] == (3, 5) and shipped >= (3, 5, 10)
-    assert etcdbin.RELEASES[0].tarball == f"etcd-{etcdbin.RELEASES[0].version}-linux-amd64.tar.gz"
+    assert v2[:2] == (3, 5) and v2 >= (3, 5, 10)
     assert etcdbin.DOWNLOAD_URL == "https://github.com/etcd-io/etcd/releases/download"
+
+
+def test_the_pins_are_the_published_checksums():
+    """The SHA-256s as the releases' SHA256SUMS list them (copied in kubernetes-sigs/kubespray's
+    checksums.yml, cited next to RELEASES): a bump that changes a version must change its hash too."""
+    assert etcdbin.RELEASES["v3"] == EtcdRelease(
+        "v3.6.14", "ffe840ff9295808e88cce2794a18a5ac87f12a5203c8314d0bf6aa119b41bac5")
+    assert etcdbin.RELEASES["v2"] == EtcdRelease(
+        "v3.5.33", "5025b5b24d81a9616b6e284ccd439b9a3df055ef8fdcdc142af3ec8f6a3b3c95")
 
 
 def test_a_wrong_checksum_is_refused_in_one_line_and_nothing_is_kept(etcd_mirror, tmp_path):
@@ -56,11 +68,11 @@ def test_a_wrong_checksum_is_refused_in_one_line_and_nothing_is_kept(etcd_mirror
 def test_the_pinned_tarball_is_extracted_verified_and_cached(etcd_mirror, tmp_path):
     cache = tmp_path / "cache"
     artifact = fetch_release(etcd_mirror.release, etcd_mirror.url + "/", cache)
-    assert artifact.version == "v3.5.99"
+    assert artifact.version == "v3.6.99"
     assert (artifact.sha256, artifact.ctl_sha256) == (etcd_mirror.etcd_sha256, etcd_mirror.etcdctl_sha256)
     assert hashlib.sha256(artifact.path.read_bytes()).hexdigest() == artifact.sha256
-    assert artifact.key == f"dist/etcd/v3.5.99-{artifact.sha256[:16]}/etcd"
-    assert etcd_mirror.requests == ["/v3.5.99/etcd-v3.5.99-linux-amd64.tar.gz"]
+    assert artifact.key == f"dist/etcd/v3.6.99-{artifact.sha256[:16]}/etcd"
+    assert etcd_mirror.requests == ["/v3.6.99/etcd-v3.6.99-linux-amd64.tar.gz"]
     again = fetch_release(etcd_mirror.release, etcd_mirror.url, cache)  # from the cache: no download
     assert again == artifact and len(etcd_mirror.requests) == 1
     (cache / etcd_mirror.release.tarball).write_bytes(b"tampered")  # a cache that no longer verifies
@@ -88,7 +100,7 @@ def test_a_missing_release_or_a_tarball_without_etcdctl_is_one_line(etcd_mirror,
 def test_setup_refuses_a_wrong_checksum_before_anything_exists_and_ships_the_right_one(
         provider, moto, stack_name, etcd_mirror, monkeypatch):
     pinned = etcd_mirror.release
-    monkeypatch.setattr(etcdbin, "RELEASES", (EtcdRelease(pinned.version, "f" * 64),))
+    monkeypatch.setitem(etcdbin.RELEASES, "v3", EtcdRelease(pinned.version, "f" * 64))
     with pytest.raises(ValidationError, match="refusing to ship it") as refused:
         provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
     assert "\n" not in str(refused.value)
@@ -98,12 +110,12 @@ def test_setup_refuses_a_wrong_checksum_before_anything_exists_and_ships_the_rig
     secrets = boto(moto, "secretsmanager").list_secrets()["SecretList"]
     assert not [s for s in secrets if s["Name"].startswith(f"{stack_name}/")]  # nor etcd's certificates
 
-    monkeypatch.setattr(etcdbin, "RELEASES", (pinned,))
+    monkeypatch.setitem(etcdbin.RELEASES, "v3", pinned)
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
     bucket = provider.settings["outputs"]["BucketName"]
     s3 = boto(moto, "s3")
     stored = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="dist/etcd/")["Contents"])
-    prefix = f"dist/etcd/v3.5.99-{etcd_mirror.etcd_sha256[:16]}/"
+    prefix = f"dist/etcd/v3.6.99-{etcd_mirror.etcd_sha256[:16]}/"
     assert [k for k in stored if not k.startswith("dist/etcd/boot-")] == [prefix + "etcd", prefix + "etcdctl"]
     shipped = s3.get_object(Bucket=bucket, Key=prefix + "etcd")["Body"].read()
     assert hashlib.sha256(shipped).hexdigest() == etcd_mirror.etcd_sha256  # the tarball's etcd, as is
@@ -111,7 +123,8 @@ def test_setup_refuses_a_wrong_checksum_before_anything_exists_and_ships_the_rig
     script = s3.get_object(Bucket=bucket, Key=boot)["Body"].read().decode()
     assert f"ETCD_SHA256={etcd_mirror.etcd_sha256}" in script
     assert f"CTL_SHA256={etcd_mirror.etcdctl_sha256}" in script
-    assert "ETCD_VERSION=v3.5.99" in script
+    assert "ETCD_VERSION=v3.6.99" in script and "--enable-v2" not in script  # store=v3, the default
+    assert provider.settings["store"] == "v3"
     provider.setup()  # again: neither downloaded nor uploaded twice
     assert len(etcd_mirror.requests) == 2  # the refused download, then the one verified tarball
     assert sum(1 for line in provider.lines if line.startswith("uploaded etcd")) == 1
@@ -122,7 +135,8 @@ def test_the_cli_refuses_a_forged_tarball_of_the_pinned_release(moto, aws_env, e
     """The real pin (no monkeypatching: a subprocess) against a tarball that a mirror serves under the
     pinned release's name: one line on stderr, exit 1, no traceback, no stack."""
     real = subprocess.run([sys.executable, "-c", "from petctl.providers.aws.etcdbin import RELEASES as R; "
-                           "print(R[0].version, R[0].sha256)"], capture_output=True, text=True, check=True,
+                           "print(R['v3'].version, R['v3'].sha256)"], capture_output=True, text=True,
+                          check=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
     version, sha = real
     build = tmp_path / "forged"

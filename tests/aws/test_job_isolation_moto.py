@@ -17,7 +17,6 @@ import ipaddress
 import json
 from urllib.parse import unquote
 
-import etcd
 import pytest
 from cryptography import x509
 
@@ -169,8 +168,9 @@ def test_two_jobs_side_by_side_job_a_cannot_reach_job_bs_rendezvous(ready, moto,
     a user per job secret: tests/aws/instance_emulator.py), job ab reaches its own rendezvous keys and
     none of ab-c's."""
     from petctl.core.keys import JobKeys
-    from petctl.io.etcd import etcd_client
+    from petctl.core.store import StoreDenied
     from petctl.io.etcdpki import write_credentials
+    from petctl.io.store import open_store
     from tests.aws.instance_emulator import InstanceEmulator
     from tests.aws.policy_eval import allowed
     from tests.support.aws.account import REGION
@@ -197,24 +197,29 @@ def test_two_jobs_side_by_side_job_a_cannot_reach_job_bs_rendezvous(ready, moto,
         emulator.boot_etcd_host(ready.settings["outputs"]["EtcdGroupName"])
         emulator.sync_etcd_users()
         assert emulator.etcd is not None
-        root = etcd_client(emulator.etcd.endpoint, tls=emulator.etcd_admin)
-        root.write(JobKeys("ab-c").round, "ab-c's round")
+        # Through the store the jobs use: the stack's (store=v3 by default: etcd 3.6 serves nothing else).
+        backend = ready.settings["store"]
+        assert backend == "v3"
+        root = open_store(emulator.etcd.endpoint, backend, emulator.etcd_admin)
+        root.put(JobKeys("ab-c").round, "ab-c's round")
         doc = json.loads(sm.get_secret_value(SecretId=arns["ab"])["SecretString"])  # what ab's role reads
-        ab = etcd_client(emulator.etcd.endpoint, tls=write_credentials(tmp_path / "ab", **doc))
-        ab.write(JobKeys("ab").round, "ab's round")  # its own rendezvous works
+        ab = open_store(emulator.etcd.endpoint, backend, write_credentials(tmp_path / "ab", **doc))
+        ab.put(JobKeys("ab").round, "ab's round")  # its own rendezvous works
         b = JobKeys("ab-c")
-        attacks = {"read": lambda: ab.read(b.round), "list": lambda: ab.read(b.base, recursive=True),
-                   "write": lambda: ab.write(b.round, "hijacked"), "delete": lambda: ab.delete(b.round),
-                   "delete all": lambda: ab.delete(b.base, recursive=True, dir=True),
-                   "wipe": lambda: ab.delete("/", recursive=True, dir=True)}
+        attacks = {"read": lambda: ab.get(b.round), "list": lambda: ab.list(b.base),
+                   "write": lambda: ab.put(b.round, "hijacked"), "delete": lambda: ab.delete(b.round),
+                   "delete all": lambda: ab.delete_dir(b.base), "wipe": lambda: ab.delete_dir("/")}
         succeeded = []
         for name, attack in attacks.items():
             try:
                 attack()
                 succeeded.append(name)
-            except etcd.EtcdInsufficientPermissions:
+            except StoreDenied:
                 pass
         assert succeeded == []
-        assert root.read(b.round).value == "ab-c's round"
+        entry = root.get(b.round)
+        assert entry is not None and entry.value == "ab-c's round"
+        for store in (root, ab):
+            store.close()
     finally:
         emulator.stop()

@@ -84,7 +84,7 @@ from petctl.providers.aws.boot import etcd_user_data
 base = rendered.base_template()  # cfn/base.yaml.j2 with worker_image/etcd_member_stub.sh.j2 as user data
 etcd = etcd_user_data("petctl", "10.42.0.10", "dist/etcd/x/etcd", "ab" * 32)  # worker_image/etcd_boot.sh.j2
 job = rendered.job_template(Path(sys.argv[3]), "spot-mixed")  # job.yaml.j2 with worker_boot.sh.j2
-print(len(base), len(job), "enable-v2" in etcd and "PETCTL_BUCKET" in base, "petctl-agent" in job)
+print(len(base), len(job), "--client-cert-auth" in etcd and "PETCTL_BUCKET" in base, "petctl-agent" in job)
 """
 
 

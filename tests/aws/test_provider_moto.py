@@ -110,7 +110,7 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
     stored = keys(moto, bucket, "dist/etcd/")
     assert len(stored) == 3  # etcd, etcdctl (it turns etcd's auth on) and the boot script
     (key,) = [k for k in stored if k.endswith("/etcd")]
-    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.5.99-")
+    assert key.endswith(f"-{digest[:16]}/etcd") and key.startswith("dist/etcd/v3.6.99-")  # store=v3
     head = boto(moto, "s3").head_object(Bucket=bucket, Key=key)
     assert head["Metadata"]["sha256"] == digest
     (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
@@ -152,6 +152,52 @@ def test_setup_with_three_etcd_nodes(provider, moto, stack_name, etcd_mirror):
         provider.setup(etcd_nodes="1")
     with pytest.raises(ValidationError, match=r"--etcd-nodes must be 1 or 3 \(got 2\)"):
         provider.setup(etcd_nodes="2")
+
+
+def test_setup_store_v2_keeps_etcd_35_with_the_v2_api_and_its_jobs_speak_v2(provider, moto, stack_name,
+                                                                            etcd_mirror, tmp_path):
+    """`setup --option store=v2`: the pinned 3.5 release with `--enable-v2`, recorded with the stack, so
+    every job run_job starts (its agents, via job.json and agent.json) and the job's readers use v2.
+    A bad value is one line before anything exists; the store holds for the stack's life."""
+    with pytest.raises(ValidationError, match="setup option store must be one of v3, v2, not 'v4'") as bad:
+        provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, store="v4")
+    assert "\n" not in str(bad.value) and stack_name not in {s["StackName"] for s in all_stacks(moto)}
+    assert etcd_mirror.requests == [] and not provider.settings.get("ready")
+    provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, store="v2")
+    assert provider.settings["store"] == "v2"
+    bucket = provider.settings["outputs"]["BucketName"]
+    stored = keys(moto, bucket, "dist/etcd/")
+    assert [k for k in stored if k.endswith("/etcd")][0].startswith("dist/etcd/v3.5.99-")
+    assert etcd_mirror.requests == ["/v3.5.99/etcd-v3.5.99-linux-amd64.tar.gz"]
+    (boot_key,) = [k for k in stored if k.startswith("dist/etcd/boot-")]
+    script = boto(moto, "s3").get_object(Bucket=bucket, Key=boot_key)["Body"].read().decode()
+    assert "ExecStart=/usr/local/bin/etcd --enable-v2 " in script and "ETCD_VERSION=v3.5.99" in script
+    publish_dlami(moto)
+    provider.create_job(submit(spec(), write_script(tmp_path / "src")))
+    s3 = boto(moto, "s3")
+    agent = json.loads(s3.get_object(Bucket=bucket, Key="jobs/demo/agent.json")["Body"].read())
+    job = json.loads(s3.get_object(Bucket=bucket, Key="jobs/demo/job.json")["Body"].read())
+    assert agent["job"]["etcd_store"] == job["etcd_store"] == "v2"
+    provider._etcd_answers[provider.etcd_endpoint()] = True  # as from inside the VPC: no probe here
+    assert provider.sources("demo").etcd_store == "v2"
+    provider.setup()  # again, no options: the stack's own store
+    assert provider.settings["store"] == "v2"
+    with pytest.raises(ValidationError, match=r"the stack runs store=v2 \(etcd v3\.5\.99\): changing to v3 "
+                                              "needs `petctl teardown` first"):
+        provider.setup(store="v3")
+    assert provider.settings["store"] == provider.settings["options"]["store"] == "v2"  # v3 not recorded
+
+
+def test_a_stack_set_up_before_the_store_option_keeps_etcd_35():
+    """Its etcd runs 3.5 with v2 auth data, which must leave the data dir before etcd 3.6 runs on it: it
+    stays v2 (its jobs with it) until a teardown; a new stack is v3."""
+    from petctl.providers.aws.basestack import stack_store
+
+    assert stack_store({"ready": True}, "") == "v2"
+    with pytest.raises(ValidationError, match="changing to v3 needs `petctl teardown` first"):
+        stack_store({"ready": True}, "v3")
+    assert stack_store({"ready": False, "store": "v2"}, "") == "v3"  # torn down: a new stack
+    assert stack_store({}, "v2") == "v2" and stack_store({}, "") == "v3"
 
 
 def test_setup_with_private_subnets(provider, moto, stack_name, tmp_path):
@@ -257,6 +303,7 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     assert job["code_url"] == f"s3://{bucket}/jobs/demo/code/train.py" and job["entrypoint"] == "train.py"
     assert job["checkpoint_url"] == f"s3://{bucket}/jobs/demo/checkpoints"
     assert job["etcd_endpoint"] == "https://10.42.0.10:2379" and job["args"] == ["--lr", "0.1"]
+    assert job["etcd_store"] == ready.settings["store"] == "v3"  # the stack's etcd 3.6 serves v3 only
     assert agent["status_url"] == f"s3://{bucket}/jobs/demo/"
     assert (agent["asg_name"], agent["lifecycle_hook"], agent["region"]) == (f"{stack_name}-job-demo",
                                                                              "petctl-drain", REGION)

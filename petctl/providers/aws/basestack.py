@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, ValidationError
+from petctl.core.store import JOB_DEFAULT_BACKEND, Backend
 from petctl.io.aws import AwsSession, aws_errors
 from petctl.providers.aws import etcdbin, etcdsecrets, inventory, jobrecords
 from petctl.providers.aws.boot import BUCKET_PLACEHOLDER, etcd_hosts
@@ -42,7 +43,7 @@ SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
     "max_azs": "3", "image": "", "worker_ami": "", "etcd_ami": "", "etcd_instance_type": "t3.small",
     "root_volume_gb": "100", "etcd_binary": "", "etcd_sha256": "", "etcdctl_sha256": "", "etcd_nodes": "1",
-    "subnets": "public", "etcd_download_url": "",
+    "subnets": "public", "etcd_download_url": "", "store": "",  # store: "" is the stack's own (stack_store)
 }
 
 
@@ -63,7 +64,8 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     """Create or update the base stack; returns the settings recorded in the config. Options: region,
     profile, endpoint_url, stack_name, vpc_cidr, max_azs, image, worker_ami, etcd_ami,
     etcd_instance_type, root_volume_gb, etcd_binary (with etcd_sha256, etcdctl_sha256), etcd_download_url
-    (a mirror of etcd's releases), etcd_nodes (1 or 3), subnets (public or private)."""
+    (a mirror of etcd's releases), etcd_nodes (1 or 3), subnets (public or private), store (v3 or v2: the
+    etcd API the jobs use, and so the etcd the stack runs; see stack_store)."""
     chosen = chosen_options(provider.settings, options)
     merged = {**SETUP_OPTIONS, **chosen}
     if not STACK_NAME_RE.match(merged["stack_name"]):
@@ -73,6 +75,7 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     root_gb = _int_option("root_volume_gb", merged["root_volume_gb"], 30)
     etcd_nodes = _etcd_nodes(provider, merged["etcd_nodes"])
     private = _subnets(provider, merged["subnets"]) == "private"
+    store = stack_store(provider.settings, merged["store"])
     session = provider.session(merged)
     with aws_errors("check the AWS credentials"):
         session.client("sts").get_caller_identity()
@@ -83,12 +86,12 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
                           f"{plan.etcd_azs} AZs survive losing any one member, not losing a whole AZ")
     # the pinned etcd release, downloaded and verified here (or the operator's etcd_binary): before any
     # change to the account, so a bad checksum leaves nothing behind
-    etcd = etcdbin.setup_etcd(merged, provider.config.home / "cache" / "etcd")
+    etcd = etcdbin.setup_etcd(merged, provider.config.home / "cache" / "etcd", store)
     ssm = session.client("ssm")
     etcd_ami = merged["etcd_ami"] or inventory.ssm_parameter(ssm, ETCD_AMI_PARAM)
     # The workers' AMI is resolved by each run_job (boot.resolve: the Deep Learning AMI, or the ECS GPU AMI
     # for an --image job), so every job boots AWS's current one unless the user pinned worker_ami.
-    hosts, boot_script = etcd_hosts(stack, plan, etcd)
+    hosts, boot_script = etcd_hosts(stack, plan, etcd, store)
     body = render_base(stack_name=stack, plan=plan, etcd_ami=etcd_ami,
                        etcd_instance_type=merged["etcd_instance_type"], etcd_members=hosts,
                        bucket_placeholder=BUCKET_PLACEHOLDER,
@@ -99,7 +102,7 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     settings = provider.settings
     # Remember where the stack lives before creating it, so `teardown` can clean up a failed setup.
     settings.update(options=chosen, region=session.region, profile=merged["profile"],
-                    endpoint_url=merged["endpoint_url"], stack_name=stack,
+                    endpoint_url=merged["endpoint_url"], stack_name=stack, store=store,
                     network={"vpc_cidr": plan.vpc_cidr, "azs": plan.azs, "etcd_nodes": etcd_nodes,
                              "subnets": "private" if plan.private else "public"})
     provider.config.provider = provider.name
@@ -146,6 +149,23 @@ def _etcd_nodes(provider: AwsContext, value: str) -> int:
         raise ValidationError(f"the stack runs {recorded} etcd node(s): changing to {nodes} needs `petctl "
                               "teardown` first (etcd's data is not carried between the two layouts)")
     return nodes
+
+
+def stack_store(settings: dict[str, Any], value: str) -> Backend:
+    """The `store` a setup runs with: the one chosen (v3 or v2), else the ready stack's own, else v3
+    (JOB_DEFAULT_BACKEND). The stack's own is the one its settings record; a ready stack that records none
+    was set up before the option existed and runs etcd 3.5 with the v2 API: v2. A ready stack keeps its
+    store: etcd's upgrade to 3.6 needs the v2 data (v2 auth, on a v2 stack) removed from the data dir
+    first, which petctl does not automate (docs/aws.md), and its running jobs speak the API they started
+    with. Raises ValidationError (one line) for another value or
+    a change."""
+    recorded = (settings.get("store") or "v2") if settings.get("ready") else ""
+    store = etcdbin.store_option(value) if value else (recorded or JOB_DEFAULT_BACKEND)
+    if settings.get("ready") and recorded and store != recorded:
+        raise ValidationError(f"the stack runs store={recorded} (etcd {etcdbin.RELEASES[recorded].version}): "
+                              f"changing to {store} needs `petctl teardown` first (the jobs and etcd's data "
+                              "are not carried between the two)")
+    return store
 
 
 def _subnets(provider: AwsContext, value: str) -> str:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import ProviderError, ValidationError
 from petctl.core.spec import AgentConfig
+from petctl.core.store import JOB_DEFAULT_BACKEND, Backend
 
 if TYPE_CHECKING:
     from petctl.providers.aws.etcdbin import BootScript, EtcdArtifact
@@ -334,7 +335,6 @@ CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
 # with a clear message rather than by a failed launch.
 MAX_USER_DATA = 14 * 1024
 
-ETCD_VERSION = "3.5"  # etcd 3.6 removed the v2 API python-etcd speaks (the release: etcdbin.RELEASES)
 BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
 
@@ -375,21 +375,32 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
 
 
 def etcd_user_data(stack_name: str, etcd_ip: str, etcd_key: str, etcd_sha256: str,
-                   etcd_version: str = ETCD_VERSION, etcdctl_key: str = "", etcdctl_sha256: str = "") -> str:
+                   etcd_version: str = "", etcdctl_key: str = "", etcdctl_sha256: str = "",
+                   store: Backend = JOB_DEFAULT_BACKEND) -> str:
     """The single etcd host's boot script. Like the cluster members' it is shipped through the bucket
     (its user data is a stub, see etcd_member_stub: with etcd's TLS and auth it no longer fits EC2's
-    16 KB), and it reads the bucket's name from PETCTL_BUCKET, which the stub sets."""
+    16 KB), and it reads the bucket's name from PETCTL_BUCKET, which the stub sets. `store` (the stack's
+    `store` option) says which etcd it runs: v3, etcd 3.6 with the v3 API only; v2, etcd 3.5 with
+    `--enable-v2` and both APIs' auth (etcdbin.RELEASES)."""
     from petctl.providers.aws.etcdsecrets import USERS_INDEX, prefix
     from petctl.providers.aws.templates import render_boot
 
-    return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip, etcd_version=etcd_version,
+    return render_boot("etcd_boot.sh.j2", stack_name=stack_name, etcd_ip=etcd_ip,
+                       etcd_version=etcd_version or _release_version(store), v2_api=store == "v2",
                        etcd_sha256=etcd_sha256, etcd_key=etcd_key, members=[],
                        etcdctl_key=etcdctl_key or etcd_key.rsplit("/", 1)[0] + "/etcdctl",
                        etcdctl_sha256=etcdctl_sha256, secret_prefix=prefix(stack_name),
                        users_index=USERS_INDEX)
 
 
-def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact) -> tuple[list[dict], BootScript]:
+def _release_version(store: Backend) -> str:
+    from petctl.providers.aws.etcdbin import RELEASES
+
+    return RELEASES[store].version
+
+
+def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact,
+               store: Backend = JOB_DEFAULT_BACKEND) -> tuple[list[dict], BootScript]:
     """What the base template needs per etcd member (logical-id suffix, name, address, subnet, group name,
     user data: a stub that fetches the boot script), and the boot script setup must ship to the bucket.
     Member 0 keeps the single host's logical ids and group name."""
@@ -397,10 +408,10 @@ def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact) -> tuple[
 
     members = plan.etcd_members
     if plan.etcd_cluster:
-        script = BootScript(etcd_member_script(stack_name, members, etcd))
+        script = BootScript(etcd_member_script(stack_name, members, etcd, store))
     else:
         script = BootScript(etcd_user_data(stack_name, members[0].ip, etcd.key, etcd.sha256, etcd.version,
-                                           etcd.ctl_key, etcd.ctl_sha256))
+                                           etcd.ctl_key, etcd.ctl_sha256, store))
     hosts = []
     for i, m in enumerate(members):
         data = etcd_member_stub(i, script)
@@ -409,17 +420,18 @@ def etcd_hosts(stack_name: str, plan: NetworkPlan, etcd: EtcdArtifact) -> tuple[
     return hosts, script
 
 
-def etcd_member_script(stack_name: str, members: Sequence[EtcdMember], etcd: EtcdArtifact) -> str:
+def etcd_member_script(stack_name: str, members: Sequence[EtcdMember], etcd: EtcdArtifact,
+                       store: Backend = JOB_DEFAULT_BACKEND) -> str:
     """The boot script shared by the members of a 3-member etcd cluster (shipped through the bucket, see
     etcdbin.py): the member's user data says which member it is (PETCTL_ETCD_MEMBER) and where the
-    bucket is (PETCTL_BUCKET)."""
+    bucket is (PETCTL_BUCKET). `store` as for etcd_user_data."""
     from petctl.providers.aws.etcdsecrets import USERS_INDEX, prefix
     from petctl.providers.aws.templates import render_boot
 
     cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
     return render_boot("etcd_boot.sh.j2", stack_name=stack_name, members=list(members), etcd_cluster=cluster,
-                       etcd_version=etcd.version, etcd_sha256=etcd.sha256, etcd_key=etcd.key,
-                       etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256,
+                       etcd_version=etcd.version, v2_api=store == "v2", etcd_sha256=etcd.sha256,
+                       etcd_key=etcd.key, etcdctl_key=etcd.ctl_key, etcdctl_sha256=etcd.ctl_sha256,
                        secret_prefix=prefix(stack_name), users_index=USERS_INDEX)
 
 

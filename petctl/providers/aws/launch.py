@@ -108,6 +108,8 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
         store, requirements, provider.progress))
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
+    # The API the stack's etcd serves (setup's `store`: etcd 3.6 serves v3 only): agents and readers alike.
+    spec.etcd_store = basestack.stack_store(settings, "")
     placement = capacity.plan(session, settings["outputs"], spec, provider.progress)
     # This run's etcd user: its certificate in a secret only the job's instances may read, the user
     # indexed in the bucket for the etcd hosts (etcdsecrets.py). The spec names the secret, not its value.

@@ -2,11 +2,11 @@
 Auto Scaling group) per job, the job's code and status in S3. Same `Provider` interface as local, plus
 the chaos (EC2 terminate), pricing, diagnostics and capacity-insight capabilities.
 
-Settings live in `config.section("aws")`: region, profile, endpoint_url, stack_name, outputs (the base
-stack's), image (a default --image; "" boots the Deep Learning AMI), worker_ami, root_volume_gb and
-`ready`. This class wires the AWS session, the stacks
-and the job's S3 prefix to the modules that do each job: basestack.py (setup, teardown), launch.py
-(run_job), jobrecords.py (jobs, kill_job), capacity.py, inventory.py. Nothing here imports boto3 at
+Settings live in `config.section("aws")`: region, profile, endpoint_url, stack_name, store (the etcd
+API the jobs use: basestack.stack_store), outputs (the base stack's), image (a default --image; "" boots
+the Deep Learning AMI), worker_ami, root_volume_gb and `ready`. This class wires the AWS session, the
+stacks and the job's S3 prefix to the modules that do each job: basestack.py (setup, teardown),
+launch.py (run_job), jobrecords.py (jobs, kill_job), capacity.py, inventory.py. Nothing here imports boto3 at
 module level.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from petctl.core.errors import JobNotFound, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission, Timeouts
+from petctl.core.store import BACKENDS, Backend
 from petctl.io.aws import aws_errors
 from petctl.jobview.logs import follow_chunks, log_nodes
 from petctl.jobview.view import JobSources
@@ -95,8 +96,16 @@ class AwsProvider(AwsContext):
         if endpoint not in self._etcd_answers:
             self._etcd_answers[endpoint] = inventory.etcd_answers(endpoint, timeout=1.0)
         store = self.store(self.session(), name)
-        return JobSources(job=name, etcd_endpoint=endpoint if self._etcd_answers[endpoint] else "",
+        answers = self._etcd_answers[endpoint]
+        backend = self._job_backend(store) if answers else basestack.stack_store(self.settings, "")
+        return JobSources(job=name, etcd_endpoint=endpoint if answers else "", etcd_store=backend,
                           mirror=store, logs=lambda node, follow: self._logs(name, store, node, follow))
+
+    def _job_backend(self, store: JobStore) -> Backend:
+        """The etcd API the job's agents write with: its spec's (job.json), else the stack's store."""
+        spec = store.get_json("job.json")
+        backend = spec.get("etcd_store") if isinstance(spec, dict) else None
+        return backend if backend in BACKENDS else basestack.stack_store(self.settings, "")
 
     def _logs(self, name: str, store: JobStore, node: str | None, follow: bool) -> Iterator[str]:
         """Node logs from the job's S3 prefix; they outlive the job's stack (kill_job keeps them)."""

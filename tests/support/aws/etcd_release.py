@@ -4,7 +4,7 @@ laid out as etcd's releases are, the loopback mirror that serves one, and the op
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,8 @@ class EtcdMirror:
     url: str
     root: Path
     requests: list[str]
-    release: Any = None  # the EtcdRelease petctl pins while the fixture runs
+    release: Any = None  # the EtcdRelease petctl pins for store=v3 while the fixture runs
+    releases: dict[str, Any] = field(default_factory=dict)  # "v3.6"/"v3.5" -> the EtcdRelease served
     etcd_sha256: str = ""  # the fake binaries inside its tarball
     etcdctl_sha256: str = ""
 
