@@ -32,7 +32,7 @@ from petctl.io.etcdauth import (
 )
 from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdPki, EtcdTls, issue, new_ca, write_credentials
-from tests.support.etcd_auth import denied
+from tests.support.etcd_auth import denied, refused
 
 A, B, SIBLING = "ja", "jb", "ja-b"  # "ja-b" starts with "ja": a prefix without its slash would match it
 
@@ -259,7 +259,6 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
     from contextlib import closing
 
     from petctl.core.records import Round
-    from petctl.core.store import StoreDenied
     from tests.support.store import store_for
 
     script = tmp_path / "sleep.py"
@@ -278,14 +277,6 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
     b_keys = JobKeys(B)
     before = root_kv.get(b_keys.round).value
     with closing(store_for(spec["etcd_endpoint"], a_tls, spec["etcd_store"])) as a_kv:
-
-        def refused(call) -> bool:
-            try:
-                call()
-            except StoreDenied:
-                return True
-            return False
-
         store_attacks = {  # through the job's own backend, as the agents talk
             "read b's round": lambda: a_kv.get(b_keys.round),
             "list b's nodes": lambda: a_kv.list(b_keys.nodes),

@@ -26,7 +26,7 @@ import etcd
 import pytest
 
 from petctl.core.keys import JobKeys
-from petctl.core.store import Store, StoreDenied
+from petctl.core.store import Store
 from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import job_users, role_patterns
@@ -35,6 +35,7 @@ from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.io.store import open_store
 from petctl.providers.aws.boot import etcd_user_data
 from petctl.providers.aws.etcdsecrets import host_bundle
+from tests.support.etcd_auth import refused
 
 USER_A, USER_B = "job-ja-0000000a", "job-jb-0000000b"
 
@@ -116,15 +117,6 @@ class Host:
     def v2_job_users(self) -> list[str]:
         """The job users of v2's auth: store=v3 never makes any (etcd 3.6 has no v2 auth)."""
         return job_users(self.root_client())
-
-
-def refused(call) -> bool:
-    """Whether the store refused the call for lack of permission (StoreDenied), and for nothing else."""
-    try:
-        call()
-    except StoreDenied:
-        return True
-    return False
 
 
 @pytest.fixture(params=["v3", "v2"], ids=["store=v3", "store=v2"])

@@ -17,6 +17,18 @@ def denied(call: Callable[[], object]) -> bool:
     return False
 
 
+def refused(call: Callable[[], object]) -> bool:
+    """Whether a `Store` call was refused for lack of permission (StoreDenied), and for nothing else:
+    any other failure propagates."""
+    from petctl.core.store import StoreDenied
+
+    try:
+        call()
+    except StoreDenied:
+        return True
+    return False
+
+
 async def denied_v3(call: Awaitable[object]) -> bool:
     """Whether etcd's v3 API (through etcd3aio) refused the call for lack of permission or of a known
     user (PERMISSION_DENIED, UNAUTHENTICATED; etcd 3.5's maintenance calls answer UNKNOWN with "auth:
