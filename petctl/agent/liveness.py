@@ -71,26 +71,25 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._deleted = False
         self._written = 0  # the revision of our key's latest write
-        self._lock = threading.Lock()  # one (re)registration at a time: the refresher's, or a view's
+        # one (re)registration at a time, the refresher's or a view's; re-entrant, as a view's check holds it
+        # across the re-assertion it triggers
+        self._lock = threading.RLock()
 
     def register(self) -> None:
         """(Re)create the key under a new lease of `ttl`. Safe to call when it already exists. Raises
         one of `store_errors()` if etcd cannot be reached."""
         with self._lock:
-            self._register()
-
-    def _register(self) -> None:
-        sent = time.monotonic()
-        lease = self.kv.grant(self.ttl)
-        self._written = self.kv.put(self.key, self.value, lease)
-        old, self.lease = self.lease, lease
-        self._applied(sent)
-        self._deleted = False
-        if old is not None:  # our key moved to the new lease: the old one holds nothing of ours now
-            try:
-                old.revoke()
-            except store_errors():
-                pass  # it expires by its TTL anyway
+            sent = time.monotonic()
+            lease = self.kv.grant(self.ttl)
+            self._written = self.kv.put(self.key, self.value, lease)
+            old, self.lease = self.lease, lease
+            self._applied(sent)
+            self._deleted = False
+            if old is not None:  # our key moved to the new lease: the old one holds nothing of ours now
+                try:
+                    old.revoke()
+                except store_errors():
+                    pass  # it expires by its TTL anyway
 
     def start(self) -> None:
         self.register()
@@ -138,19 +137,16 @@ class Heartbeat:
         with self._lock:
             if self._stop.is_set() or self._deleted or not self._written or revision < self._written:
                 return
-            self._reassert(store_errors(), locked=True)
+            self._reassert(store_errors())
 
-    def _reassert(self, errors: tuple[type[BaseException], ...], locked: bool = False) -> None:
+    def _reassert(self, errors: tuple[type[BaseException], ...]) -> None:
         """Our key vanished while we kept refreshing it: say so, then write it again."""
         if self.store is not None:
             self.store.own_key_missing()
         if self.events is not None:
             self.events.emit("heartbeat.lost", reasserting=True)
         try:
-            if locked:
-                self._register()
-            else:
-                self.register()
+            self.register()
         except errors as e:
             self.outage.failed(e)
             return
