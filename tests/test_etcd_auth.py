@@ -19,18 +19,18 @@ import etcd
 import pytest
 
 from petctl.core.keys import JobKeys
-from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, etcd_client, etcd_healthy, etcdctl_binary
 from petctl.io.etcdauth import (
     SecureEtcdDir,
+    V3Admin,
     grant_job,
+    job_grant,
     job_user,
     job_users,
     revoke_user,
     role_patterns,
     start_secure,
 )
-from petctl.io.etcdauthv3 import V3Admin
 from petctl.io.etcdpki import EtcdPki, EtcdTls, issue, new_ca, write_credentials
 from tests.support.etcd_auth import denied, refused
 
@@ -305,11 +305,11 @@ def test_two_local_jobs_side_by_side_cannot_touch_each_other(local, tmp_path: Pa
     a_user = json.loads((local.job_dir(A) / "job.json").read_text())["etcd_user"]
     assert a_user in users and len(users) == 2
     v3 = V3Admin(spec["etcd_endpoint"], local.etcd_root_tls())  # the same users in v3's auth
-    assert etcdauthv3.job_users(v3) == sorted(users)
-    assert etcdauthv3.role_grants(v3, a_user) == [etcdauthv3.job_grant(A)]
+    assert v3.job_users() == sorted(users)
+    assert v3.role_grants(a_user) == [job_grant(A)]
     local.run("kill_job", A)
     assert a_user not in job_users(root)
-    assert a_user not in etcdauthv3.job_users(v3) and len(etcdauthv3.job_users(v3)) == 1
+    assert a_user not in v3.job_users() and len(v3.job_users()) == 1
     assert denied(lambda: a.read(JobKeys(A).round))
     with closing(store_for(spec["etcd_endpoint"], a_tls, spec["etcd_store"])) as a_kv:
         assert refused(lambda: a_kv.get(JobKeys(A).round))  # and through v3: the user is gone from both

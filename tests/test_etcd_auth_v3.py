@@ -1,4 +1,4 @@
-"""Jobs cannot touch each other's keys through etcd's v3 API: the v3 RBAC of petctl/io/etcdauthv3.py,
+"""Jobs cannot touch each other's keys through etcd's v3 API: petctl/io/etcdauth.py's v3 RBAC (`V3Admin`),
 exercised over gRPC (etcd3aio, mTLS with each job run's certificate) on a real etcd 3.5.
 
 Each job run's user may read and write `[/petctl/jobs/<job>/, /petctl/jobs/<job>0)` and nothing else.
@@ -21,15 +21,7 @@ import grpc
 import pytest
 
 from petctl.io.etcd import EtcdServer
-from petctl.io.etcdauth import AuthError, SecureEtcdDir, job_user, start_secure
-from petctl.io.etcdauthv3 import (
-    KeyGrant,
-    V3Admin,
-    grant_job,
-    job_users,
-    revoke_user,
-    role_grants,
-)
+from petctl.io.etcdauth import AuthError, KeyGrant, SecureEtcdDir, V3Admin, job_user, start_secure
 from petctl.io.etcdpki import EtcdTls
 from petctl.io.store.v3 import import_etcd3aio
 from tests.support.etcd_auth import denied_v3
@@ -76,7 +68,7 @@ def inst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Install]:
         for i, job in enumerate((A, AB)):
             users[job] = job_user(job, f"{i + 1:08x}")
             creds[job] = secure.job_credentials(users[job], root_dir / "jobs" / job)
-            grant_job(admin, users[job], job)
+            admin.grant_job(users[job], job)
         inst = Install(secure, server, admin, users, creds, ())
 
         async def version() -> tuple[int, ...]:
@@ -101,12 +93,12 @@ async def first(stream: AsyncIterator[Any], want: Any, timeout: float = 5.0) -> 
 
 
 def test_a_job_user_is_granted_its_prefix_only_and_grants_are_idempotent(inst: Install) -> None:
-    assert role_grants(inst.admin, inst.users[A]) == [A_GRANT]
-    grant_job(inst.admin, inst.users[A], A)  # a repeated (or half-done) grant changes nothing
-    assert role_grants(inst.admin, inst.users[A]) == [A_GRANT]
-    assert set(inst.users.values()) <= set(job_users(inst.admin))
+    assert inst.admin.role_grants(inst.users[A]) == [A_GRANT]
+    inst.admin.grant_job(inst.users[A], A)  # a repeated (or half-done) grant changes nothing
+    assert inst.admin.role_grants(inst.users[A]) == [A_GRANT]
+    assert set(inst.users.values()) <= set(inst.admin.job_users())
     with pytest.raises(ValueError):
-        grant_job(inst.admin, inst.users[A], AB)  # a user is granted its own job's prefix, no other
+        inst.admin.grant_job(inst.users[A], AB)  # a user is granted its own job's prefix, no other
 
 
 def test_a_job_works_in_its_own_prefix(inst: Install) -> None:
@@ -218,8 +210,8 @@ def test_a_job_cannot_administer_auth_or_the_cluster(inst: Install) -> None:
             return allowed
 
     assert asyncio.run(scenario()) == []
-    assert role_grants(inst.admin, inst.users[A]) == [A_GRANT]
-    assert "intruder" not in job_users(inst.admin) and inst.users[AB] in job_users(inst.admin)
+    assert inst.admin.role_grants(inst.users[A]) == [A_GRANT]
+    assert "intruder" not in inst.admin.job_users() and inst.users[AB] in inst.admin.job_users()
 
 
 def test_a_revoked_user_authenticates_as_nobody_and_a_new_run_does_not_inherit_it(inst: Install,
@@ -228,7 +220,7 @@ def test_a_revoked_user_authenticates_as_nobody_and_a_new_run_does_not_inherit_i
     old_tls = inst.secure.job_credentials(old, tmp_path / "old")
     new_tls = inst.secure.job_credentials(new, tmp_path / "new")
     stranger = inst.secure.job_credentials(job_user("jz", "0000000f"), tmp_path / "stranger")
-    grant_job(inst.admin, old, "jd")
+    inst.admin.grant_job(old, "jd")
 
     async def scenario() -> None:
         async with inst.client(old_tls) as o, inst.client(new_tls) as n, inst.client(stranger) as z:
@@ -236,9 +228,9 @@ def test_a_revoked_user_authenticates_as_nobody_and_a_new_run_does_not_inherit_i
             assert await denied_v3(n.kv.get("/petctl/jobs/jd/round"))  # not granted yet: nobody
             assert await denied_v3(z.kv.put("/petctl/jobs/jz/round", "x"))  # a CN etcd has no user for
             # root's calls are synchronous (asyncio.run inside): from a running loop, on a thread
-            await asyncio.to_thread(revoke_user, inst.admin, old)
-            await asyncio.to_thread(revoke_user, inst.admin, old)  # idempotent
-            await asyncio.to_thread(grant_job, inst.admin, new, "jd")
+            await asyncio.to_thread(inst.admin.revoke_user, old)
+            await asyncio.to_thread(inst.admin.revoke_user, old)  # idempotent
+            await asyncio.to_thread(inst.admin.grant_job, new, "jd")
             assert await denied_v3(o.kv.get("/petctl/jobs/jd/round"))  # the same connection, now nobody's
             assert await denied_v3(o.kv.put("/petctl/jobs/jd/round", "again"))
             watch = await first(o.watch.watch("/petctl/jobs/jd/", "/petctl/jobs/jd0"), lambda r: True)
@@ -248,12 +240,12 @@ def test_a_revoked_user_authenticates_as_nobody_and_a_new_run_does_not_inherit_i
 
     try:
         asyncio.run(scenario())
-        assert old not in job_users(inst.admin) and new in job_users(inst.admin)
+        assert old not in inst.admin.job_users() and new in inst.admin.job_users()
     finally:
-        revoke_user(inst.admin, new)
-    assert new not in job_users(inst.admin)
+        inst.admin.revoke_user(new)
+    assert new not in inst.admin.job_users()
     with pytest.raises(AuthError, match="role name not found"):
-        role_grants(inst.admin, new)  # the role went with the user
+        inst.admin.role_grants(new)  # the role went with the user
 
 
 def test_what_etcd_leaves_open_to_any_job_user(inst: Install) -> None:

@@ -162,7 +162,7 @@ def test_layers_the_agent_and_the_cli_never_load_the_library_or_torch() -> None:
     """The agent reaches the store through petctl.io, never through petctl.elastic (which would bring
     torch); petctl.io imports nothing of petctl but petctl.core."""
     code = ("import sys; import petctl.agent.main, petctl.agent.reporting, petctl.agent.code, "
-            "petctl.agent.workers, petctl.agent.warm_worker, petctl.jobview.events, "
+            "petctl.agent.workers, petctl.agent.warm_worker, petctl.jobview.prefix, "
             "petctl.providers.aws.storage, "
             "petctl.io.objstore, petctl.io.files, petctl.io.procs, "
             "petctl.io.etcd, petctl.io.aws; "

@@ -14,10 +14,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.mirrorchunks import chunk_name
 from petctl.core.records import JobResult, NodeRecord, NodeStatus, Phase, Round
 from petctl.core.store import BACKENDS, Backend
-from petctl.jobview.corrupt import Corrupt
-from petctl.jobview.events import etcd_events, merge, mirror_events
-from petctl.jobview.logs import follow_chunks
-from petctl.jobview.prefix import file_prefix
+from petctl.jobview.prefix import Corrupt, etcd_events, file_prefix, follow_chunks, merge, mirror_events
 from petctl.jobview.state import JobState, read_job_state, state_from_mirror
 from petctl.jobview.view import JobSources, JobView
 

@@ -466,8 +466,7 @@ def test_compare_and_swap_from_many_threads_on_one_store(store: Store, d: str) -
 
 @pytest.fixture(scope="module")
 def secure_etcd(tmp_path_factory: pytest.TempPathFactory):
-    from petctl.io import etcdauthv3
-    from petctl.io.etcdauth import SecureEtcdDir, grant_job, job_user, start_secure
+    from petctl.io.etcdauth import SecureEtcdDir, V3Admin, grant_job, job_user, start_secure
 
     root = tmp_path_factory.mktemp("secure-store")
     secure = SecureEtcdDir.create(root / "pki")
@@ -475,7 +474,7 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory):
     try:
         user = job_user("ja", "0000000a")
         grant_job(secure.root_client(server.endpoint), user, "ja")  # the v2 role
-        etcdauthv3.grant_job(etcdauthv3.V3Admin(server.endpoint, secure.root), user, "ja")  # and v3's
+        V3Admin(server.endpoint, secure.root).grant_job(user, "ja")  # and v3's
         yield server, secure.root, secure.job_credentials(user, root / "ja")
     finally:
         server.stop(remove_data=True)
@@ -504,7 +503,7 @@ def test_tls_with_client_certificates(secure_etcd, backend: str) -> None:
         with pytest.raises(StoreDenied):
             spy.wait(TIMEOUT)
         spy.close()
-        # its own prefix, on either API: the job run's v2 role and its v3 role (etcdauthv3)
+        # its own prefix, on either API: the job run's v2 role and its v3 role (etcdauth.V3Admin)
         assert agent.get(f"{d}/k").value == "v"
         assert agent.revision("/petctl/jobs/ja") >= agent.get(f"{d}/k").mod_revision
         lease = agent.grant(5)

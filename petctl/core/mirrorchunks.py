@@ -1,5 +1,5 @@
 """The append-only chunk layout of the agents' event and log mirror, shared by the writer (the agent's
-reporting.py) and every reader (petctl/jobview: logs.py and events.py, over any object store).
+reporting.py) and every reader (petctl/jobview/prefix.py: node logs and events, over any object store).
 
 Why chunks: rewriting a node's whole events file and a 4 MB log tail every 10 s into a versioned bucket
 stores every copy as a noncurrent version (hundreds of GB per node over a long job). Instead each upload

@@ -1,19 +1,30 @@
-"""etcd authentication for petctl: one administrator, and one user per job run confined to its prefix;
-and the local etcd that runs with it.
+"""etcd authentication for petctl: one administrator, and one user per job run confined to its prefix, in
+both of etcd's auth stores (v2 and v3); and the local etcd that runs with it.
 
-Everything here runs as root (a python-etcd client with root's certificate, see etcdpki.py). The model:
-- v2 auth on: the `guest` role (what a request etcd cannot attribute to a user gets) has no permission
-  at all. It is created empty *before* auth is enabled: enabling auth otherwise creates it with read and
-  write on `/*`, for every client, until someone revokes it.
+Everything here runs as root (root's client certificate, see etcdpki.py). The model, the same on either
+API so that one certificate works with either store backend (petctl/io/store):
 - each job run gets a user (`job-<job>-<run id>`, the CN of its client certificate) holding one role of
-  the same name, with read and write on `/petctl/jobs/<job>/*` and nothing else. A new run of the same job
-  name gets a new user, so a certificate of an earlier run authenticates as nobody once its user is gone.
-- v3 auth on too, with root its only user: petctl never uses v3, and without auth etcd's v3 API (gRPC on
-  the same port) would let any client certificate write keys, enable v3 auth under its own root user, or
-  add and remove cluster members.
-Passwords are required by etcd's v2 user API but never used (certificates authenticate): each is random
-and thrown away (v3's root has none: `--no-password`, certificate only). Every function is idempotent, so
-a half-done call can simply be repeated.
+  the same name, with read and write on the job's keys and nothing else. A new run of the same job name
+  gets a new user, so a certificate of an earlier run authenticates as nobody once its user is gone.
+- v2 (python-etcd's HTTP auth API, root's python-etcd client; the module's functions `grant_job`,
+  `revoke_user`, `job_users`, `role_patterns`): the role holds `/petctl/jobs/<job>/*`. The `guest` role
+  (what a request etcd cannot attribute to a user gets) has no permission at all. It is created empty
+  *before* auth is enabled: enabling auth otherwise creates it with read and write on `/*`, for every
+  client, until someone revokes it. etcd's v2 user API requires passwords, which certificates make
+  unused: each is random and thrown away.
+- v3 (`V3Admin`'s methods, through etcd3aio's AuthService over gRPC in process: etcd's JSON gateway
+  refuses a client certificate with a CN, and etcdctl costs a process per call): the user has no
+  password (its certificate only) and its role holds `readwrite` on the range
+  `[/petctl/jobs/<job>/, /petctl/jobs/<job>0)`, i.e. every key under the prefix *with* its trailing
+  slash, so job `a` cannot reach `/petctl/jobs/ab/`. Root is v3's only other user (`--no-password`).
+  v3 auth is on even where jobs use v2: without it any client certificate could write keys through v3,
+  enable v3 auth under its own root user, or add and remove cluster members. What a v3 job user may and
+  may not do beyond its prefix (leases, watches, transactions, admin calls) is etcd's, and
+  tests/test_etcd_auth_v3.py encodes it. One gap etcd leaves open: a lease keep-alive is checked against
+  nothing, so a job that learns another job's lease ID can keep that lease alive (docs/ARCHITECTURE.md,
+  "v3 RBAC").
+Every function is idempotent (an "already exists" or "not found" answer is the state wanted), so a
+half-done call can simply be repeated; each raises AuthError for anything etcd refuses or cannot answer.
 
 The local provider's etcd, and the tests', is this same model on this machine (`SecureEtcdDir`,
 `start_secure`): client certificates required and auth on, so local jobs exercise the real code path:
@@ -27,23 +38,31 @@ Each job's credentials are written where the provider keeps the job (`job_creden
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import secrets
 import subprocess
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 from petctl.core.keys import ROOT as JOBS_ROOT
-from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
+from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary, parse_endpoints
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
+from petctl.io.store.v3 import import_etcd3aio
 
 ROOT_USER = "root"
 GUEST_ROLE = "guest"
 USER_PREFIX = "job-"
 USER_RE = re.compile(r"^job-[a-z][a-z0-9-]{0,30}[a-z0-9]-[0-9a-f]{8}$")
+CALL_TIMEOUT = 10.0  # seconds for one v3 auth call (each is a raft proposal, or a read of the auth store)
+PERM_NAMES = {0: "read", 1: "write", 2: "readwrite"}  # authpb.Permission.Type
+
+T = TypeVar("T")
 
 
 class AuthError(Exception):
@@ -63,7 +82,7 @@ def new_run_id() -> str:
 
 
 def job_pattern(job: str) -> str:
-    """The one key pattern a job's role may read and write (etcd matches it as a prefix)."""
+    """The one key pattern a job's v2 role may read and write (etcd matches it as a prefix)."""
     return f"{JOBS_ROOT}/{job}/*"
 
 
@@ -160,6 +179,138 @@ def role_patterns(client, user: str) -> list[str]:
     """The key patterns `user`'s role may write (for checks and diagnostics). Raises AuthError."""
     role = _call(client, "GET", f"roles/{user}")
     return list(((role.get("permissions") or {}).get("kv") or {}).get("write") or [])
+
+
+# --- v3 (etcd3aio's AuthService over gRPC)
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """One permission of a v3 role: `perm` (read, write or readwrite) on keys in [key, range_end)."""
+
+    perm: str
+    key: str
+    range_end: str
+
+
+def job_prefix(job: str) -> str:
+    """The one key prefix a job's v3 role may read and write, with its trailing slash."""
+    return f"{JOBS_ROOT}/{job}/"
+
+
+def prefix_end(prefix: str) -> str:
+    """The end of the range of keys that start with `prefix` (its last byte plus one; ASCII only)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def job_grant(job: str) -> KeyGrant:
+    """What a job's role holds, and nothing else."""
+    prefix = job_prefix(job)
+    return KeyGrant("readwrite", prefix, prefix_end(prefix))
+
+
+def _check_user(user: str, job: str | None = None) -> None:
+    if not USER_RE.match(user):
+        raise ValueError(f"not a job user name: {user!r}")
+    if job is not None and user[len(USER_PREFIX):].rsplit("-", 1)[0] != job:
+        raise ValueError(f"{user!r} is not a user of job {job!r}")
+
+
+async def _tolerate(call: Awaitable[Any], answer: str) -> None:
+    """Await `call`; etcd's FAILED_PRECONDITION naming `answer` ("already exists", "not found") is the
+    state wanted already."""
+    import grpc
+
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or answer not in (e.details() or ""):
+            raise
+
+
+def grpc_target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _run(admin: V3Admin, what: str, work: Callable[[Any, ModuleType], Awaitable[T]]) -> T:
+    """Run `work(client, etcd3aio)` as root against the first member that answers. Raises AuthError."""
+    import grpc
+
+    mod = import_etcd3aio()
+    try:
+        creds = {"ca_cert": Path(admin.tls.ca).read_bytes(), "cert_chain": Path(admin.tls.cert).read_bytes(),
+                 "cert_key": Path(admin.tls.key).read_bytes()}
+        members = parse_endpoints(admin.endpoint)
+    except (OSError, ValueError) as e:
+        raise AuthError(f"etcd auth: {what}: {e}") from e
+
+    async def session(host: str, port: int) -> T:
+        async with mod.Etcd3Client([grpc_target(host, port)], **creds) as client:
+            return await work(client, mod)
+
+    failure: BaseException | None = None
+    for host, port in members:
+        try:
+            return asyncio.run(session(host, port))
+        except mod.EtcdConnectionError as e:  # this member is down: the next may answer
+            failure = e
+        except (mod.EtcdError, grpc.aio.AioRpcError, TimeoutError) as e:
+            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e) or type(e).__name__
+            raise AuthError(f"etcd auth: {what}: {detail}") from e
+    raise AuthError(f"etcd auth: {what}: no member of {admin.endpoint} answered: {failure}")
+
+
+@dataclass(frozen=True)
+class V3Admin:
+    """Where root reaches etcd's v3 API: the endpoints python-etcd's client takes (`https://host:port`,
+    comma-separated for a cluster's members) and root's client credentials; what root does there, as
+    methods (the v2 auth store's counterparts are this module's functions of the same names)."""
+
+    endpoint: str
+    tls: EtcdTls
+
+    def grant_job(self, user: str, job: str) -> None:
+        """Create `user` (certificate only, no password) with a role of the same name that may read and
+        write only `job`'s prefix. Raises AuthError, or ValueError for a name that is not `job`'s user."""
+        _check_user(user, job)
+        grant = job_grant(job)
+
+        async def work(client: Any, mod: ModuleType) -> None:
+            auth = client.auth
+            await _tolerate(auth.role_add(user, timeout=CALL_TIMEOUT), "already exists")
+            await auth.role_grant_permission(user, grant.key, grant.range_end,
+                                             perm_type=mod.PermissionType.READWRITE, timeout=CALL_TIMEOUT)
+            await _tolerate(auth.user_add(user, no_password=True, timeout=CALL_TIMEOUT), "already exists")
+            await auth.user_grant_role(user, user, timeout=CALL_TIMEOUT)
+
+        _run(self, f"grant v3 user {user}", work)
+
+    def revoke_user(self, user: str) -> None:
+        """Delete a job user and its role (nothing to do when they are gone): the user first, so that its
+        certificate authenticates as nobody from then on. Raises AuthError."""
+        _check_user(user)
+
+        async def work(client: Any, mod: ModuleType) -> None:
+            await _tolerate(client.auth.user_delete(user, timeout=CALL_TIMEOUT), "not found")
+            await _tolerate(client.auth.role_delete(user, timeout=CALL_TIMEOUT), "not found")
+
+        _run(self, f"revoke v3 user {user}", work)
+
+    def job_users(self) -> list[str]:
+        """The job users etcd's v3 auth has now. Raises AuthError."""
+        async def work(client: Any, mod: ModuleType) -> list[str]:
+            return list((await client.auth.user_list(timeout=CALL_TIMEOUT)).users)
+
+        return sorted(u for u in _run(self, "list v3 users", work) if USER_RE.match(u))
+
+    def role_grants(self, user: str) -> list[KeyGrant]:
+        """The permissions `user`'s role holds (for checks and diagnostics). Raises AuthError."""
+        async def work(client: Any, mod: ModuleType) -> list[KeyGrant]:
+            role = await client.auth.role_get(user, timeout=CALL_TIMEOUT)
+            return [KeyGrant(PERM_NAMES.get(p.permType, str(p.permType)), p.key.decode(),
+                             p.range_end.decode()) for p in role.perm]
+
+        return _run(self, f"read v3 role {user}", work)
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from petctl.jobview.events import merge
+from petctl.jobview.prefix import merge
 
 
 @dataclass

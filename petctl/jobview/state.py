@@ -14,8 +14,7 @@ from typing import Any
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, NodeStatus, Phase, Round, WireFormatError
 from petctl.core.store import Store
-from petctl.jobview.corrupt import Corrupt
-from petctl.jobview.prefix import PrefixReader
+from petctl.jobview.prefix import Corrupt, PrefixReader
 
 FINAL_STATES = ("succeeded", "failed", "killed")
 

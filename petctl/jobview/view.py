@@ -17,11 +17,9 @@ from petctl.core.errors import ProviderError
 from petctl.core.records import JobResult
 from petctl.core.store import JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdpki import EtcdTls
-from petctl.jobview import events as timeline
 from petctl.jobview.accounting import Accounting, account
-from petctl.jobview.corrupt import Corrupt
 from petctl.jobview.cost import CostReport, Prices, price_usage, usage
-from petctl.jobview.prefix import PrefixReader
+from petctl.jobview.prefix import Corrupt, PrefixReader, etcd_events, merge, mirror_events
 from petctl.jobview.state import JobState, mirror_result, read_job_state, read_result, state_from_mirror
 
 T = TypeVar("T")
@@ -105,14 +103,14 @@ class JobView:
         copies: list[list[dict[str, Any]]] = []
         if self.sources.etcd_endpoint:
             try:
-                copies.append(self._read(lambda store: timeline.etcd_events(store, self.job, self.corrupt)))
+                copies.append(self._read(lambda store: etcd_events(store, self.job, self.corrupt)))
             except StoreError as e:
                 self._etcd_failed(e)
         if self.sources.mirror is not None:
-            copies.append(timeline.mirror_events(self.sources.mirror, self.corrupt))
+            copies.append(mirror_events(self.sources.mirror, self.corrupt))
         if self.sources.extra_events is not None:
             copies.append(self.sources.extra_events())
-        return timeline.merge(*copies)
+        return merge(*copies)
 
     def logs(self, node: str | None = None, follow: bool = False) -> Iterator[str]:
         """Lines of the node logs, each prefixed `[node] ` unless one node is asked for."""

@@ -35,10 +35,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
-from petctl.io.etcdauth import USER_RE, bootstrap, grant_job, job_users, revoke_user
-from petctl.io.etcdauthv3 import V3Admin
+from petctl.io.etcdauth import USER_RE, V3Admin, bootstrap, grant_job, job_users, revoke_user
 from petctl.io.etcdpki import EtcdTls
 from petctl.providers.aws.boot import agent_config_from_user_data
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
@@ -158,11 +156,11 @@ class InstanceEmulator:
         # v3's auth always (the only one etcd 3.6 has); v2's too with store=v2, as the script's sync_users.
         assert self.etcd_admin is not None
         v3 = V3Admin(self.etcd.endpoint, self.etcd_admin)
-        have_v3 = set(etcdauthv3.job_users(v3))
+        have_v3 = set(v3.job_users())
         for user in sorted(wanted - have_v3):
-            etcdauthv3.grant_job(v3, user, user[len("job-"):].rsplit("-", 1)[0])
+            v3.grant_job(user, user[len("job-"):].rsplit("-", 1)[0])
         for user in sorted(have_v3 - wanted):
-            etcdauthv3.revoke_user(v3, user)
+            v3.revoke_user(user)
         if self.etcd_v2_api:
             root = etcd_client(self.etcd.endpoint, tls=self.etcd_admin)
             have = set(job_users(root))

@@ -27,10 +27,8 @@ import pytest
 
 from petctl.core.keys import JobKeys
 from petctl.core.store import Store
-from petctl.io import etcdauthv3
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcd_healthy, etcdctl_binary
-from petctl.io.etcdauth import job_users, role_patterns
-from petctl.io.etcdauthv3 import V3Admin
+from petctl.io.etcdauth import V3Admin, job_grant, job_users, role_patterns
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.io.store import open_store
 from petctl.providers.aws.boot import etcd_user_data
@@ -201,10 +199,10 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     root = host.root_client()
     v3 = V3Admin(endpoint, host.admin)
     in_v2 = [USER_A, USER_B] if host.store == "v2" else []
-    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2
+    assert v3.job_users() == [USER_A, USER_B] and host.v2_job_users() == in_v2
     if host.store == "v2":
         assert role_patterns(root, USER_A) == ["/petctl/jobs/ja/*"]
-    assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]  # the prefix with its slash
+    assert v3.role_grants(USER_A) == [job_grant("ja")]  # the prefix with its slash
     log = (host.dir / "aws.log").read_text()
     assert "s3api list-objects-v2 --bucket petctl-bucket --prefix etcd-users/ --query Contents[].Key" in log
     assert "secretsmanager list-secrets" not in log  # no secret name of the account is listed
@@ -216,23 +214,23 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     # A listing that fails deletes nothing.
     (host.dir / "list-fails").touch()
     assert host.bash("sync_users", check=False).returncode != 0
-    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2
+    assert v3.job_users() == [USER_A, USER_B] and host.v2_job_users() == in_v2
     (host.dir / "list-fails").unlink()
     # kill_job deleted B's index entry: its user goes, and its certificate authenticates as nobody.
     host.job_users_listed(USER_A)
     assert f"etcd user {USER_B} deleted" in host.bash("sync_users").stdout
-    assert etcdauthv3.job_users(v3) == [USER_A] and host.v2_job_users() == in_v2[:1]
+    assert v3.job_users() == [USER_A] and host.v2_job_users() == in_v2[:1]
     assert refused(lambda: b.get(JobKeys("jb").round))
     # A user missing from v3's auth (a half-done grant; with store=v2 a host from before v3 users) is
     # granted again.
-    etcdauthv3.revoke_user(v3, USER_A)
+    v3.revoke_user(USER_A)
     assert f"etcd user {USER_A} created" in host.bash("sync_users").stdout
-    assert etcdauthv3.job_users(v3) == [USER_A]
-    assert etcdauthv3.role_grants(v3, USER_A) == [etcdauthv3.job_grant("ja")]
+    assert v3.job_users() == [USER_A]
+    assert v3.role_grants(USER_A) == [job_grant("ja")]
     entry = host.kv(USER_A).get(JobKeys("ja").round)
     assert entry is not None and entry.value == "a's"
     assert "created" not in host.bash("sync_users").stdout  # nothing to do
-    assert etcdauthv3.job_users(v3) == [USER_A] and host.v2_job_users() == in_v2[:1]
+    assert v3.job_users() == [USER_A] and host.v2_job_users() == in_v2[:1]
     # A replaced host starts empty: the sync gives every running job its user back.
     host.server.stop(remove_data=True)
     shutil.rmtree(host.dir / "data", ignore_errors=True)
@@ -241,4 +239,4 @@ def test_job_users_follow_the_users_indexed_in_the_bucket(host: Host) -> None:
     host.job_users_listed(USER_A, USER_B)
     host.bash("sync_users")
     v3 = V3Admin(host.server.endpoint, host.admin)
-    assert etcdauthv3.job_users(v3) == [USER_A, USER_B] and host.v2_job_users() == in_v2
+    assert v3.job_users() == [USER_A, USER_B] and host.v2_job_users() == in_v2

@@ -18,9 +18,7 @@ from petctl.agent.reporting import Mirror
 from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
 from petctl.io.objstore import StoreError, open_store
-from petctl.jobview.events import merge, mirror_events
-from petctl.jobview.logs import follow_chunks, log_nodes
-from petctl.jobview.prefix import StorePrefix
+from petctl.jobview.prefix import StorePrefix, follow_chunks, log_nodes, merge, mirror_events
 from petctl.providers.aws.storage import JobStore
 from tests.aws import rendered
 from tests.support.aws.account import boto

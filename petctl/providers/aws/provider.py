@@ -19,7 +19,7 @@ from petctl.core.errors import JobNotFound, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission, Timeouts
 from petctl.core.store import BACKENDS, Backend
 from petctl.io.aws import aws_errors
-from petctl.jobview.logs import follow_chunks, log_nodes
+from petctl.jobview.prefix import follow_chunks, log_nodes
 from petctl.jobview.view import JobSources
 from petctl.providers.aws import basestack, inventory, jobrecords, launch
 from petctl.providers.aws.context import AwsContext

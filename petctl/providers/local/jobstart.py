@@ -5,7 +5,7 @@ A job starts whole or not at all: if any step fails, what the earlier steps made
 a failed `run_job` leaves no directory, no etcd key, no etcd user and no process behind.
 
 Each run of a job gets its own etcd user (`job-<job>-<run id>`, petctl/io/etcdauth.py), allowed to read
-and write only `/petctl/jobs/<job>/`, in both of etcd's auth stores (v2, etcdauth.py; v3, etcdauthv3.py),
+and write only `/petctl/jobs/<job>/`, in both of etcd's auth stores (v2 and v3, petctl/io/etcdauth.py),
 so that either store backend works with the one client certificate written to the job's directory; the
 agents and the reconciler connect with it (`JobSpec.etcd_credentials`). `kill_job`, and the next run of
 the same name, delete the user from both: its certificate then authenticates as nobody.
@@ -26,8 +26,7 @@ from petctl.core.errors import PetctlError, ProviderError
 from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSubmission
 from petctl.core.store import Store, StoreError
-from petctl.io.etcdauth import AuthError
-from petctl.io.etcdauthv3 import V3Admin
+from petctl.io.etcdauth import AuthError, V3Admin
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.procs import ProcRef, stop_group, wait_gone
 
@@ -98,7 +97,6 @@ def v3_admin(endpoint: str, secure) -> V3Admin | None:
 def _give_credentials(job: JobDir, submission: JobSubmission, client, secure, v3: V3Admin | None) -> None:
     """A new etcd user for this run (v2 and v3), its certificate in the job's directory, named in the
     spec."""
-    from petctl.io import etcdauthv3
     from petctl.io.etcdauth import grant_job, job_user, new_run_id
 
     spec = submission.spec
@@ -107,21 +105,20 @@ def _give_credentials(job: JobDir, submission: JobSubmission, client, secure, v3
     secure.job_credentials(user, job.etcd_credentials)
     grant_job(client, user, spec.name)
     if v3 is not None:
-        etcdauthv3.grant_job(v3, user, spec.name)
+        v3.grant_job(user, spec.name)
     spec.etcd_credentials = job.etcd_credentials.resolve().as_uri()
 
 
 def revoke_credentials(job: JobDir, client, v3: V3Admin | None) -> None:
     """Delete the job's etcd user from v2's and v3's auth (its agents are stopped), so its certificate
     authenticates as nobody. Raises AuthError when etcd does not answer."""
-    from petctl.io import etcdauthv3
     from petctl.io.etcdauth import revoke_user
 
     user = job.read_meta().get("etcd_user") if job.meta_path.exists() else None
     if user:
         revoke_user(client, user)
         if v3 is not None:
-            etcdauthv3.revoke_user(v3, user)
+            v3.revoke_user(user)
 
 
 def forget(job: JobDir, store: Store, client, v3: V3Admin | None) -> None:
