@@ -56,6 +56,7 @@ setup(
             "import-linter>=2.0",
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # pytest.ini runs the suite in parallel workers (worksteal)
             "moto[server]>=5.0",
             "ruff>=0.5",
             "cfn-lint>=1.0",
