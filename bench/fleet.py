@@ -4,10 +4,13 @@
 
 What is real: the etcd 3.5 server (`--enable-v2`, one member on 127.0.0.1, its own data dir per run), the
 store backends (`petctl/io/store`: v3 over gRPC, v2 over python-etcd), and every request they send. What
-is simulated: the nodes. They run in this one process (threads; on v3 every node's store shares one
-event loop), and they run a model of the agent's liveness and rendezvous, written against the same
-`Store` interface, not the agent itself (the agent moves onto that interface in a later step; then this
-bench swaps the model for the agent's own code). The model is the agent's pattern:
+is simulated: the nodes. They run in `--procs` shard processes (default 1), dealt out round-robin, each
+shard's nodes as threads (on v3 a shard's stores share one event loop), and they run a model of the
+agent's rendezvous written against the same `Store` interface, with the agent's own liveness rules
+(`--peer-watch`). This process only starts etcd, drives the shards through a pipe each, and reads the
+times they recorded (CLOCK_MONOTONIC, one clock for every process on the host). One process saturates
+from about 256 nodes (its beats run late, live nodes are dropped): `--procs 4` spreads 1000 over the
+cores, which they then share with etcd. The model is the agent's pattern:
 - liveness: a key `live/nodes/<node>` per node. v2: a TTL'd key refreshed every `--beat` seconds (the
   agent's default, 0.2 s, each refresh a raft proposal). v3: the key lives under a lease of `--ttl`
   seconds kept alive every ttl/3 (a keep-alive is not a proposal).
@@ -107,6 +110,7 @@ class FleetRow:
     errors: int
     note: str = ""
     peer_watch: bool = False  # the agent's peer watch ran too (--peer-watch)
+    procs: int = 1  # the shard processes the nodes ran in (--procs)
 
 
 class SimNode:
@@ -399,34 +403,238 @@ def proposals(endpoint: str) -> float:
 FAST_RAFT = ("--heartbeat-interval", "50", "--election-timeout", "500")
 
 
+class Shard:
+    """One shard process's end of the pipe: the commands `run_one` sends, carried out on its own `Fleet`.
+    Every answer is plain data (names, times, counts), so it crosses the pipe."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.by_name: dict[str, SimNode] = {}
+
+    def add(self, names: list[str], expected: int) -> None:
+        self.fleet.expected = expected
+        for name in names:
+            node = self.fleet.add(name)
+            self.by_name[name] = node
+            node.start()
+
+    def start_beats(self) -> None:
+        self.fleet.start_beats()
+
+    def register(self, names: list[str]) -> float:
+        """Register `names` (in parallel); when the registrations started."""
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(lambda n: self.by_name[n].register(), names))
+        return started
+
+    def seen(self, key: str, skip: list[str]) -> float | None:
+        """The latest time any of this shard's nodes (but `skip`) saw `key`; None while one has not."""
+        times = [s.seen.get(key) for n, s in list(self.by_name.items()) if n not in skip]
+        return None if any(x is None for x in times) else max(times, default=0.0)  # type: ignore[type-var]
+
+    def caught_up(self, members: int) -> bool:
+        """Whether each of this shard's nodes sees at least `members` members."""
+        return all(len(s.members) >= members for s in self.by_name.values())
+
+    def ranks(self, name: str) -> dict[str, int]:
+        return dict(self.by_name[name].ranks)
+
+    def leave(self, name: str) -> float:
+        """`name` leaves cleanly (its lease revoked); when it started to."""
+        node = self.by_name[name]
+        node.stop.set()
+        t = time.monotonic()
+        if node.lease is not None:
+            node.lease.revoke()
+        node.lease = None
+        return t
+
+    def mute(self, name: str) -> float:
+        """`name` goes silent (no revoke, no more keep-alives); when its last keep-alive was sent."""
+        node = self.by_name[name]
+        sent = node.last_beat
+        node.stop.set()
+        node.lease = None  # the beat loop skips it from now on
+        return sent
+
+    def gone(self, clear: bool) -> list[str]:
+        """Every node some node here saw go; with `clear`, forgotten (a clean slate)."""
+        # the nodes' watch threads add to `seen` meanwhile: read copies, delete one key at a time
+        out = {k.split(":", 1)[1] for s in self.by_name.values() for k in list(s.seen)
+               if k.startswith("gone:")}
+        if clear:
+            for s in self.by_name.values():
+                for k in [k for k in list(s.seen) if k.startswith("gone:")]:
+                    s.seen.pop(k, None)
+        return sorted(out)
+
+    def requests(self) -> int:
+        return self.fleet.counters.total()
+
+    def stats(self) -> dict[str, object]:
+        f = self.fleet
+        return {"lost_place": f.lost_place, "reasserted": f.reasserted, "beats_late": f.beats_late,
+                "errors": f.errors, "error_kinds": dict(f.error_kinds)}
+
+
+def _shard_main(conn, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool) -> None:
+    """A shard process: a `Fleet` of its own, driven by (method, args) messages until "close"."""
+    fleet = Fleet(endpoint, backend, ttl, beat, peer_watch)
+    shard = Shard(fleet)
+    try:
+        while True:
+            method, args = conn.recv()
+            if method == "close":
+                break
+            try:
+                conn.send(("ok", getattr(shard, method)(*args)))
+            except Exception as e:  # noqa: BLE001 - the driver raises it, with the shard's message
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        fleet.close()
+        conn.send(("stats", shard.stats()))
+        conn.close()
+
+
+class Shards:
+    """The driver's side: every shard process, and which one holds each node."""
+
+    def __init__(self, procs: int, endpoint: str, backend: str, ttl: int, beat: float,
+                 peer_watch: bool) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork: a forked gRPC or a forked thread is unsafe
+        self.conns = []
+        self.procs = []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_shard_main, args=(child, endpoint, backend, ttl, beat, peer_watch),
+                            daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.where: dict[str, int] = {}
+        self.final: list[dict] = []
+
+    def call(self, i: int, method: str, *args):
+        self.conns[i].send((method, args))
+        status, value = self.conns[i].recv()
+        if status != "ok":
+            raise RuntimeError(f"shard {i}: {method}: {value}")
+        return value
+
+    def each(self, method: str, *args) -> list:
+        """`method` on every shard at once (sent to all, then every answer read)."""
+        for conn in self.conns:
+            conn.send((method, args))
+        answers = [conn.recv() for conn in self.conns]  # every one read, so no pipe holds a stale answer
+        for i, (status, value) in enumerate(answers):
+            if status != "ok":
+                raise RuntimeError(f"shard {i}: {method}: {value}")
+        return [value for _, value in answers]
+
+    def add(self, names: list[str], expected: int) -> None:
+        start = len(self.where)
+        dealt: list[list[str]] = [[] for _ in self.conns]
+        for j, name in enumerate(names):
+            i = (start + j) % len(self.conns)
+            self.where[name] = i
+            dealt[i].append(name)
+        for conn, mine in zip(self.conns, dealt, strict=True):
+            conn.send(("add", (mine, expected)))
+        for i, conn in enumerate(self.conns):
+            status, value = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"shard {i}: add: {value}")
+
+    def register(self, names: list[str]) -> float:
+        dealt: dict[int, list[str]] = {}
+        for name in names:
+            dealt.setdefault(self.where[name], []).append(name)
+        for i, mine in dealt.items():
+            self.conns[i].send(("register", (mine,)))
+        answers = {i: self.conns[i].recv() for i in dealt}
+        for i, (status, value) in answers.items():
+            if status != "ok":
+                raise RuntimeError(f"shard {i}: register: {value}")
+        return min(value for _, value in answers.values())
+
+    def seen_by_all(self, key: str, skip: tuple[str, ...] = ()) -> float | None:
+        times = self.each("seen", key, list(skip))
+        return None if any(x is None for x in times) else max(times)
+
+    def wait_seen(self, key: str, timeout: float, skip: tuple[str, ...] = ()) -> float | None:
+        end = time.monotonic() + timeout
+        while True:
+            got = self.seen_by_all(key, skip)
+            if got is not None or time.monotonic() > end:
+                return got
+            time.sleep(0.05)
+
+    def of(self, name: str, method: str, *args):
+        return self.call(self.where[name], method, name, *args)
+
+    def requests(self) -> int:
+        return sum(self.each("requests"))
+
+    def gone(self, clear: bool = False) -> set[str]:
+        return {n for names in self.each("gone", clear) for n in names}
+
+    def close(self) -> dict:
+        for conn in self.conns:
+            try:
+                conn.send(("close", ()))
+            except OSError:
+                pass
+        totals: dict = {"lost_place": 0, "reasserted": 0, "beats_late": 0, "errors": 0, "error_kinds": {}}
+        for conn, p in zip(self.conns, self.procs, strict=True):
+            try:
+                status, stats = "", None
+                while status != "stats" and conn.poll(30):  # past any answer left unread by a failure
+                    status, stats = conn.recv()
+                if status == "stats" and isinstance(stats, dict):
+                    for k in ("lost_place", "reasserted", "beats_late", "errors"):
+                        totals[k] += stats[k]
+                    for kind, n in stats["error_kinds"].items():
+                        totals["error_kinds"][kind] = totals["error_kinds"].get(kind, 0) + n
+            except (EOFError, OSError):
+                pass
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        return totals
+
+
 def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path,
-            fast_raft: bool = False, peer_watch: bool = False) -> FleetRow:
+            fast_raft: bool = False, peer_watch: bool = False, procs: int = 1) -> FleetRow:
     import psutil
 
     server = EtcdServer.start(scratch / f"etcd-{backend}-{n}", extra_args=FAST_RAFT if fast_raft else ())
     proc = psutil.Process(server.pid)
-    fleet = Fleet(server.endpoint, backend, ttl, beat, peer_watch)
-    note = ""
+    shards = Shards(procs, server.endpoint, backend, ttl, beat, peer_watch)
+    totals: dict = {}
     try:
-        fleet.expected = n
-        nodes = [fleet.add(f"n{i:04d}") for i in range(n)]
-        for node in nodes:
-            node.start()
-        fleet.start_beats()
-        with ThreadPoolExecutor(max_workers=16) as pool:
-            list(pool.map(lambda s: s.register(), nodes[:-1]))
-        time.sleep(1.0)  # every watch caught up: the clock starts at the last node's registration
-        last_up = time.monotonic()
-        nodes[-1].register()
-        ok = wait_for(lambda: all("ranked" in s.seen for s in nodes), 60 + n / 10)
-        up_to_ranked = max(s.seen["ranked"] for s in nodes) - last_up if ok else None
-        before = dict(nodes[0].ranks)
+        names = [f"n{i:04d}" for i in range(n)]
+        shards.add(names, n)
+        shards.each("start_beats")
+        shards.register(names[:-1])
+        t_reg = time.monotonic()
+        # every watch caught up with the others' registrations: the clock starts at the last node's
+        caught_up = wait_for(lambda: all(shards.each("caught_up", n - 1)), 60 + n / 5, poll=0.1)
+        _progress(backend, n, f"{n - 1} registered, every watch caught up: {caught_up} "
+                              f"({time.monotonic() - t_reg:.0f} s)")
+        last_up = shards.register(names[-1:])
+        up = shards.wait_seen("ranked", 60 + n / 10)
+        up_to_ranked = up - last_up if up is not None else None
+        before = shards.of(names[0], "ranks")
+        _progress(backend, n, f"all up -> all ranked: {up_to_ranked}")
 
         # at rest
-        p0, c0, cpu0 = proposals(server.endpoint), fleet.counters.total(), proc.cpu_times()
+        p0, c0, cpu0 = proposals(server.endpoint), shards.requests(), proc.cpu_times()
         t0 = time.monotonic()
         time.sleep(rest)
-        p1, c1, cpu1 = proposals(server.endpoint), fleet.counters.total(), proc.cpu_times()
+        p1, c1, cpu1 = proposals(server.endpoint), shards.requests(), proc.cpu_times()
         t1 = time.monotonic()
         span = t1 - t0
         rest_props = (p1 - p0) / n / span
@@ -435,57 +643,43 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         rss = proc.memory_info().rss / 2**20
 
         # nodes taken for lost so far while alive (a keep-alive too late for the TTL), then a clean slate
-        spurious_up = {k for s in nodes for k in s.seen if k.startswith("gone:")}
-        for s in nodes:
-            for k in [k for k in s.seen if k.startswith("gone:")]:
-                del s.seen[k]
+        spurious_up = shards.gone(clear=True)
 
         # a node lost (its lease revoked: a clean loss) -> every survivor knows
         p_re0, t_re0 = proposals(server.endpoint), time.monotonic()
-        victim = nodes[-1]
-        victim.stop.set()
-        t_loss = time.monotonic()
-        if victim.lease is not None:
-            victim.lease.revoke()
-        victim.lease = None
-        survivors = nodes[:-1]
-        ok = wait_for(lambda: all(f"gone:{victim.name}" in s.seen for s in survivors), 30)
-        loss_known = max(s.seen[f"gone:{victim.name}"] for s in survivors) - t_loss if ok else None
+        victim = names[-1]
+        t_loss = shards.of(victim, "leave")
+        known = shards.wait_seen(f"gone:{victim}", 30, skip=(victim,))
+        loss_known = known - t_loss if known is not None else None
 
         # a node joins -> every node sees a round ranking it, old ranks kept
-        joiner = fleet.add(f"j{n:04d}")
-        joiner.start()
+        joiner = f"j{n:04d}"
+        shards.add([joiner], n)
         t_join = time.monotonic()
-        joiner.register()
-        everyone = [*survivors, joiner]
-        key = f"ranked:{joiner.name}"
-        ok = wait_for(lambda: all(key in s.seen for s in everyone), 30)
-        join_ranked = max(s.seen[key] for s in everyone) - t_join if ok else None
-        after = dict(survivors[0].ranks)
-        kept = all(after.get(k) == v for k, v in before.items() if k != victim.name)
+        shards.register([joiner])
+        ranked = shards.wait_seen(f"ranked:{joiner}", 30, skip=(victim,))
+        join_ranked = ranked - t_join if ranked is not None else None
+        after = shards.of(names[0], "ranks")
+        kept = all(after.get(k) == v for k, v in before.items() if k != victim)
         # the leave's and the join's own proposals: the beats' steady rate over the same span taken out
         beats = (p1 - p0) / span * (time.monotonic() - t_re0)
         reform_props = (proposals(server.endpoint) - p_re0 - beats) / n
 
+        _progress(backend, n, f"leave known {loss_known}, join ranked {join_ranked}")
         # a node goes silent: no revoke, no more keep-alives -> every other node sees its key expire
-        mute = survivors[-1]
-        beat_sent = mute.last_beat
-        mute.stop.set()
-        mute.lease = None  # the beat loop skips it from now on
-        others = [s for s in everyone if s is not mute]
-        gone = f"gone:{mute.name}"
-        ok = wait_for(lambda: all(gone in s.seen for s in others), 3 * ttl + 10)
-        silent_known = max(s.seen[gone] for s in others) - beat_sent if ok else None
-        stopped = {victim.name, mute.name}
-        spurious = len(spurious_up | {k for s in nodes for k in s.seen
-                                      if k.startswith("gone:") and k.split(":", 1)[1] not in stopped})
+        mute = names[-2]
+        beat_sent = shards.of(mute, "mute")
+        known = shards.wait_seen(f"gone:{mute}", 3 * ttl + 10, skip=(victim, mute))
+        silent_known = known - beat_sent if known is not None else None
+        spurious = len(spurious_up | (shards.gone() - {victim, mute}))
     finally:
-        fleet.close()
+        totals = shards.close()
         server.stop(remove_data=True)
-    if fleet.beats_late:
-        note = "simulator saturated: beats ran late"
-    if fleet.error_kinds:
-        top = sorted(fleet.error_kinds.items(), key=lambda kv: -kv[1])[:3]
+    note = "simulator saturated: beats ran late" if totals.get("beats_late") else ""
+    if not caught_up:
+        note = "; ".join([note, "the watches had not caught up with the registrations"]).strip("; ")
+    if totals.get("error_kinds"):
+        top = sorted(totals["error_kinds"].items(), key=lambda kv: -kv[1])[:3]
         note = "; ".join([note, *(f"{n} x {k}" for k, n in top)]).strip("; ")
     return FleetRow(backend=backend, nodes=n, up_to_ranked_s=_r(up_to_ranked), loss_known_s=_r(loss_known),
                     silent_loss_known_s=_r(silent_known),
@@ -493,10 +687,13 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     rest_proposals_per_node_s=round(rest_props, 4),
                     rest_requests_per_node_s=round(rest_reqs, 3),
                     reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
-                    etcd_rss_mb=round(rss, 1), lost_place=fleet.lost_place, spurious_losses=spurious,
-                    reasserted=fleet.reasserted,
-                    beats_late=fleet.beats_late,
-                    errors=fleet.errors, note=note, peer_watch=peer_watch)
+                    etcd_rss_mb=round(rss, 1), lost_place=totals["lost_place"], spurious_losses=spurious,
+                    reasserted=totals["reasserted"], beats_late=totals["beats_late"],
+                    errors=totals["errors"], note=note, peer_watch=peer_watch, procs=procs)
+
+
+def _progress(backend: str, n: int, text: str) -> None:
+    print(f"  {backend} N={n}: {text}", file=sys.stderr, flush=True)
 
 
 def _r(x: float | None) -> float | None:
@@ -514,6 +711,7 @@ def table(rows: list[FleetRow]) -> str:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
         name = f"{r.backend} + peer watch" if r.peer_watch else r.backend
+        name += f" ({r.procs} procs)" if r.procs > 1 else ""
         lines.append(f"| {name} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
@@ -535,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="etcd with a 500 ms election timeout, so a lease may be 1 s (default: etcd's)")
     ap.add_argument("--peer-watch", action="store_true",
                     help="run the agent's peer watch too (each node reads its successor's liveness)")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="shard processes the simulated nodes are dealt over (round-robin)")
     ap.add_argument("--out", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     rows: list[FleetRow] = []
@@ -543,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             for backend in args.backends.split(","):
                 started = time.monotonic()
                 row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft,
-                              args.peer_watch)
+                              args.peer_watch, args.procs)
                 rows.append(row)
                 took = time.monotonic() - started
                 print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)
