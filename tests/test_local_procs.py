@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from petctl.providers.local.procs import ProcRef, group_alive, stop_group, wait_gone
+from petctl.io.procs import ProcRef, group_alive, stop_group, wait_gone
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from petctl.io.procs import ProcRef
 from petctl.providers.local.jobdir import JobDir
-from petctl.providers.local.procs import ProcRef
 from tests.support.cli import Petctl
 from tests.support.ledger import Ledger, manifests
 from tests.support.matrix import final_rounds, ledger_steps, run_ledger_job, wait_until

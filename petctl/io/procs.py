@@ -1,5 +1,6 @@
-"""Processes on this machine: is a pid (still the same process and) alive, its state, dying with the
-parent, a free port for one to bind, and waiting (with a deadline) for one to come up or go.
+"""Processes on this machine: is a pid (still the same process and) alive, its state, a handle on one
+that outlives the command that started it (`ProcRef`), its process group stopped, dying with the parent,
+a free port for one to bind, and waiting (with a deadline) for one to come up or go.
 
 Liveness and state come from psutil. A process's identity is its pid plus its start time in clock ticks
 since boot (field 22 of `/proc/<pid>/stat`): a later process reusing the pid has another one. psutil only
@@ -19,16 +20,24 @@ loop in every module. `wait_until(check, timeout, interval)` calls `check` at on
 propagates at once (whether a failure is worth retrying is the caller's decision). The interval is fixed,
 never backed off: the callers are the agent's and the local provider's waits, where a longer poll is a
 slower restart. tenacity is imported on first use, so importing this module costs nothing.
+
+Handles that survive the CLI (`ProcRef`: a pid plus its start time): the local provider's processes
+(etcd, reconcilers, agents) outlive the `petctl` command that started them, so later commands find them
+again by the pid written to a file. A bare pid can be reused by an unrelated process after ours exits;
+pairing it with the start time makes "is it still ours and alive?" a safe question, and signalling a
+stale handle a no-op instead of hitting a stranger.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import signal
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 PR_SET_PDEATHSIG = 1
@@ -123,3 +132,81 @@ def wait_until(check: Callable[[], T], timeout: float, interval: float) -> T:
                         retry_error_callback=lambda state: state.outcome.result())
     return retrying(check)
 
+
+# --- handles that survive the CLI
+
+
+@dataclass(frozen=True)
+class ProcRef:
+    pid: int
+    start: int | None = None  # None: trust the pid alone (only for handles we just created)
+
+    @classmethod
+    def of(cls, pid: int) -> ProcRef:
+        return cls(pid=pid, start=start_ticks(pid))
+
+    def alive(self) -> bool:
+        """Running or stopped, and still ours. A zombie counts as gone; it is never reaped here, because
+        the reconciler's Popen must collect its children's exit status itself."""
+        return alive(self.pid, self.start)
+
+    def frozen(self) -> bool:
+        """Stopped (SIGSTOP: a frozen instance), and still ours."""
+        return self.alive() and stopped(self.pid)
+
+    def signal(self, sig: int) -> bool:
+        """Signal the process; False if it is gone (or the pid now belongs to someone else)."""
+        if not self.alive():
+            return False
+        try:
+            os.kill(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def signal_group(self, sig: int) -> bool:
+        """Signal the process group led by this process (our instances run in their own session).
+
+        Works after the leader died too, as long as any member (a worker) is left: that is how the
+        provider makes sure an instance leaves no orphan behind.
+        """
+        now = start_ticks(self.pid)
+        if self.start is not None and now is not None and now != self.start:
+            return False  # the pid was reused by a new process: not our group any more
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"pid": self.pid, "start": self.start}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ProcRef:
+        return cls(pid=int(data["pid"]), start=data.get("start"))
+
+
+def wait_gone(refs: list[ProcRef], timeout: float, poll: float = 0.05) -> bool:
+    """Wait until none of `refs` is alive; True if they all went within `timeout`."""
+    return wait_until(lambda: not any(r.alive() for r in refs), timeout, poll)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is still there (a zombie leader with live workers counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def stop_group(ref: ProcRef, grace: float, term_leader_only: bool = True) -> None:
+    """SIGTERM (the leader, so the agent can leave gracefully), then SIGKILL the whole group."""
+    ref.signal_group(signal.SIGCONT)  # a frozen instance cannot handle SIGTERM
+    if term_leader_only:
+        ref.signal(signal.SIGTERM)
+    else:
+        ref.signal_group(signal.SIGTERM)
+    wait_gone([ref], grace)
+    ref.signal_group(signal.SIGKILL)

@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 from petctl.core.errors import PetctlError, ValidationError
+from petctl.io.procs import ProcRef
 from petctl.providers.base import HostInfo
 from petctl.providers.local.jobdir import JobDir
-from petctl.providers.local.procs import ProcRef
 
 MODES = ("kill", "freeze", "unfreeze", "term", "notice", "rebalance")
 NOTICES = ("notice", "rebalance")  # modes that leave a notice (one per instance)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.io.etcdpki import EtcdTls
-from petctl.providers.local.procs import ProcRef, start_ticks, wait_gone
+from petctl.io.procs import ProcRef, start_ticks, wait_gone
 
 
 def recorded(settings: dict[str, Any]) -> ProcRef | None:

@@ -17,9 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.io.procs import die_with_parent
+from petctl.io.procs import ProcRef, die_with_parent
 from petctl.providers.local.jobdir import JobDir
-from petctl.providers.local.procs import ProcRef
 
 
 def agent_command(config_path: str) -> list[str]:

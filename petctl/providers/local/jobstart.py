@@ -27,8 +27,8 @@ from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSubmission
 from petctl.core.store import Store, StoreError
 from petctl.io.etcdauth import AuthError, V3Admin
+from petctl.io.procs import ProcRef, stop_group, wait_gone
 from petctl.providers.local.jobdir import JobDir
-from petctl.providers.local.procs import ProcRef, stop_group, wait_gone
 
 
 def python_env() -> dict[str, str]:
