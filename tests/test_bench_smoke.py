@@ -50,6 +50,9 @@ def test_bench_quick_smoke(tmp_path):
     assert _number(p5["agent_requests_per_node_per_round"]), p5
     # Forming a round of 8 costs each node a handful of requests, not dozens.
     assert 3 <= p5["rdzv_requests_per_node"] <= 30, p5
+    # etcd's own count of them, on the v3 API the job uses by default: reads and writes, leases, watches
+    served = doc["results"]["P5"]["runs"]["petctl/N=8"][0]["server_requests_per_node"]
+    assert served["v3_kv"] > 0 and served["v3_lease"] > 0 and served["v3_watch"] > 0, served
 
     p6 = doc["results"]["P6"]["commands"]["python -m petctl --help"]
     assert _number(p6["seconds"]["median"]), p6

@@ -10,8 +10,10 @@ Figures per run:
   round (agent start -> `rendezvous.complete`, which carries the counter; mean and max over nodes: the
   closer counts the others' arrivals, so its max grows with N by design) and per node per round over
   the agent's whole life (`status/<node>.etcd_requests`, job end included); both etcd systems:
-  requests the etcd server counted (v2 store metrics) per node from launch until every worker ran
-  (heartbeats and status included).
+  requests the etcd server counted per node from launch until every worker ran (heartbeats and status
+  included): the v2 store's reads, writes and watches, and the v3 API's gRPC messages received, by
+  service (`grpc_server_msg_received_total`: a unary call is one, and so is each keep-alive or watch
+  request on a stream; the events a watch sends back are not requests).
 """
 
 from __future__ import annotations
@@ -34,17 +36,31 @@ TRIVIAL = BENCH / "trivial_worker.py"
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
 
 
+V3_SERVICES = {"etcdserverpb.KV": "v3_kv", "etcdserverpb.Lease": "v3_lease", "etcdserverpb.Watch": "v3_watch"}
+
+
 def etcd_counts(endpoint: str) -> dict[str, int]:
-    """The v2 store's request counters (reads, writes, watches) from etcd's /metrics."""
+    """etcd's request counters from its /metrics: the v2 store's (reads, writes, watches) and the v3
+    API's gRPC messages received by service (KV, Lease, Watch; other services, such as auth or
+    maintenance, under `v3_other`)."""
     text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()
-    out = {"reads": 0, "writes": 0, "watches": 0}
+    return parse_counts(text)
+
+
+def parse_counts(text: str) -> dict[str, int]:
+    """`etcd_counts` over the text of one /metrics answer (Prometheus' text format)."""
+    out = {"reads": 0, "writes": 0, "watches": 0, "v3_kv": 0, "v3_lease": 0, "v3_watch": 0, "v3_other": 0}
     for line in text.splitlines():
+        value = int(float(line.rsplit(" ", 1)[1])) if " " in line and not line.startswith("#") else 0
         if line.startswith("etcd_debugging_store_reads_total"):
-            out["reads"] += int(float(line.rsplit(" ", 1)[1]))
+            out["reads"] += value
         elif line.startswith("etcd_debugging_store_writes_total"):
-            out["writes"] += int(float(line.rsplit(" ", 1)[1]))
+            out["writes"] += value
         elif line.startswith("etcd_debugging_store_watch_requests_total"):
-            out["watches"] += int(float(line.rsplit(" ", 1)[1]))
+            out["watches"] += value
+        elif line.startswith("grpc_server_msg_received_total{"):
+            service = line.split('grpc_service="', 1)[1].split('"', 1)[0] if 'grpc_service="' in line else ""
+            out[V3_SERVICES.get(service, "v3_other")] += value
     return out
 
 
@@ -191,7 +207,7 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
                              rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600")
     try:
         _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
-                         server_requests=backend == "etcd-v2")  # c10d keeps its store on a node, not etcd
+                         server_requests=backend.startswith("etcd"))  # c10d keeps its store on a node
         return out
     finally:
         job.stop()
