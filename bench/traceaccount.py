@@ -17,7 +17,13 @@ E = (instance - kept) - f x instance is what the events cost, and goodput_sim = 
 f comes from every undisturbed stretch of the run (`steady_overhead`): runs of at least MIN_STRETCH
 consecutive steps of one round with no gap over 3 T, where f = 1 - (steps x T) / (the stretch's time), so
 the checkpoint stalls and slow steps of steady training count, and one noisy window does not decide it
-(it used to come from the window before the first event alone: 0.56 on a loaded machine).
+(it used to come from the window before the first event alone: 0.56 on a loaded machine). A round's
+first SETTLE_S seconds are not steady training: they belong to the event that formed the round. On the
+bench machine the steps of those seconds ran slower (2026-11-27, spot-10-15-mixed: petctl's averaged
+0.32 s in a round's first 5 s, 0.22 in the next 5 and 0.20 from 10 s on; torchrun's 0.20 throughout),
+likely the warm pools' refill, which starts at a round's first step: a torch import per node, 8 nodes on
+2 cores. Counted into f, that transient would be stretched by S with the undisturbed time, as if it
+recurred all along; it recurs once per event, so it stays in E, which the simulation keeps once per event.
 The instance time is dominated by the gaps, so S x instance
 is the simulated instance time (within the boot and notice windows that do not stretch).
 Boot time B (launch -> agent start) enters as n_launches x (B - B_replayed) more billed, idle instance
@@ -56,19 +62,25 @@ class Outcome:
 
 
 MIN_STRETCH = 10  # steps: a shorter run between two disruptions says little about steady training
+SETTLE_S = 10.0  # seconds from a round's first step that belong to the event that formed it (see above)
 
 
-def steady_overhead(rows: list[tuple[float, int, int, str, Any]], t: float) -> float:
+def steady_overhead(rows: list[tuple[float, int, int, str, Any]], t: float,
+                    settle: float = SETTLE_S) -> float:
     """f: 1 - (steps x T) / time, over every undisturbed stretch in `rows` (ts, step, world, node, round,
     sorted by ts): consecutive steps on one node in one round with no gap over 3 T, MIN_STRETCH steps at
-    least. 0.0 when there is no such stretch or T is 0."""
+    least, from `settle` seconds after that round's first step on. 0.0 when there is no such stretch or T
+    is 0."""
     if t <= 0:
         return 0.0
     useful = elapsed = 0.0
     by_run: dict[tuple[str, Any], list[tuple[float, int]]] = {}
     for ts, step, _w, node, rnd in rows:
         by_run.setdefault((node, rnd), []).append((ts, step))
-    for run in by_run.values():
+    for whole in by_run.values():
+        run = [row for row in whole if row[0] - whole[0][0] >= settle]
+        if not run:
+            continue
         stretch = [run[0]]
         for prev, cur in zip(run, run[1:], strict=False):
             if cur[1] == prev[1] + 1 and cur[0] - prev[0] <= 3 * t:
@@ -92,7 +104,7 @@ def _clip(a: float, b: float, lo: float, hi: float) -> float:
 
 def account(steps: Iterable[dict[str, Any]], lives: Iterable[Life], start: float, end: float,
             time_scale: float, launches: int, boot_replayed: float,
-            boots: dict[str, float]) -> Outcome:
+            boots: dict[str, float], settle: float = SETTLE_S) -> Outcome:
     """See the module. `steps`: rank 0's train.step records (any order); times are unix seconds."""
     rows = sorted((float(r["ts"]), int(r["step"]), int(r.get("world_size", 1)), str(r.get("node", "")),
                    r.get("restart", r.get("round", ""))) for r in steps)
@@ -107,7 +119,7 @@ def account(steps: Iterable[dict[str, Any]], lives: Iterable[Life], start: float
     kept_node_s = sum(w for _, w in kept) * t
     lives = list(lives)
     inst = sum(_clip(x.launched, x.ended, start, end) for x in lives)
-    f = steady_overhead(in_window, t)
+    f = steady_overhead(in_window, t, settle)
     reform = 0.0
     times = [r[0] for r in in_window]
     for a, b in zip([start, *times], [*times, end], strict=False):

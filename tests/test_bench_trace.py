@@ -30,7 +30,7 @@ def test_trace_smoke_under_petctl(tmp_path: Path) -> None:
     assert [a["what"] for a in r["actions"]] == ["notice", "kill"]
     assert all(a.get("node") for a in r["actions"])
     assert len(r["launches"]) == 2 and all(x.get("started") for x in r["launches"])
-    worlds = [w for _t, _s, w in r["timeline"]]
+    worlds = [w for _t, _s, w, _node, _round in r["timeline"]]
     assert 3 in worlds and 2 in worlds  # it trained through the losses at world 2
     assert o["steps_lost"] <= 1, o  # the notice: 0; the silent loss: at most the step in flight
     assert 0.0 < o["goodput_measured"] <= 1.0 and o["reforming_s"] > 0

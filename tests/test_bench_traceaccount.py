@@ -24,12 +24,35 @@ def test_steady_overhead_counts_every_undisturbed_stretch_not_only_the_first():
     # round 1: 50 clean steps; round 2: 50 steps with a 0.2 s stall every 10 (a checkpoint): 4 stalls
     rows = steps("a", 1, 0, 50, 0.0) + steps("a", 2, 50, 50, 100.0, stall_every=10, stall=0.2)
     tuples = sorted((r["ts"], r["step"], r["world_size"], r["node"], r["round"]) for r in rows)
-    f = ta.steady_overhead(tuples, T)
+    f = ta.steady_overhead(tuples, T, settle=0.0)  # every step counts (the settle rule: below)
     useful = 49 * T + 49 * T
     elapsed = 49 * T + (49 * T + 4 * 0.2)
     assert f == pytest.approx(1 - useful / elapsed)
     # the old estimate, from the window before the first event alone, would have said 0 here
     assert f > 0.03
+
+
+def test_a_rounds_first_seconds_are_the_events_waste_not_steady_overhead():
+    # two rounds of 150 steps; each starts with 25 slow steps (0.5 s: the refill after a re-form), 12.5 s
+    slow = [dict(r, ts=r["ts"] + 0.3 * min(i, 25)) for i, r in enumerate(steps("a", 1, 0, 150, 0.0))]
+    slow2 = [dict(r, ts=r["ts"] + 0.3 * min(i, 25)) for i, r in enumerate(steps("a", 2, 150, 150, 100.0))]
+    rows = slow + slow2
+    tuples = sorted((r["ts"], r["step"], r["world_size"], r["node"], r["round"]) for r in rows)
+    # from 10 s into each round: step 20 on (at 10.0 s) is still slow up to step 25, then T exactly
+    kept = [r for r in tuples if r[0] - (0.0 if r[4] == 1 else 100.0) >= ta.SETTLE_S]
+    assert kept[0][1] == 20 and len(kept) == 2 * 130
+    useful = 2 * 129 * T
+    elapsed = 2 * (129 * T + 5 * 0.3)  # 5 slow steps (21-25) after the cut in each round
+    assert ta.steady_overhead(tuples, T) == pytest.approx(1 - useful / elapsed)
+    assert ta.steady_overhead(tuples, T) < 0.06 < ta.steady_overhead(tuples, T, settle=0.0)
+    # in the simulated figure the transient is paid once per round, not stretched with the steady time
+    lives = [ta.Life(0.0, 200.0)]
+    settled = ta.account(rows, lives, 0.0, 200.0, time_scale=10.0, launches=0, boot_replayed=3.0,
+                         boots={"3s": 3.0})
+    stretched = ta.account(rows, lives, 0.0, 200.0, time_scale=10.0, launches=0, boot_replayed=3.0,
+                           boots={"3s": 3.0}, settle=0.0)
+    assert settled.goodput_measured == stretched.goodput_measured  # the replay itself is the same
+    assert settled.goodput_sim["3s"] > stretched.goodput_sim["3s"]
 
 
 def test_a_gap_over_three_steps_ends_a_stretch_and_short_stretches_do_not_count():

@@ -108,7 +108,9 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
                                                           prices["on_demand_usd_per_hour"]),
             "actions": log.actions, "launches": log.launches,
             "auto_interval": intervals[-1] if intervals else None, "intervals_chosen": len(intervals),
-            "timeline": [(round(float(r["ts"]) - log.t0, 2), int(r["step"]), int(r.get("world_size", 1)))
+            # (seconds, step, world, node, round): enough to account the run again (bench/traceaccount.py)
+            "timeline": [(round(float(r["ts"]) - log.t0, 2), int(r["step"]), int(r.get("world_size", 1)),
+                          r["node"], r.get("restart", r.get("round", "")))
                          for r in sorted(steps, key=lambda r: float(r["ts"]))]}
 
 
