@@ -515,24 +515,21 @@ class Shards:
             self.conns.append(parent)
             self.procs.append(p)
         self.where: dict[str, int] = {}
-        self.final: list[dict] = []
 
-    def call(self, i: int, method: str, *args):
-        self.conns[i].send((method, args))
-        status, value = self.conns[i].recv()
-        if status != "ok":
-            raise RuntimeError(f"shard {i}: {method}: {value}")
-        return value
+    def ask(self, orders: dict[int, tuple]) -> dict[int, object]:
+        """Send each shard in `orders` its (method, args), then read every answer (so no pipe keeps a stale
+        one), and return them by shard. Raises RuntimeError with the first shard's error."""
+        for i, order in orders.items():
+            self.conns[i].send(order)
+        answers = {i: self.conns[i].recv() for i in orders}
+        for i, (status, value) in answers.items():
+            if status != "ok":
+                raise RuntimeError(f"shard {i}: {orders[i][0]}: {value}")
+        return {i: value for i, (_, value) in answers.items()}
 
     def each(self, method: str, *args) -> list:
-        """`method` on every shard at once (sent to all, then every answer read)."""
-        for conn in self.conns:
-            conn.send((method, args))
-        answers = [conn.recv() for conn in self.conns]  # every one read, so no pipe holds a stale answer
-        for i, (status, value) in enumerate(answers):
-            if status != "ok":
-                raise RuntimeError(f"shard {i}: {method}: {value}")
-        return [value for _, value in answers]
+        """`method` on every shard at once."""
+        return list(self.ask({i: (method, args) for i in range(len(self.conns))}).values())
 
     def add(self, names: list[str], expected: int) -> None:
         start = len(self.where)
@@ -541,24 +538,13 @@ class Shards:
             i = (start + j) % len(self.conns)
             self.where[name] = i
             dealt[i].append(name)
-        for conn, mine in zip(self.conns, dealt, strict=True):
-            conn.send(("add", (mine, expected)))
-        for i, conn in enumerate(self.conns):
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"shard {i}: add: {value}")
+        self.ask({i: ("add", (mine, expected)) for i, mine in enumerate(dealt)})
 
     def register(self, names: list[str]) -> float:
         dealt: dict[int, list[str]] = {}
         for name in names:
             dealt.setdefault(self.where[name], []).append(name)
-        for i, mine in dealt.items():
-            self.conns[i].send(("register", (mine,)))
-        answers = {i: self.conns[i].recv() for i in dealt}
-        for i, (status, value) in answers.items():
-            if status != "ok":
-                raise RuntimeError(f"shard {i}: register: {value}")
-        return min(value for _, value in answers.values())
+        return min(self.ask({i: ("register", (mine,)) for i, mine in dealt.items()}).values())  # type: ignore[type-var]
 
     def seen_by_all(self, key: str, skip: tuple[str, ...] = ()) -> float | None:
         times = self.each("seen", key, list(skip))
@@ -573,7 +559,8 @@ class Shards:
             time.sleep(0.05)
 
     def of(self, name: str, method: str, *args):
-        return self.call(self.where[name], method, name, *args)
+        i = self.where[name]
+        return self.ask({i: (method, (name, *args))})[i]
 
     def requests(self) -> int:
         return sum(self.each("requests"))
