@@ -60,7 +60,7 @@ def _warm_rows(warm: dict[str, Any]) -> list[Row]:
     out: list[Row] = []
     if "error" in warm:
         return [_row("warm", "warm start", "error", note=warm["error"])]
-    for variant in ("cold", "warm", "warm_cuda_runtime", "warm_cuda_context"):
+    for variant in ("cold", "warm", "forked", "warm_cuda_runtime", "warm_cuda_context"):
         section = warm.get(variant)
         status = _status("warm", f"launch -> first step, {variant}", section)
         if status:
@@ -69,6 +69,8 @@ def _warm_rows(warm: dict[str, Any]) -> list[Row]:
         note = ", ".join(f"{k.split('.')[1]} {v} s" for k, v in section.get("milestones_s", {}).items())
         if "warmup_s" in section:
             note += f"; ahead of the orders: {section['warmup_s']} s"
+        if section.get("fork_reason"):
+            note += f"; spawned, not forked: {section['fork_reason']}"
         out.append(_row("warm", f"launch -> first step, {variant}", section["launch_to_step_s"], "s", note))
     reform = warm.get("reform")
     if reform:

@@ -5,6 +5,9 @@ again with the job's backend (NCCL on CUDA, gloo on CPU).
 - `cold`: `python -u bench/gpu_worker.py`, timed from the moment it is started.
 - `warm`: petctl's warm worker as the agent runs it today (torch, torch.distributed, torch.optim and
   torch._dynamo imported ahead), timed from the moment its orders are written to its stdin.
+- `forked`: the same warm worker forked from the agent's fork server (`WarmPool`, the default since
+  2026-11-27): one interpreter did the imports, the worker is a fork of it. `fork_reason` says why the pool
+  spawned instead, if it did (a preload that initialised CUDA, say).
 - `warm_cuda_runtime`: the same plus bench/gpu_warmup.py in `runtime` mode (the CUDA runtime and NCCL
   loaded ahead, no context: safe for any pooled worker).
 - `warm_cuda_context`: plus the CUDA context on its device (`context` mode: safe only when a pooled
@@ -25,15 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_step import die_with_parent
+from petctl.agent.forkserver import ForkedProc
 from petctl.agent.warm_worker import READY
-from petctl.agent.workers import WorkerSpec
+from petctl.agent.workers import WarmPool, WorkerSpec
 from petctl.io.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "gpu_worker.py"
 PRELOAD = ",".join(WorkerSpec.__dataclass_fields__["preload"].default)
 MILESTONES = ("worker.imported", "worker.device", "worker.pg_ready", "worker.step")
-VARIANTS = ("cold", "warm", "warm_cuda_runtime", "warm_cuda_context")
+VARIANTS = ("cold", "warm", "forked", "warm_cuda_runtime", "warm_cuda_context")
 
 
 def _env(device: str, reform: bool) -> dict[str, str]:
@@ -46,7 +50,7 @@ def _env(device: str, reform: bool) -> dict[str, str]:
     return env
 
 
-def _read(proc: subprocess.Popen, lines: list[dict[str, Any]], tail: list[str]) -> None:
+def _read(proc: subprocess.Popen | ForkedProc, lines: list[dict[str, Any]], tail: list[str]) -> None:
     assert proc.stdout is not None
     for raw in proc.stdout:
         text = raw.decode(errors="replace").strip()
@@ -70,6 +74,13 @@ class Launch:
         self.tail: list[str] = []
         self.out: dict[str, Any] = {"variant": variant}
         self.t0 = time.time()
+        self.pool: WarmPool | None = None
+        if variant == "forked":
+            base = {k: self.env[k] for k in ("BENCH_DEVICE", "PYTHONPATH")}
+            self.pool = WarmPool(WorkerSpec(cmd=[sys.executable, "-u", str(WORKER)], cwd=str(REPO), nproc=1,
+                                            base_env=base), die_with_parent, out=sys.stderr)
+            self.pool.fill()  # the fork server's imports, then one fork
+            return
         if self.warm:
             preload = PRELOAD + (",bench.gpu_warmup" if variant.startswith("warm_cuda") else "")
             spawn_env = {**self.env, "BENCH_WARM": "context" if variant == "warm_cuda_context" else "runtime"}
@@ -89,6 +100,17 @@ class Launch:
     def ready(self, timeout_s: float) -> bool:
         """Warm: wait (bounded) until the worker says its imports are done (False: it exited first, or
         took longer than `timeout_s`)."""
+        if self.pool is not None:
+            ok = self.pool.wait_ready(timeout_s) == 1
+            taken = self.pool.take()
+            self.out.update(forked=self.pool.forking, fork_reason=self.pool.fork_reason)
+            self.out["warmup_s"] = round(time.time() - self.t0, 3)
+            if taken is None:
+                return False
+            self.proc = taken[0]
+            self.reader = threading.Thread(target=_read, args=(self.proc, self.lines, self.tail), daemon=True)
+            self.reader.start()
+            return ok
         with os.fdopen(self.read_fd, "rb") as pipe:
             ok = bool(select.select([pipe], [], [], timeout_s)[0]) and pipe.read(len(READY)) == READY
         self.out["warmup_s"] = round(time.time() - self.t0, 3)  # off the critical path: before the orders
@@ -110,10 +132,14 @@ class Launch:
         return self._result(rc)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.reader.join(5)
+        proc = getattr(self, "proc", None)  # a forked variant has none before it was taken
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            self.reader.join(5)
+        if self.pool is not None:
+            self.pool.close()
 
     def _result(self, rc: int | None) -> dict[str, Any]:
         out, seen = self.out, {e["event"]: e for e in self.lines}

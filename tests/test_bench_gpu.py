@@ -54,6 +54,9 @@ def test_the_gpu_bench_runs_on_cpu_with_every_section(tmp_path: Path) -> None:
     assert cold["launch_to_step_s"] > hot["launch_to_step_s"] > 0, warm
     assert hot["milestones_s"]["worker.imported"] < cold["milestones_s"]["worker.imported"], warm
     assert _positive(hot["warmup_s"])
+    forked = warm["forked"]  # the same, forked from the agent's fork server
+    assert forked["forked"] is True and forked["fork_reason"] == "", forked
+    assert cold["launch_to_step_s"] > forked["launch_to_step_s"] > 0, warm
     assert "no CUDA" in warm["warm_cuda_runtime"]["skipped"]
     assert "no CUDA" in warm["warm_cuda_context"]["skipped"]
     assert warm["reform"]["backend"] == "gloo" and _positive(warm["reform"]["to_step_s"])

@@ -52,6 +52,12 @@ def test_a_round_just_formed_refills_at_once_and_yields_the_cpu_unless_the_host_
     assert refill_due(look(missing=0, niced=2, spare_cores=1, yielding=True)) is Refill.YIELD
 
 
+def test_a_pool_that_forks_refills_at_once_whatever_the_round_or_the_cores():
+    """A fork imports nothing: no reason to wait for the round to train, nor to yield the CPU."""
+    assert refill_due(look(forking=True, missing=2)) is Refill.NOW
+    assert refill_due(look(forking=True, missing=0)) is Refill.WAIT
+
+
 def test_once_the_round_trains_the_refill_runs_at_the_nodes_priority():
     for trains in ({"step_seen": True}, {"round_age": REFILL_AFTER}):  # the latter: a script with no steps
         assert refill_due(look(yielding=True, **trains)) is Refill.NOW
@@ -97,7 +103,7 @@ def _hand_out(pool: WarmPool) -> tuple[WorkerGroup, io.StringIO]:
 @pytest.mark.skipif(not can_restore_priority(), reason="this host cannot raise a thread's priority back")
 def test_a_refill_imports_at_low_priority_and_a_worker_handed_out_mid_import_gets_its_own_back(tmp_path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True)
+    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True, fork=False)  # spawned: they import
     try:
         assert pool.fill(nice=REFILL_NICE) == 1
         (proc,) = pool.ready
@@ -120,7 +126,7 @@ def test_a_refill_imports_at_low_priority_and_a_worker_handed_out_mid_import_get
 @pytest.mark.skipif(not can_restore_priority(), reason="this host cannot raise a thread's priority back")
 def test_once_the_round_trains_the_agent_raises_a_pooled_workers_priority(tmp_path: Path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True)
+    pool = WarmPool(_spec(tmp_path), die_with_parent(), yielding=True, fork=False)  # spawned: they import
     events = EventLog("test")
     try:
         refill(pool, refill_due(pool.refill_look(0.0, False)), 2, events)  # the round just formed: yield
@@ -139,7 +145,7 @@ def test_the_first_fill_does_not_yield(tmp_path: Path):
     """The node's first workers are on its join's critical path: they import at its own priority."""
     spec = _spec(tmp_path)
     spec.base_env["SLOW_IMPORT"] = "0"
-    pool = WarmPool(spec, die_with_parent(), yielding=True)
+    pool = WarmPool(spec, die_with_parent(), yielding=True, fork=False)
     try:
         assert pool.fill() == 1
         assert pool.wait_ready(30) == 1

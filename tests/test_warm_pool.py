@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec
 from petctl.io.procs import die_with_parent
 from tests.support.paths import REPO
@@ -37,10 +39,15 @@ def make_spec(tmp_path: Path, preload: tuple[str, ...], entrypoint: str = "train
                       base_env={"PYTHONPATH": str(REPO)}, preload=preload)
 
 
-def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: Path) -> None:
-    pool = WarmPool(make_spec(tmp_path, ("noisy",)), die_with_parent())
+@pytest.mark.parametrize("fork", [False, True], ids=["spawned", "forked"])
+def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: Path, fork: bool) -> None:
+    """Spawned, each worker prints its imports' output before it is ready; forked, the fork server prints
+    it once (it imported once) and it reaches the node log all the same."""
+    server_out = io.StringIO()
+    pool = WarmPool(make_spec(tmp_path, ("noisy",)), die_with_parent(), fork=fork, out=server_out)
     try:
         assert pool.fill() == 2
+        assert pool.forking is fork
         t0 = time.monotonic()
         assert pool.wait_ready(30) == 2
         assert time.monotonic() - t0 < 15  # the real signal, not the deadline
@@ -55,8 +62,9 @@ def test_workers_printing_on_both_streams_before_ready_are_seen_ready(tmp_path: 
         assert group.stop(1.0) == {0: 0, 1: 0}
         text = out.getvalue()
         # The output printed while waiting is not lost: it reaches the node log after the handoff.
-        assert text.count("Failed to initialize NumPy") == 2
-        assert text.count("UserWarning: a warning before the worker is ready") == 2
+        imports = text if not fork else server_out.getvalue()
+        assert imports.count("Failed to initialize NumPy") == (1 if fork else 2)
+        assert imports.count("UserWarning: a warning before the worker is ready") == (1 if fork else 2)
         assert "trained rank 0 ['--lr', '0.1']" in text and "trained rank 1 ['--lr', '0.1']" in text
         # A native crash in a worker leaves its threads' Python stacks in the log (PYTHONFAULTHANDLER).
         assert text.count("faulthandler True") == 2

@@ -245,12 +245,9 @@ def _script_source(path: str) -> str:
         return ""
 
 
-def main() -> None:
-    names = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
-    ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-    script = sys.argv[3] if len(sys.argv) > 3 else ""
-    base = os.environ.get(ENV_WARM_NICE, "")
-    orders = OrderReader(int(base) if base.lstrip("-").isdigit() else None)
+def warm_up(names: Sequence[str], script: str) -> None:
+    """The imports ahead of the script: `names` (the worker spec's preload), then what the script imports
+    (`script_preloads`). An import that fails is skipped: the script raises it when it runs."""
     for name in names:
         try:
             importlib.import_module(name)
@@ -263,12 +260,14 @@ def main() -> None:
             preload(name)
         except Exception:  # noqa: BLE001, S110 - any import error is the script's to raise, when it runs
             pass
-    # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
-    if ready_fd >= 0:
-        signal_ready(ready_fd)
+
+
+def run_order(orders: OrderReader) -> None:
+    """Wait for the order, then run the script in this process as `python script.py` would; returns at once
+    (the process then exits 0) when the agent closes our stdin without one (it discarded us unused)."""
     line = orders.wait()
     if not line:
-        sys.exit(0)  # the agent discarded us unused
+        return
     order = json.loads(line)
     os.environ.clear()
     os.environ.update(order["env"])
@@ -288,6 +287,19 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")
     del store
+
+
+def main() -> None:
+    names = [m for m in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if m]
+    ready_fd = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+    script = sys.argv[3] if len(sys.argv) > 3 else ""
+    base = os.environ.get(ENV_WARM_NICE, "")
+    orders = OrderReader(int(base) if base.lstrip("-").isdigit() else None)
+    warm_up(names, script)
+    # Tell the agent we are ready (it waits for this before joining a round, see WarmPool.wait_ready).
+    if ready_fd >= 0:
+        signal_ready(ready_fd)
+    run_order(orders)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from enum import Enum
 from pathlib import Path
 from typing import IO
 
+from petctl.agent.forkserver import ForkedProc, ForkServer
 from petctl.agent.warm_worker import ENV_WARM_NICE, READY, raise_priority
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
@@ -125,7 +127,10 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
 #
 # Why: on a restart the slowest phase is not the rendezvous (tens of ms) but a fresh Python importing
 # torch (seconds). The pool keeps `nproc` workers (`petctl.agent.warm_worker`) waiting; `WorkerGroup`
-# takes one per rank when a round forms and sends it its environment and command line on stdin.
+# takes one per rank when a round forms and sends it its environment and command line on stdin. They are
+# forked from the node's fork server (`petctl.agent.forkserver`: the imports done once, each worker a fork of
+# milliseconds) where it can fork; otherwise each is spawned and imports on its own, and the refill's timing
+# below is what keeps those imports off a starting round.
 #
 # When to refill (`refill_due`): a round takes `nproc` workers, and a second disruption within the refill's
 # imports (seconds; tens for a framework job on a busy host) finds no warm worker. So the refill starts when
@@ -156,6 +161,7 @@ class RefillLook:
     step_seen: bool  # the round trains: its first step (or a framework's progress report) was seen
     spare_cores: int  # the host's cores beyond this node's workers and its agent
     yielding: bool  # the agent can lower a refill's priority and raise it back
+    forking: bool = False  # the pool forks its workers from its fork server: a refill imports nothing
 
 
 class Refill(Enum):
@@ -165,13 +171,15 @@ class Refill(Enum):
 
 
 def refill_due(look: RefillLook) -> Refill:
-    """What the pool does now: nothing when it is full and none of its workers yields; at the node's priority
-    once the round trains (its first step, or REFILL_AFTER into it: a script that reports no steps) or where
-    the host has a core for each import; before that at the low priority where the agent can raise it back,
-    else not yet."""
+    """What the pool does now: nothing when it is full and none of its workers yields; at once where the pool
+    forks its workers (a fork imports nothing: milliseconds of CPU, pages shared until written); at the
+    node's priority once the round trains (its first step, or REFILL_AFTER into it: a script that reports no
+    steps) or where the host has a core for each import; before that at the low priority where the agent
+    can raise it back, else not yet."""
     if look.missing <= 0 and look.niced <= 0:
         return Refill.WAIT
-    if look.step_seen or look.round_age >= REFILL_AFTER or look.spare_cores >= look.missing + look.niced:
+    if (look.forking or look.step_seen or look.round_age >= REFILL_AFTER
+            or look.spare_cores >= look.missing + look.niced):
         return Refill.NOW
     return Refill.YIELD if look.yielding else Refill.WAIT
 
@@ -206,6 +214,9 @@ def can_restore_priority() -> bool:
     return bool(result and result[0])
 
 
+WorkerProc = subprocess.Popen | ForkedProc  # a worker process, spawned or forked
+
+
 class WarmPool:
     """Workers started ahead of time with torch imported, waiting for their rank on stdin.
 
@@ -216,17 +227,29 @@ class WarmPool:
     """
 
     def __init__(self, spec: WorkerSpec, preexec: Callable[[], None] | None, spares: int = 0,
-                 cores: int | None = None, yielding: bool = False) -> None:
+                 cores: int | None = None, yielding: bool = False, fork: bool = True,
+                 out: IO[str] | None = None) -> None:
         self.spec = spec
         self.preexec = preexec
         self.size = spec.nproc * (1 + max(0, spares))  # workers the pool keeps when full
         self.spare_cores = (host_cores() if cores is None else cores) - spec.nproc - 1  # less the agent's
         self.yielding = yielding  # refills may import at REFILL_NICE (see can_restore_priority)
         self._niced: dict[int, int] = {}  # pooled low-priority worker's pid -> the nice value it returns to
-        self.ready: list[subprocess.Popen] = []
+        self.ready: list[WorkerProc] = []
         self._warm: dict[int, _Readiness] = {}  # pid -> whether (and once) its imports are done
         self.given_up = False  # a refill had no worker ready (they die at import): stop refilling
         self.closed = False
+        # The fork server (forkserver.py): tried once, on the first fill, where the platform has one.
+        self.fork = fork and sys.platform.startswith("linux") and hasattr(socket, "send_fds")
+        self.server: ForkServer | None = None
+        self.fork_reason = "" if self.fork else "the job spawns its warm workers (PETCTL_WARM_FORK=0)"
+        self.out = out  # where the fork server's own output goes (its imports' warnings); None: ours
+        self.fork_reported = False  # `fork_reason` was reported (report_forking)
+
+    @property
+    def forking(self) -> bool:
+        """The pool's workers are forked from its fork server (so far: it may still fail, see fill)."""
+        return self.server is not None and self.fork
 
     @property
     def usable(self) -> bool:
@@ -245,7 +268,7 @@ class WarmPool:
         missing = 0 if not self.usable or self.given_up else max(0, self.size - live)
         niced = sum(1 for p in self.ready if p.pid in self._niced and p.poll() is None)
         return RefillLook(missing=missing, niced=niced, round_age=round_age, step_seen=step_seen,
-                          spare_cores=self.spare_cores, yielding=self.yielding)
+                          spare_cores=self.spare_cores, yielding=self.yielding, forking=self.forking)
 
     def hurry(self) -> int:
         """Raise the pooled low-priority workers back to the node's priority; how many were refused."""
@@ -253,11 +276,26 @@ class WarmPool:
         return sum(1 for pid, nice in niced.items() if not raise_priority(pid, nice))
 
     def fill(self, up_to: int | None = None, nice: int = 0) -> int:
-        """Start workers until `up_to` (default: the pool's size) wait in the pool, importing at `nice`
-        more than ours (they lower it again at their orders); returns how many were started now."""
+        """Start workers until `up_to` (default: the pool's size) wait in the pool; returns how many were
+        started now. Forked from the fork server where it runs (started here the first time, which waits up
+        to WARM_WAIT for its imports); spawned otherwise, importing at `nice` more than ours (they lower it
+        again at their orders). A fork server that cannot fork, or fails, is given up for good
+        (`fork_reason` says why) and the pool spawns from then on."""
         if not self.usable:
             return 0
         self.ready = [p for p in self.ready if p.poll() is None]
+        wanted = min(self.size, up_to or self.size) - len(self.ready)
+        if wanted <= 0:
+            return 0
+        server = self._fork_server()
+        if server is not None:
+            try:
+                for proc, ready_fd in server.fork(wanted):
+                    self._track(proc, ready_fd)
+                return wanted
+            except OSError as e:
+                self._give_up_forking(f"the fork server failed: {e}")
+                self.ready = [p for p in self.ready if p.poll() is None]
         env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
         base = os.getpriority(os.PRIO_PROCESS, 0) if nice > 0 else 0
         if nice > 0:
@@ -269,7 +307,7 @@ class WarmPool:
             try:
                 proc = subprocess.Popen(
                     [self.spec.cmd[0], "-u", "-m", "petctl.agent.warm_worker", ",".join(self.spec.preload),
-                     str(write_fd), os.path.join(self.spec.cwd, self.spec.cmd[2])],
+                     str(write_fd), self.script],
                     cwd=self.spec.cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, preexec_fn=preexec, pass_fds=(write_fd,))
             except BaseException:
@@ -277,14 +315,42 @@ class WarmPool:
                 raise
             finally:
                 os.close(write_fd)  # the child holds the only write end: its exit means EOF here
-            warm = self._warm[proc.pid] = _Readiness()
+            self._track(proc, read_fd)
             if nice > 0:
                 self._niced[proc.pid] = base
-            threading.Thread(target=self._await_ready, args=(read_fd, warm), name="warm-ready",
-                             daemon=True).start()
-            self.ready.append(proc)
             started += 1
         return started
+
+    @property
+    def script(self) -> str:
+        return os.path.join(self.spec.cwd, self.spec.cmd[2])
+
+    def _track(self, proc: WorkerProc, ready_fd: int) -> None:
+        """Pool `proc`, watching its ready pipe."""
+        warm = self._warm[proc.pid] = _Readiness()
+        threading.Thread(target=self._await_ready, args=(ready_fd, warm), name="warm-ready",
+                         daemon=True).start()
+        self.ready.append(proc)
+
+    def _fork_server(self) -> ForkServer | None:
+        """The running fork server, started (and waited for) on the first call; None where the pool spawns."""
+        if not self.fork:
+            return None
+        if self.server is None:
+            env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+            self.server = ForkServer(self.spec.cmd[0], self.spec.preload, self.script, self.spec.cwd, env,
+                                     self.preexec, self.out)
+            reason = self.server.start(WARM_WAIT)
+            if reason:
+                self._give_up_forking(reason)
+                return None
+        return self.server
+
+    def _give_up_forking(self, reason: str) -> None:
+        self.fork = False
+        self.fork_reason = reason
+        if self.server is not None:
+            self.server.close()
 
     @staticmethod
     def _await_ready(read_fd: int, warm: _Readiness) -> None:
@@ -305,15 +371,15 @@ class WarmPool:
                 readiness.settled.wait(max(0.0, deadline - time.monotonic()))
         return sum(1 for p in self.ready if self._is_ready(p))
 
-    def readiness(self, proc: subprocess.Popen) -> _Readiness | None:
+    def readiness(self, proc: WorkerProc) -> _Readiness | None:
         """The handshake of a pooled worker (None once handed out)."""
         return self._warm.get(proc.pid)
 
-    def _is_ready(self, proc: subprocess.Popen) -> bool:
+    def _is_ready(self, proc: WorkerProc) -> bool:
         readiness = self._warm.get(proc.pid)
         return readiness is not None and readiness.ready and proc.poll() is None
 
-    def take(self) -> tuple[subprocess.Popen, bool] | None:
+    def take(self) -> tuple[WorkerProc, bool] | None:
         """A pooled worker and whether it had finished importing (if not, the round waits for it).
 
         A worker whose pipe closed without the signal is exiting even if it cannot be reaped yet (the
@@ -339,6 +405,8 @@ class WarmPool:
                 proc.kill()
             proc.wait()
         self.ready = []
+        if self.server is not None:
+            self.server.close()
 
 
 def _niced(preexec: Callable[[], None] | None, nice: int) -> Callable[[], None]:
@@ -369,6 +437,7 @@ def refill(pool: WarmPool | None, due: Refill, round_no: int, events: EventLog) 
                     reason="the warm workers import at the low CPU priority until their orders")
     if not pool.full and pool.fill(nice=REFILL_NICE if due is Refill.YIELD else 0):
         threading.Thread(target=_report_warm, args=(pool, round_no, events), daemon=True).start()
+    report_forking(pool, events, round_no)
 
 
 def _report_warm(pool: WarmPool, round_no: int, events: EventLog) -> None:
@@ -423,7 +492,7 @@ class WorkerGroup:
         self.warm_ready = 0  # of those, how many had finished their imports
         self.out = out
         self.on_event = on_event
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, WorkerProc] = {}
         self._readers: dict[int, threading.Thread] = {}  # local rank -> its output reader
         self._tails: dict[int, deque[str]] = {}  # local rank -> its last lines that are not events
         self._out_lock = threading.Lock()
@@ -451,7 +520,7 @@ class WorkerGroup:
             reader.start()
             self._readers[local_rank] = reader
 
-    def _hand_to_warm(self, env: dict[str, str]) -> subprocess.Popen | None:
+    def _hand_to_warm(self, env: dict[str, str]) -> WorkerProc | None:
         """Give a pooled worker its orders (env, cwd, argv); None when the pool has none to give."""
         taken = self.pool.take() if self.pool is not None else None
         if taken is None:
@@ -470,7 +539,7 @@ class WorkerGroup:
         self.warm_ready += int(ready)
         return proc
 
-    def _pump(self, proc: subprocess.Popen, tail: deque[str]) -> None:
+    def _pump(self, proc: WorkerProc, tail: deque[str]) -> None:
         assert proc.stdout is not None
         in_launcher = False  # the line after a launcher frame is that frame's source line
         for raw in iter(proc.stdout.readline, b""):
@@ -550,7 +619,7 @@ class WorkerGroup:
         return wait_until(lambda: not self.running, timeout, EXIT_POLL)
 
 
-LAUNCHER_FILES = ("/runpy.py", "/petctl/agent/warm_worker.py")
+LAUNCHER_FILES = ("/runpy.py", "/petctl/agent/warm_worker.py", "/petctl/agent/forkserver.py")
 
 
 def launcher_frame(line: str) -> bool:
@@ -577,7 +646,8 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
     prefetch = Prefetch(spec.checkpoint_url, work_dir / "cache", {**os.environ, **spec.env}, events, out,
                         die_with_parent())
     prefetch.start()
-    pool = WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env)) if spec.warm_workers else None
+    pool = (WarmPool(worker_spec, die_with_parent(), warm_spares(spec.env), fork=warm_fork(spec.env), out=out)
+            if spec.warm_workers else None)
     if pool is not None and warm_yield(spec.env):
         pool.yielding = can_restore_priority()
         if not pool.yielding:
@@ -589,10 +659,26 @@ def get_ready(spec: JobSpec, worker_spec: WorkerSpec, work_dir: Path, events: Ev
         together = pool.spare_cores >= pool.size - worker_spec.nproc
         pool.fill(None if together else worker_spec.nproc)
         ready = pool.wait_ready(WARM_WAIT)
-        events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3))
+        report_forking(pool, events, 0)
+        events.emit("workers.warm_ready", count=ready, seconds=round(time.monotonic() - t0, 3),
+                    forked=pool.forking)
         refill(pool, Refill.NOW, 0, events)  # the spares, if not started yet: importing while it registers
     prefetch.finish(WARM_WAIT - (time.monotonic() - t0))
     return pool
+
+
+def warm_fork(env: Mapping[str, str]) -> bool:
+    """Whether the pool forks its workers from a fork server (the default); `PETCTL_WARM_FORK=0` in the job's
+    environment spawns each one, importing on its own, as before."""
+    return env.get("PETCTL_WARM_FORK", "").strip() != "0"
+
+
+def report_forking(pool: WarmPool, events: EventLog, round_no: int) -> None:
+    """One line when the pool stops forking (or never could): why, and that its workers are spawned now."""
+    if pool.fork_reason and not pool.fork_reported:
+        pool.fork_reported = True
+        events.emit("workers.fork_server_unavailable", round=round_no, reason=pool.fork_reason,
+                    fallback="warm workers are spawned, each importing on its own")
 
 
 def warm_yield(env: Mapping[str, str]) -> bool:
