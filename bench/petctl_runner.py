@@ -21,7 +21,7 @@ from bench.procs import Node, start_node, stop_nodes
 from petctl.core.spec import AgentConfig, JobSpec
 from petctl.core.store import StoreError
 from petctl.io.store import open_store
-from petctl.jobview.state import JobState, read_job_state
+from petctl.jobview.live import JobState, read_job_state
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent

@@ -28,9 +28,9 @@ from tests.support.paths import REPO
 COUNTED = "import os\nwith open(os.environ['IMPORT_MARKS'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
 THREADED = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
 SCRIPT = """
-import os, random, signal, sys, time
+import gc, os, random, signal, sys, time
 print('rank', os.environ['RANK'], 'pid', os.getpid(), 'ppid', os.getppid(), 'random', random.random(),
-      flush=True)
+      'gc', f'{gc.isenabled()}/{gc.get_freeze_count() > 0}', flush=True)
 how = os.environ.get('HOW_' + os.environ['RANK'], 'ok')
 if how == 'exit3':
     sys.exit(3)
@@ -90,6 +90,8 @@ def test_forked_workers_import_nothing_and_end_as_spawned_ones_do(tmp_path: Path
         by_rank = _printed(out, 4)
         assert {r["ppid"] for r in by_rank.values()} == {str(server.proc.pid)}  # the server's children
         assert len({r["random"] for r in by_rank.values()}) == 4  # each its own random state
+        # Collections run, but never scan (and so never copy) the pages shared with the server.
+        assert {r["gc"] for r in by_rank.values()} == {"True/True"}
         wait_until(lambda: group.procs[1].poll() is not None and group.procs[2].poll() is not None, 10, 0.02)
         result = group.poll()
         assert result is not None and result.first_failure() == (1, 3)
@@ -166,7 +168,8 @@ def test_a_preload_that_starts_a_thread_makes_the_pool_spawn_and_say_why(tmp_pat
         assert pool.wait_ready(10) == 2
         group, out = _run(pool, {})
         assert group.wait_exit(10) and group.stop(1.0) == {0: 0, 1: 0}
-        assert set(_lines(out)) == {"0", "1"}
+        spawned = {rank: row["gc"] for rank, row in _lines(out).items()}
+        assert spawned == {"0": "True/False", "1": "True/False"}  # trained, with nothing frozen
     finally:
         pool.close()
 

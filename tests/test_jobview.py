@@ -14,8 +14,8 @@ from petctl.core.keys import JobKeys
 from petctl.core.mirrorchunks import chunk_name
 from petctl.core.records import JobResult, NodeRecord, NodeStatus, Phase, Round
 from petctl.core.store import BACKENDS, Backend
+from petctl.jobview.live import JobState, read_job_state, state_from_mirror
 from petctl.jobview.prefix import Corrupt, etcd_events, file_prefix, follow_chunks, merge, mirror_events
-from petctl.jobview.state import JobState, read_job_state, state_from_mirror
 from petctl.jobview.view import JobSources, JobView
 
 UNREACHABLE = "http://127.0.0.1:9"  # discard: nothing answers there

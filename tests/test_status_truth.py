@@ -16,8 +16,8 @@ from petctl.cli.render import status_summary
 from petctl.cli.status import job_status, node_rows
 from petctl.core.records import Phase, Round
 from petctl.jobview.accounting import NO_STEPS, account
+from petctl.jobview.live import JobState
 from petctl.jobview.report import headline
-from petctl.jobview.state import JobState
 from petctl.jobview.summary import one_line, summarize
 from petctl.providers.base import JobInfo
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import select
@@ -159,6 +160,7 @@ def _become_worker(stdin_fd: int, out_fd: int, ready_fd: int) -> int:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != server:  # the server died before the call took effect
         os._exit(1)
+    gc.enable()  # the objects the server made stay frozen (shared, never scanned); the worker's own are not
     numpy = sys.modules.get("numpy")  # Python's random reseeds itself in a forked child; numpy does not
     if numpy is not None:
         numpy.random.seed()
@@ -171,7 +173,9 @@ def main() -> None:
     names = [m for m in (args[0] if args else "").split(",") if m]
     sock = socket.socket(fileno=int(args[1]))
     script = args[2] if len(args) > 2 else ""
+    gc.disable()  # no collection may leave holes in the pages the workers share (Python's gc docs, on fork)
     warm_up(names, script)
+    gc.freeze()  # and a worker's collections never write to the objects it shares with the server
     blocker = fork_blocker()
     sock.sendall(ServerMessage("hello", reason=blocker).line())
     if blocker:

@@ -105,7 +105,7 @@ def run_job(name, min_size, max_size, size, nproc_per_node, max_restarts, env, e
         from petctl.providers.capabilities import BootInsight
 
         if isinstance(provider, BootInsight):  # instances that boot: up once an agent joined
-            from petctl.cli.boots import wait_joined
+            from petctl.cli.bootview import wait_joined
 
             wait_joined(provider, name, wait_timeout)
         else:

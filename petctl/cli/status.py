@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from petctl.cli.boots import boot_section, echo_boots
+from petctl.cli.bootview import boot_section, echo_boots
 from petctl.cli.context import job_view, provider_for
 from petctl.cli.render import output_option, print_json, status_summary, table
 

@@ -2,7 +2,7 @@
 
 Agents (a job succeeded, failed, or ran out of restarts) and providers (`kill_job`, the local reconciler)
 end jobs the same way, through this module, on whichever `Store` backend the job uses;
-`petctl/jobview/state.py` is the read side.
+`petctl/jobview/live.py` is the read side.
 """
 
 from __future__ import annotations

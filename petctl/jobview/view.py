@@ -19,8 +19,8 @@ from petctl.core.store import JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdpki import EtcdTls
 from petctl.jobview.accounting import Accounting, account
 from petctl.jobview.cost import CostReport, Prices, price_usage, usage
+from petctl.jobview.live import JobState, mirror_result, read_job_state, read_result, state_from_mirror
 from petctl.jobview.prefix import Corrupt, PrefixReader, etcd_events, merge, mirror_events
-from petctl.jobview.state import JobState, mirror_result, read_job_state, read_result, state_from_mirror
 
 T = TypeVar("T")
 LogReader = Callable[[str | None, bool], Iterator[str]]  # (node or None for all, follow) -> lines

@@ -16,7 +16,7 @@ from typing import Any
 
 from petctl.core.eventlog import parse_line
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.jobview.state import JobState, read_job_state
+from petctl.jobview.live import JobState, read_job_state
 from tests.support.paths import REPO, WORKLOADS
 from tests.support.store import store_for
 

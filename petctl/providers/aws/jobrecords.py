@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from petctl.core.errors import JobNotFound
 from petctl.core.records import JobResult
 from petctl.io.aws import AwsSession
-from petctl.jobview.state import mirror_result
+from petctl.jobview.live import mirror_result
 from petctl.providers.aws import etcdsecrets, inventory
 from petctl.providers.aws.storage import recorded_jobs
 from petctl.providers.base import JobInfo

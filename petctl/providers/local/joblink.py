@@ -12,7 +12,7 @@ from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult
 from petctl.core.store import Store, StoreError
-from petctl.jobview.state import ranks_of, read_result, read_round
+from petctl.jobview.live import ranks_of, read_result, read_round
 
 
 class JobLink:

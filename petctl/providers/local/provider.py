@@ -148,7 +148,7 @@ class LocalProvider(Provider):
 
     def _ended(self, name: str) -> tuple[str, str]:
         """(state, reason) of a job whose reconciler is gone without recording the end in job.json."""
-        from petctl.jobview.state import read_result
+        from petctl.jobview.live import read_result
 
         try:
             with closing(self._store(name)) as store:
@@ -262,7 +262,7 @@ class LocalProvider(Provider):
 
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
         """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py)."""
-        from petctl.jobview.state import ranks_of, read_round
+        from petctl.jobview.live import ranks_of, read_round
 
         check_chaos_mode(self, mode)
         info = self.job(name)
