@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(examples/lightning_ddp.py) or both (bench,user; comma-separated)")
     parser.add_argument("--boot", type=float, default=3.0,
                         help="trace scenarios: seconds from a replacement's launch to its agent's start")
+    parser.add_argument("--torchrun-every", type=int, default=None,
+                        help="trace scenarios: torchrun's fixed durable interval in steps (default 5)")
     parser.add_argument("--notice-at", choices=("settle", "burst"), default="settle",
                         help="P1: settle (after every warm pool is full) or burst (at a random time in the "
                              "first 30 s after the round formed: the second notice of a burst)")
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = ["bench", "user"] if workloads == ["both"] else workloads
     if not workloads or set(workloads) - {"bench", "user", "fsdp", "hf", "lightning"}:
         parser.error(f"--workload: choose bench, user, fsdp, hf, lightning or both, not {args.workload!r}")
+    if args.torchrun_every is not None and args.torchrun_every < 1:
+        parser.error("--torchrun-every: a number of steps, at least 1")
     reps = 1 if args.quick else max(1, args.reps)
     default_sizes = [8] if args.quick else [8, 32, 64]
     try:
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         for sid in scenarios:
             t0 = time.time()
             if sid in traces:  # issue 28: the same trace under petctl and torchrun (its own table and PNG)
-                results[sid] = spottrace.run(ctx, traces[sid], systems, boot_s=args.boot)
+                results[sid] = spottrace.run(ctx, traces[sid], systems, boot_s=args.boot,
+                                             torchrun_every=args.torchrun_every or spottrace.TORCHRUN_EVERY)
                 results[sid]["wall_s"] = round(time.time() - t0, 1)
                 _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))
                 text = spottrace.table(results[sid])

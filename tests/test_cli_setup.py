@@ -8,6 +8,7 @@ import ssl
 import urllib.request
 from pathlib import Path
 
+from petctl.io.procs import wait_until
 from tests.support.cli import Petctl, assert_one_line_error
 
 
@@ -68,8 +69,11 @@ def test_teardown_refuses_while_a_job_runs_unless_forced(local: Petctl, tmp_path
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(600)\n")
     local.run("run_job", "--name", "busy", "--min", "2", "--max", "2", "--wait", str(script))
+    # etcd, reconciler, and per node: its agent, its fork server, the worker, and the warm worker the pool
+    # forked to replace it as the round formed.
+    expected = 1 + 1 + 2 * 4
+    assert wait_until(lambda: len(local.processes()) == expected, 10, 0.1), local.processes()
     running = local.processes()
-    assert len(running) == 1 + 1 + 2 * 2  # etcd, reconciler, 2 x (agent + worker)
 
     assert_one_line_error(local.run("teardown", check=False), "jobs still running: busy", "--force")
     assert sorted(local.processes()) == sorted(running)

@@ -108,6 +108,7 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
                                                           prices["on_demand_usd_per_hour"]),
             "actions": log.actions, "launches": log.launches,
             "auto_interval": intervals[-1] if intervals else None, "intervals_chosen": len(intervals),
+            "every_steps": None if system == "petctl" else every,
             # (seconds, step, world, node, round): enough to account the run again (bench/traceaccount.py)
             "timeline": [(round(float(r["ts"]) - log.t0, 2), int(r["step"]), int(r.get("world_size", 1)),
                           r["node"], r.get("restart", r.get("round", "")))
@@ -170,8 +171,9 @@ def table(result: dict[str, Any]) -> str:
         labels = list(g)
         c = r["cost"][labels[-1]]
         auto = r.get("auto_interval") or {}
+        every = r.get("every_steps") or TORCHRUN_EVERY
         interval = (f"auto {auto.get('interval_s')} s ({auto.get('bound') or 'young-daly'})" if auto
-                    else f"every {TORCHRUN_EVERY} steps" if system.startswith("torchrun") else "-")
+                    else f"every {every} steps" if system.startswith("torchrun") else "-")
         lines.append(f"| {system} | {o['goodput_measured']:.1%} | {g[labels[0]]:.1%} | {g[labels[1]]:.1%} | "
                      f"{g[labels[2]]:.1%} | {o['steps_lost']} | {o['reforming_s']} | {interval} | "
                      f"{c['spot_usd']} | {c['on_demand_same_work_usd']} | {c['saving_vs_on_demand']:.0%} |")
