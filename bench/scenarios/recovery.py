@@ -47,7 +47,8 @@ SCENARIOS = {
 PETCTL_VARIANTS: dict[str, dict[str, float]] = {
     "petctl": {}, "petctl-ttl3": {"heartbeat_interval": 1.0, "heartbeat_ttl": 3.0},
     "petctl-nosnap": {},  # snapshots off: its env (workload_env) sets PETCTL_SNAPSHOTS=0
-    "petctl-spare": {}}  # a spare warm worker per slot: its env sets PETCTL_WARM_SPARES=1
+    "petctl-spare": {},  # a spare warm worker per slot: its env sets PETCTL_WARM_SPARES=1
+    "petctl-spawn": {}}  # warm workers spawned, each importing, not forked: its env sets PETCTL_WARM_FORK=0
 BASELINES = {"P2": ["petctl-ttl3"]}  # run after petctl whenever petctl runs this scenario
 
 
@@ -74,6 +75,8 @@ def workload_env(system: str = "petctl") -> dict[str, str]:
         env["PETCTL_SNAPSHOTS"] = "0"
     if system == "petctl-spare":
         env["PETCTL_WARM_SPARES"] = "1"
+    if system == "petctl-spawn":
+        env["PETCTL_WARM_FORK"] = "0"
     return env
 
 
