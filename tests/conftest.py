@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """How many workers `-n auto` (pytest.ini) starts: 2 on up to 3 CPUs (CI's 2 cores: 22 min against 33
-    in one process, 0 failures), then one per 2 CPUs up to 8. Not one per CPU: an end-to-end test runs
-    an etcd, agents and torch workers, several processes that are busy at once, and its time bounds were
-    set for a machine that is loaded, not oversubscribed."""
+    """How many workers `-n auto` (pytest.ini) starts: 2 on up to 3 CPUs (CI's 2 cores: 16-17 min of pytest,
+    the CPU 63-75 % busy, 0 failures), then one per 2 CPUs up to 8. Not one per CPU: an end-to-end test
+    runs an etcd, agents and torch workers, several processes that are busy at once, and its time bounds
+    were set for a machine that is loaded, not oversubscribed (3 workers on 2 cores: 15 min, the CPU 93 %
+    busy, and the fleet bench's liveness test took a starved node for a silent one)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 2 if cpus <= 3 else min(cpus // 2, 8)
 
