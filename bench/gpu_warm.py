@@ -75,6 +75,7 @@ class Launch:
         self.out: dict[str, Any] = {"variant": variant}
         self.t0 = time.time()
         self.pool: WarmPool | None = None
+        self.proc: subprocess.Popen | ForkedProc | None = None  # a forked variant's, once taken from its pool
         if variant == "forked":
             base = {k: self.env[k] for k in ("BENCH_DEVICE", "PYTHONPATH")}
             self.pool = WarmPool(WorkerSpec(cmd=[sys.executable, "-u", str(WORKER)], cwd=str(REPO), nproc=1,
@@ -118,6 +119,7 @@ class Launch:
 
     def finish(self, timeout_s: float) -> dict[str, Any]:
         """Give a warm worker its orders (the clock starts there), wait for the worker, read its lines."""
+        assert self.proc is not None  # started, or (forked) taken from its pool by `ready`
         try:
             if self.warm:
                 order = {"env": self.env, "cwd": str(REPO), "argv": [str(WORKER)]}
@@ -132,7 +134,7 @@ class Launch:
         return self._result(rc)
 
     def stop(self) -> None:
-        proc = getattr(self, "proc", None)  # a forked variant has none before it was taken
+        proc = self.proc
         if proc is not None:
             if proc.poll() is None:
                 proc.kill()

@@ -122,6 +122,7 @@ def serve(sock: socket.socket) -> int | None:
             continue
         for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
             stream.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
@@ -129,7 +130,7 @@ def serve(sock: socket.socket) -> int | None:
             for fd in (wake_r, wake_w):
                 os.close(fd)
             sock.close()
-            return _become_worker(*fds)
+            return _become_worker(server, *fds)
         for fd in fds:
             os.close(fd)
         sock.sendall(ServerMessage("forked", pid=pid).line())
@@ -147,18 +148,18 @@ def _reap(sock: socket.socket) -> None:
         sock.sendall(ServerMessage("exited", pid=pid, code=os.waitstatus_to_exitcode(status)).line())
 
 
-def _become_worker(stdin_fd: int, out_fd: int, ready_fd: int) -> int:
-    """In a forked child: its own stdio, dying with the server, fresh random state; returns its ready fd."""
+def _become_worker(server: int, stdin_fd: int, out_fd: int, ready_fd: int) -> int:
+    """In a forked child of `server` (its pid, read before the fork): its own stdio, dying with the server,
+    fresh random state; returns its ready fd."""
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     for fd in (stdin_fd, out_fd):
         if fd > 2:
             os.close(fd)
-    server = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != server:  # the server died before the call took effect
+    if os.getppid() != server:  # the server died before the call took effect, or before the fork returned
         os._exit(1)
     gc.enable()  # the objects the server made stay frozen (shared, never scanned); the worker's own are not
     numpy = sys.modules.get("numpy")  # Python's random reseeds itself in a forked child; numpy does not

@@ -296,7 +296,7 @@ class WarmPool:
             except OSError as e:
                 self._give_up_forking(f"the fork server failed: {e}")
                 self.ready = [p for p in self.ready if p.poll() is None]
-        env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+        env = self._env()
         base = os.getpriority(os.PRIO_PROCESS, 0) if nice > 0 else 0
         if nice > 0:
             env[ENV_WARM_NICE] = str(base)
@@ -325,6 +325,10 @@ class WarmPool:
     def script(self) -> str:
         return os.path.join(self.spec.cwd, self.spec.cmd[2])
 
+    def _env(self) -> dict[str, str]:
+        """The environment a pooled worker (or the fork server) imports in, before its order replaces it."""
+        return {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
+
     def _track(self, proc: WorkerProc, ready_fd: int) -> None:
         """Pool `proc`, watching its ready pipe."""
         warm = self._warm[proc.pid] = _Readiness()
@@ -337,9 +341,8 @@ class WarmPool:
         if not self.fork:
             return None
         if self.server is None:
-            env = {**worker_base_env(), **self.spec.base_env, "PYTHONUNBUFFERED": "1"}
-            self.server = ForkServer(self.spec.cmd[0], self.spec.preload, self.script, self.spec.cwd, env,
-                                     self.preexec, self.out)
+            self.server = ForkServer(self.spec.cmd[0], self.spec.preload, self.script, self.spec.cwd,
+                                     self._env(), self.preexec, self.out)
             reason = self.server.start(WARM_WAIT)
             if reason:
                 self._give_up_forking(reason)
