@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
     parser.add_argument("--scenarios", default=",".join(ALL),
                         help="comma-separated subset of " + ",".join(ALL))
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="subset of " + ",".join(SYSTEMS) + ", or a variant: petctl-nosnap, petctl-ttl3, "
+                             "petctl-spare, petctl-spawn (P1-P3), petctl-v2 (P5: the v2 store)")
     parser.add_argument("--hang-cap", type=float, default=None,
                         help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
     parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--boot", type=float, default=3.0,
                         help="trace scenarios: seconds from a replacement's launch to its agent's start")
     parser.add_argument("--torchrun-every", type=int, default=None,
-                        help="trace scenarios: torchrun's fixed durable interval in steps (default 5)")
+                        help="trace scenarios: torchrun's fixed durable interval in steps (default 1, the "
+                             "best of a sweep over 1, 5 and 20)")
     parser.add_argument("--notice-at", choices=("settle", "burst"), default="settle",
                         help="P1: settle (after every warm pool is full) or burst (at a random time in the "
                              "first 30 s after the round formed: the second notice of a burst)")

@@ -26,7 +26,12 @@ from petctl.core.spottrace import Trace
 TRACES = BENCH / "traces"
 PRICES = BENCH / "fixtures" / "prices-g5.xlarge-us-east-1.json"
 STEP_TIME = 0.2  # 8 nodes on 2 cores: a step any loaded machine keeps
-TORCHRUN_EVERY = 5  # torchrun's fixed interval (steps): see bench/README.md for how it was chosen
+TORCHRUN_EVERY = 1  # torchrun's fixed interval (steps): best of a sweep over 1, 5 and 20 (bench/README.md)
+# torchrun's --max-restarts in a trace: a worker group that fails (a peer reclaimed mid-step) costs one
+# restart, so the 3 the other scenarios give (torchrun's own default is 0) ended the job at its fourth
+# loss and the rest of the replay trained nothing (the runs before 2026-11-27 19:00 did; bench/README.md).
+# A user on spot sets it high.
+TORCHRUN_MAX_RESTARTS = 1000
 BOOT_S = 3.0  # local boot: launch -> the node's process starts (the local reconciler's replace delay)
 AWS_BOOTS = {"aws-90s (assumed)": 90.0, "aws-180s (assumed)": 180.0}
 START_TIMEOUT = 240.0
@@ -75,7 +80,8 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
         def new_job() -> None:
             jobs.append(TorchrunJob.create(root, "c10d", lo, n, f"tr{len(jobs)}-{int(time.time())}",
                                            env={**env, "BENCH_CKPT_EVERY": str(every),
-                                                "PETCTL_CHECKPOINT_URL": ckpt}))
+                                                "PETCTL_CHECKPOINT_URL": ckpt},
+                                           max_restarts=TORCHRUN_MAX_RESTARTS))
             fleet.protected = None
 
         def start():
