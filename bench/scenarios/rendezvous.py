@@ -30,9 +30,11 @@ from bench.procs import Node, wait_for
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
 from petctl.core.keys import JobKeys
+from petctl.core.store import JOB_DEFAULT_BACKEND
 from petctl.io.store import open_store
 
 TRIVIAL = BENCH / "trivial_worker.py"
+STORES = {"petctl": JOB_DEFAULT_BACKEND, "petctl-v2": "v2"}  # P5's petctl systems and the store each runs on
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
 
 
@@ -128,14 +130,17 @@ def _launch_and_time(ctx: Context, job: PetctlJob | TorchrunJob, n: int, out: di
     return nodes
 
 
-def run_petctl(ctx: Context, n: int, rep: int) -> dict[str, Any]:
+def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[str, Any]:
+    """One rep of petctl at N nodes; `system` "petctl-v2" runs the same job on the v2 store (python-etcd,
+    the bench's etcd 3.5 serves both APIs), so one run shows both backends side by side."""
     name = f"p5-{n}-{rep}-{int(time.time()) % 100000}"
-    job = PetctlJob.create(ctx.dir("P5", "petctl", f"n{n}", f"rep{rep}"), ctx.etcd.endpoint, name,
+    job = PetctlJob.create(ctx.dir("P5", system, f"n{n}", f"rep{rep}"), ctx.etcd.endpoint, name,
                            min_size=n, max_size=n, size=n, script=TRIVIAL, initial_wait=300.0,
                            join_timeout=600.0)
+    job.spec.etcd_store = STORES[system]
     if hasattr(job.spec, "warm_workers"):
         job.spec.warm_workers = False  # a trivial worker needs no torch: don't preload it N times
-    out: dict[str, Any] = {"system": "petctl", "n": n, "rep": rep}
+    out: dict[str, Any] = {"system": system, "n": n, "rep": rep, "store": job.spec.etcd_store}
     try:
         nodes = _launch_and_time(ctx, job, n, out, timeout=300, up_event="agent.started",
                                  server_requests=True)
@@ -216,13 +221,15 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
 def run(ctx: Context) -> dict[str, Any]:
     sizes = ctx.sizes
     out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {}}
-    for system in (s for s in ctx.systems if not s.startswith("petctl-")):  # variants: P1-P3 only
+    # The P1-P3 variants (petctl-spawn, ...) change workers, which P5's trivial worker does not have;
+    # petctl-v2 is P5's own: the store.
+    for system in (s for s in ctx.systems if s in STORES or not s.startswith("petctl")):
         for n in sizes:
             runs = []
             for rep in range(ctx.reps):
                 ctx.log(f"P5 {system} N={n} rep {rep + 1}/{ctx.reps}")
-                if system == "petctl":
-                    r = run_petctl(ctx, n, rep)
+                if system in STORES:
+                    r = run_petctl(ctx, n, rep, system)
                 else:
                     r = run_torchrun(ctx, system.removeprefix("torchrun-"), n, rep)
                 ctx.log(f"P5 {system} N={n}: rdzv {r.get('rdzv_s')} s, launch->workers "
