@@ -82,9 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
     parser.add_argument("--scenarios", default=",".join(ALL),
                         help="comma-separated subset of " + ",".join(ALL))
+    from bench.scenarios.recovery import PETCTL_VARIANTS
+    from bench.scenarios.rendezvous import STORES
+
+    variants = [v for v in PETCTL_VARIANTS if v != "petctl"]
+    stores = [v for v in STORES if v != "petctl"]
     parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="subset of " + ",".join(SYSTEMS) + ", or a variant: petctl-nosnap, petctl-ttl3, "
-                             "petctl-spare, petctl-spawn (P1-P3), petctl-v2 (P5: the v2 store)")
+                        help=f"subset of {','.join(SYSTEMS)}, or a variant: {', '.join(variants)} (P1-P3), "
+                             f"{', '.join(stores)} (P5: the v2 store)")
     parser.add_argument("--hang-cap", type=float, default=None,
                         help="P2: seconds torchrun is given before '> cap' (default 30, quick 20)")
     parser.add_argument("--grace", type=float, default=20.0, help="P1: notice -> SIGKILL seconds")
