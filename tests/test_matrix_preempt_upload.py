@@ -27,6 +27,7 @@ survivor's round is the one that finishes the job.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ from petctl.agent.notices import SHORT_NOTICE_SHARE, save_budget
 from tests.support.cli import Petctl
 from tests.support.ledger import Ledger, data_steps, manifests
 from tests.support.matrix import run_ledger_job, wait_until
+from tests.support.userledger import end_padding
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +71,11 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
 
     local.run("chaos", "torn", "--node", writer, "--notice", "--grace", str(GRACE))
     reclaim_at = json.loads((local.job_dir("torn") / "notices" / f"{writer}.json").read_text())["time"]
+    # Once the writer is reclaimed (its torn upload can no longer finish) and the survivor trains alone,
+    # the rest of the run only has to be done, and right: no more padded steps or throttled uploads.
+    wait_until(lambda: time.time() > reclaim_at + 1 and any(
+        e["world"] == 1 for e in Ledger.read(ledger_dir).of("step")), 120, "the survivor training alone")
+    end_padding(ledger_dir)
     info = local.wait_finished("torn", timeout=200)
     assert info["state"] == "succeeded", info
 

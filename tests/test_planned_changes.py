@@ -6,6 +6,8 @@ resumes at the next step. The job runs a user's script (tests/workloads/user_tra
 `State` + `Checkpointer(every=20)` loop, plain DDP, gloo) that keeps its own ledger of the steps rank 0
 completed; a step in it twice was computed twice: lost work. Each test acts mid-way between two periodic
 checkpoints (7 steps after one), so a round that resumes from the periodic checkpoint instead redoes steps.
+Once a step at the new world size is seen, the test ends the steps' padding (tests/workloads/padding.py):
+the rest of the run only has to be done, and done right.
 
 Each test checks, from the ledger: every step done, the world size of each round, the final weights equal
 to an uninterrupted run's (max |dw| <= 1e-9: DDP's average of two shards rounds differently from one
@@ -26,7 +28,7 @@ import pytest
 
 from tests.support.cli import Petctl, write_script
 from tests.support.matrix import FAST, wait_until
-from tests.support.userledger import USER_SCRIPT, UserLedger, replay
+from tests.support.userledger import USER_SCRIPT, UserLedger, end_padding, replay
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +87,7 @@ def test_planned_scale_loses_no_step(local: Petctl, tmp_path: Path, job: str, st
     local.run("scale", job, "--size", str(new_size))
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=new_size) is not None, 120,
                f"a step at world {new_size}")
+    end_padding(ledger_dir)  # the change is done, at a padded step: the rest only has to be done, and right
     check_lossless(local, job, ledger_dir, steps, [size, new_size], acted_at)
 
 
@@ -106,6 +109,7 @@ def test_rank1_leaving_loses_no_step(local: Petctl, tmp_path: Path, job: str, ho
     (leaver,) = [node for node, rank in ranks.items() if rank == 1]
     local.run("chaos", job, "--node", leaver, *how)
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=1) is not None, 120, "a step at world 1")
+    end_padding(ledger_dir)
     assert leaver not in {e["node"] for e in UserLedger.read(ledger_dir).of("step")}  # rank 0 stayed put
     check_lossless(local, job, ledger_dir, STEPS, [2, 1], acted_at)
     ledger = UserLedger.read(ledger_dir)

@@ -8,6 +8,10 @@ job (3 agents, real gloo workers, a real etcd of its own) and does to etcd what 
 - frozen while a node really dies (the one change that must restart the job).
 The ledger is the steps each worker printed (`steps.py` has no checkpoint: a restart would start over at
 step 0), so "nothing restarted" is checked exactly: every node ran steps 0..N-1 once, in one round.
+
+Each test watches the job for WATCH seconds of padded training after the fault has healed (every agent
+back in touch, or the new round at work), long enough for a wrong judgement to show (two heartbeat TTLs),
+then ends the steps' padding (tests/workloads/padding.py): the rest only has to be done, once each.
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ import pytest
 
 from petctl.io.etcd import EtcdServer
 from tests.support.agent_harness import AgentCluster, dump, make_spec, wait_for
+from tests.support.userledger import end_padding
 
 pytestmark = pytest.mark.slow
 STEPS = 120
 STEP_TIME = 0.1
+HEARTBEAT_TTL = 2.0  # make_spec's
+WATCH = 2 * HEARTBEAT_TTL
 _names = itertools.count()
 
 
@@ -66,7 +73,9 @@ def job(tmp_path):
         store = Store(tmp_path)
         endpoint = store.server.endpoint
         spec = make_spec(f"sf{next(_names)}", endpoint, min_size=kwargs.pop("min_size", 3), max_size=3,
-                         size=3, env={"STEPS": str(steps), "STEP_TIME": str(STEP_TIME)}, **kwargs)
+                         size=3, env={"STEPS": str(steps), "STEP_TIME": str(STEP_TIME),
+                                      "LEDGER_DIR": str(tmp_path)}, **kwargs)
+        assert spec.timeouts.heartbeat_ttl == HEARTBEAT_TTL
         cluster = AgentCluster(endpoint, tmp_path / spec.name, spec)
         made.append((store, cluster))
         for _ in range(3):
@@ -83,6 +92,16 @@ def training(cluster: AgentCluster, steps: int = 10) -> None:
     """Wait until every node's workers ran `steps` steps of the first round."""
     wait_for(lambda: all(len(cluster.steps(n)) >= steps for n in cluster.agents), 60,
              what=f"{steps} steps on every node")
+
+
+def healed(cluster: AgentCluster, what: str, event: str, count: int = 1,
+           nodes: list[str] | None = None) -> None:
+    """Wait until every agent (of `nodes`) logged `event` `count` times, watch the job train on, padded,
+    for WATCH seconds, then end the padding (the module docstring)."""
+    agents = [cluster.agents[n] for n in nodes or cluster.agents]
+    wait_for(lambda: all(len(a.events(event)) >= count for a in agents), 60, what=what)
+    time.sleep(WATCH)
+    end_padding(cluster.root.parent)  # the job's LEDGER_DIR (`job`)
 
 
 def finished(cluster: AgentCluster, timeout: float = 90) -> dict[str, int]:
@@ -108,6 +127,7 @@ def test_a_six_second_stall_restarts_nothing(job):
     store.freeze()
     time.sleep(6.0)  # three heartbeat TTLs: every key expires together when etcd resumes
     store.thaw()
+    healed(cluster, "every agent back in touch with etcd", "store.reachable")
     assert finished(cluster) == {n: 0 for n in cluster.agents}
     assert_one_unbroken_round(cluster)
     assert cluster.state().result.state == "succeeded"
@@ -131,6 +151,7 @@ def test_every_heartbeat_gone_at_once_is_not_a_node_loss(job):
     training(cluster)
     with closing(store_for(store.server.endpoint, backend=cluster.spec.etcd_store)) as kv:
         assert kv.delete_dir(JobKeys(cluster.spec.name).nodes) == len(cluster.agents)
+    healed(cluster, "every agent's heartbeat re-asserted", "heartbeat.reasserted")
     assert finished(cluster) == {n: 0 for n in cluster.agents}
     assert_one_unbroken_round(cluster)
     for agent in cluster.agents.values():
@@ -152,6 +173,7 @@ def test_etcd_down_for_twenty_seconds_restarts_nothing(job):
     time.sleep(outage)
     store.start_again()
     back = time.time()
+    healed(cluster, "every agent back in touch with etcd", "store.reachable")
     assert finished(cluster, timeout=120 + outage) == {n: 0 for n in cluster.agents}
     assert_one_unbroken_round(cluster, total)
     assert cluster.state().result.state == "succeeded"
@@ -167,6 +189,9 @@ def test_a_wiped_store_is_rebuilt_and_the_job_goes_on(job):
     store.kill(wipe=True)
     time.sleep(5.0)
     store.start_again()
+    wait_for(lambda: any(a.events("store.rebuilt") for a in cluster.agents.values()), 60,
+             what="the job's state written back")
+    healed(cluster, "every agent back in touch with etcd", "store.reachable")
     assert finished(cluster) == {n: 0 for n in cluster.agents}
     assert_one_unbroken_round(cluster)
     st = cluster.state()
@@ -194,6 +219,10 @@ def test_a_node_lost_during_the_outage_is_the_only_change(job):
     time.sleep(6.0)
     store.thaw()
     survivors = sorted(n for n in cluster.agents if n != victim)
+    wait_for(lambda: all(any(s["restart"] == "1" for s in cluster.steps(n)) for n in survivors), 60,
+             what="the survivors' new round at work")
+    time.sleep(WATCH)
+    end_padding(cluster.root.parent)  # the job's LEDGER_DIR (`job`)
     final = wait_for(lambda: (s := cluster.state()).result is not None and s, 120, what="the job's end")
     assert final.result.state == "succeeded" and final.round.restarts == 0, dump(final.to_dict())
     for node in survivors:

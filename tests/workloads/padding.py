@@ -1,7 +1,9 @@
-"""The padding the test workloads add to each step (`--step-time S`: a slower model's step), which a test
-may end once it has seen what it asserts on: from the moment `$LEDGER_DIR/unpadded` exists, steps are
-no longer padded. A drill that kills a node at a padded step waits for the survivors' first step, then
-lets the rest of the run (steps that only have to be done, and done right) go at the model's own speed.
+"""The padding the test workloads add to each step (`--step-time S`: a slower model's step) and to a
+throttled upload (a slower store), which a test may end once it has seen what it asserts on: from the
+moment `$LEDGER_DIR/unpadded` exists, nothing is padded. A drill that kills a node at a padded step waits
+for the survivors' first step, then lets the rest of the run (steps that only have to be done, and done
+right) go at the model's own speed. tests/workloads/steps.py, which imports nothing of the repository,
+reads the same file.
 """
 
 import os
