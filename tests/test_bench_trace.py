@@ -1,5 +1,5 @@
 """The trace replay's smoke run (issue 28): bench/traces/smoke.json (3 nodes, a notice then a loss without
-notice, 60 s of replay) under petctl, through `python bench/run.py`, asserting what happened: both
+notice, 40 s of replay) under petctl, through `python bench/run.py`, asserting what happened: both
 losses were replayed and replaced, the notice lost no step and the silent loss at most one (in-memory
 snapshots), the job trained at world 2 and back at 3, and goodput and cost are figures, not blanks."""
 

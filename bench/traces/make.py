@@ -4,7 +4,7 @@
 
 How each is derived, and which parts are assumptions, is in its `derivation` field and in
 petctl/core/tracegen.py. `smoke` is hand-written for tests/test_bench_trace.py (3 nodes, one notice, one
-loss without notice, in 60 s of replay).
+loss without notice, in 40 s of replay).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def traces() -> list[Trace]:
                     min_gap=90.0)]  # every node gone for 10 min, then back
     out += [generate(f"spot-{b}", band, seed=28, silent=1 / 3, min_gap=90.0)
             for b, band in (("lt5", "<5%"), ("5-10", "5-10%"), ("15-20", "15-20%"), ("gt20", ">20%"))]
-    out.append(Trace(name="smoke", nodes=3, duration=600.0, time_scale=10.0, seed=None, band="",
+    out.append(Trace(name="smoke", nodes=3, duration=400.0, time_scale=10.0, seed=None, band="",
                      derivation="hand-written for the test suite: one notice, one loss without notice",
                      events=(TraceEvent(at=20.0, kind="notice", node=2, grace=30.0),
                              TraceEvent(at=200.0, kind="loss", node=1))))
