@@ -212,40 +212,56 @@ def test_a_torn_damaged_or_stale_snapshot_is_never_offered(tmp_path: Path) -> No
     assert len(rec.events("snapshot.skipped")) == 5
 
 
+# One process imports torch once, then forks a writer per attempt (as the agent's fork server forks warm
+# workers: no thread and no tensor op before the fork): a writer announces `ready PID` after 3 steps, or
+# `committed PID` once it has committed the snapshot of `hold` and waits to die; the parent reaps each
+# writer the test kills and says `reaped`.
 WRITER_LOOP = r'''
-import sys, torch
+import os, sys, torch
 from pathlib import Path
 from petctl.core.eventlog import EventLog
 from petctl.elastic import State
 from petctl.elastic.snapshots.writer import SnapshotWriter
 
-path, overlap = Path(sys.argv[1]), sys.argv[2] == "1"
-hold_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1  # commit this step's snapshot, then wait to die
-model = torch.nn.Linear(1024, 1024)
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-state = State(model=model, optimizer=opt, extra={"step": -1})
-writer = SnapshotWriter(path, "job", 1, 0, 1, EventLog("t", stream=open("/dev/null", "w")), every=1,
-                        overlap=overlap)
-for step in range(10**6):
-    model.weight.grad = torch.zeros_like(model.weight)
-    model.bias.grad = torch.zeros_like(model.bias)
-    opt.step()
-    with torch.no_grad():
-        for t in (model.weight, model.bias, *[s["momentum_buffer"] for s in opt.state.values()]):
-            t.fill_(step)
-    state.extra["step"] = step
-    writer.take(step, state)
-    if step == hold_at:
-        writer.close()  # commits the snapshot in flight
-        print("committed", flush=True)
-        import time
-        time.sleep(3600)
-    if step == 2:
-        print("ready", flush=True)
+
+def write(path, overlap, hold_at):
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = State(model=model, optimizer=opt, extra={"step": -1})
+    writer = SnapshotWriter(path, "job", 1, 0, 1, EventLog("t", stream=open("/dev/null", "w")), every=1,
+                            overlap=overlap)
+    for step in range(10**6):
+        model.weight.grad = torch.zeros_like(model.weight)
+        model.bias.grad = torch.zeros_like(model.bias)
+        opt.step()
+        with torch.no_grad():
+            for t in (model.weight, model.bias, *[s["momentum_buffer"] for s in opt.state.values()]):
+                t.fill_(step)
+        state.extra["step"] = step
+        writer.take(step, state)
+        if step == hold_at:
+            writer.close()  # commits the snapshot in flight
+            print("committed", os.getpid(), flush=True)
+            import time
+            time.sleep(3600)
+        if step == 2 and hold_at < 0:
+            print("ready", os.getpid(), flush=True)
+
+
+for line in sys.stdin:
+    path, overlap, hold_at = line.split()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            write(Path(path), overlap == "1", int(hold_at))  # until killed
+        finally:
+            os._exit(1)  # never back into the parent's loop
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 '''
 
 
-@pytest.mark.slow  # 16 processes importing torch
+@pytest.mark.slow  # one process importing torch, forking a writer per attempt
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("overlap", [True, False], ids=["background_copy", "copy_at_step_end"])
 def test_a_writer_killed_at_any_moment_leaves_a_whole_snapshot_or_none(tmp_path: Path, overlap: bool) -> None:
@@ -255,34 +271,39 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_snapshot_or_none(tmp_path:
     script.write_text(WRITER_LOOP)
     rng = random.Random(16)
     outcomes = {"whole": 0, "none": 0}
-    # 8 kills at random moments (most land mid-write, which must leave no snapshot), then one right after
-    # a commit, so the whole-snapshot check runs on every machine, however loaded.
-    for attempt in range(9):
-        path = tmp_path / f"state-{attempt}.snap"
-        held = attempt == 8
-        proc = subprocess.Popen([sys.executable, str(script), str(path), "1" if overlap else "0",
-                                 "5" if held else "-1"],
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                                text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        if held:
-            assert proc.stdout.readline().strip() == "committed"
-        else:
-            time.sleep(rng.uniform(0, 0.05))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        offered = SnapshotReader(path, "job", 2, 0, Recorder().log).offer()
-        if offered is None:
-            assert not held, "a committed snapshot was not offered"
-            outcomes["none"] += 1
-            continue
-        header, got = read_back(path)
-        values = {float(v) for t in (got["model"]["weight"], got["model"]["bias"]) for v in t.unique()}
-        momenta = {float(v) for s in got["optimizer"]["state"].values()
-                   for v in s["momentum_buffer"].unique()}
-        assert values == momenta == {float(header.step)} and got["extra"]["step"] == header.step
-        assert not held or header.step == 5
-        outcomes["whole"] += 1
+    parent = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert parent.stdin is not None and parent.stdout is not None
+    try:
+        # 8 kills at random moments (most land mid-write, which must leave no snapshot), then one right
+        # after a commit, so the whole-snapshot check runs on every machine, however loaded.
+        for attempt in range(9):
+            path = tmp_path / f"state-{attempt}.snap"
+            held = attempt == 8
+            parent.stdin.write(f"{path} {1 if overlap else 0} {5 if held else -1}\n")
+            parent.stdin.flush()
+            said, pid = parent.stdout.readline().split()
+            assert said == ("committed" if held else "ready")
+            if not held:
+                time.sleep(rng.uniform(0, 0.05))
+            os.kill(int(pid), signal.SIGKILL)
+            assert parent.stdout.readline().strip() == "reaped"
+            offered = SnapshotReader(path, "job", 2, 0, Recorder().log).offer()
+            if offered is None:
+                assert not held, "a committed snapshot was not offered"
+                outcomes["none"] += 1
+                continue
+            header, got = read_back(path)
+            values = {float(v) for t in (got["model"]["weight"], got["model"]["bias"]) for v in t.unique()}
+            momenta = {float(v) for s in got["optimizer"]["state"].values()
+                       for v in s["momentum_buffer"].unique()}
+            assert values == momenta == {float(header.step)} and got["extra"]["step"] == header.step
+            assert not held or header.step == 5
+            outcomes["whole"] += 1
+    finally:
+        parent.stdin.close()
+        parent.kill()
+        parent.wait()
     assert outcomes["whole"] >= 1, outcomes  # the check above ran
 
 
