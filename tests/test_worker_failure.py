@@ -97,6 +97,25 @@ def test_the_failure_shown_is_the_first_of_the_last_failed_round() -> None:
     assert block[1:] == ["    Traceback (most recent call last):", "    ValueError: the cause"]
 
 
+def test_the_cause_is_shown_even_when_its_echo_was_reported_first() -> None:
+    """Each agent notices its workers' exit at its own next poll: the peer that failed in a collective
+    because the cause died may report first. Its words name it an echo (gloo, NCCL)."""
+    for echo in ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                 "peer [127.0.0.1]:2345",
+                 "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3763, remote "
+                 "process exited or there was a network error, NCCL version 2.28.8"):
+        events = [failed("n2", 3, 30.0, ["Traceback (most recent call last):", echo]),
+                  failed("n1", 3, 30.4, ["Traceback (most recent call last):", "ValueError: the cause"])]
+        failure = last_failure(events)
+        assert failure is not None
+        assert (failure.node, failure.lines[-1], failure.others) == ("n1", "ValueError: the cause", 1)
+    # Every report an echo (the cause printed nothing, or was killed): the first report, as before.
+    only_echoes = [failed("n2", 3, 30.0, ["Connection closed by peer"]),
+                   failed("n3", 3, 30.2, ["Connection reset by peer"])]
+    failure = last_failure(only_echoes)
+    assert failure is not None and (failure.node, failure.others) == ("n2", 1)
+
+
 def test_no_failure_and_old_agents_without_lines() -> None:
     assert last_failure([{"ts": 1.0, "event": "train.step"}]) is None
     failure = last_failure([failed("n1", 2, 5.0)])  # an agent from before last_error

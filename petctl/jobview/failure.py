@@ -5,8 +5,11 @@ events (`last_error`: its traceback, its `RuntimeError: ...`). `petctl status` s
 so "max_restarts=3 exhausted" comes with the reason the restarts were spent, without opening the logs.
 
 Which failure: the last round that had one (the failure that used up the restarts), and in that round the
-first node to report: when one rank dies, its peers fail next in their collectives ("Connection closed by
-peer"), so the first report is the cause and the later ones are its echo.
+first report that is not an echo. When one rank dies, its peers fail next in their collectives ("Connection
+closed by peer"): those are echoes, recognised by the backend's words for a peer gone (`ECHOES`). Order
+alone cannot tell them apart: each agent notices its workers' exit at its own next poll, so on a loaded
+host the echo is often reported first (it was, in one CI rehearsal). The first report wins only when
+every report is an echo, or none is.
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ HINTS: tuple[tuple[str, str], ...] = (
     ("does not match the world size", "hint: Lightning's num_nodes must follow the world size, which changes "
      "between rounds: num_nodes=num_nodes(), devices=devices_per_node() from "
      "petctl.elastic.integrations.lightning (docs/elastic.md)"),
+)
+
+
+# What a worker's collective says when a peer died under it rather than of its own fault: gloo's TCP pair,
+# and NCCL's remote error (torch's message for ncclRemoteError).
+ECHOES: tuple[str, ...] = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+    "ncclRemoteError",
 )
 
 
@@ -61,19 +74,26 @@ class WorkerFailure:
 
 
 def last_failure(events: Iterable[dict[str, Any]]) -> WorkerFailure | None:
-    """The first `workers.failed` report of the last round that had one; None when no worker failed."""
+    """The first `workers.failed` report of the last round that had one, an echo only when every report
+    is (the module docstring); None when no worker failed."""
     failed = [e for e in events if e.get("event") == "workers.failed"]
     if not failed:
         return None
     last_round = max(_round(e) for e in failed)
     in_round = sorted((e for e in failed if _round(e) == last_round), key=lambda e: float(e.get("ts", 0.0)))
-    first = in_round[0]
+    first = next((e for e in in_round if not is_echo(e)), in_round[0])
     lines = first.get("last_error")
     return WorkerFailure(node=str(first.get("node", "")), round=first.get("round"),
                          local_rank=first.get("local_rank"), code=first.get("code"),
                          ts=float(first.get("ts", 0.0)),
                          lines=[str(line) for line in lines][-MAX_LINES:] if isinstance(lines, list) else [],
                          others=len({e.get("node") for e in in_round} - {first.get("node")}))
+
+
+def is_echo(event: dict[str, Any]) -> bool:
+    """Whether a `workers.failed` report's error lines say a peer died under the worker (`ECHOES`)."""
+    lines = event.get("last_error")
+    return isinstance(lines, list) and any(sign in str(line) for line in lines for sign in ECHOES)
 
 
 def _round(event: dict[str, Any]) -> int:
