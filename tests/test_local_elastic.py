@@ -203,8 +203,7 @@ def test_spot_notice_leaves_gracefully_before_the_reclaim(local: Petctl):
     assert left["cause"] == "preemption" and left["ts"] < reclaim_at
     # At the notice's time the reconciler reclaims it (SIGKILL); a replacement takes its place.
     deadline = time.monotonic() + 30
-    while {h["host_id"]: h["state"]
-           for h in local.poll_json("hosts", "spot", "--all")}[victim] != "terminated":
+    while {h["host_id"]: h["state"] for h in local.json("hosts", "spot", "--all")}[victim] != "terminated":
         assert time.monotonic() < deadline, "the noticed instance was not reclaimed"
         time.sleep(0.5)
     # `hosts` sees the dead process at once; the reconciler records why on its next pass (0.5 s).

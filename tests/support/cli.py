@@ -42,22 +42,6 @@ class Petctl:
     def status(self, job: str) -> dict[str, Any]:
         return self.json("status", job)
 
-    def poll_json(self, *args: str) -> Any:
-        """`petctl ARGS -o json` run in this process (click's runner, with this CLI's environment): what
-        the waits below poll. A CLI process costs 0.3 s of CPU (start-up, imports, connecting to etcd);
-        polled every 0.3 s, that was half a core per waiting test, taken from the job's workers on a
-        2-core machine. The same command code runs; what a test asserts on itself runs as a user's
-        shell does (`run`). Raises AssertionError when the command fails."""
-        from click.testing import CliRunner
-
-        from petctl.cli.main import cli
-
-        result = CliRunner().invoke(cli, [*args, "-o", "json"], env=self.env)
-        if result.exit_code != 0:
-            raise AssertionError(f"petctl {' '.join(args)} exited {result.exit_code}:\n{result.stdout}\n"
-                                 f"{result.stderr}") from result.exception
-        return json.loads(result.stdout)
-
     def job_dir(self, job: str) -> Path:
         return self.home / "local" / "jobs" / job
 
@@ -101,11 +85,11 @@ class Petctl:
         """Wait until the provider reports the job over (its reconciler has stopped everything)."""
         deadline = time.monotonic() + timeout
         while True:
-            (info,) = [j for j in self.poll_json("jobs") if j["name"] == job]
+            (info,) = [j for j in self.json("jobs") if j["name"] == job]
             if info["state"] != "running":
                 return info
             assert time.monotonic() < deadline, f"job {job} still running after {timeout}s: {info}"
-            time.sleep(0.5)
+            time.sleep(1.0)  # each poll is a CLI process: keep the CPU for the workers
 
     def wait_status(self, job: str, predicate: Callable[[dict[str, Any]], bool], timeout: float,
                     what: str) -> dict[str, Any]:
@@ -113,7 +97,7 @@ class Petctl:
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            last = self.poll_json("status", job)
+            last = self.status(job)
             if predicate(last):
                 return last
             time.sleep(0.3)
