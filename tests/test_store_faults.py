@@ -94,12 +94,10 @@ def training(cluster: AgentCluster, steps: int = 10) -> None:
              what=f"{steps} steps on every node")
 
 
-def healed(cluster: AgentCluster, what: str, event: str, count: int = 1,
-           nodes: list[str] | None = None) -> None:
-    """Wait until every agent (of `nodes`) logged `event` `count` times, watch the job train on, padded,
-    for WATCH seconds, then end the padding (the module docstring)."""
-    agents = [cluster.agents[n] for n in nodes or cluster.agents]
-    wait_for(lambda: all(len(a.events(event)) >= count for a in agents), 60, what=what)
+def healed(cluster: AgentCluster, what: str, event: str) -> None:
+    """Wait until every agent logged `event`, watch the job train on, padded, for WATCH seconds, then end
+    the padding (the module docstring)."""
+    wait_for(lambda: all(a.events(event) for a in cluster.agents.values()), 60, what=what)
     time.sleep(WATCH)
     end_padding(cluster.root.parent)  # the job's LEDGER_DIR (`job`)
 

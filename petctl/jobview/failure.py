@@ -8,7 +8,7 @@ Which failure: the last round that had one (the failure that used up the restart
 first report that is not an echo. When one rank dies, its peers fail next in their collectives ("Connection
 closed by peer"): those are echoes, recognised by the backend's words for a peer gone (`ECHOES`). Order
 alone cannot tell them apart: each agent notices its workers' exit at its own next poll, so on a loaded
-host the echo is often reported first (it was, in one CI rehearsal). The first report wins only when
+host the echo may be reported first (it was, in a full suite run on 2 cores). The first report wins only when
 every report is an echo, or none is.
 """
 
