@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,10 +95,10 @@ def training(cluster: AgentCluster, steps: int = 10) -> None:
              what=f"{steps} steps on every node")
 
 
-def healed(cluster: AgentCluster, what: str, event: str) -> None:
-    """Wait until every agent logged `event`, watch the job train on, padded, for WATCH seconds, then end
-    the padding (the module docstring)."""
-    wait_for(lambda: all(a.events(event) for a in cluster.agents.values()), 60, what=what)
+def healed(cluster: AgentCluster, what: str, event: str = "", done: Callable[[], bool] | None = None) -> None:
+    """Wait until every agent logged `event` (or `done()` holds), watch the job train on, padded, for WATCH
+    seconds, then end the padding (the module docstring)."""
+    wait_for(done or (lambda: all(a.events(event) for a in cluster.agents.values())), 60, what=what)
     time.sleep(WATCH)
     end_padding(cluster.root.parent)  # the job's LEDGER_DIR (`job`)
 
@@ -217,10 +218,8 @@ def test_a_node_lost_during_the_outage_is_the_only_change(job):
     time.sleep(6.0)
     store.thaw()
     survivors = sorted(n for n in cluster.agents if n != victim)
-    wait_for(lambda: all(any(s["restart"] == "1" for s in cluster.steps(n)) for n in survivors), 60,
-             what="the survivors' new round at work")
-    time.sleep(WATCH)
-    end_padding(cluster.root.parent)  # the job's LEDGER_DIR (`job`)
+    healed(cluster, "the survivors' new round at work",
+           done=lambda: all(any(s["restart"] == "1" for s in cluster.steps(n)) for n in survivors))
     final = wait_for(lambda: (s := cluster.state()).result is not None and s, 120, what="the job's end")
     assert final.result.state == "succeeded" and final.round.restarts == 0, dump(final.to_dict())
     for node in survivors:
