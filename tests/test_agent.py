@@ -257,3 +257,37 @@ def test_entrypoint_without_py_suffix_is_warm_and_reports_readiness_once_per_fil
     # One at start, at most one for the refill after the first step: never one per loop pass.
     assert 1 <= len(ready) <= 2, ready
     assert ready[0]["count"] == 1
+
+
+THREADS_SCRIPT = '''
+import json, os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(json.dumps({"ts": time.time(), "event": "train.step", "step": 0, "rank": dist.get_rank(),
+                  "world_size": dist.get_world_size(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                  "threads": torch.get_num_threads()}), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def test_a_node_of_several_workers_gets_torchruns_one_thread_each_unless_the_job_sets_it(
+        cluster_factory, tmp_path, monkeypatch):
+    """Two workers on a node: OMP_NUM_THREADS=1 in their environment, in torch's pool from the fork
+    server's imports on (OpenMP reads it once, at load), and one `workers.threads` event; a job that sets
+    it keeps its own."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the host sets none, as on a stock AMI
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    plain, own = (cluster_factory(min_size=1, max_size=1, env=env) for env in ({}, {"OMP_NUM_THREADS": "2"}))
+    for cluster in (plain, own):
+        cluster.spec.nproc_per_node = 2
+        cluster.spec.entrypoint = "threads.py"
+        cluster.spec.code_url = f"file://{script}"
+    nodes = plain.start(), own.start()
+    for node in nodes:
+        assert node.proc.wait(timeout=90) == 0
+    seen = [sorted((s["rank"], s["omp"], s["threads"]) for s in node.events("train.step")) for node in nodes]
+    assert seen == [[(0, "1", 1), (1, "1", 1)], [(0, "2", 2), (1, "2", 2)]]
+    assert [e["omp_num_threads"] for e in nodes[0].events("workers.threads")] == [1]
+    assert nodes[1].events("workers.threads") == []

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from petctl.providers.local.instances import usable_cpus
 from tests.support.cli import Petctl, assert_one_line_error
 
 STUB_AGENT = '''
-import json, signal, sys, time
+import json, os, signal, sys, time
 cfg = json.load(open(sys.argv[1]))
 def say(event, **kw):
     print(json.dumps({"ts": time.time(), "event": event, "node": cfg["node_id"], **kw}), flush=True)
@@ -24,7 +25,8 @@ def leave(*_):
     say("stub.sigterm")
     sys.exit(0)
 signal.signal(signal.SIGTERM, leave)
-say("stub.started", imds=cfg["imds_endpoint"], work_dir=cfg["work_dir"])
+say("stub.started", imds=cfg["imds_endpoint"], work_dir=cfg["work_dir"],
+    omp=os.environ.get("OMP_NUM_THREADS"))
 if cfg["job"]["env"].get("STUB_EXIT"):
     sys.exit(int(cfg["job"]["env"]["STUB_EXIT"]))
 while True:
@@ -73,6 +75,11 @@ def instance_rows(cli: Petctl, name: str) -> dict[str, dict[str, Any]]:
     return {r["id"]: r for r in json.loads((cli.job_dir(name) / "instances.json").read_text())}
 
 
+def instance_events(cli: Petctl, name: str, iid: str, event: str) -> list[dict[str, Any]]:
+    lines = (cli.job_dir(name) / "instances" / iid / "agent.log").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
 def test_replaces_lost_instances_and_follows_desired(stub: Petctl):
     start(stub, "asg", "--size", "2", "--replace-delay", "1.5")
     first = running(wait_hosts(stub, "asg", lambda rows: len(running(rows)) == 2))
@@ -80,6 +87,9 @@ def test_replaces_lost_instances_and_follows_desired(stub: Petctl):
         config = json.loads((stub.job_dir("asg") / "instances" / iid / "agent.json").read_text())
         assert config["node_id"] == iid and config["work_dir"].endswith(f"{iid}/work")
         assert config["job"]["code_url"].startswith("file://")
+        # Its host's share of this machine's cores: --max 3 instances of 1 worker share them.
+        (started,) = instance_events(stub, "asg", iid, "stub.started")
+        assert started["omp"] == str(max(1, usable_cpus() // 3))
 
     # kill: the instance goes, and a new one (new id) replaces it no sooner than the delay.
     killed = stub.run("chaos", "asg", "--kill").stdout.split()[-1]

@@ -43,7 +43,7 @@ from petctl.agent.reporting import EtcdEventSink, Mirror, Progress, StatusPublis
 from petctl.agent.roundjudge import RoundOutcome
 from petctl.agent.roundrunner import RoundParts, RoundRunner
 from petctl.agent.snapshots import open_area
-from petctl.agent.workers import WorkerSpec, get_ready
+from petctl.agent.workers import OMP_THREADS, WorkerSpec, get_ready, torchrun_threads
 from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
@@ -178,8 +178,13 @@ class Agent:
             fetch_code(self.spec.code_url, code_dir)
         else:
             code_dir = self.work_dir
+        threads = torchrun_threads(self.spec.nproc_per_node, os.environ, self.spec.env)
+        if threads:
+            self.events.emit("workers.threads", omp_num_threads=int(threads[OMP_THREADS]),
+                             reason="torchrun's default for more than one worker per node")
         spec = WorkerSpec(cmd=[sys.executable, "-u", self.spec.entrypoint, *self.spec.args],
-                          cwd=str(code_dir), nproc=self.spec.nproc_per_node, base_env=dict(self.spec.env))
+                          cwd=str(code_dir), nproc=self.spec.nproc_per_node,
+                          base_env={**threads, **self.spec.env})
         spec.preload += tuple(self.spec.warm_imports)
         return spec
 

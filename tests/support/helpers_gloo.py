@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from petctl.agent.workers import torchrun_threads
 from petctl.io.procs import free_port
 from tests.support.paths import REPO
 
@@ -59,7 +60,9 @@ def run_ranks(argvs: list[list[str]], env_of: Callable[[int], dict[str, str]], o
     procs = []
     for rank, argv in enumerate(argvs):
         # PYTHONFAULTHANDLER: a rank that dies in native code shows its threads' stacks in the failure.
-        env = {"PYTHONFAULTHANDLER": "1", **os.environ, "PYTHONPATH": str(REPO), **env_of(rank)}
+        # OMP_NUM_THREADS=1 as torchrun sets it for more than one rank on a host (petctl's agent too).
+        env = {"PYTHONFAULTHANDLER": "1", **torchrun_threads(len(argvs), os.environ, {}), **os.environ,
+               "PYTHONPATH": str(REPO), **env_of(rank)}
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     results = []

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,6 +29,25 @@ def agent_command(config_path: str) -> list[str]:
 def new_instance_id() -> str:
     """Unique per launch (like EC2's), so a replacement is never mistaken for the node it replaces."""
     return "i-" + secrets.token_hex(4)
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_threads(spec: JobSpec, env: Mapping[str, str], cpus: int) -> dict[str, str]:
+    """The instance's share of this machine's cores, as its host's `OMP_NUM_THREADS`: `cpus` split among
+    the most workers the job may run here (`--max` instances of `--nproc-per-node`), at least 1. Nothing
+    where the user's environment or the job's sets it.
+
+    Why: each instance stands for a host of its own, but they all share these cores. A worker's torch
+    sizes its thread pool to every core it sees, so without a share 2 instances on 2 cores ran 4 compute
+    threads, and OpenMP's waiting threads spin (an HF Trainer job: 2.7 times the CPU, 1.7 times as long).
+    On AWS a host's cores are its own: the agent leaves them to torch, or to torchrun's default
+    (`agent/workers.py`, `torchrun_threads`)."""
+    if "OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" in spec.env:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cpus // (spec.max_size * spec.nproc_per_node)))}
 
 
 @dataclass
@@ -76,7 +96,8 @@ def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: st
     config_path.write_text(config.to_json())
     cmd = [part.replace("{config}", str(config_path)) for part in command] if command \
         else agent_command(str(config_path))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PETCTL_INSTANCE_ID": iid}
+    env = {**os.environ, **host_threads(spec, os.environ, usable_cpus()), "PYTHONUNBUFFERED": "1",
+           "PETCTL_INSTANCE_ID": iid}
     # SIGTERM the agent if its reconciler dies (even by SIGKILL), so a lost reconciler never leaves agents
     # behind; the agent then leaves gracefully and its workers die with it.
     with open(root / "agent.log", "ab") as log:
