@@ -31,7 +31,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 JOB = "demo"
-STEPS = 500  # long enough that the scale-up comes while it trains (replacements warm up first)
+# Long enough that the scale-up comes while it trains: each replacement warms up first, and the notice's
+# replacement comes only after the reclaim (its 8 s grace, then the replace delay), so a fast machine's
+# lone survivor trains up to ~20 steps a second (0.05 s each) for about 14 s.
+STEPS = 800
+SCALE_ROOM = 150  # steps left for the scale-up: an instance starts, warms up and joins (about 5 s)
 
 
 @dataclass
@@ -140,7 +144,7 @@ def run(demo: Demo) -> list[str]:
     demo.wait("rank 1 left before the reclaim", world(1))
     status = demo.wait("its replacement joined", world(2, min_step=step_of(status) + 10))
 
-    if step_of(status) > STEPS - 50:
+    if step_of(status) > STEPS - SCALE_ROOM:
         return [f"training reached step {step_of(status)} of {STEPS} before the scale-up: this machine is "
                 "unusually slow for the demo"]
     demo.petctl("scale", JOB, "--size", "3")
