@@ -291,3 +291,48 @@ def test_a_node_of_several_workers_gets_torchruns_one_thread_each_unless_the_job
     assert seen == [[(0, "1", 1), (1, "1", 1)], [(0, "2", 2), (1, "2", 2)]]
     assert [e["omp_num_threads"] for e in nodes[0].events("workers.threads")] == [1]
     assert nodes[1].events("workers.threads") == []
+
+
+STUCK_AT_EXIT_SCRIPT = '''
+import atexit, json, os, threading, time
+from pathlib import Path
+import torch.distributed as dist
+dist.init_process_group("gloo")
+out = Path(os.environ["OUT_DIR"])
+print(json.dumps({"ts": time.time(), "event": "train.step", "step": 0, "rank": dist.get_rank(),
+                  "world_size": dist.get_world_size()}), flush=True)
+dist.destroy_process_group()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(1.0), (out / "thread").write_text("done"))).start()
+
+
+class Stuck:
+    """Freeing it never returns: the shape of a gloo group's destructor deadlocked at exit."""
+
+    def __del__(self):
+        time.sleep(3600)
+
+
+stuck = Stuck()
+'''
+
+
+def test_a_worker_stuck_at_exit_after_its_script_finished_is_stopped_and_the_job_succeeds(cluster_factory,
+                                                                                          tmp_path):
+    """The script returned, its thread and atexit handler ran, and then freeing its objects hangs: the
+    worker said `worker.exiting`, so the agent stops it after exit_grace (10 s), not finish_grace (60 s,
+    which no rank exiting 0 would ever start here), and the node counts as done."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_AT_EXIT_SCRIPT)
+    cluster = cluster_factory(min_size=1, max_size=1, env={"OUT_DIR": str(tmp_path)})
+    cluster.spec.entrypoint = "stuck.py"
+    cluster.spec.code_url = f"file://{script}"
+    node = cluster.start()
+    assert node.proc.wait(timeout=60) == 0
+    assert cluster.state().result.state == "succeeded"
+    (exiting,) = node.events("worker.exiting")
+    (lingered,) = node.events("workers.lingered")
+    assert (lingered["seconds"], lingered["cause"]) == (10.0, "stuck at exit after the script finished")
+    assert 10.0 <= lingered["ts"] - exiting["ts"] < 20.0
+    # What the script asked for at exit happened before the stop: its thread was joined, atexit ran.
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"

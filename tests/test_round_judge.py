@@ -130,8 +130,16 @@ FAILED = dict(exited=True, first_failure=(1, 7), running=False)
     (workers(**FAILED), WorkerWatch(failure="f", failed_at=T0, restart_asked=True), 99.0, Idle()),
     (workers(some_succeeded=True), WorkerWatch(), 0.0, Idle()),
     (workers(some_succeeded=True), WorkerWatch(finishing_since=T0), 59.0, Idle()),
-    (workers(some_succeeded=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering()),
-    (workers(round_done_elsewhere=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering()),
+    (workers(some_succeeded=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering(60.0)),
+    (workers(round_done_elsewhere=True), WorkerWatch(finishing_since=T0), 61.0, StopLingering(60.0)),
+    # Every running worker's script finished (worker.exiting): only their exit is left, and it gets
+    # exit_grace, not finish_grace (a gloo group's destructor can deadlock it).
+    (workers(exiting_since=T0), WorkerWatch(), 9.9, Idle()),
+    (workers(exiting_since=T0), WorkerWatch(), 10.1,
+     StopLingering(10.0, "stuck at exit after the script finished")),
+    (workers(some_succeeded=True, exiting_since=T0), WorkerWatch(finishing_since=T0), 10.1,
+     StopLingering(10.0, "stuck at exit after the script finished")),
+    (workers(exiting_since=T0, preempting=True), WorkerWatch(), 99.0, Idle()),  # a leave is not an exit
     (workers(**EXITED_OK), WorkerWatch(finished=True), 0.0, Idle()),
     (workers(**FAILED, preempting=True), WorkerWatch(), 0.0, Idle()),
     (workers(**EXITED_OK, preempting=True), WorkerWatch(), 0.0, Idle()),

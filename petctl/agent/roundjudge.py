@@ -149,6 +149,9 @@ class Workers:
     round_done_elsewhere: bool  # another member of the round is done
     preempting: bool  # the round carries a preemption notice: exits are neither success nor failure
     idle: float = 0.0  # seconds since the workers last showed progress (or started, if they never did)
+    # Monotonic: when the last of the running workers said its script had finished (`worker.exiting`), if
+    # every running one has; None otherwise. They are only exiting now (agent/warm_worker.py).
+    exiting_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class Timing:
     finish_grace: float  # once a rank exited 0, how long the others get to exit too
     fail_grace: float  # how long a failure waits for a vanished peer's heartbeat to expire
     hang: float | None = None  # running workers without progress this long are hung; None: no watchdog
+    exit_grace: float = 10.0  # once every running worker's script finished, how long their exit may take
 
 
 DEFAULT_HANG = 300.0  # the watchdog of a script that reports progress, unless --timeout hang=SECONDS
@@ -200,7 +204,11 @@ class Idle:
 
 @dataclass(frozen=True)
 class StopLingering:
-    """A rank exited 0 finish_grace ago and ours still run: stop them and count the node done."""
+    """Ours still run though their work is over: stop them and count the node done. Either a rank exited 0
+    finish_grace ago, or our scripts finished exit_grace ago and the interpreter's exit is stuck."""
+
+    seconds: float  # how long they were given
+    cause: str = "a rank of the job finished and ours still ran"
 
 
 @dataclass(frozen=True)
@@ -243,8 +251,10 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
 
     All ranks of a data-parallel job end together: once one exited 0, a worker still running after
     finish_grace is stuck at exit (seen in destroy_process_group once its peers had gone), so it is
-    stopped and the node counts as done rather than hang the job. A failure waits fail_grace before it
-    asks for a restart: a peer that vanished makes our workers fail too, and its heartbeat expiring
+    stopped and the node counts as done rather than hang the job. A worker whose script said it finished
+    (`exiting_since`) gets only exit_grace: all that is left is its interpreter's exit, which a gloo
+    group's destructor can deadlock (agent/warm_worker.py, `finish_script`). A failure waits fail_grace
+    before it asks for a restart: a peer that vanished makes our workers fail too, and its heartbeat expiring
     first makes that a membership change, not a failure. A failure once a rank has finished (exited 0
     here, or a member done) is a mixed ending: FailedAfterFinish, never a restart. Running workers idle
     past `t.hang` are hung: ReportHang, then AskRestart.
@@ -253,8 +263,11 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
         return Idle(), watch
     if watch.finishing_since is None and (w.some_succeeded or w.round_done_elsewhere):
         watch = dataclasses.replace(watch, finishing_since=now)
+    if w.running and w.exiting_since is not None and now - w.exiting_since > t.exit_grace:
+        return (StopLingering(t.exit_grace, "stuck at exit after the script finished"),
+                dataclasses.replace(watch, finished=True))
     if watch.finishing_since is not None and now - watch.finishing_since > t.finish_grace and w.running:
-        return StopLingering(), dataclasses.replace(watch, finished=True)
+        return StopLingering(t.finish_grace), dataclasses.replace(watch, finished=True)
     if watch.hung:
         if watch.restart_asked:
             return Idle(), watch

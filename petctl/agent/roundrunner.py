@@ -232,13 +232,14 @@ class RoundRunner:
                        first_failure=result.first_failure() if result else None,
                        some_succeeded=workers.some_succeeded(), running=workers.running,
                        round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting,
-                       idle=now - max(self._started, seen or 0.0))
+                       idle=now - max(self._started, seen or 0.0), exiting_since=workers.exiting_since())
         hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting, seen is not None)
         step, new = judge_workers(watch, look, now, replace(self.timing, hang=hang), p.node_id)
         if isinstance(step, StopLingering | FailedAfterFinish):  # the latter a mixed ending: never restarted
             p.events.emit("workers.failed_after_finish" if (mixed := isinstance(step, FailedAfterFinish))
                           else "workers.lingered", round=info.round,
-                          **({"failure": new.failure} if mixed else {"seconds": self.timing.finish_grace}))
+                          **({"failure": new.failure} if mixed
+                             else {"seconds": step.seconds, "cause": step.cause}))
             workers.stop(p.spec.timeouts.stop_grace)
             self._done_pending = (info.round, new.failure if mixed else "")  # stored by the loop, later
             p.status.set_state("succeeded")

@@ -16,6 +16,8 @@ initialised, not at import. This module runs in the worker, never in the agent.
 from __future__ import annotations
 
 import ast
+import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -285,8 +287,44 @@ def run_order(orders: OrderReader) -> None:
     argv = order["argv"]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    runpy.run_path(argv[0], run_name="__main__")
-    del store
+    try:
+        namespace = runpy.run_path(argv[0], run_name="__main__")  # the script's objects: freed below
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+        finish_script()
+        raise
+    finish_script()
+    del namespace, store  # where a gloo group's destructor may deadlock (see finish_script)
+
+
+# The line a worker prints once its script has finished and only the interpreter's exit is left.
+EXITING = "worker.exiting"
+
+
+def finish_script() -> None:
+    """Do what the interpreter does at exit before it frees anything (wait for the script's non-daemon
+    threads, run its atexit handlers, flush), then tell the agent the script is done: one `worker.exiting`
+    event on stdout.
+
+    Why: freeing the script's objects can hang for good. Measured here under load (torch 2.13, gloo): the
+    main thread, holding the GIL, destroys DDP's Reducer and with it the ProcessGroupGloo, whose destructor
+    joins its work thread, and that thread waits for the GIL to drop a Python object of its last work
+    (pytorch/pytorch#56297, the same family). The agent then stopped the worker only after finish_grace
+    (60 s) and the job ended a minute late. With this line it knows the script finished: a worker still
+    alive `EXIT_GRACE` after it is stuck at exit, and is stopped (agent/roundjudge.py). Everything the
+    script asked to happen at exit has happened by then; what is left is the freeing itself."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the interpreter runs them here too, then none are left
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # the script may have closed or replaced it
+            stream.flush()
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    line = json.dumps({"ts": time.time(), "event": EXITING, "local_rank": rank})
+    with contextlib.suppress(OSError):
+        os.write(1, (line + "\n").encode())
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from petctl.agent.forkserver import ForkedProc, ForkServer
-from petctl.agent.warm_worker import ENV_WARM_NICE, READY, raise_priority
+from petctl.agent.warm_worker import ENV_WARM_NICE, EXITING, READY, raise_priority
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
@@ -519,6 +519,7 @@ class WorkerGroup:
         self._preexec = die_with_parent(signal.SIGKILL)
         self.started_at = 0.0
         self.output_at: float | None = None  # monotonic: the latest line any worker printed
+        self._exiting_at: dict[int, float] = {}  # local rank -> monotonic: its script said it finished
 
     def start(self, *, node_rank: int, num_nodes: int, master_addr: str, master_port: int,
               restart_count: int, max_restarts: int, run_id: str, extra_env: dict[str, str]) -> None:
@@ -535,7 +536,7 @@ class WorkerGroup:
                 )
             self.procs[local_rank] = proc
             self._tails[local_rank] = deque(maxlen=ERROR_TAIL_LINES)
-            reader = threading.Thread(target=self._pump, args=(proc, self._tails[local_rank]),
+            reader = threading.Thread(target=self._pump, args=(local_rank, proc, self._tails[local_rank]),
                                       name=f"worker-out-{local_rank}", daemon=True)
             reader.start()
             self._readers[local_rank] = reader
@@ -559,7 +560,7 @@ class WorkerGroup:
         self.warm_ready += int(ready)
         return proc
 
-    def _pump(self, proc: WorkerProc, tail: deque[str]) -> None:
+    def _pump(self, local_rank: int, proc: WorkerProc, tail: deque[str]) -> None:
         assert proc.stdout is not None
         in_launcher = False  # the line after a launcher frame is that frame's source line
         for raw in iter(proc.stdout.readline, b""):
@@ -576,9 +577,19 @@ class WorkerGroup:
                     self.out.flush()
                 except (ValueError, OSError):  # our stream is closed (shutting down): drop the line, but
                     pass  # keep draining the pipe so the worker never blocks on a full one
+            if record is not None and record.get("event") == EXITING:
+                self._exiting_at[local_rank] = time.monotonic()
             if record is not None and self.on_event is not None:
                 self.on_event(record)
         proc.stdout.close()
+
+    def exiting_since(self) -> float | None:
+        """When the last of the running workers said its script finished (`worker.exiting`), if every
+        running one has; None otherwise, or when none runs. From then on they are only exiting."""
+        running = [lr for lr, p in self.procs.items() if p.poll() is None]
+        if not running or any(lr not in self._exiting_at for lr in running):
+            return None
+        return max(self._exiting_at[lr] for lr in running)
 
     def error_tail(self, local_rank: int) -> list[str]:
         """The last lines (at most ERROR_TAIL_LINES) worker `local_rank` printed that are not events.
