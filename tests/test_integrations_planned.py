@@ -17,7 +17,7 @@ from tests.support.cli import Petctl
 from tests.support.frameworks import SAVE_EVERY, STEP_TIME
 from tests.support.matrix import FAST, wait_until
 from tests.support.paths import WORKLOADS
-from tests.support.userledger import UserLedger, end_padding
+from tests.support.userledger import UserLedger, end_padding, slow_padding
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
@@ -51,6 +51,7 @@ def test_a_planned_scale_change_redoes_no_step_with_the_callback(local: Petctl, 
               "--env", f"LEDGER_DIR={ledger_dir}", "--wait", "--wait-timeout", "180", str(WORKLOADS / script),
               "--", "--steps", str(steps), "--save-steps", str(SAVE_EVERY), "--step-time", str(STEP_TIME))
     acted_at = mid_period(ledger_dir, size)
+    slow_padding(ledger_dir)  # the scale command costs a few steps, not 20 (the next checkpoint)
     local.run("scale", name, "--size", str(new_size))
     wait_until(lambda: UserLedger.read(ledger_dir).last_step(world=new_size) is not None, 240,
                f"a step at world {new_size}")

@@ -122,10 +122,22 @@ def petctl_in(root: Path) -> Iterator[Petctl]:
     try:
         yield cli
     finally:
+        keep_logs(home / "local" / "jobs", root / "logs")
         if (home / "config.json").exists():
             subprocess.run([sys.executable, "-m", "petctl", "teardown", "--force"], env=cli.env,
                            capture_output=True, timeout=120)
         kill_processes_with_home(str(home))
+
+
+def keep_logs(jobs: Path, dest: Path) -> None:
+    """Copy every job's logs (reconciler, instances' agent logs) to `dest` before the teardown removes
+    them, so a slow or failed end-to-end test can be read afterwards: pytest keeps the tmp_path of its
+    last 3 runs (`logs/<job>/...`)."""
+    for log in jobs.glob("*/**/*.log") if jobs.is_dir() else ():
+        target = dest / log.relative_to(jobs)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # a log removed under us: nothing to keep
+            target.write_bytes(log.read_bytes())
 
 
 def write_script(directory: Path, name: str, source: str) -> Path:

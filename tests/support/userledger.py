@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.paths import REPO, WORKLOADS
-from tests.workloads.padding import UNPADDED
+from tests.workloads.padding import SLOWED, UNPADDED
 
 USER_SCRIPT = WORKLOADS / "user_train.py"
 
@@ -49,6 +49,12 @@ def replay(*script_args: str) -> tuple[float, ...]:
         ledger = UserLedger.read(Path(tmp))
         assert ledger.redone() == {} and [r["world"] for r in ledger.of("resumed")] == [1], ledger.entries[:3]
         return tuple(ledger.final_weights())
+
+
+def slow_padding(ledger_dir: Path) -> None:
+    """From now on the job's padded steps take SLOWED_STEP (tests/workloads/padding.py): call it the moment
+    the test has found the step it acts at, before the CLI calls that deliver the action."""
+    (ledger_dir / SLOWED).touch()
 
 
 def end_padding(ledger_dir: Path) -> None:

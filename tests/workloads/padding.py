@@ -4,16 +4,25 @@ moment `$LEDGER_DIR/unpadded` exists, nothing is padded. A drill that kills a no
 for the survivors' first step, then lets the rest of the run (steps that only have to be done, and done
 right) go at the model's own speed. tests/workloads/steps.py, which imports nothing of the repository,
 reads the same file.
+
+A test that acts at a chosen step (a notice or a scale 5-9 steps past a checkpoint) slows the steps first:
+while `$LEDGER_DIR/slowed` exists each step is padded to SLOWED_STEP, so the CLI calls that deliver the
+action (a second or more on a loaded machine, 20 steps or more at 0.05 s) cost a few steps, and the
+action still lands before the next periodic checkpoint.
 """
 
 import os
 import time
 
 UNPADDED = "unpadded"
+SLOWED = "slowed"
+SLOWED_STEP = 0.5
 
 
 def pad(step_time: float) -> None:
-    """Sleep `step_time` seconds, unless the test has ended the padding."""
+    """Sleep `step_time` seconds (SLOWED_STEP while the test slows the steps), unless the test has ended
+    the padding."""
     directory = os.environ.get("LEDGER_DIR")
-    if step_time > 0 and not (directory and os.path.exists(os.path.join(directory, UNPADDED))):
-        time.sleep(step_time)
+    if step_time <= 0 or (directory and os.path.exists(os.path.join(directory, UNPADDED))):
+        return
+    time.sleep(SLOWED_STEP if directory and os.path.exists(os.path.join(directory, SLOWED)) else step_time)
