@@ -312,7 +312,7 @@ def finish_script() -> None:
     joins its work thread, and that thread waits for the GIL to drop a Python object of its last work
     (pytorch/pytorch#56297, the same family). The agent then stopped the worker only after finish_grace
     (60 s) and the job ended a minute late. With this line it knows the script finished: a worker still
-    alive `EXIT_GRACE` after it is stuck at exit, and is stopped (agent/roundjudge.py). Everything the
+    alive exit_grace (10 s) after it is stuck at exit, and is stopped (agent/roundjudge.py). Everything the
     script asked to happen at exit has happened by then; what is left is the freeing itself."""
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

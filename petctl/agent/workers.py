@@ -61,7 +61,7 @@ def worker_base_env() -> dict[str, str]:
 # OMP_NUM_THREADS=1 for them unless it is set already, "to avoid your system being overloaded". Each worker's
 # torch otherwise sizes its intra-op pool to every core of the host, so `nproc` workers run `nproc` times as
 # many threads as there are cores, and OpenMP's idle threads spin while they wait: measured here on 2 cores,
-# an HF Trainer job of 2 workers spent 2.7 times the CPU (47.8 s against 17.7) and took 1.7 times as long.
+# an HF Trainer job of 2 workers spent 2.8 times the CPU (47.8 s against 17.0) and took 1.8 times as long.
 # A script tuned under torchrun gets the threads it got there.
 OMP_THREADS = "OMP_NUM_THREADS"
 

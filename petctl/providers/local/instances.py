@@ -42,7 +42,7 @@ def host_threads(spec: JobSpec, env: Mapping[str, str], cpus: int) -> dict[str, 
 
     Why: each instance stands for a host of its own, but they all share these cores. A worker's torch
     sizes its thread pool to every core it sees, so without a share 2 instances on 2 cores ran 4 compute
-    threads, and OpenMP's waiting threads spin (an HF Trainer job: 2.7 times the CPU, 1.7 times as long).
+    threads, and OpenMP's waiting threads spin (an HF Trainer job: 2.8 times the CPU, 1.8 times as long).
     On AWS a host's cores are its own: the agent leaves them to torch, or to torchrun's default
     (`agent/workers.py`, `torchrun_threads`)."""
     if "OMP_NUM_THREADS" in env or "OMP_NUM_THREADS" in spec.env:
