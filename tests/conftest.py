@@ -24,6 +24,13 @@ from tests.support.procs import kill_processes_with_home
 if TYPE_CHECKING:
     from petctl.providers.local.metadata_server import LocalMetadataServer
 
+# gRPC's fork handlers off in the test processes too, as the v3 store sets them before it imports gRPC
+# (petctl/io/store/v3.py). A test helper may import gRPC first (tests/support/etcd_auth.py), and then a
+# worker the test forks (WorkerGroup's preexec_fn) restarted gRPC's poller in the child, which printed
+# "epoll_wait error: Bad file descriptor" into the worker's output once its descriptors were closed: seen
+# as a worker's error line in test_worker_failure (CI rehearsal, 2026-11-28).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many workers `-n auto` (pytest.ini) starts: 2 on up to 3 CPUs (CI's 2 cores: 16-17 min of pytest,
