@@ -146,6 +146,8 @@ class SimNode:
         try:
             lease.keepalive()
         except LeaseExpired:  # too late for its TTL: write the key again, as the agent reasserts its own
+            if self.stop.is_set():  # muted while this beat was in flight: it is gone, never back
+                return
             self.fleet.reasserted_inc()
             self.register()
         self.last_beat = sent
