@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from petctl.providers.local.instances import usable_cpus
+from petctl.io.procs import host_cores
 from tests.support.cli import Petctl, assert_one_line_error
 
 STUB_AGENT = '''
@@ -89,7 +89,7 @@ def test_replaces_lost_instances_and_follows_desired(stub: Petctl):
         assert config["job"]["code_url"].startswith("file://")
         # Its host's share of this machine's cores: --max 3 instances of 1 worker share them.
         (started,) = instance_events(stub, "asg", iid, "stub.started")
-        assert started["omp"] == str(max(1, usable_cpus() // 3))
+        assert started["omp"] == str(max(1, host_cores() // 3))
 
     # kill: the instance goes, and a new one (new id) replaces it no sooner than the delay.
     killed = stub.run("chaos", "asg", "--kill").stdout.split()[-1]

@@ -39,7 +39,7 @@ from petctl.agent.warm_worker import ENV_WARM_NICE, EXITING, READY, raise_priori
 from petctl.core.eventlog import EventLog, parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
-from petctl.io.procs import die_with_parent, wait_until
+from petctl.io.procs import die_with_parent, host_cores, wait_until
 
 # --- what workers run ---------------------------------------------------------------------------------------
 # What a node runs: the worker command shared by every node, and each worker's environment.
@@ -199,14 +199,6 @@ def refill_due(look: RefillLook) -> Refill:
             or look.spare_cores >= look.missing + look.niced):
         return Refill.NOW
     return Refill.YIELD if look.yielding else Refill.WAIT
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def can_restore_priority() -> bool:

@@ -210,3 +210,11 @@ def stop_group(ref: ProcRef, grace: float, term_leader_only: bool = True) -> Non
         ref.signal_group(signal.SIGTERM)
     wait_gone([ref], grace)
     ref.signal_group(signal.SIGKILL)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.io.procs import ProcRef, die_with_parent
+from petctl.io.procs import ProcRef, die_with_parent, host_cores
 from petctl.providers.local.jobdir import JobDir
 
 
@@ -29,10 +29,6 @@ def agent_command(config_path: str) -> list[str]:
 def new_instance_id() -> str:
     """Unique per launch (like EC2's), so a replacement is never mistaken for the node it replaces."""
     return "i-" + secrets.token_hex(4)
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def host_threads(spec: JobSpec, env: Mapping[str, str], cpus: int) -> dict[str, str]:
@@ -96,7 +92,7 @@ def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: st
     config_path.write_text(config.to_json())
     cmd = [part.replace("{config}", str(config_path)) for part in command] if command \
         else agent_command(str(config_path))
-    env = {**os.environ, **host_threads(spec, os.environ, usable_cpus()), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, **host_threads(spec, os.environ, host_cores()), "PYTHONUNBUFFERED": "1",
            "PETCTL_INSTANCE_ID": iid}
     # SIGTERM the agent if its reconciler dies (even by SIGKILL), so a lost reconciler never leaves agents
     # behind; the agent then leaves gracefully and its workers die with it.
