@@ -267,6 +267,7 @@ dist.init_process_group("gloo")
 print(json.dumps({"ts": time.time(), "event": "train.step", "step": 0, "rank": dist.get_rank(),
                   "world_size": dist.get_world_size(), "omp": os.environ.get("OMP_NUM_THREADS"),
                   "threads": torch.get_num_threads()}), flush=True)
+dist.barrier()  # gloo's init does not wait for the peer's side: leaving at once can close it under its feet
 dist.destroy_process_group()
 '''
 
