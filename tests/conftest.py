@@ -33,13 +33,17 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """How many workers `-n auto` (pytest.ini) starts: 2 on up to 3 CPUs (CI's 2 cores: 16-17 min of pytest,
-    the CPU 63-75 % busy, 0 failures), then one per 2 CPUs up to 8. Not one per CPU: an end-to-end test
-    runs an etcd, agents and torch workers, several processes that are busy at once, and its time bounds
-    were set for a machine that is loaded, not oversubscribed (3 workers on 2 cores: 15 min, the CPU 93 %
-    busy, and the fleet bench's liveness test took a starved node for a silent one)."""
+    """How many workers `-n auto` (pytest.ini) starts: 3 on 2 or 3 CPUs, 2 on one, then one per 2 CPUs up
+    to 8 (never fewer than 3). Most end-to-end tests wait on timers, etcd and other processes as much as
+    they compute: on CI's 2 cores, 2 workers kept the CPU 71 % busy (851 s of pytest, 2026-11-28), 3
+    workers took 800 s in the same tree. Not one per CPU on larger hosts: an end-to-end test runs an
+    etcd, agents and torch workers, several processes that are busy at once. The tests' time bounds
+    hold on a loaded machine (each slow test is run with CPU burners before it lands); a test that fails
+    only with 3 workers has a race, found sooner."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 if cpus <= 3 else min(cpus // 2, 8)
+    if cpus == 1:
+        return 2
+    return 3 if cpus <= 3 else max(3, min(cpus // 2, 8))
 
 
 @pytest.fixture
