@@ -15,6 +15,8 @@ import pytest
 
 from petctl.agent.decisions import (
     EXPECT_MARGIN,
+    IDLE,
+    WHOLE_READS_PER_S,
     Admitted,
     Ended,
     EndJob,
@@ -30,6 +32,7 @@ from petctl.agent.decisions import (
     closing_order,
     decide,
     next_round,
+    safety_period,
 )
 from petctl.core.records import Phase, Preempt, Round
 from tests.support.round_cases import (
@@ -153,6 +156,20 @@ def test_a_non_closer_does_not_reread_until_a_node_ahead_is_gone():
     gone = StoreView(alive=frozenset({"me"}), round=joining(2, {"a": 0, "me": 1}), round_index=5,
                     etcd_index=INDEX + 9)
     assert act(gone, st, settings()) == ReadMembers(2)
+
+
+@pytest.mark.parametrize("nodes,wait", [(2, 1.0), (100, 1.0), (101, 1.01), (1000, 10.0)])
+def test_a_paused_joiner_rereads_less_often_in_a_large_fleet(nodes, wait):
+    """The paused joiner's safety-net re-read of `live/` (each returns every node's key): once a second
+    up to 100 nodes, then in proportion, so the fleet's re-reads stay at 100 a second, not N a second
+    (1000 nodes once a second: a million keys a second, and bench/fleet.py never ranked them)."""
+    alive = {"a", "me"} | {f"n{i:04d}" for i in range(nodes - 2)}
+    st = joined_state(2, [("a", 0), ("me", 1)])
+    action, st = decide(snapshot(alive, joining(2, {"a": 0, "me": 1})), st, settings(), now())
+    assert action == Wait(pytest.approx(wait), watch_membership=False) and st.ahead == {"a"}
+    assert nodes / action.timeout <= max(WHOLE_READS_PER_S, nodes / IDLE)
+    # a running node's periodic look (roundrunner.VIEW_EVERY) follows the same rule
+    assert safety_period(2.0, nodes) == max(2.0, nodes / WHOLE_READS_PER_S)
 
 
 def test_joiners_beyond_max_wait_for_a_later_round():

@@ -116,6 +116,20 @@ POLL_FAST = 0.05  # the closer's poll while a live node has not joined (join rec
 POLL_SLOW = 0.5  # ... once an expected member has been slow for EXPECT_FAST_FOR
 EXPECT_FAST_FOR = 0.5
 IDLE = 1.0  # a wait with nothing due: the watch wakes us sooner for anything that matters
+WHOLE_READS_PER_S = 100.0  # the fleet's budget of re-reads of live/ whole that no watch event asked for
+
+
+def safety_period(base: float, nodes: int) -> float:
+    """How long a node goes without reading `live/` whole when no watch event wakes it: `base` in a
+    fleet of up to `WHOLE_READS_PER_S * base` nodes, then in proportion to the fleet, so that these
+    safety-net reads stay at most `WHOLE_READS_PER_S` a second across it.
+
+    Why: each such read returns every node's key, so at a fixed period the store's work grows with N²:
+    with 1000 nodes re-reading every second (`IDLE`), a million keys a second, and the fleet bench
+    (bench/fleet.py, `--model agent`) never ranked 1000 nodes. What a watch reports (a round, a member
+    joining or leaving while we follow `live/`) still wakes a node at once; what waits for this period is
+    only what no watch covers: a paused joiner noticing that the closer is gone."""
+    return max(base, nodes / WHOLE_READS_PER_S)
 
 
 @dataclass(frozen=True)
@@ -258,7 +272,7 @@ def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState,
             members=None, ahead=frozenset())
     known = state.ahead and state.ahead <= snap.alive
     if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
-        return Wait(IDLE, watch_membership=False), state
+        return Wait(safety_period(IDLE, len(snap.alive)), watch_membership=False), state
     members = state.members
     if members is None or members.round != round_no or members.read_at != snap.etcd_index:
         return ReadMembers(round_no), state
@@ -270,7 +284,7 @@ def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState,
     order = closing_order(live, rnd.prev_ranks)
     state = dataclasses.replace(state, ahead=frozenset(order[: order.index(s.node_id)]))
     if state.ahead:
-        return Wait(IDLE, watch_membership=False), state
+        return Wait(safety_period(IDLE, len(snap.alive)), watch_membership=False), state
     return _close(snap, rnd, live, order, state, s, now)
 
 

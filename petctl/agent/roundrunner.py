@@ -2,8 +2,9 @@
 
 The decisions are roundjudge.py's pure functions; this module only looks (views, worker polls,
 flags) and acts (CAS, events, signals). `run` returns how the round ended, as a `RoundOutcome`.
-Every look at `live/` is a fresh view, taken on a watch event or every `VIEW_EVERY` seconds, so
-a missed watch event costs latency, never correctness.
+Every look at `live/` is a fresh view, taken on a watch event or every `VIEW_EVERY` seconds (longer
+in a fleet of over 200 nodes: `decisions.safety_period`), so a missed watch event costs latency, never
+correctness.
 
 etcd is needed only to change membership, so a failed etcd call ends nothing here: the workers keep
 training, the look or the write is tried again on the next pass (a node's `done` mark and a restart
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView
+from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView, safety_period
 from petctl.agent.health import FenceLook, OutageReporter, fence, should_fence
 from petctl.agent.liveness import Heartbeat, PeerWatch
 from petctl.agent.notices import PreemptionHandler, SaveFirst
@@ -130,7 +131,8 @@ class RoundRunner:
                 self._store_call(p.preemption.announce, self.saves.announce)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
-            if woke or now - last_view > VIEW_EVERY or self.saves.admission_saved():
+            if woke or now - last_view > safety_period(VIEW_EVERY, len(snap.alive)) or \
+                    self.saves.admission_saved():
                 last_view = now
                 looked = self._look(info)
                 if looked is not None:
