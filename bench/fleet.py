@@ -14,10 +14,16 @@ cores, which they then share with etcd. The model is the agent's pattern:
 - liveness: a key `live/nodes/<node>` per node. v2: a TTL'd key refreshed every `--beat` seconds (the
   agent's default, 0.2 s, each refresh a raft proposal). v3: the key lives under a lease of `--ttl`
   seconds kept alive every ttl/3 (a keep-alive is not a proposal).
-- every node watches `live/` from the revision of its first listing, and keeps its own view of it.
-- the round: when a node's view holds every member and `live/round` does not rank them all, it writes a
-  new round with compare-and-swap (ranks kept, newcomers appended); every node races, one wins. A node is
-  ranked when its watch shows a round that ranks it.
+- the reads (`--model agent`, the default): the agent's own. A node waiting for a round that ranks it,
+  other than the closer, watches `live/round` only and reads `live/` whole after each wake or a
+  safety-net period; the closer watches `live/` and reads it whole on each wake; a ranked node watches
+  `live/` and reads it whole on each wake and every safety-net period (`decisions.safety_period`:
+  `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes, longer beyond; the agent's own). `--model
+  every-node`, the model of the 2026-11-27 tables: every node watches `live/` throughout from its first
+  listing and keeps its own view from the events, with no further whole reads.
+- the round: when the closer's view holds every member and `live/round` does not rank them all, it writes
+  a new round with compare-and-swap (ranks kept, newcomers appended). A node is ranked when a watch event
+  or a read shows it a round that ranks it.
 
 Measured, per backend and N:
 - `up_to_ranked_s`: the last node registered → every node has seen itself ranked;
@@ -34,7 +40,8 @@ Measured, per backend and N:
 - `join_ranked_s`: a new node registers → every node saw a round that ranks it, the old ranks unchanged
   (`ranks_kept`);
 - at rest (`--rest` s): etcd's committed proposals and the client's requests per node per second (a
-  keep-alive, a refresh and a watch poll each count as one request), and etcd's CPU and RSS;
+  keep-alive, a refresh, a watch poll and a whole read of `live/` each count as one request), the keys
+  those whole reads returned per node per second (what grows with N), and etcd's CPU and RSS;
 - `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
   and had to re-list;
 - `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
@@ -85,8 +92,13 @@ class Counters:
             self.counts[kind] = self.counts.get(kind, 0) + n
 
     def total(self) -> int:
+        """Requests: every kind but `keys`, which counts the keys the whole reads returned."""
         with self.lock:
-            return sum(self.counts.values())
+            return sum(n for kind, n in self.counts.items() if kind != "keys")
+
+    def keys(self) -> int:
+        with self.lock:
+            return self.counts.get("keys", 0)
 
 
 @dataclass
@@ -111,6 +123,8 @@ class FleetRow:
     note: str = ""
     peer_watch: bool = False  # the agent's peer watch ran too (--peer-watch)
     procs: int = 1  # the shard processes the nodes ran in (--procs)
+    rest_keys_read_per_node_s: float = 0.0  # keys the whole reads of live/ returned (what grows with N)
+    model: str = "agent"  # whose reads the nodes make (--model): the agent's, or every node watching live/
 
 
 class SimNode:
@@ -183,6 +197,9 @@ class SimNode:
         self.thread.start()
 
     def _run(self) -> None:
+        if self.fleet.model == "agent":
+            self._run_as_the_agent()
+            return
         while not self.stop.is_set():
             try:
                 listing = self.store.list(LIVE)
@@ -211,7 +228,66 @@ class SimNode:
                 self.fleet.error_inc(e)
                 self.stop.wait(0.1)
 
-    def _apply(self, batch: Batch) -> None:
+    def _run_as_the_agent(self) -> None:
+        """The agent's own pattern of reads (`--model agent`, the default), with its constants:
+        - a node waiting for a round that ranks it, other than the closer, pauses its `live/` watch
+          (petctl/agent/rendezvous.py): it wakes on a change of `live/round` (a key watch) or after
+          `decisions.safety_period(IDLE, N)` s, and then reads `live/` whole;
+        - the closer (`_closer`) watches `live/`, reads it whole on each wake or after `IDLE` s, and
+          writes the round;
+        - a ranked node (the agent's round runner) watches `live/` from the store's revision, and reads
+          `live/` whole on each wake and at least every `safety_period(roundrunner.VIEW_EVERY, N)` s.
+        Each whole read is one request whose answer grows with N: what the agent's views cost etcd."""
+        from petctl.agent.decisions import IDLE, safety_period
+        from petctl.agent.roundrunner import VIEW_EVERY
+
+        while not self.stop.is_set():
+            try:
+                revision = self._look()
+                ranked, closer = self.name in self.ranks, self._closer() == self.name
+                following = ranked or closer
+                if ranked:
+                    period = safety_period(VIEW_EVERY, len(self.members))
+                else:
+                    period = IDLE if closer else safety_period(IDLE, len(self.members))
+                if following:
+                    watch = self.store.watch(LIVE, revision + 1)
+                else:
+                    watch = self.store.watch_key(ROUND, revision + 1)
+                due = time.monotonic() + period
+                try:
+                    while not self.stop.is_set() and (left := due - time.monotonic()) > 0:
+                        batch = watch.wait(min(left, 0.5))
+                        if self.store.backend == "v2":
+                            self.fleet.counters.add("watch")
+                        if batch.events:  # a wake: the agent reads a fresh view
+                            self._apply(batch, decide=False)
+                            break
+                finally:
+                    watch.close()
+            except Compacted:
+                self.fleet.lost_place_inc()
+            except StoreError as e:
+                self.fleet.error_inc(e)
+                self.stop.wait(0.1)
+
+    def _look(self) -> int:
+        """One read of `live/` whole (the agent's view): members, the round, and the closer's write."""
+        listing = self.store.list(LIVE)
+        self.fleet.counters.add("list")
+        self.fleet.counters.add("keys", len(listing.entries))
+        now = time.monotonic()
+        members = {k.rsplit("/", 1)[1] for k in listing.values() if k.startswith(NODES + "/")}
+        for node in self.members - members:
+            self.seen.setdefault(f"gone:{node}", now)
+        self.members = members
+        for entry in listing.entries:
+            if entry.key == ROUND:
+                self._round(entry.value, entry.mod_revision)
+        self._maybe_round()
+        return listing.revision
+
+    def _apply(self, batch: Batch, decide: bool = True) -> None:
         now = time.monotonic()
         for ev in batch.events:
             if ev.key.startswith(NODES + "/"):
@@ -223,7 +299,7 @@ class SimNode:
                     self.seen.setdefault(f"gone:{node}", now)
             elif ev.key == ROUND and ev.value is not None:
                 self._round(ev.value, ev.revision)
-        if batch.events:
+        if batch.events and decide:
             self._maybe_round()
 
     def _round(self, value: str, rev: int) -> None:
@@ -235,14 +311,22 @@ class SimNode:
         for node in self.ranks:
             self.seen.setdefault(f"ranked:{node}", now)
 
+    def _closer(self) -> str | None:
+        """The agent's closing order (decisions.closing_order): the member of lowest rank in the round,
+        newcomers after every ranked member; before any round, the first member by name."""
+        ranked = [n for n in self.members if n in self.ranks]
+        if ranked:
+            return min(ranked, key=self.ranks.__getitem__)
+        return min(self.members, default=None)
+
     def _maybe_round(self) -> None:
         """Write a round ranking every member this node sees, where the current one misses some. The
         first round waits for all `expected` nodes (the agent's first round waits for the job's size);
-        the closer is the first member by name (the agent has one closer too), so one write per round."""
+        only the closer (`_closer`) writes, so one write per round."""
         if not self.ranks and len(self.members) < self.fleet.expected:
             return
         missing = sorted(self.members - set(self.ranks))
-        if not missing or min(self.members) != self.name:
+        if not missing or self._closer() != self.name:
             return
         ranks = {n: r for n, r in self.ranks.items() if n in self.members}
         nxt = max(ranks.values(), default=-1) + 1
@@ -259,7 +343,8 @@ class SimNode:
 class Fleet:
     """N simulated nodes, their shared beat scheduler, and what they measured."""
 
-    def __init__(self, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool = False) -> None:
+    def __init__(self, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool = False,
+                 model: str = "agent") -> None:
         from petctl.agent.liveness import poll_period, silence_limit
         from petctl.core.spec import Timeouts
 
@@ -270,6 +355,7 @@ class Fleet:
         # ttl/3 on v3 (nothing reads the lease but etcd's expiry)
         self.beat_interval = beat if backend == "v2" or peer_watch else ttl / 3
         self.peer_watch = peer_watch
+        self.model = model
         self.limit = silence_limit(Timeouts(heartbeat_interval=beat, heartbeat_ttl=float(ttl)))
         self.poll = poll_period(self.limit)
         self._watcher: threading.Thread | None = None
@@ -474,15 +560,19 @@ class Shard:
     def requests(self) -> int:
         return self.fleet.counters.total()
 
+    def keys(self) -> int:
+        return self.fleet.counters.keys()
+
     def stats(self) -> dict[str, object]:
         f = self.fleet
         return {"lost_place": f.lost_place, "reasserted": f.reasserted, "beats_late": f.beats_late,
                 "errors": f.errors, "error_kinds": dict(f.error_kinds)}
 
 
-def _shard_main(conn, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool) -> None:
+def _shard_main(conn, endpoint: str, backend: str, ttl: int, beat: float, peer_watch: bool,
+                model: str) -> None:
     """A shard process: a `Fleet` of its own, driven by (method, args) messages until "close"."""
-    fleet = Fleet(endpoint, backend, ttl, beat, peer_watch)
+    fleet = Fleet(endpoint, backend, ttl, beat, peer_watch, model)
     shard = Shard(fleet)
     try:
         while True:
@@ -503,7 +593,7 @@ class Shards:
     """The driver's side: every shard process, and which one holds each node."""
 
     def __init__(self, procs: int, endpoint: str, backend: str, ttl: int, beat: float,
-                 peer_watch: bool) -> None:
+                 peer_watch: bool, model: str = "agent") -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # no fork: a forked gRPC or a forked thread is unsafe
@@ -511,7 +601,7 @@ class Shards:
         self.procs = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_shard_main, args=(child, endpoint, backend, ttl, beat, peer_watch),
+            p = ctx.Process(target=_shard_main, args=(child, endpoint, backend, ttl, beat, peer_watch, model),
                             daemon=True)
             p.start()
             self.conns.append(parent)
@@ -567,6 +657,9 @@ class Shards:
     def requests(self) -> int:
         return sum(self.each("requests"))
 
+    def keys(self) -> int:
+        return sum(self.each("keys"))
+
     def gone(self, clear: bool = False) -> set[str]:
         return {n for names in self.each("gone", clear) for n in names}
 
@@ -596,12 +689,13 @@ class Shards:
 
 
 def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: Path,
-            fast_raft: bool = False, peer_watch: bool = False, procs: int = 1) -> FleetRow:
+            fast_raft: bool = False, peer_watch: bool = False, procs: int = 1,
+            model: str = "agent") -> FleetRow:
     import psutil
 
     server = EtcdServer.start(scratch / f"etcd-{backend}-{n}", extra_args=FAST_RAFT if fast_raft else ())
     proc = psutil.Process(server.pid)
-    shards = Shards(procs, server.endpoint, backend, ttl, beat, peer_watch)
+    shards = Shards(procs, server.endpoint, backend, ttl, beat, peer_watch, model)
     totals: dict = {}
     try:
         names = [f"n{i:04d}" for i in range(n)]
@@ -620,14 +714,15 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         _progress(backend, n, f"all up -> all ranked: {up_to_ranked}")
 
         # at rest
-        p0, c0, cpu0 = proposals(server.endpoint), shards.requests(), proc.cpu_times()
+        p0, c0, k0, cpu0 = proposals(server.endpoint), shards.requests(), shards.keys(), proc.cpu_times()
         t0 = time.monotonic()
         time.sleep(rest)
-        p1, c1, cpu1 = proposals(server.endpoint), shards.requests(), proc.cpu_times()
+        p1, c1, k1, cpu1 = proposals(server.endpoint), shards.requests(), shards.keys(), proc.cpu_times()
         t1 = time.monotonic()
         span = t1 - t0
         rest_props = (p1 - p0) / n / span
         rest_reqs = (c1 - c0) / n / span
+        rest_keys = (k1 - k0) / n / span
         cpu_pct = 100 * ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / span
         rss = proc.memory_info().rss / 2**20
 
@@ -675,10 +770,12 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     join_ranked_s=_r(join_ranked), ranks_kept=kept,
                     rest_proposals_per_node_s=round(rest_props, 4),
                     rest_requests_per_node_s=round(rest_reqs, 3),
+                    rest_keys_read_per_node_s=round(rest_keys, 1),
                     reform_proposals_per_node=round(reform_props, 3), etcd_cpu_pct=round(cpu_pct, 1),
                     etcd_rss_mb=round(rss, 1), lost_place=totals["lost_place"], spurious_losses=spurious,
                     reasserted=totals["reasserted"], beats_late=totals["beats_late"],
-                    errors=totals["errors"], note=note, peer_watch=peer_watch, procs=procs)
+                    errors=totals["errors"], note=note, peer_watch=peer_watch, procs=procs,
+                    model=model)
 
 
 def _progress(backend: str, n: int, text: str) -> None:
@@ -693,18 +790,20 @@ def table(rows: list[FleetRow]) -> str:
     head = ("| backend | N | all up → all ranked | leave → every survivor knows "
             "| silent loss → every survivor knows "
             "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
-            "| requests / node / s at rest | etcd CPU at rest | etcd RSS "
+            "| requests / node / s at rest | keys read / node / s at rest | etcd CPU at rest | etcd RSS "
             "| watches that lost their place | nodes lost while alive | beats late |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         def s(x: float | None) -> str:
             return "-" if x is None else f"{x:.2f} s"
         name = f"{r.backend} + peer watch" if r.peer_watch else r.backend
         name += f" ({r.procs} procs)" if r.procs > 1 else ""
+        name += ", every node watching" if r.model == "every-node" else ""
         lines.append(f"| {name} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
+                     f"{r.rest_keys_read_per_node_s:.0f} | "
                      f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | "
                      f"{r.spurious_losses} | {r.beats_late} |")
     return "\n".join(lines)
@@ -724,6 +823,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the agent's peer watch too (each node reads its successor's liveness)")
     ap.add_argument("--procs", type=int, default=1,
                     help="shard processes the simulated nodes are dealt over (round-robin)")
+    ap.add_argument("--model", choices=("agent", "every-node"), default="agent",
+                    help="the nodes' reads: the agent's own (a paused watch while waiting, whole views "
+                         "of live/), or every node watching live/ throughout (the model of 2026-11-27)")
     ap.add_argument("--out", default="bench/results/fleet.json")
     args = ap.parse_args(argv)
     rows: list[FleetRow] = []
@@ -732,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
             for backend in args.backends.split(","):
                 started = time.monotonic()
                 row = run_one(backend, n, args.ttl, args.beat, args.rest, Path(scratch), args.fast_raft,
-                              args.peer_watch, args.procs)
+                              args.peer_watch, args.procs, args.model)
                 rows.append(row)
                 took = time.monotonic() - started
                 print(f"{backend} N={n}: {json.dumps(asdict(row))} ({took:.0f} s)", flush=True)
