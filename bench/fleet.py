@@ -200,20 +200,9 @@ class SimNode:
         if self.fleet.model == "agent":
             self._run_as_the_agent()
             return
-        while not self.stop.is_set():
+        while not self.stop.is_set():  # every node: one whole read, then its view from the events
             try:
-                listing = self.store.list(LIVE)
-                self.fleet.counters.add("list")
-                now = time.monotonic()
-                members = {k.rsplit("/", 1)[1] for k in listing.values() if k.startswith(NODES + "/")}
-                for node in self.members - members:  # gone while this watch had lost its place
-                    self.seen.setdefault(f"gone:{node}", now)
-                self.members = members
-                for entry in listing.entries:
-                    if entry.key == ROUND:
-                        self._round(entry.value, entry.mod_revision)
-                self._maybe_round()
-                watch = self.store.watch(LIVE, listing.revision + 1)
+                watch = self.store.watch(LIVE, self._look() + 1)
                 try:
                     while not self.stop.is_set():
                         batch = watch.wait(0.5)

@@ -28,8 +28,6 @@ def test_fleet_bench_small_fleet_on_both_backends(tmp_path: Path) -> None:
     assert set(rows) == {"v3", "v2"}
     for backend, row in rows.items():
         assert row["nodes"] == 8 and row["model"] == "agent"
-        # the agent's reads at rest: whole views of live/ (VIEW_EVERY), so keys read grow with the fleet
-        assert row["rest_keys_read_per_node_s"] > 0, backend
         assert row["errors"] == 0, backend
         assert row["ranks_kept"] is True, backend  # the join kept every old rank
         assert row["spurious_losses"] == 0, backend  # nobody alive was taken for lost
