@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -197,28 +198,9 @@ class SimNode:
         self.thread.start()
 
     def _run(self) -> None:
-        if self.fleet.model == "agent":
-            self._run_as_the_agent()
-            return
-        while not self.stop.is_set():  # every node: one whole read, then its view from the events
-            try:
-                watch = self.store.watch(LIVE, self._look() + 1)
-                try:
-                    while not self.stop.is_set():
-                        batch = watch.wait(0.5)
-                        if self.store.backend == "v2":  # a long poll per wait; v3 streams on one call
-                            self.fleet.counters.add("watch")
-                        self._apply(batch)
-                finally:
-                    watch.close()
-            except Compacted:
-                self.fleet.lost_place_inc()
-            except StoreError as e:
-                self.fleet.error_inc(e)
-                self.stop.wait(0.1)
-
-    def _run_as_the_agent(self) -> None:
-        """The agent's own pattern of reads (`--model agent`, the default), with its constants:
+        """The node's reads. `--model every-node`: one whole read of `live/`, then a watch on it for good,
+        the view kept from its events. `--model agent` (the default), the agent's own pattern, with its
+        constants:
         - a node waiting for a round that ranks it, other than the closer, pauses its `live/` watch
           (petctl/agent/rendezvous.py): it wakes on a change of `live/round` (a key watch) or after
           `decisions.safety_period(IDLE, N)` s, and then reads `live/` whole;
@@ -230,16 +212,18 @@ class SimNode:
         from petctl.agent.decisions import IDLE, safety_period
         from petctl.agent.roundrunner import VIEW_EVERY
 
+        agent = self.fleet.model == "agent"
         while not self.stop.is_set():
             try:
                 revision = self._look()
                 ranked, closer = self.name in self.ranks, self._closer() == self.name
-                following = ranked or closer
-                if ranked:
+                if not agent:
+                    period = math.inf
+                elif ranked:
                     period = safety_period(VIEW_EVERY, len(self.members))
                 else:
                     period = IDLE if closer else safety_period(IDLE, len(self.members))
-                if following:
+                if ranked or closer or not agent:
                     watch = self.store.watch(LIVE, revision + 1)
                 else:
                     watch = self.store.watch_key(ROUND, revision + 1)
@@ -247,10 +231,10 @@ class SimNode:
                 try:
                     while not self.stop.is_set() and (left := due - time.monotonic()) > 0:
                         batch = watch.wait(min(left, 0.5))
-                        if self.store.backend == "v2":
+                        if self.store.backend == "v2":  # a long poll per wait; v3 streams on one call
                             self.fleet.counters.add("watch")
-                        if batch.events:  # a wake: the agent reads a fresh view
-                            self._apply(batch, decide=False)
+                        self._apply(batch, decide=not agent)
+                        if agent and batch.events:  # a wake: the agent reads a fresh view
                             break
                 finally:
                     watch.close()
