@@ -206,8 +206,9 @@ class SimNode:
           `decisions.safety_period(IDLE, N)` s, and then reads `live/` whole;
         - the closer (`_closer`) watches `live/`, reads it whole on each wake or after `IDLE` s, and
           writes the round;
-        - a ranked node (the agent's round runner) watches `live/` from the store's revision, and reads
-          `live/` whole on each wake and at least every `safety_period(roundrunner.VIEW_EVERY, N)` s.
+        - a ranked node (the agent's round runner) reads `live/` whole once more at once (its first pass),
+          watches `live/`, and reads it whole on each wake and at least every
+          `safety_period(roundrunner.VIEW_EVERY, N)` s.
         Each whole read is one request whose answer grows with N: what the agent's views cost etcd."""
         from petctl.agent.decisions import IDLE, safety_period
         from petctl.agent.roundrunner import VIEW_EVERY
@@ -215,8 +216,11 @@ class SimNode:
         agent = self.fleet.model == "agent"
         while not self.stop.is_set():
             try:
+                was_ranked = self.name in self.ranks
                 revision = self._look()
                 ranked, closer = self.name in self.ranks, self._closer() == self.name
+                if agent and ranked and not was_ranked:  # admitted: the round runner's first pass looks
+                    revision = self._look()
                 if not agent:
                     period = math.inf
                 elif ranked:
