@@ -40,10 +40,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     etcd, agents and torch workers, several processes that are busy at once. The tests' time bounds
     hold on a loaded machine (each slow test is run with CPU burners before it lands); a test that fails
     only with 3 workers has a race, found sooner."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cpus == 1:
-        return 2
-    return 3 if cpus <= 3 else max(3, min(cpus // 2, 8))
+    from petctl.io.procs import host_cores
+
+    cpus = host_cores()
+    return 2 if cpus == 1 else max(3, min(cpus // 2, 8))
 
 
 @pytest.fixture
