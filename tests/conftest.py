@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 # as a worker's error line in test_worker_failure (CI rehearsal, 2026-11-28).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
+# A report whose text holds a lone surrogate would end an xdist worker's session as an internal error and
+# stop the whole run (tests/support/xdist_reports.py says how, and when CI hit it).
+pytest_plugins = ["tests.support.xdist_reports"]
+
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many workers `-n auto` (pytest.ini) starts: 3 on 2 or 3 CPUs, 2 on one, then one per 2 CPUs up
