@@ -8,16 +8,18 @@ import threading
 import time
 from contextlib import closing
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from petctl.agent.health import OutageReporter, describe
+from petctl.agent.decisions import RendezvousState, Settings
+from petctl.agent.health import OutageReporter, StoreHealth, describe
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat
-from petctl.agent.rendezvous import LiveWatcher, RequestStats
+from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
-from petctl.core.records import NodeRecord
+from petctl.core.records import JoinRecord, NodeRecord, Phase, Round
 from petctl.io.etcd import free_port
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 from tests.support.emitter import Recorder
@@ -100,6 +102,91 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, ba
     assert not any(t.is_alive() for t in watcher._threads)
     assert stats.watches >= 2 and rec.events == []
     client.close()
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(etcd_server, backend):
+    """`resume(after=R)` (an admitted node: R is the freeze it knows `live/` from) replays what changed
+    after R as events and wakes nobody for the rest: no fresh read, no wake of its own."""
+    keys = JobKeys(f"resumed-{backend}")
+    client = store_for(etcd_server.endpoint, backend=backend)
+    stats, rec = RequestStats(), Recorder()
+    watcher = LiveWatcher(client, keys.live, stats, OutageReporter("watch", rec), poll_timeout=30)
+    watcher.start()
+    try:
+        assert watcher.wait(5)
+        watcher.pause()
+        time.sleep(1.5)  # the membership watch is closed within its 1 s pause check
+        known = client.put(keys.node("n1"), "{}")
+        watcher.changed.clear()
+        reads = stats.reads
+        watcher.resume(after=known)
+        assert not watcher.wait(1.5), "nothing changed after the known revision: no wake"
+        assert stats.reads == reads, "resumed from a known revision: no fresh read"
+        client.put(keys.node("n2"), "{}")
+        assert watcher.wait(5), "a change after it wakes the agent"
+
+        watcher.pause()
+        time.sleep(1.5)
+        known = client.put(keys.node("n3"), "{}")
+        client.put(keys.node("n4"), "{}")  # changed while paused, after the known revision
+        watcher.changed.clear()
+        watcher.resume(after=known)
+        assert watcher.wait(5), "what changed while paused, after the known revision, is replayed"
+    finally:
+        watcher.stop()
+        client.close()
+    assert rec.events == []
+
+
+def test_a_paused_joiner_is_admitted_on_the_round_record_alone(etcd_server):
+    """A joiner that waits for the closer reads one key when the round changes, not `live/` whole (at
+    1000 nodes, a million keys per freeze), and follows `live/` from the freeze on."""
+    keys = JobKeys("admitted-by-record")
+    kv = store_for(etcd_server.endpoint)
+    calls: list[tuple[str, str]] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            method = getattr(kv, name)
+            def call(*args, **kw):
+                calls.append((name, str(args[0]) if args else ""))
+                return method(*args, **kw)
+            return call
+
+    settings = Settings(node_id="b", min_nodes=2, max_nodes=3, initial_size=2, last_call=1.0,
+                        initial_wait=20.0, join_timeout=60.0, stop_grace=2.0)
+    events, stats = SimpleNamespace(emit=Recorder()), RequestStats()
+    watcher = LiveWatcher(kv, keys.live, stats, OutageReporter("watch", Recorder()))  # not started
+    rdzv = EtcdRendezvous(Counting(), LeaseClasses(kv), keys.job, "b", "127.0.0.1", settings, events,
+                          watcher, stats, StoreHealth(Recorder(), grace=5.0, slow=5.0))
+    try:
+        for node in ("a", "b"):
+            kv.put(keys.node(node), NodeRecord(node_id=node, host_addr="127.0.0.1", pid=1).to_json())
+        kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=time.time()).to_json())
+        # "a" joined first, so it closes the round (decisions.closing_order: newcomers by arrival)
+        kv.put(keys.round_member(1, "a"), JoinRecord(node_id="a", addr="127.0.0.1", port=1, ts=time.time(),
+                                                     prev_rank=None).to_json())
+        state = RendezvousState(started=time.monotonic())
+        for _ in range(5):  # "b" joins, reads the members, and waits paused behind "a"
+            watcher.nudge()
+            info, state = rdzv._step(state, lambda _: None)
+            assert info is None
+            if state.ahead:
+                break
+        assert state.ahead == {"a"}
+        entry = kv.get(keys.round)
+        frozen = Round(round=1, phase=Phase.FROZEN, ts=time.time(), ranks={"a": 0, "b": 1}, world_size=2,
+                       master_addr="127.0.0.1", master_port=1)
+        assert kv.replace(keys.round, frozen.to_json(), entry.mod_revision)  # the closer's freeze
+        freeze = kv.get(keys.round).mod_revision
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)
+        assert info is not None and (info.rank, info.world_size) == (1, 2)
+        assert calls == [("get", keys.round)], calls  # one key; `live/` was not listed
+        assert rdzv._admitted_at == freeze
+    finally:
+        kv.close()
 
 
 class CompactingStore:

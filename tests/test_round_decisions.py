@@ -29,8 +29,10 @@ from petctl.agent.decisions import (
     StartNextRound,
     StoreView,
     Wait,
+    admitted_by,
     closing_order,
     decide,
+    first_look_after,
     next_round,
     safety_period,
 )
@@ -170,6 +172,28 @@ def test_a_paused_joiner_rereads_less_often_in_a_large_fleet(nodes, wait):
     assert nodes / action.timeout <= max(WHOLE_READS_PER_S, nodes / IDLE)
     # a running node's periodic look (roundrunner.VIEW_EVERY) follows the same rule
     assert safety_period(2.0, nodes) == max(2.0, nodes / WHOLE_READS_PER_S)
+
+
+def test_the_round_record_alone_admits_a_member_of_a_frozen_round_only():
+    """What a paused joiner reads when the round changes: one key, which admits it exactly when the
+    whole-view decision would (`_frozen`)."""
+    ranks = {"a": 0, "me": 1}
+    assert admitted_by(frozen_round(3, ranks), "me") == RoundInfo.of(frozen_round(3, ranks), "me")
+    assert admitted_by(frozen_round(3, {"a": 0}), "me") is None  # formed without us
+    assert admitted_by(joining(3, ranks), "me") is None
+    assert admitted_by(Round(round=3, phase=Phase.FINAL, ts=0.0, ranks=ranks, state="killed"), "me") is None
+    assert admitted_by(None, "me") is None
+    action, _ = decide(snapshot({"a", "me"}, frozen_round(3, ranks)), joined_state(3, [("a", 0), ("me", 1)]),
+                       settings(), now())
+    assert action == Admitted(admitted_by(frozen_round(3, ranks), "me"))
+
+
+@pytest.mark.parametrize("rank,after", [(0, 0.0), (7, 0.07), (99, 0.99), (999, 9.99)])
+def test_a_newly_ranked_node_first_reads_live_after_its_rank_spread_over_the_read_budget(rank, after):
+    """Admitted on the round record, a node follows `live/` from the freeze; its first whole read comes
+    later by rank, so a round of N nodes costs `WHOLE_READS_PER_S` such reads a second, not N at once."""
+    assert first_look_after(rank) == pytest.approx(after)
+    assert first_look_after(rank) * WHOLE_READS_PER_S == pytest.approx(rank)
 
 
 def test_joiners_beyond_max_wait_for_a_later_round():

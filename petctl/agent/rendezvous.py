@@ -50,6 +50,7 @@ from petctl.agent.decisions import (
     StartNextRound,
     StoreView,
     Wait,
+    admitted_by,
     decide,
     next_round,
     opening_round,
@@ -117,6 +118,7 @@ class LiveWatcher:
         self._stop = threading.Event()
         self._active = threading.Event()  # clear = the membership watch is paused
         self._active.set()
+        self._resume_after: int | None = None  # resume the membership watch after this revision
         self._lock = threading.Lock()
         self._open: dict[str, Watch] = {}  # each thread's watch now, so stop() can close it mid-wait
         round_key = f"{prefix}/round"
@@ -147,9 +149,14 @@ class LiveWatcher:
         """Stop waking on membership events (the round watch stays on). Idempotent."""
         self._active.clear()
 
-    def resume(self) -> None:
-        """Watch membership again; the first thing it does is wake the agent for a fresh view."""
+    def resume(self, after: int | None = None) -> None:
+        """Watch membership again. With `after` (a revision the caller knows `live/` from: the freeze of
+        the round it was admitted to), from the next revision on, and without a wake: every change since
+        then wakes the agent as an event. Without it, from now, and the first thing it does is wake the
+        agent for a fresh view (what changed while paused was not watched)."""
         if not self._active.is_set():
+            with self._lock:
+                self._resume_after = after
             self._active.set()
 
     def nudge(self) -> None:
@@ -186,11 +193,17 @@ class LiveWatcher:
                     continue
                 try:
                     if watch is None:
-                        self.stats.reads += 1
-                        start = self.kv.revision(self.prefix) + 1
-                        self.outage.succeeded()
-                        watch = self._watching(key, open_watch(start))
-                        self.changed.set()
+                        after = None
+                        if gate is not None:
+                            with self._lock:
+                                after, self._resume_after = self._resume_after, None
+                        if after is None:
+                            self.stats.reads += 1
+                            start = self.kv.revision(self.prefix) + 1
+                            self.outage.succeeded()
+                        watch = self._watching(key, open_watch(start if after is None else after + 1))
+                        if after is None:
+                            self.changed.set()
                         continue
                     self.stats.watches += 1
                     batch = watch.wait(self.poll_timeout)
@@ -262,6 +275,15 @@ class LiveReader:
         return StoreView(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
                         done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.revision)
 
+    def round(self) -> tuple[Round | None, int | None]:
+        """One read of `live/round` alone: the round and its `mod_revision`, or (None, None) where etcd
+        holds none. Raises WireFormatError as `view` does."""
+        self.stats.reads += 1
+        entry = self.kv.get(self.keys.round)
+        if entry is None:
+            return None, None
+        return Round.from_json(entry.value), entry.mod_revision
+
     def members(self, round_no: int) -> dict[str, Member]:
         """The join records of `round_no` (unreadable ones skipped and counted)."""
         self.stats.reads += 1
@@ -321,6 +343,7 @@ class EtcdRendezvous:
         # told when a view lacks our own heartbeat key, with the view's revision (Heartbeat.missing_from)
         self.on_own_key_missing: Callable[[int], None] | None = None
         self._prejoined: tuple[int, float] | None = None  # (round, monotonic time) of an early join
+        self._admitted_at: int | None = None  # the revision of the freeze that admitted us
         self.last_round: Round | None = None  # the newest non-final round seen: rebuilt if etcd loses it
 
     def view(self) -> StoreView:
@@ -430,10 +453,11 @@ class EtcdRendezvous:
             if on_state:
                 on_state("joining")
         self._prejoined = None
+        self._admitted_at = None
         try:
             return self._run(state, should_abort, on_state or (lambda _: None))
         finally:
-            self.watcher.resume()
+            self.watcher.resume(after=self._admitted_at)
 
     def _run(self, state: RendezvousState, should_abort: Callable[[], bool],
              on_state: Callable[[str], None]) -> RoundInfo:
@@ -457,7 +481,17 @@ class EtcdRendezvous:
     def _step(self, state: RendezvousState,
               on_state: Callable[[str], None]) -> tuple[RoundInfo | None, RendezvousState]:
         """One decision on a fresh view, carried out: our place once admitted, else None. Raises
-        JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with)."""
+        JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with).
+
+        A joiner that waits on round changes only (`state.ahead`: not the closer) reads the round record
+        first: one key, which admits it when the round froze with it (`admitted_by`). Only otherwise does
+        it read `live/` whole, which returns every node's key: at 1000 nodes, a freeze would otherwise
+        make all of them read a million keys at once."""
+        if state.ahead and state.joined_round is not None:
+            rnd, index = self.reader.round()
+            if (info := admitted_by(rnd, self.node_id)) is not None:
+                self.last_round = rnd
+                return self._complete(info, index, state), state
         snap = self.view()
         while True:  # Join and ReadMembers act on this view; every other action needs a new one
             action, state = decide(snap, state, self.settings, Now(time.monotonic(), time.time()))
@@ -470,12 +504,7 @@ class EtcdRendezvous:
             else:
                 break
         if isinstance(action, Admitted):
-            info = action.info
-            seconds = round(time.monotonic() - state.started, 3)
-            self.events.emit("rendezvous.complete", round=info.round, rank=info.rank,
-                             world_size=info.world_size, seconds=seconds, cause=info.cause,
-                             requests=self.stats.as_dict())
-            return info, state
+            return self._complete(action.info, snap.etcd_index, state), state
         if isinstance(action, Ended):
             raise JobEnded(action.state, action.reason)
         if isinstance(action, OpenFirstRound):
@@ -489,6 +518,16 @@ class EtcdRendezvous:
         elif isinstance(action, Wait):
             self._wait(action, snap, on_state)
         return None, state
+
+    def _complete(self, info: RoundInfo, known_at: int | None, state: RendezvousState) -> RoundInfo:
+        """Admitted to `info`'s round; `live/` is watched from after `known_at` (the revision of the view
+        that admitted us, or of the round's freeze when its record alone did; from now, after a fresh
+        view, where it is not known)."""
+        self._admitted_at = known_at
+        seconds = round(time.monotonic() - state.started, 3)
+        self.events.emit("rendezvous.complete", round=info.round, rank=info.rank, world_size=info.world_size,
+                         seconds=seconds, cause=info.cause, requests=self.stats.as_dict())
+        return info
 
     def _wait(self, action: Wait, snap: StoreView, on_state: Callable[[str], None]) -> None:
         if action.watch_membership:

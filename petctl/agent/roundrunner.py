@@ -4,7 +4,9 @@ The decisions are roundjudge.py's pure functions; this module only looks (views,
 flags) and acts (CAS, events, signals). `run` returns how the round ended, as a `RoundOutcome`.
 Every look at `live/` is a fresh view, taken on a watch event or every `VIEW_EVERY` seconds (longer
 in a fleet of over 200 nodes: `decisions.safety_period`), so a missed watch event costs latency, never
-correctness.
+correctness. The first look of a round comes `decisions.first_look_after(rank)` after its start unless an
+event asks sooner: a node admitted on the round record follows `live/` from the round's freeze on, and
+the fleet's nodes do not all read it whole at the same moment.
 
 etcd is needed only to change membership, so a failed etcd call ends nothing here: the workers keep
 training, the look or the write is tried again on the next pass (a node's `done` mark and a restart
@@ -24,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView, safety_period
+from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView, first_look_after, safety_period
 from petctl.agent.health import FenceLook, OutageReporter, fence, should_fence
 from petctl.agent.liveness import Heartbeat, PeerWatch
 from petctl.agent.notices import PreemptionHandler, SaveFirst
@@ -122,7 +124,7 @@ class RoundRunner:
         watch = WorkerWatch()
         self._fenced, self._done_pending = False, None
         started = last_publish = self._started = time.monotonic()
-        last_view = 0.0  # look at once
+        next_view = started + first_look_after(info.rank)
         snap = StoreView(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
             if p.leave.is_set() and not self.saves.defer_leave(snap):
@@ -131,9 +133,8 @@ class RoundRunner:
                 self._store_call(p.preemption.announce, self.saves.announce)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
-            if woke or now - last_view > safety_period(VIEW_EVERY, len(snap.alive)) or \
-                    self.saves.admission_saved():
-                last_view = now
+            if woke or now >= next_view or self.saves.admission_saved():
+                next_view = now + safety_period(VIEW_EVERY, len(snap.alive))
                 looked = self._look(info)
                 if looked is not None:
                     snap, outcome = looked
