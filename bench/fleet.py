@@ -15,10 +15,12 @@ cores, which they then share with etcd. The model is the agent's pattern:
   agent's default, 0.2 s, each refresh a raft proposal). v3: the key lives under a lease of `--ttl`
   seconds kept alive every ttl/3 (a keep-alive is not a proposal).
 - the reads (`--model agent`, the default): the agent's own. A node waiting for a round that ranks it,
-  other than the closer, watches `live/round` only and reads `live/` whole after each wake or a
-  safety-net period; the closer watches `live/` and reads it whole on each wake; a ranked node watches
-  `live/` and reads it whole on each wake and every safety-net period (`decisions.safety_period`:
-  `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes, longer beyond; the agent's own). `--model
+  other than the closer, watches `live/round` only; on a round change it reads that one key, which admits
+  it when the round ranks it, else `live/` whole; after a safety-net period it reads `live/` whole. The
+  closer watches `live/` and reads it whole on each wake. A ranked node watches `live/` from the revision
+  it was admitted at, first reads it whole `decisions.first_look_after(rank)` s later (rank / 100 s), then
+  on each wake and every safety-net period (`decisions.safety_period`: `IDLE` and `VIEW_EVERY` in fleets
+  of up to 100 and 200 nodes, longer beyond; the agent's own). `--model
   every-node`, the model of the 2026-11-27 tables: every node watches `live/` throughout from its first
   listing and keeps its own view from the events, with no further whole reads.
 - the round: when the closer's view holds every member and `live/round` does not rank them all, it writes
@@ -40,8 +42,9 @@ Measured, per backend and N:
 - `join_ranked_s`: a new node registers → every node saw a round that ranks it, the old ranks unchanged
   (`ranks_kept`);
 - at rest (`--rest` s): etcd's committed proposals and the client's requests per node per second (a
-  keep-alive, a refresh, a watch poll and a whole read of `live/` each count as one request), the keys
-  those whole reads returned per node per second (what grows with N), and etcd's CPU and RSS;
+  keep-alive, a refresh, a watch poll, a read of `live/round` and a whole read of `live/` each count as
+  one request), the keys those reads returned per node per second (a whole read returns every node's
+  key: what grows with N), and etcd's CPU and RSS;
 - `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
   and had to re-list;
 - `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
@@ -93,7 +96,7 @@ class Counters:
             self.counts[kind] = self.counts.get(kind, 0) + n
 
     def total(self) -> int:
-        """Requests: every kind but `keys`, which counts the keys the whole reads returned."""
+        """Requests: every kind but `keys`, which counts the keys the reads returned."""
         with self.lock:
             return sum(n for kind, n in self.counts.items() if kind != "keys")
 
@@ -202,43 +205,51 @@ class SimNode:
         the view kept from its events. `--model agent` (the default), the agent's own pattern, with its
         constants:
         - a node waiting for a round that ranks it, other than the closer, pauses its `live/` watch
-          (petctl/agent/rendezvous.py): it wakes on a change of `live/round` (a key watch) or after
-          `decisions.safety_period(IDLE, N)` s, and then reads `live/` whole;
+          (petctl/agent/rendezvous.py): it wakes on a change of `live/round` (a key watch) and then reads
+          that one key, which admits it when the round ranks it (`decisions.admitted_by`), else `live/`
+          whole; or it wakes after `decisions.safety_period(IDLE, N)` s and reads `live/` whole;
         - the closer (`_closer`) watches `live/`, reads it whole on each wake or after `IDLE` s, and
           writes the round;
-        - a ranked node (the agent's round runner) reads `live/` whole once more at once (its first pass),
-          watches `live/`, and reads it whole on each wake and at least every
-          `safety_period(roundrunner.VIEW_EVERY, N)` s.
+        - a ranked node (the agent's round runner) watches `live/` from the revision it was admitted at,
+          first reads it whole `decisions.first_look_after(rank)` s after admission, then on each wake
+          and at least every `safety_period(roundrunner.VIEW_EVERY, N)` s.
         Each whole read is one request whose answer grows with N: what the agent's views cost etcd."""
-        from petctl.agent.decisions import IDLE, safety_period
+        from petctl.agent.decisions import IDLE, first_look_after, safety_period
         from petctl.agent.roundrunner import VIEW_EVERY
 
         agent = self.fleet.model == "agent"
+        round_first = False  # a paused joiner woken by a round change reads that one key first
         while not self.stop.is_set():
             try:
                 was_ranked = self.name in self.ranks
-                revision = self._look()
-                ranked, closer = self.name in self.ranks, self._closer() == self.name
-                if agent and ranked and not was_ranked:  # admitted: the round runner's first pass looks
+                revision = self._read_round() if round_first else 0
+                if self.name not in self.ranks or not round_first:
                     revision = self._look()
+                round_first = False
+                ranked, closer = self.name in self.ranks, self._closer() == self.name
+                paused = agent and not (ranked or closer)
                 if not agent:
                     period = math.inf
+                elif ranked and not was_ranked:  # admitted: the round runner's first look waits its turn
+                    period = first_look_after(self.ranks[self.name])
                 elif ranked:
                     period = safety_period(VIEW_EVERY, len(self.members))
                 else:
                     period = IDLE if closer else safety_period(IDLE, len(self.members))
-                if ranked or closer or not agent:
-                    watch = self.store.watch(LIVE, revision + 1)
-                else:
+                if paused:
                     watch = self.store.watch_key(ROUND, revision + 1)
+                else:
+                    watch = self.store.watch(LIVE, revision + 1)
                 due = time.monotonic() + period
                 try:
                     while not self.stop.is_set() and (left := due - time.monotonic()) > 0:
                         batch = watch.wait(min(left, 0.5))
                         if self.store.backend == "v2":  # a long poll per wait; v3 streams on one call
                             self.fleet.counters.add("watch")
-                        self._apply(batch, decide=not agent)
+                        if not paused:  # a paused joiner learns of the round from its read, not the event
+                            self._apply(batch, decide=not agent)
                         if agent and batch.events:  # a wake: the agent reads a fresh view
+                            round_first = paused
                             break
                 finally:
                     watch.close()
@@ -247,6 +258,16 @@ class SimNode:
             except StoreError as e:
                 self.fleet.error_inc(e)
                 self.stop.wait(0.1)
+
+    def _read_round(self) -> int:
+        """One read of `live/round` alone (a paused joiner's, on a round change); its revision."""
+        entry = self.store.get(ROUND)
+        self.fleet.counters.add("get")
+        if entry is None:
+            return 0
+        self.fleet.counters.add("keys")
+        self._round(entry.value, entry.mod_revision)
+        return entry.mod_revision
 
     def _look(self) -> int:
         """One read of `live/` whole (the agent's view): members, the round, and the closer's write."""
