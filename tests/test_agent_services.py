@@ -115,8 +115,7 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
     watcher.start()
     try:
         assert watcher.wait(5)
-        watcher.pause()
-        time.sleep(1.5)  # the membership watch is closed within its 1 s pause check
+        pause(watcher, client.put, keys.node("n0"))
         known = client.put(keys.node("n1"), "{}")
         watcher.changed.clear()
         reads = stats.reads
@@ -126,8 +125,7 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
         client.put(keys.node("n2"), "{}")
         assert watcher.wait(5), "a change after it wakes the agent"
 
-        watcher.pause()
-        time.sleep(1.5)
+        pause(watcher, client.put, keys.node("n2b"))
         known = client.put(keys.node("n3"), "{}")
         client.put(keys.node("n4"), "{}")  # changed while paused, after the known revision
         watcher.changed.clear()
@@ -137,6 +135,14 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
         watcher.stop()
         client.close()
     assert rec.events == []
+
+
+def pause(watcher: LiveWatcher, put, key: str) -> None:
+    """Pause, then make sure the membership watch is closed: a watch waiting for its next event sees the
+    pause only once it returns, so one event is sent, and the watch closes within its 1 s pause check."""
+    watcher.pause()
+    put(key, "{}")
+    time.sleep(1.5)
 
 
 def test_a_paused_joiner_is_admitted_on_the_round_record_alone(etcd_server):
