@@ -3,6 +3,7 @@ crash that is never silent (one `agent.crashed` event, exit 70, services stopped
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -12,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from petctl.agent.decisions import RendezvousState, Settings
+from petctl.agent.decisions import RendezvousState, Settings, StoreView
 from petctl.agent.health import OutageReporter, StoreHealth, describe
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat
-from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats
+from petctl.agent.rendezvous import EtcdRendezvous, LiveReader, LiveWatcher, RequestStats
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
-from petctl.core.records import JoinRecord, NodeRecord, Phase, Round
+from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Phase, Round
 from petctl.io.etcd import free_port
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 from tests.support.emitter import Recorder
@@ -135,6 +136,62 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
         watcher.stop()
         client.close()
     assert rec.events == []
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_view_folded_from_watch_events_is_the_view_a_whole_read_gives(etcd_server, backend):
+    """What a running node does on a wake (`EtcdRendezvous.view_since`): fold the watch's events into its
+    view instead of reading `live/` whole. The fold must give what the read gives, on both backends; a
+    directory deleted as a whole (v2's event names only the directory) asks for a read instead."""
+    keys = JobKeys(f"folded-{backend}")
+    kv = store_for(etcd_server.endpoint, backend=backend)
+    reader = LiveReader(kv, keys, RequestStats(), SimpleNamespace(emit=Recorder()))
+
+    def node(name: str) -> str:
+        return NodeRecord(node_id=name, host_addr="127.0.0.1", pid=len(name)).to_json()
+
+    def same(a: StoreView, b: StoreView) -> bool:
+        return dataclasses.replace(a, etcd_index=0) == dataclasses.replace(b, etcd_index=0)
+
+    def events_after(revision: int, until: int) -> list[tuple[str, str | None, int]]:
+        watch, got = kv.watch(keys.live, revision + 1), []
+        try:
+            while not got or got[-1][2] < until:
+                got += [(e.key, e.value, e.revision) for e in watch.wait(5).events]
+        finally:
+            watch.close()
+        return got
+
+    try:
+        for name in ("n1", "n2"):
+            kv.put(keys.node(name), node(name))
+        kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=1.0).to_json())
+        base = reader.view()
+        kv.put(keys.node("n3"), node("n3"))
+        kv.delete(keys.node("n1"))
+        kv.replace(keys.round, Round(round=1, phase=Phase.FROZEN, ts=1.0, ranks={"n2": 0, "n3": 1},
+                                     world_size=2).to_json(), kv.get(keys.round).mod_revision)
+        kv.put(f"{keys.done(1)}/n2", DoneRecord(ts=2.0).to_json())
+        kv.put(f"{keys.done(1)}/n3", DoneRecord(ts=2.0, failure="exit 3").to_json())
+        kv.put(keys.node("n2"), NodeRecord(node_id="n2", host_addr="10.0.0.2", pid=7).to_json())
+        kv.put(keys.node("bad"), "not a record")  # alive, its record unreadable: skipped, counted
+        last = kv.put(f"{keys.done(1)}/n2", DoneRecord(ts=3.0, failure="late").to_json())
+        folded = reader.fold(base, events_after(base.etcd_index, last), last)
+        whole = reader.view()
+        assert folded is not None and same(folded, whole), (folded, whole)
+        assert folded.alive == {"n2", "n3", "bad"} and folded.mixed == {1: {"n2": "late", "n3": "exit 3"}}
+        assert reader.fold(folded, events_after(base.etcd_index, last), last) == folded  # seen ones skipped
+
+        kv.delete(keys.node("bad"))
+        kv.delete_dir(keys.done(1))
+        last = kv.put(keys.node("n4"), node("n4"))
+        again = reader.fold(folded, events_after(folded.etcd_index, last), last)
+        if backend == "v3":  # one delete event per key
+            assert again is not None and same(again, reader.view()) and again.done == {}
+        else:  # one event for the directory: only a read can tell what went
+            assert again is None
+    finally:
+        kv.close()
 
 
 def pause(watcher: LiveWatcher, put, key: str) -> None:

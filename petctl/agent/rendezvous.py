@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from petctl.agent.decisions import (
@@ -69,7 +69,7 @@ from petctl.core.records import (
     Round,
     WireFormatError,
 )
-from petctl.core.store import Compacted, Store, StoreError, Watch
+from petctl.core.store import Compacted, Event, Store, StoreError, Watch
 from petctl.io.etcd import free_port, store_errors
 from petctl.io.jobresult import record_result
 
@@ -99,9 +99,13 @@ class RequestStats:
     reads: int = 0
     writes: int = 0
     watches: int = 0
+    folded: int = 0  # views folded from watch events: no request (not in `as_dict`)
 
     def as_dict(self) -> dict[str, int]:
         return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
+
+
+MAX_KEPT_EVENTS = 10_000  # events kept for the agent to fold into its view; past it, a whole read
 
 
 class LiveWatcher:
@@ -119,6 +123,8 @@ class LiveWatcher:
         self._active = threading.Event()  # clear = the membership watch is paused
         self._active.set()
         self._resume_after: int | None = None  # resume the membership watch after this revision
+        self._events: list[Event] = []  # what the watches reported since the agent last took them
+        self._stale = False  # a watch reopened from a fresh read: events may be missing
         self._lock = threading.Lock()
         self._open: dict[str, Watch] = {}  # each thread's watch now, so stop() can close it mid-wait
         round_key = f"{prefix}/round"
@@ -168,6 +174,16 @@ class LiveWatcher:
         self.changed.clear()
         return fired
 
+    def take(self) -> tuple[list[Event], bool]:
+        """What the watches reported since the last take, in revision order, each change once (the
+        round's come from both watches), and whether some may be missing (a watch reopened from a fresh
+        read, or more piled up than `MAX_KEPT_EVENTS`): then only a whole read tells the state."""
+        with self._lock:
+            events, stale = self._events, self._stale
+            self._events, self._stale = [], False
+        unique = {(e.revision, e.key): e for e in events}
+        return [unique[k] for k in sorted(unique)], stale
+
     def _watching(self, key: str, watch: Watch | None) -> Watch | None:
         """Record (or, with None, close and forget) `key`'s watch; a watch opened after stop() is closed."""
         with self._lock:
@@ -203,6 +219,8 @@ class LiveWatcher:
                             self.outage.succeeded()
                         watch = self._watching(key, open_watch(start if after is None else after + 1))
                         if after is None:
+                            with self._lock:
+                                self._stale = True
                             self.changed.set()
                         continue
                     self.stats.watches += 1
@@ -214,6 +232,10 @@ class LiveWatcher:
                         continue
                     self.outage.succeeded()
                     if gate is None or gate.is_set():
+                        with self._lock:
+                            self._events.extend(batch.events)
+                            if len(self._events) > MAX_KEPT_EVENTS:
+                                self._events, self._stale = [], True
                         self.changed.set()
                 except Compacted:  # history we watch from is gone: start again from a fresh read
                     watch = self._watching(key, None)
@@ -248,32 +270,59 @@ class LiveReader:
         or a foreign writer does that, and no agent can know what the job's state is then."""
         self.stats.reads += 1
         r = self.kv.list(self.keys.live)  # empty (a new or wiped store): no round, nobody alive
-        alive: set[str] = set()
-        nodes: dict[str, NodeRecord] = {}
-        done: dict[int, set[str]] = {}
-        mixed: dict[int, dict[str, str]] = {}
-        rnd, index = None, None
+        view = self.fold(StoreView(), [(e.key, e.value, e.mod_revision) for e in r.entries], r.revision,
+                         strict=False)
+        assert view is not None  # not strict: a key it does not know is skipped
+        return view
+
+    def fold(self, base: StoreView, changes: Iterable[tuple[str, str | None, int]], revision: int,
+             strict: bool = True) -> StoreView | None:
+        """`base` with `changes` applied, as of `revision`: each change is (key, value or None for a
+        delete, its revision), in revision order; those at or before `base.etcd_index` are already in
+        it. A listing is a fold of its leaves onto an empty view; a watch's events fold onto the view
+        they follow. None for a change that names no leaf this reader knows (a directory deleted as a
+        whole): only a fresh read can tell what it removed (`strict=False`, a listing's: skipped). Raises
+        WireFormatError as `view` does."""
+        alive, nodes = set(base.alive), dict(base.nodes)
+        done = {n: set(members) for n, members in base.done.items()}
+        mixed = {n: dict(failures) for n, failures in base.mixed.items()}
+        rnd, index = base.round, base.round_index
         nodes_prefix, done_prefix = self.keys.nodes + "/", self.keys.live + "/done/"
-        for leaf in r.entries:
-            if leaf.key.startswith(nodes_prefix):
-                node = leaf.key[len(nodes_prefix):]
+        for key, value, rev in changes:
+            if rev <= base.etcd_index:
+                continue
+            if key.startswith(nodes_prefix) and not (strict and "/" in key[len(nodes_prefix):]):
+                node = key[len(nodes_prefix):]
+                nodes.pop(node, None)
+                if value is None:
+                    alive.discard(node)
+                    continue
                 alive.add(node)  # the key's presence is what alive means, whatever its value
                 try:
-                    nodes[node] = NodeRecord.from_json(leaf.value)
+                    nodes[node] = NodeRecord.from_json(value)
                 except WireFormatError as e:
-                    self._corrupt(leaf.key, e)
-            elif leaf.key == self.keys.round:
-                rnd, index = Round.from_json(leaf.value), leaf.mod_revision
-            elif leaf.key.startswith(done_prefix):
-                round_no, node = leaf.key[len(done_prefix):].split("/", 1)
-                done.setdefault(int(round_no), set()).add(node)  # its presence is what done means
+                    self._corrupt(key, e)
+            elif key == self.keys.round:
+                rnd, index = (Round.from_json(value), rev) if value is not None else (None, None)
+            elif key.startswith(done_prefix) and key.count("/", len(done_prefix)) == 1:
+                round_text, node = key[len(done_prefix):].split("/", 1)
+                round_no = int(round_text)
+                mixed.get(round_no, {}).pop(node, None)
+                if value is None:
+                    done.get(round_no, set()).discard(node)
+                    continue
+                done.setdefault(round_no, set()).add(node)  # its presence is what done means
                 try:
-                    if failure := DoneRecord.from_json(leaf.value).failure:
-                        mixed.setdefault(int(round_no), {})[node] = failure
+                    if failure := DoneRecord.from_json(value).failure:
+                        mixed.setdefault(round_no, {})[node] = failure
                 except WireFormatError as e:
-                    self._corrupt(leaf.key, e)
+                    self._corrupt(key, e)
+            elif strict:
+                return None
         return StoreView(alive=frozenset(alive), nodes=nodes, round=rnd, round_index=index,
-                        done={n: frozenset(s) for n, s in done.items()}, mixed=mixed, etcd_index=r.revision)
+                         done={n: frozenset(m) for n, m in done.items() if m},
+                         mixed={n: f for n, f in mixed.items() if f},
+                         etcd_index=max(revision, base.etcd_index))
 
     def round(self) -> tuple[Round | None, int | None]:
         """One read of `live/round` alone: the round and its `mod_revision`, or (None, None) where etcd
@@ -349,9 +398,30 @@ class EtcdRendezvous:
     def view(self) -> StoreView:
         """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
         `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.view`)."""
+        self.watcher.take()  # this read holds every change they report so far
         t0 = time.monotonic()
         snap = self.reader.view()
         self.store.succeeded(time.monotonic() - t0, "snapshot")
+        return self._seen(snap)
+
+    def view_since(self, prev: StoreView) -> StoreView:
+        """`prev` with what the watches reported since folded in: no read when they report every change
+        (`LiveWatcher.take`), else `view()`. Why: each whole read returns every node's key, and every
+        running node takes one per event under `live/`, so a fleet of N paid N² keys per membership
+        change. Raises as `view` does."""
+        events, stale = self.watcher.take()
+        if stale or not events or prev.etcd_index == 0:
+            return self.view()
+        revision = max(e.revision for e in events)
+        snap = self.reader.fold(prev, [(e.key, e.value, e.revision) for e in events], revision)
+        if snap is None:
+            return self.view()
+        self.stats.folded += 1
+        return self._seen(snap)
+
+    def _seen(self, snap: StoreView) -> StoreView:
+        """What every view tells this node: the newest round (rebuilt from it if etcd loses it), its own
+        heartbeat key missing, and whether the store is settled."""
         if snap.round is not None and snap.round.phase is not Phase.FINAL:
             self.last_round = snap.round
         if self.node_id not in snap.alive and self.on_own_key_missing is not None:

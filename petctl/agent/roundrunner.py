@@ -6,7 +6,9 @@ Every look at `live/` is a fresh view, taken on a watch event or every `VIEW_EVE
 in a fleet of over 200 nodes: `decisions.safety_period`), so a missed watch event costs latency, never
 correctness. The first look of a round comes `decisions.first_look_after(rank)` after its start unless an
 event asks sooner: a node admitted on the round record follows `live/` from the round's freeze on, and
-the fleet's nodes do not all read it whole at the same moment.
+the fleet's nodes do not all read it whole at the same moment. After it, a wake by watch events folds
+those events into the view (`EtcdRendezvous.view_since`) instead of reading `live/` whole: one change
+costs each node its events, not every node's key.
 
 etcd is needed only to change membership, so a failed etcd call ends nothing here: the workers keep
 training, the look or the write is tried again on the next pass (a node's `done` mark and a restart
@@ -133,9 +135,11 @@ class RoundRunner:
                 self._store_call(p.preemption.announce, self.saves.announce)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
-            if woke or now >= next_view or self.saves.admission_saved():
-                next_view = now + safety_period(VIEW_EVERY, len(snap.alive))
-                looked = self._look(info)
+            due = now >= next_view or self.saves.admission_saved()
+            if woke or due:
+                if due:  # a whole read; on a watch's events alone, they are folded into our view
+                    next_view = now + safety_period(VIEW_EVERY, len(snap.alive))
+                looked = self._look(info, None if due else snap)
                 if looked is not None:
                     snap, outcome = looked
                     if outcome is not None:
@@ -167,10 +171,13 @@ class RoundRunner:
         self.outage.succeeded()
         return True
 
-    def _look(self, info: RoundInfo) -> tuple[StoreView, RoundOutcome | None] | None:
-        """A fresh view and what it means for us; None when etcd did not answer (try again later)."""
+    def _look(self, info: RoundInfo, since: StoreView | None = None
+              ) -> tuple[StoreView, RoundOutcome | None] | None:
+        """A fresh view and what it means for us; None when etcd did not answer (try again later). With
+        `since`, the view it follows with the watches' events folded in, when they hold every change
+        (`EtcdRendezvous.view_since`), else a whole read."""
         try:
-            snap = self.p.rdzv.view()
+            snap = self.p.rdzv.view() if since is None else self.p.rdzv.view_since(since)
             outcome = self._act(snap, info)
             if outcome is None and self._fenced:
                 # Our workers are stopped but the round is still ours: etcd answers again; open the next.
