@@ -99,7 +99,6 @@ class RequestStats:
     reads: int = 0
     writes: int = 0
     watches: int = 0
-    folded: int = 0  # views folded from watch events: no request (not in `as_dict`)
 
     def as_dict(self) -> dict[str, int]:
         return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
@@ -184,6 +183,12 @@ class LiveWatcher:
         unique = {(e.revision, e.key): e for e in events}
         return [unique[k] for k in sorted(unique)], stale
 
+    def _resume_point(self) -> int | None:
+        """The revision a resumed membership watch starts after (once), or None: from a fresh read."""
+        with self._lock:
+            after, self._resume_after = self._resume_after, None
+        return after
+
     def _watching(self, key: str, watch: Watch | None) -> Watch | None:
         """Record (or, with None, close and forget) `key`'s watch; a watch opened after stop() is closed."""
         with self._lock:
@@ -209,16 +214,14 @@ class LiveWatcher:
                     continue
                 try:
                     if watch is None:
-                        after = None
-                        if gate is not None:
-                            with self._lock:
-                                after, self._resume_after = self._resume_after, None
-                        if after is None:
+                        after = self._resume_point() if gate is not None else None
+                        fresh = after is None
+                        if fresh:
                             self.stats.reads += 1
-                            start = self.kv.revision(self.prefix) + 1
+                            after = self.kv.revision(self.prefix)
                             self.outage.succeeded()
-                        watch = self._watching(key, open_watch(start if after is None else after + 1))
-                        if after is None:
+                        watch = self._watching(key, open_watch(after + 1))
+                        if fresh:  # what changed before it was not watched: the agent reads a fresh view
                             with self._lock:
                                 self._stale = True
                             self.changed.set()
@@ -408,7 +411,8 @@ class EtcdRendezvous:
         """`prev` with what the watches reported since folded in: no read when they report every change
         (`LiveWatcher.take`), else `view()`. Why: each whole read returns every node's key, and every
         running node takes one per event under `live/`, so a fleet of N paid N² keys per membership
-        change. Raises as `view` does."""
+        change. A `prev` never read from the store (`etcd_index` 0: the round runner's view before its
+        first look) has nothing to fold onto. Raises as `view` does."""
         events, stale = self.watcher.take()
         if stale or not events or prev.etcd_index == 0:
             return self.view()
@@ -416,7 +420,6 @@ class EtcdRendezvous:
         snap = self.reader.fold(prev, [(e.key, e.value, e.revision) for e in events], revision)
         if snap is None:
             return self.view()
-        self.stats.folded += 1
         return self._seen(snap)
 
     def _seen(self, snap: StoreView) -> StoreView:
