@@ -19,8 +19,9 @@ cores, which they then share with etcd. The model is the agent's pattern:
   it when the round ranks it, else `live/` whole; after a safety-net period it reads `live/` whole. The
   closer watches `live/` and reads it whole on each wake. A ranked node watches `live/` from the revision
   it was admitted at, first reads it whole `decisions.first_look_after(rank)` s later (rank / 100 s), then
-  on each wake and every safety-net period (`decisions.safety_period`: `IDLE` and `VIEW_EVERY` in fleets
-  of up to 100 and 200 nodes, longer beyond; the agent's own). `--model
+  folds each wake's events into its view and reads it whole every safety-net period
+  (`decisions.safety_period`: `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes, longer
+  beyond; the agent's own). `--model
   every-node`, the model of the 2026-11-27 tables: every node watches `live/` throughout from its first
   listing and keeps its own view from the events, with no further whole reads.
 - the round: when the closer's view holds every member and `live/round` does not rank them all, it writes
@@ -211,20 +212,24 @@ class SimNode:
         - the closer (`_closer`) watches `live/`, reads it whole on each wake or after `IDLE` s, and
           writes the round;
         - a ranked node (the agent's round runner) watches `live/` from the revision it was admitted at,
-          first reads it whole `decisions.first_look_after(rank)` s after admission, then on each wake
-          and at least every `safety_period(roundrunner.VIEW_EVERY, N)` s.
+          first reads it whole `decisions.first_look_after(rank)` s after admission (or on an earlier
+          wake), then folds each wake's events into its view (`EtcdRendezvous.view_since`) and reads it
+          whole every `safety_period(roundrunner.VIEW_EVERY, N)` s; the closer reads it whole on each
+          wake, as the agent's closer does.
         Each whole read is one request whose answer grows with N: what the agent's views cost etcd."""
         from petctl.agent.decisions import IDLE, first_look_after, safety_period
         from petctl.agent.roundrunner import VIEW_EVERY
 
         agent = self.fleet.model == "agent"
         round_first = False  # a paused joiner woken by a round change reads that one key first
+        folding = False  # a ranked node past its first whole read folds events into its view
         while not self.stop.is_set():
             try:
                 was_ranked = self.name in self.ranks
                 revision = self._read_round() if round_first else 0
                 if self.name not in self.ranks or not round_first:
                     revision = self._look()
+                    folding = was_ranked and self.name in self.ranks
                 round_first = False
                 ranked, closer = self.name in self.ranks, self._closer() == self.name
                 paused = agent and not (ranked or closer)
@@ -248,8 +253,8 @@ class SimNode:
                             self.fleet.counters.add("watch")
                         if not paused:  # a paused joiner learns of the round from its read, not the event
                             self._apply(batch, decide=not agent)
-                        if agent and batch.events:  # a wake: the agent reads a fresh view
-                            round_first = paused
+                        if agent and batch.events and (paused or closer or not folding):
+                            round_first = paused  # a wake: the agent reads a fresh view
                             break
                 finally:
                     watch.close()
