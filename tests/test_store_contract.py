@@ -8,6 +8,7 @@ differently on purpose (docs/ARCHITECTURE.md, "The store") is asserted by name, 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from petctl.core.store import (
     BACKENDS,
     Compacted,
     Event,
+    Lease,
     LeaseExpired,
     Store,
     StoreDenied,
@@ -201,6 +203,49 @@ def test_keepalive_keeps_a_lease_and_revoke_ends_it_at_once(store: Store, d: str
     lease.revoke()  # already gone: not an error
     with pytest.raises(LeaseExpired):
         lease.keepalive()
+
+
+def _streams_opened(endpoint: str, method: str) -> float:
+    """How many `method` streams etcd has started since it began (its own gRPC metric)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()  # noqa: S310
+    pattern = rf'^grpc_server_started_total{{[^}}]*grpc_method="{method}"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def test_v3_keepalives_of_many_leases_and_threads_share_one_stream(etcd_server: EtcdServer, d: str) -> None:
+    """A v3 store sends every keep-alive on one LeaseKeepAlive stream (etcd counts one stream started
+    for 80 keep-alives of two leases from four threads), each answered for its own lease; a lease gone
+    answers LeaseExpired on that same stream and leaves the other lease's keep-alives working."""
+    store = open_store(etcd_server.endpoint, "v3", timeout=TIMEOUT)
+    try:
+        leases = [store.grant(5), store.grant(5)]
+        store.put(f"{d}/a", "v", leases[0])
+        before = _streams_opened(etcd_server.endpoint, "LeaseKeepAlive")
+        failures: list[BaseException] = []
+
+        def beat(i: int) -> None:
+            try:
+                for _ in range(20):
+                    leases[i % 2].keepalive()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=beat, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert failures == []
+        leases[0].revoke()
+        with pytest.raises(LeaseExpired):
+            leases[0].keepalive()
+        leases[1].keepalive()
+        assert store.get(f"{d}/a") is None
+        assert _streams_opened(etcd_server.endpoint, "LeaseKeepAlive") - before == 1
+    finally:
+        store.close()
 
 
 def test_liveness_tells_a_kept_lease_from_a_silent_one(store: Store, d: str) -> None:
@@ -398,10 +443,13 @@ def test_etcd_down_is_unavailable_within_the_timeout_and_the_store_recovers(tmp_
     store = open_store(server.endpoint, backend, timeout=1.0)
     try:
         store.put(f"{d}/k", "before")
+        lease = store.grant(30)
+        store.put(f"{d}/leased", "v", lease)
+        lease.keepalive()  # v3: its stream is open when etcd goes
         watch = store.watch(d, store.revision() + 1)
         server.stop()
         for call in (lambda: store.get(f"{d}/k"), lambda: store.put(f"{d}/k", "x"), lambda: store.list(d),
-                     lambda: store.create(f"{d}/n", "x"), store.revision):
+                     lambda: store.create(f"{d}/n", "x"), store.revision, lease.keepalive):
             began = time.monotonic()
             with pytest.raises(StoreUnavailable):
                 call()
@@ -411,6 +459,7 @@ def test_etcd_down_is_unavailable_within_the_timeout_and_the_store_recovers(tmp_
         server = EtcdServer.start(tmp_path / "etcd", ports=ports)
         assert poll(lambda: _answers(store, f"{d}/k"), 5.0) is not None
         assert store.get(f"{d}/k").value == "before"
+        assert poll(lambda: _kept(lease), 5.0) is not None  # keep-alives work again (a new stream on v3)
         store.put(f"{d}/k", "after")
         seen = []
         deadline = time.monotonic() + 5.0
@@ -424,6 +473,14 @@ def test_etcd_down_is_unavailable_within_the_timeout_and_the_store_recovers(tmp_
     finally:
         store.close()
         server.stop(remove_data=True)
+
+
+def _kept(lease: Lease) -> bool:
+    try:
+        lease.keepalive()
+        return True
+    except StoreUnavailable:
+        return False
 
 
 def _answers(store: Store, key: str) -> bool:

@@ -8,9 +8,12 @@ etcd3aio is asyncio-only and the agent is threads and blocking calls: each store
 into it. How it maps the contract:
 - compare-and-swap is a transaction: create compares `create_revision == 0`, replace and delete-if
   compare `mod_revision`;
-- a lease is etcd's: `keepalive` sends ONE LeaseKeepAlive on a fresh stream and reads its answer (the
-  agent owns the schedule; etcd3aio's background keep-alive task is not used); it is not a raft
-  proposal, and TTL <= 0 in the answer is LeaseExpired;
+- a lease is etcd's: `keepalive` sends ONE LeaseKeepAlive request and reads its answer (the agent owns
+  the schedule; etcd3aio's background keep-alive task is not used); it is not a raft proposal, and
+  TTL <= 0 in the answer is LeaseExpired. The requests go on one LeaseKeepAlive stream the store keeps
+  open (`KeepAliveStream`), as etcd's own Go client does, not a fresh stream each: a fresh stream cost
+  this client 0.8 ms of CPU per keep-alive against 0.24 ms (measured here, 2,000 keep-alives), and an
+  agent sends five a second;
 - a call fails within `timeout` when etcd does not answer: writes are tried once (a retried
   transaction could report False for its own success), reads up to 3 times inside that same bound;
   gRPC's reconnect backoff is capped at 1 s so a restarted etcd is used again within about a second;
@@ -101,6 +104,7 @@ class V3Store:
         self._own_loop = loop is None
         self._loop = loop or LoopThread()
         self._watches: weakref.WeakSet[V3Watch] = weakref.WeakSet()
+        self._keepalives = KeepAliveStream()
         self._closed = False
         creds: dict[str, Any] = {}
         if tls is not None:
@@ -254,16 +258,11 @@ class V3Store:
         return True
 
     async def keepalive_once(self, lease_id: int) -> int:
-        """One LeaseKeepAlive request on a fresh stream, and its answer's TTL (<= 0: the lease is gone)."""
-        if self._client.lease is None:
+        """One LeaseKeepAlive request on the store's keep-alive stream, and its answer's TTL (<= 0: the
+        lease is gone)."""
+        if self._client._channel is None:
             raise StoreUnavailable("store closed")
-        stream = self._client.lease.keep_alive(lease_id)
-        try:
-            async for response in stream:
-                return response.TTL
-        finally:
-            stream.cancel()
-        raise StoreUnavailable(f"keepalive of lease {lease_id}: the stream ended without an answer")
+        return await self._keepalives.renew(self._client._channel, lease_id)
 
     async def revoke_quietly(self, lease_id: int) -> None:
         """LeaseRevoke; a lease already gone is not an error."""
@@ -295,6 +294,7 @@ class V3Store:
         for watch in list(self._watches):
             watch.close()
         try:
+            self._loop.call(self._keepalives.close(), 5.0)
             self._loop.call(self._client.close(), 5.0)
         finally:
             if self._own_loop:
@@ -358,6 +358,64 @@ def store_error(e: BaseException, what: str) -> StoreError | None:
     if isinstance(e, OSError):
         return StoreUnavailable(f"{what}: {e}")
     return None
+
+
+# --- The store's LeaseKeepAlive stream: one bidirectional stream, opened on the first keep-alive and kept.
+#
+# etcd answers each request on the stream with the lease's ID and remaining TTL, in order. Keep-alives of
+# one store take turns (a lock): send one request, read answers until the one for that lease. Any failure
+# or timeout (a cancellation) closes the stream, so no answer of an abandoned request is ever read as the
+# answer to a later one, and the next keep-alive opens a new stream: after an etcd restart, or on another
+# member when the one in use is lost, as a fresh stream each time did.
+
+class KeepAliveStream:
+    """One store's LeaseKeepAlive stream; used on the store's loop only."""
+
+    def __init__(self) -> None:
+        self._call: Any = None
+        self._requests: asyncio.Queue[Any] | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def renew(self, channel: Any, lease_id: int) -> int:
+        """Send one keep-alive for `lease_id` and return the TTL etcd answered (<= 0: the lease is gone).
+        Raises what the stream raised (gRPC errors, mapped by the caller), StoreUnavailable when etcd
+        ended the stream; the stream is closed then, and on a cancellation."""
+        from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseStub
+        from grpc.aio import EOF
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._call is None:
+                requests: asyncio.Queue[Any] = asyncio.Queue()
+
+                async def send() -> Any:  # the request side stays open until the stream is closed
+                    while True:
+                        yield await requests.get()
+
+                self._requests, self._call = requests, LeaseStub(channel).LeaseKeepAlive(send())
+            call, requests = self._call, self._requests
+            assert requests is not None
+            try:
+                requests.put_nowait(LeaseKeepAliveRequest(ID=lease_id))
+                while True:
+                    response = await call.read()
+                    if response is EOF:
+                        raise StoreUnavailable(f"keepalive of lease {lease_id}: etcd ended the stream")
+                    if response.ID == lease_id:
+                        return response.TTL
+            except BaseException:
+                self._drop()
+                raise
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self._requests = None
+
+    async def close(self) -> None:
+        """Cancel the stream, if one is open; idempotent."""
+        self._drop()
 
 
 # --- A v3 watch on a directory (or one key), read on the store's loop into a queue a blocking `wait` reads.
