@@ -71,6 +71,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._deleted = False
         self._written = 0  # the revision of our key's latest write
+        self._errors: tuple[type[BaseException], ...] = ()  # store_errors(), resolved by start()
         # one (re)registration at a time, the refresher's or a view's; re-entrant, as a view's check holds it
         # across the re-assertion it triggers
         self._lock = threading.RLock()
@@ -92,13 +93,16 @@ class Heartbeat:
                     pass  # it expires by its TTL anyway
 
     def start(self) -> None:
+        # resolved here, not in the thread: the first call imports python-etcd (about 60 ms), which in
+        # the thread delayed the first keep-alive past a short interval's gap (`heartbeat.gap`)
+        self._errors = store_errors()
         self.register()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        errors = store_errors()
+        errors = self._errors
         due = time.monotonic() + self.interval
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             t0 = time.monotonic()
