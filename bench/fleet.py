@@ -20,8 +20,8 @@ cores, which they then share with etcd. The model is the agent's pattern:
   closer watches `live/` and reads it whole on each wake. A ranked node watches `live/` from the revision
   it was admitted at, first reads it whole `decisions.first_look_after(rank)` s later (rank / 100 s), then
   folds each wake's events into its view and reads it whole every safety-net period
-  (`decisions.safety_period`: `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes, longer
-  beyond; the agent's own). `--model
+  (`decisions.safety_period`: about `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes,
+  longer beyond, spread per node from 0.55 to 1.65 times that; the agent's own). `--model
   every-node`, the model of the 2026-11-27 tables: every node watches `live/` throughout from its first
   listing and keeps its own view from the events, with no further whole reads.
 - the round: when the closer's view holds every member and `live/round` does not rank them all, it writes
@@ -49,7 +49,9 @@ Measured, per backend and N:
 - `lost_place`: watches that fell behind the store's history (v3 compaction, v2's 1,000-event window)
   and had to re-list;
 - `spurious_losses`: nodes whose key went while nothing stopped them (a keep-alive or refresh too late
-  for its TTL: what a short TTL costs on a busy host);
+  for its TTL: what a short TTL costs on a busy host), and of them `spurious_after_ranked`, those lost
+  after every node was ranked (at rest, and through the leave and the join): the mass registration
+  before that is the simulator's busiest moment, every node booting in the same second;
 - `reasserted`: keys a live node had to write again because its lease had run out;
 - `beats_late`: liveness beats that ran more than one interval late (the simulator itself saturated:
   then the figures say more about this process than about etcd).
@@ -130,6 +132,7 @@ class FleetRow:
     procs: int = 1  # the shard processes the nodes ran in (--procs)
     rest_keys_read_per_node_s: float = 0.0  # keys the whole reads of live/ returned (what grows with N)
     model: str = "agent"  # whose reads the nodes make (--model): the agent's, or every node watching live/
+    spurious_after_ranked: int = 0  # of spurious_losses, those after every node was ranked
 
 
 class SimNode:
@@ -208,13 +211,13 @@ class SimNode:
         - a node waiting for a round that ranks it, other than the closer, pauses its `live/` watch
           (petctl/agent/rendezvous.py): it wakes on a change of `live/round` (a key watch) and then reads
           that one key, which admits it when the round ranks it (`decisions.admitted_by`), else `live/`
-          whole; or it wakes after `decisions.safety_period(IDLE, N)` s and reads `live/` whole;
+          whole; or it wakes after `decisions.safety_period(IDLE, N, node)` s and reads `live/` whole;
         - the closer (`_closer`) watches `live/`, reads it whole on each wake or after `IDLE` s, and
           writes the round;
         - a ranked node (the agent's round runner) watches `live/` from the revision it was admitted at,
           first reads it whole `decisions.first_look_after(rank)` s after admission (or on an earlier
           wake), then folds each wake's events into its view (`EtcdRendezvous.view_since`) and reads it
-          whole every `safety_period(roundrunner.VIEW_EVERY, N)` s; the closer reads it whole on each
+          whole every `safety_period(roundrunner.VIEW_EVERY, N, node)` s; the closer reads it whole on each
           wake, as the agent's closer does.
         Each whole read is one request whose answer grows with N: what the agent's views cost etcd."""
         from petctl.agent.decisions import IDLE, first_look_after, safety_period
@@ -238,9 +241,9 @@ class SimNode:
                 elif ranked and not was_ranked:  # admitted: the round runner's first look waits its turn
                     period = first_look_after(self.ranks[self.name])
                 elif ranked:
-                    period = safety_period(VIEW_EVERY, len(self.members))
+                    period = safety_period(VIEW_EVERY, len(self.members), self.name)
                 else:
-                    period = IDLE if closer else safety_period(IDLE, len(self.members))
+                    period = IDLE if closer else safety_period(IDLE, len(self.members), self.name)
                 if paused:
                     watch = self.store.watch_key(ROUND, revision + 1)
                 else:
@@ -432,7 +435,9 @@ class Fleet:
             pool.shutdown(wait=True)
 
     def _beat_loop(self) -> None:
-        pool = ThreadPoolExecutor(max_workers=16)
+        # a thread per node (up to 256): each node's keep-alive goes when due, as on its own host, not
+        # queued behind other nodes' on a loop busy with their reads
+        pool = ThreadPoolExecutor(max_workers=256)
         try:
             due = time.monotonic()
             while not self._stop.is_set():
@@ -714,6 +719,7 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         up = shards.wait_seen("ranked", 60 + n / 10)
         up_to_ranked = up - last_up if up is not None else None
         before = shards.of(names[0], "ranks")
+        lost_forming = shards.gone()  # nodes taken for lost while the fleet registered and was ranked
         _progress(backend, n, f"all up -> all ranked: {up_to_ranked}")
 
         # at rest
@@ -758,7 +764,8 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         beat_sent = shards.of(mute, "mute")
         known = shards.wait_seen(f"gone:{mute}", 3 * ttl + 10, skip=(victim, mute))
         silent_known = known - beat_sent if known is not None else None
-        spurious = len(spurious_up | (shards.gone() - {victim, mute}))
+        lost = spurious_up | (shards.gone() - {victim, mute})
+        spurious, spurious_after = len(lost), len(lost - lost_forming)
     finally:
         totals = shards.close()
         server.stop(remove_data=True)
@@ -778,7 +785,7 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     etcd_rss_mb=round(rss, 1), lost_place=totals["lost_place"], spurious_losses=spurious,
                     reasserted=totals["reasserted"], beats_late=totals["beats_late"],
                     errors=totals["errors"], note=note, peer_watch=peer_watch, procs=procs,
-                    model=model)
+                    model=model, spurious_after_ranked=spurious_after)
 
 
 def _progress(backend: str, n: int, text: str) -> None:
@@ -794,7 +801,7 @@ def table(rows: list[FleetRow]) -> str:
             "| silent loss → every survivor knows "
             "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
             "| requests / node / s at rest | keys read / node / s at rest | etcd CPU at rest | etcd RSS "
-            "| watches that lost their place | nodes lost while alive | beats late |")
+            "| watches that lost their place | nodes lost while alive (after all ranked) | beats late |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
         def s(x: float | None) -> str:
@@ -808,7 +815,7 @@ def table(rows: list[FleetRow]) -> str:
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
                      f"{r.rest_keys_read_per_node_s:.0f} | "
                      f"{r.etcd_cpu_pct:.0f} % | {r.etcd_rss_mb:.0f} MB | {r.lost_place} | "
-                     f"{r.spurious_losses} | {r.beats_late} |")
+                     f"{r.spurious_losses} ({r.spurious_after_ranked}) | {r.beats_late} |")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ The rules (docs/ARCHITECTURE.md has the whole protocol):
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -119,17 +120,28 @@ IDLE = 1.0  # a wait with nothing due: the watch wakes us sooner for anything th
 WHOLE_READS_PER_S = 100.0  # the fleet's budget of re-reads of live/ whole that no watch event asked for
 
 
-def safety_period(base: float, nodes: int) -> float:
-    """How long a node goes without reading `live/` whole when no watch event wakes it: `base` in a
-    fleet of up to `WHOLE_READS_PER_S * base` nodes, then in proportion to the fleet, so that these
-    safety-net reads stay at most `WHOLE_READS_PER_S` a second across it.
+def safety_period(base: float, nodes: int, node_id: str) -> float:
+    """How long a node goes without reading `live/` whole when no watch event wakes it: about `base` in
+    a fleet of up to `WHOLE_READS_PER_S * base` nodes, then in proportion to the fleet, so that these
+    safety-net reads stay at most `WHOLE_READS_PER_S` a second across it; spread per node
+    (`read_spread`) from 0.55 to 1.65 times that, which keeps the fleet's mean rate within the budget
+    (the mean of 1 / (1.1 * (0.5 + u)) over u uniform in [0, 1) is ln 3 / 1.1 < 1).
 
     Why: each such read returns every node's key, so at a fixed period the store's work grows with N²:
     with 1000 nodes re-reading every second (`IDLE`), a million keys a second, and the fleet bench
     (bench/fleet.py, `--model agent`) never ranked 1000 nodes. What a watch reports (a round, a member
     joining or leaving while we follow `live/`) still wakes a node at once; what waits for this period is
-    only what no watch covers: a paused joiner noticing that the closer is gone."""
-    return max(base, nodes / WHOLE_READS_PER_S)
+    only what no watch covers: a paused joiner noticing that the closer is gone. The spread is there
+    because nodes start their waits together (a round change wakes every waiting joiner at once): with
+    one period for all, their reads came in one burst each period, 1000 whole reads within a second on
+    the fleet bench, which held its event loops for up to 0.9 s and made keep-alives late."""
+    return max(base, nodes / WHOLE_READS_PER_S) * 1.1 * (0.5 + read_spread(node_id))
+
+
+def read_spread(node_id: str) -> float:
+    """This node's fixed place in [0, 1), from a hash of its id: the same on every call (no random
+    state), different across a fleet's nodes."""
+    return zlib.crc32(node_id.encode()) / 2**32
 
 
 def first_look_after(rank: int) -> float:
@@ -292,7 +304,7 @@ def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState,
             members=None, ahead=frozenset())
     known = state.ahead and state.ahead <= snap.alive
     if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
-        return Wait(safety_period(IDLE, len(snap.alive)), watch_membership=False), state
+        return Wait(safety_period(IDLE, len(snap.alive), s.node_id), watch_membership=False), state
     members = state.members
     if members is None or members.round != round_no or members.read_at != snap.etcd_index:
         return ReadMembers(round_no), state
@@ -304,7 +316,7 @@ def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState,
     order = closing_order(live, rnd.prev_ranks)
     state = dataclasses.replace(state, ahead=frozenset(order[: order.index(s.node_id)]))
     if state.ahead:
-        return Wait(safety_period(IDLE, len(snap.alive)), watch_membership=False), state
+        return Wait(safety_period(IDLE, len(snap.alive), s.node_id), watch_membership=False), state
     return _close(snap, rnd, live, order, state, s, now)
 
 

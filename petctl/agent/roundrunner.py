@@ -138,7 +138,7 @@ class RoundRunner:
             due = now >= next_view or self.saves.admission_saved()
             if woke or due:
                 if due:  # a whole read; on a watch's events alone, they are folded into our view
-                    next_view = now + safety_period(VIEW_EVERY, len(snap.alive))
+                    next_view = now + safety_period(VIEW_EVERY, len(snap.alive), p.node_id)
                 looked = self._look(info, None if due else snap)
                 if looked is not None:
                     snap, outcome = looked
