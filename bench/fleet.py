@@ -29,7 +29,8 @@ cores, which they then share with etcd. The model is the agent's pattern:
   or a read shows it a round that ranks it.
 
 Measured, per backend and N:
-- `up_to_ranked_s`: the last node registered → every node has seen itself ranked;
+- `up_to_ranked_s`: the last node registered → every node has seen itself ranked; of it,
+  `up_to_round_written_s`: → the closer wrote the round (the rest is the round reaching every node);
 - `loss_known_s`: a node's lease revoked (a clean leave, as an agent does on a notice or a kill) →
   every survivor's watch saw its key go;
 - `silent_loss_known_s`: a node that just stops keeping its lease alive (a host gone without a word) →
@@ -133,6 +134,7 @@ class FleetRow:
     rest_keys_read_per_node_s: float = 0.0  # keys the whole reads of live/ returned (what grows with N)
     model: str = "agent"  # whose reads the nodes make (--model): the agent's, or every node watching live/
     spurious_after_ranked: int = 0  # of spurious_losses, those after every node was ranked
+    up_to_round_written_s: float | None = None  # of up_to_ranked_s, the closer's part: the round written
 
 
 class SimNode:
@@ -344,6 +346,7 @@ class SimNode:
         else:
             self.store.create(ROUND, value)
         self.fleet.counters.add("round")
+        self.fleet.round_written = time.monotonic()
 
 
 class Fleet:
@@ -367,6 +370,7 @@ class Fleet:
         self._watcher: threading.Thread | None = None
         self.counters = Counters()
         self.expected = 0
+        self.round_written = 0.0  # when one of this shard's nodes last wrote a round (monotonic)
         self.nodes: list[SimNode] = []
         self._lock = threading.Lock()
         self.lost_place = 0
@@ -523,6 +527,10 @@ class Shard:
         with ThreadPoolExecutor(max_workers=16) as pool:
             list(pool.map(lambda n: self.by_name[n].register(), names))
         return started
+
+    def round_written(self) -> float:
+        """When one of this shard's nodes last wrote a round (0.0: never)."""
+        return self.fleet.round_written
 
     def seen(self, key: str, skip: list[str]) -> float | None:
         """The latest time any of this shard's nodes (but `skip`) saw `key`; None while one has not."""
@@ -718,9 +726,11 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
         last_up = shards.register(names[-1:])
         up = shards.wait_seen("ranked", 60 + n / 10)
         up_to_ranked = up - last_up if up is not None else None
+        written = max(shards.each("round_written"))  # the closer's part of it: the round written
+        up_to_written = written - last_up if written > last_up else None
         before = shards.of(names[0], "ranks")
         lost_forming = shards.gone()  # nodes taken for lost while the fleet registered and was ranked
-        _progress(backend, n, f"all up -> all ranked: {up_to_ranked}")
+        _progress(backend, n, f"all up -> all ranked: {up_to_ranked} (round written after {up_to_written})")
 
         # at rest
         p0, c0, k0, cpu0 = proposals(server.endpoint), shards.requests(), shards.keys(), proc.cpu_times()
@@ -785,7 +795,8 @@ def run_one(backend: str, n: int, ttl: int, beat: float, rest: float, scratch: P
                     etcd_rss_mb=round(rss, 1), lost_place=totals["lost_place"], spurious_losses=spurious,
                     reasserted=totals["reasserted"], beats_late=totals["beats_late"],
                     errors=totals["errors"], note=note, peer_watch=peer_watch, procs=procs,
-                    model=model, spurious_after_ranked=spurious_after)
+                    model=model, spurious_after_ranked=spurious_after,
+                    up_to_round_written_s=_r(up_to_written))
 
 
 def _progress(backend: str, n: int, text: str) -> None:
@@ -797,7 +808,7 @@ def _r(x: float | None) -> float | None:
 
 
 def table(rows: list[FleetRow]) -> str:
-    head = ("| backend | N | all up → all ranked | leave → every survivor knows "
+    head = ("| backend | N | all up → all ranked (→ round written) | leave → every survivor knows "
             "| silent loss → every survivor knows "
             "| join → ranked (old ranks kept) | proposals / node / 10 s at rest "
             "| requests / node / s at rest | keys read / node / s at rest | etcd CPU at rest | etcd RSS "
@@ -809,7 +820,8 @@ def table(rows: list[FleetRow]) -> str:
         name = f"{r.backend} + peer watch" if r.peer_watch else r.backend
         name += f" ({r.procs} procs)" if r.procs > 1 else ""
         name += ", every node watching" if r.model == "every-node" else ""
-        lines.append(f"| {name} | {r.nodes} | {s(r.up_to_ranked_s)} | {s(r.loss_known_s)} | "
+        lines.append(f"| {name} | {r.nodes} | {s(r.up_to_ranked_s)} ({s(r.up_to_round_written_s)}) | "
+                     f"{s(r.loss_known_s)} | "
                      f"{s(r.silent_loss_known_s)} | "
                      f"{s(r.join_ranked_s)} ({'yes' if r.ranks_kept else 'NO'}) | "
                      f"{10 * r.rest_proposals_per_node_s:.2f} | {r.rest_requests_per_node_s:.2f} | "
