@@ -7,7 +7,8 @@ import dataclasses
 import json
 import threading
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from petctl.agent.rendezvous import EtcdRendezvous, LiveReader, LiveWatcher, Req
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Phase, Round
+from petctl.core.store import Store
 from petctl.io.etcd import free_port
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 from tests.support.emitter import Recorder
@@ -105,17 +107,30 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, ba
     client.close()
 
 
-@pytest.mark.parametrize("backend", ["v2", "v3"])
-def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(etcd_server, backend):
-    """`resume(after=R)` (an admitted node: R is the freeze it knows `live/` from) replays what changed
-    after R as events and wakes nobody for the rest: no fresh read, no wake of its own."""
-    keys = JobKeys(f"resumed-{backend}")
+@contextmanager
+def started_watcher(etcd_server, backend: str, job: str) -> Iterator[tuple[JobKeys, Store, RequestStats,
+                                                                         LiveWatcher]]:
+    """A LiveWatcher on `job`'s `live/`, started and past its first wake; stopped after, having reported
+    no outage."""
+    keys = JobKeys(f"{job}-{backend}")
     client = store_for(etcd_server.endpoint, backend=backend)
     stats, rec = RequestStats(), Recorder()
     watcher = LiveWatcher(client, keys.live, stats, OutageReporter("watch", rec), poll_timeout=30)
     watcher.start()
     try:
         assert watcher.wait(5)
+        yield keys, client, stats, watcher
+    finally:
+        watcher.stop()
+        client.close()
+    assert rec.events == []
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(etcd_server, backend):
+    """`resume(after=R)` (an admitted node: R is the freeze it knows `live/` from) replays what changed
+    after R as events and wakes nobody for the rest: no fresh read, no wake of its own."""
+    with started_watcher(etcd_server, backend, "resumed") as (keys, client, stats, watcher):
         pause(watcher, client.put, keys.node("n0"))
         known = client.put(keys.node("n1"), "{}")
         watcher.changed.clear()
@@ -132,10 +147,6 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
         watcher.changed.clear()
         watcher.resume(after=known)
         assert watcher.wait(5), "what changed while paused, after the known revision, is replayed"
-    finally:
-        watcher.stop()
-        client.close()
-    assert rec.events == []
 
 
 @pytest.mark.parametrize("backend", ["v2", "v3"])
@@ -144,13 +155,7 @@ def test_the_watchers_request_count_is_what_etcd_serves(etcd_server, backend):
     `live/` cost at least 20; on v3 the two watches (round and membership) are opened once each and
     then stream, so 20 changes cost nothing more (etcd counted 3 watch requests per node at 128 nodes
     while the old count, one per wait, said 365-590)."""
-    keys = JobKeys(f"counted-{backend}")
-    client = store_for(etcd_server.endpoint, backend=backend)
-    stats, rec = RequestStats(), Recorder()
-    watcher = LiveWatcher(client, keys.live, stats, OutageReporter("watch", rec), poll_timeout=30)
-    watcher.start()
-    try:
-        assert watcher.wait(5)
+    with started_watcher(etcd_server, backend, "counted") as (keys, client, stats, watcher):
         for i in range(20):
             watcher.changed.clear()
             client.put(keys.node(f"n{i}"), "{}")
@@ -159,10 +164,6 @@ def test_the_watchers_request_count_is_what_etcd_serves(etcd_server, backend):
             assert stats.watches == 2
         else:
             assert stats.watches >= 20
-    finally:
-        watcher.stop()
-        client.close()
-    assert rec.events == []
 
 
 @pytest.mark.parametrize("backend", ["v2", "v3"])
