@@ -10,6 +10,7 @@ signer for the same request."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from datetime import datetime, timezone
 
@@ -62,6 +63,26 @@ def test_worker_whose_pull_keeps_failing_records_why_and_abandons_its_launch(boo
     assert record.error == f"cannot pull {IMAGE}"
     assert any("giving up after 6 attempts: docker pull" in line for line in record.log_tail)
     assert not [c for c in boot.calls("systemctl") if "petctl-agent" in c["args"]]  # never started
+
+
+def test_a_failed_boots_record_has_its_last_log_lines_even_when_the_log_lags(boot):
+    """The boot log is written through `tee` in a process substitution, which runs behind the script:
+    under load, the failure record read the log's tail before the reason reached it (a CI run lost
+    "giving up after 6 attempts" that way). A tee 50 ms behind on every line makes that certain; the
+    script ends the tee and waits for it (`log_sync`) before it reads the tail."""
+    real_sleep = shutil.which("sleep", path="/usr/bin:/bin")
+    lagging = boot.dir / "fakes" / "tee"
+    lagging.write_text("#!/bin/bash\nwhile IFS= read -r line; do " + real_sleep + " 0.05; "
+                       "printf '%s\\n' \"$line\" >> \"$2\"; printf '%s\\n' \"$line\"; done\n")
+    lagging.chmod(0o755)
+    result = boot.run(worker(), docker_pull=99)
+    assert result.returncode == 1
+    (name,) = [n for n in boot.boot_records() if n.endswith(".failed.json")]
+    record = BootRecord.from_json((boot.s3 / "jobs/demo/boots" / name).read_text())
+    assert record.log_tail[-2:] == [f"giving up after 6 attempts: docker pull {IMAGE}",
+                                    f"FATAL: cannot pull {IMAGE}"]
+    log = (boot.root / "var/log/petctl-boot.log").read_text()
+    assert "launch abandoned" in log  # what came after the sync is appended to the log directly
 
 
 def test_worker_that_can_neither_abandon_nor_mark_itself_unhealthy_shuts_down(boot):
