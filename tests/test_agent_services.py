@@ -151,10 +151,10 @@ def test_a_watcher_resumed_after_a_revision_wakes_only_for_what_changed_since(et
 
 @pytest.mark.parametrize("backend", ["v2", "v3"])
 def test_the_watchers_request_count_is_what_etcd_serves(etcd_server, backend):
-    """`RequestStats.watches` counts requests: on v2 each wait is a long poll, so 20 changes under
-    `live/` cost at least 20; on v3 the two watches (round and membership) are opened once each and
-    then stream, so 20 changes cost nothing more (etcd counted 3 watch requests per node at 128 nodes
-    while the old count, one per wait, said 365-590)."""
+    """`RequestStats.watches` counts what the watches sent (`Watch.requests`): on v2 each wait is a long
+    poll, so 20 changes under `live/` cost at least 20; on v3 the two watches (round and membership)
+    each open one stream, so 20 changes cost nothing more (etcd counted 3 watch requests per node at
+    128 nodes while the old count, one per wait, said 365-590)."""
     with started_watcher(etcd_server, backend, "counted") as (keys, client, stats, watcher):
         for i in range(20):
             watcher.changed.clear()
@@ -283,8 +283,6 @@ def test_a_paused_joiner_is_admitted_on_the_round_record_alone(etcd_server):
 class CompactingStore:
     """Just what LiveWatcher calls: the first wait on each watch finds its history compacted."""
 
-    backend = "v3"
-
     def __init__(self) -> None:
         self.opened: list[tuple[str, int]] = []
 
@@ -305,6 +303,7 @@ class CompactingStore:
 
         class W:
             closed = threading.Event()
+            requests = 0
 
             def wait(self, timeout: float):
                 if first:

@@ -315,6 +315,20 @@ def test_a_watch_sees_puts_deletes_and_expiry_in_revision_order(store: Store, d:
     assert revisions == sorted(set(revisions))
 
 
+def test_a_watch_counts_the_requests_it_sent(store: Store, d: str, backend: str) -> None:
+    """`Watch.requests`: v2 sends one long poll per event it returns (and per quiet poll); v3 opens one
+    stream, and what it streams costs no request."""
+    watch = store.watch(d, store.revision() + 1)
+    for i in range(5):
+        store.put(f"{d}/k{i}", "v")
+    assert len(collect(watch, 5)) == 5
+    if backend == "v3":
+        assert watch.requests == 1
+    else:
+        assert watch.requests >= 5
+    watch.close()
+
+
 def test_a_quiet_watch_times_out_with_an_empty_batch(store: Store, d: str) -> None:
     start = store.revision() + 1
     watch = store.watch(d, start)
@@ -469,6 +483,7 @@ def test_etcd_down_is_unavailable_within_the_timeout_and_the_store_recovers(tmp_
             except StoreUnavailable:
                 pass
         assert [(e.key, e.value) for e in seen] == [(f"{d}/k", "after")]
+        assert watch.requests >= 2  # v3: the stream opened again; v2: polls before and after
         watch.close()
     finally:
         store.close()

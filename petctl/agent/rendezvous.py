@@ -94,11 +94,10 @@ JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a closed watch 
 
 @dataclass
 class RequestStats:
-    """etcd requests this agent made, by kind: the benchmark reports them per node per round. A watch
-    counts as etcd serves it: on v2 each wait is a long-poll request; on v3 opening the watch is the
-    request, and the events it then streams are not (counting each wait there made a v3 agent's count
-    grow with every event under `live/`: 365-590 "watches" per node per round at 128 nodes, where etcd
-    itself counted 3 watch requests per node)."""
+    """etcd requests this agent made, by kind: the benchmark reports them per node per round. Watches
+    count what each watch says it sent (`Watch.requests`), not its waits: on v3 a wait only takes what
+    the stream delivered, and counting waits made a v3 agent's count grow with every event under
+    `live/` (365-590 "watches" per node per round at 128 nodes, where etcd itself counted 3)."""
 
     reads: int = 0
     writes: int = 0
@@ -209,6 +208,7 @@ class LiveWatcher:
 
     def _run(self, key: str, open_watch: Callable[[int], Watch], gate: threading.Event | None) -> None:
         watch: Watch | None = None
+        counted = 0  # of watch.requests, those already in stats
         try:
             while not self._stop.is_set():
                 if gate is not None and not gate.is_set():
@@ -225,16 +225,18 @@ class LiveWatcher:
                             after = self.kv.revision(self.prefix)
                             self.outage.succeeded()
                         watch = self._watching(key, open_watch(after + 1))
-                        if self.kv.backend == "v3":  # one request opens it; its events are no requests
-                            self.stats.watches += 1
+                        counted = 0 if watch is None else watch.requests
+                        self.stats.watches += counted
                         if fresh:  # what changed before it was not watched: the agent reads a fresh view
                             with self._lock:
                                 self._stale = True
                             self.changed.set()
                         continue
-                    if self.kv.backend == "v2":  # each wait is one long-poll request
-                        self.stats.watches += 1
-                    batch = watch.wait(self.poll_timeout)
+                    try:
+                        batch = watch.wait(self.poll_timeout)
+                    finally:
+                        self.stats.watches += watch.requests - counted
+                        counted = watch.requests
                     if not batch.events:  # a quiet wait, or a frozen member: one cheap read tells them apart
                         self.stats.reads += 1
                         self.kv.revision(self.prefix)

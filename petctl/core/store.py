@@ -152,6 +152,12 @@ class Lease(Protocol):
 class Watch(Protocol):
     """A watch on a directory from a revision. One thread waits on it at a time."""
 
+    @property
+    def requests(self) -> int:
+        """Requests it has sent etcd so far: v2, one per long poll; v3, one per stream it opened
+        (reconnects included), whose events then come without asking. What callers count as its cost."""
+        ...
+
     def wait(self, timeout: float) -> Batch:
         """The next events (at least one), or an empty batch after `timeout` seconds. Raises Compacted
         (re-list and watch again), StoreUnavailable (the backend already retried the members it

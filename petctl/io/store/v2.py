@@ -422,6 +422,7 @@ class V2Watch:
         self._conn: http.client.HTTPConnection | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self.requests = 0  # long polls sent (`Watch.requests`)
 
     def wait(self, timeout: float) -> Batch:
         deadline = time.monotonic() + timeout
@@ -480,6 +481,7 @@ class V2Watch:
                               http.client.HTTPConnection(host, port, timeout=timeout))
             conn = self._conn
         conn.timeout = timeout
+        self.requests += 1
         try:
             if conn.sock is None:
                 conn.connect()

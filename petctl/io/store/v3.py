@@ -450,6 +450,7 @@ class V3Watch:
         self._fatal: StoreError | None = None
         self._seen = max(1, start_revision) - 1
         self._closed = False
+        self.requests = 1  # Watch streams opened (`Watch.requests`): this one, opened on the loop at once
         name = key.rstrip("/") + "/" if prefix else key
         self._task = loop.call(self._start(channel, name, prefix, max(1, start_revision)), timeout)
 
@@ -463,7 +464,7 @@ class V3Watch:
         stub = WatchStub(channel)
         prefix = name  # what errors name
         key, end = name.encode(), prefix_range_end(name) if is_prefix else b""
-        following, backoff = start, RECONNECT_FIRST
+        following, backoff, reconnect = start, RECONNECT_FIRST, False
         while True:
             create = WatchCreateRequest(key=key, range_end=end, start_revision=following)
 
@@ -471,6 +472,9 @@ class V3Watch:
                 yield WatchRequest(create_request=create)
                 await asyncio.Future()  # keep the request side open: closing it ends the watch
 
+            if reconnect:  # the first stream is counted already (`requests`)
+                self.requests += 1
+            reconnect = True
             stream = stub.Watch(requests())
             try:
                 async for response in stream:
