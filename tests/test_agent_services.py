@@ -110,8 +110,8 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, ba
 @contextmanager
 def started_watcher(etcd_server, backend: str, job: str) -> Iterator[tuple[JobKeys, Store, RequestStats,
                                                                          LiveWatcher]]:
-    """A LiveWatcher on `job`'s `live/`, started and past its first wake; stopped after, having reported
-    no outage."""
+    """A LiveWatcher on `job`'s `live/`, started, past its first wake and with both its watches open;
+    stopped after, having reported no outage."""
     keys = JobKeys(f"{job}-{backend}")
     client = store_for(etcd_server.endpoint, backend=backend)
     stats, rec = RequestStats(), Recorder()
@@ -119,6 +119,8 @@ def started_watcher(etcd_server, backend: str, job: str) -> Iterator[tuple[JobKe
     watcher.start()
     try:
         assert watcher.wait(5)
+        # both watches open: a change made before one opens is in its fresh read, not in its events
+        wait_for(lambda: len(watcher._open) == 2, 5, what="the round and membership watches open")
         yield keys, client, stats, watcher
     finally:
         watcher.stop()
@@ -156,10 +158,15 @@ def test_the_watchers_request_count_is_what_etcd_serves(etcd_server, backend):
     each open one stream, so 20 changes cost nothing more (etcd counted 3 watch requests per node at
     128 nodes while the old count, one per wait, said 365-590)."""
     with started_watcher(etcd_server, backend, "counted") as (keys, client, stats, watcher):
-        for i in range(20):
-            watcher.changed.clear()
+        seen: set[str] = set()
+
+        def taken(key: str) -> bool:  # the change reached the watcher's events (its count comes first)
+            seen.update(e.key for e in watcher.take()[0])
+            return key in seen
+
+        for i in range(20):  # each change taken before the next: one poll each on v2
             client.put(keys.node(f"n{i}"), "{}")
-            assert watcher.wait(5), i  # each change seen before the next: one wait each
+            wait_for(lambda i=i: taken(keys.node(f"n{i}")), 5, what=f"change {i}")
         if backend == "v3":
             assert stats.watches == 2
         else:
