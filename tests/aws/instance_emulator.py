@@ -343,7 +343,7 @@ fatal "$PETCTL_TEST_ERROR"
         self._thread.start()
 
     def stop_following(self) -> None:
-        """Stop the background sync (before deleting stacks: moto is not safe against concurrent use)."""
+        """Stop the background sync (before the base stack goes: there is nothing left to follow)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -154,7 +154,7 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
     assert {(c["AutoScalingGroupName"], c["LifecycleActionResult"]) for c in launches} == {
         (f"{stack_name}-job-e2e", "CONTINUE")}
 
-    emulator.stop_following()  # before stacks are deleted: moto's backends are not safe for concurrent use
+    emulator.stop_following()  # every sync so far got its answers (moto takes one request at a time)
     assert emulator.errors == []
     ready.teardown()  # no job stack is left to refuse it
     assert stack_gone(moto, stack_name) and stack_gone(moto, f"{stack_name}-job-e2e")

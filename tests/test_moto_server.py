@@ -1,0 +1,56 @@
+"""The tests' moto server takes one request at a time: moto's backends have no locks, and a request that
+reads while another writes can fail inside moto with a 500 that no AWS service would answer (CI saw one in
+the emulated end-to-end job, as its job stack was deleted while the instance emulator read the group)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.support.moto_server import serve_moto
+
+pytest.importorskip("moto.server", reason="moto[server] is not installed")
+
+
+def test_moto_runs_one_request_at_a_time_while_clients_connect_at_once(monkeypatch):
+    import boto3
+    from moto.autoscaling.models import AutoScalingBackend
+
+    inside, most, lock = [0], [0], threading.Lock()
+    original = AutoScalingBackend.describe_auto_scaling_groups
+
+    def slow_describe(self, *args, **kwargs):  # a read that takes long enough for others to overlap it
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(AutoScalingBackend, "describe_auto_scaling_groups", slow_describe)
+    with serve_moto() as url:
+        def describe(_: int) -> int:
+            client = boto3.client("autoscaling", endpoint_url=url, region_name="us-east-1",
+                                  aws_access_key_id="testing", aws_secret_access_key="testing")
+            return len(client.describe_auto_scaling_groups()["AutoScalingGroups"])
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(describe, range(16)))
+    assert answers == [0] * 16  # every client was answered, and well
+    assert most[0] == 1  # ... and moto never ran two of them at once (moto's own server ran up to 8)
+
+
+def test_the_server_stops_and_frees_its_port():
+    import socket
+
+    with serve_moto() as url:
+        port = int(url.rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
