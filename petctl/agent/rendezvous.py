@@ -129,7 +129,8 @@ class LiveWatcher:
         self._stale = False  # a watch reopened from a fresh read: events may be missing
         self._lock = threading.Lock()
         self._open: dict[str, Watch] = {}  # each thread's watch now, so stop() can close it mid-wait
-        round_key = f"{prefix}/round"
+        self.round_key = round_key = f"{prefix}/round"
+        self._round_seen: Event | None = None  # the newest change of the round record either watch saw
         self._threads = [
             threading.Thread(target=self._run, name="round-watch", daemon=True,
                              args=(round_key, lambda rev: kv.watch_key(round_key, rev), None)),
@@ -185,6 +186,12 @@ class LiveWatcher:
             self._events, self._stale = [], False
         unique = {(e.revision, e.key): e for e in events}
         return [unique[k] for k in sorted(unique)], stale
+
+    def round_seen(self) -> Event | None:
+        """The newest change of the round record that either watch reported (None before any): what a
+        waiting joiner, woken by it, learns the round from without a read. Not consumed by `take`."""
+        with self._lock:
+            return self._round_seen
 
     def _resume_point(self) -> int | None:
         """The revision a resumed membership watch starts after (once), or None: from a fresh read."""
@@ -243,6 +250,11 @@ class LiveWatcher:
                         self.outage.succeeded()
                         continue
                     self.outage.succeeded()
+                    rounds = [e for e in batch.events if e.key == self.round_key]
+                    if rounds:
+                        with self._lock:
+                            if self._round_seen is None or rounds[-1].revision > self._round_seen.revision:
+                                self._round_seen = rounds[-1]
                     if gate is None or gate.is_set():
                         with self._lock:
                             self._events.extend(batch.events)
@@ -565,12 +577,13 @@ class EtcdRendezvous:
         """One decision on a fresh view, carried out: our place once admitted, else None. Raises
         JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with).
 
-        A joiner that waits on round changes only (`state.ahead`: not the closer) reads the round record
-        first: one key, which admits it when the round froze with it (`admitted_by`). Only otherwise does
+        A joiner that waits on round changes only (`state.ahead`: not the closer) looks at the round record
+        first, from the event that woke it or one key (`_round_now`), which admits it when the round froze
+        with it (`admitted_by`). Only otherwise does
         it read `live/` whole, which returns every node's key: at 1000 nodes, a freeze would otherwise
         make all of them read a million keys at once."""
         if state.ahead and state.joined_round is not None:
-            rnd, index = self.reader.round()
+            rnd, index = self._round_now(state.joined_round)
             if (info := admitted_by(rnd, self.node_id)) is not None:
                 self.last_round = rnd
                 return self._complete(info, index, state), state
@@ -600,6 +613,20 @@ class EtcdRendezvous:
         elif isinstance(action, Wait):
             self._wait(action, snap, on_state)
         return None, state
+
+    def _round_now(self, joined: int) -> tuple[Round | None, int | None]:
+        """The round record and its revision as a waiting joiner learns it: from the round watch's newest
+        event when that is of the round it joined or a later one (the event that woke it carries the
+        record: no request), else from one read. Why: a freeze wakes every joiner at once, and at 1000
+        nodes their 1000 reads of the same key came in one burst, each answer the whole rank table.
+        An older round's record (one the watch reported before this node joined round `joined`) can
+        never admit it. Raises WireFormatError for an unreadable record, as `LiveReader.round` does."""
+        seen = self.watcher.round_seen()
+        if seen is not None and seen.value is not None:
+            rnd = Round.from_json(seen.value)
+            if rnd.round is not None and rnd.round >= joined:
+                return rnd, seen.revision
+        return self.reader.round()
 
     def _complete(self, info: RoundInfo, known_at: int | None, state: RendezvousState) -> RoundInfo:
         """Admitted to `info`'s round; `live/` is watched from after `known_at` (the revision of the view
