@@ -15,8 +15,9 @@ cores, which they then share with etcd. The model is the agent's pattern:
   agent's default, 0.2 s, each refresh a raft proposal). v3: the key lives under a lease of `--ttl`
   seconds kept alive every ttl/3 (a keep-alive is not a proposal).
 - the reads (`--model agent`, the default): the agent's own. A node waiting for a round that ranks it,
-  other than the closer, watches `live/round` only; on a round change it reads that one key, which admits
-  it when the round ranks it, else `live/` whole; after a safety-net period it reads `live/` whole. The
+  other than the closer, watches `live/round` only; on a round change it takes the record from the
+  watch event (no read: `EtcdRendezvous._round_now`), which admits it when the round ranks it, else it
+  reads `live/` whole; after a safety-net period it reads `live/` whole. The
   closer watches `live/` and reads it whole on each wake. A ranked node watches `live/` from the revision
   it was admitted at, first reads it whole `decisions.first_look_after(rank)` s later (rank / 100 s), then
   folds each wake's events into its view and reads it whole every safety-net period
@@ -78,7 +79,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from petctl.core.store import Batch, Compacted, Lease, LeaseExpired, Store, StoreError  # noqa: E402
+from petctl.core.store import Batch, Compacted, Event, Lease, LeaseExpired, Store, StoreError  # noqa: E402
 from petctl.io.etcd import EtcdServer  # noqa: E402
 from petctl.io.store import open_store  # noqa: E402
 
@@ -226,16 +227,20 @@ class SimNode:
         from petctl.agent.roundrunner import VIEW_EVERY
 
         agent = self.fleet.model == "agent"
-        round_first = False  # a paused joiner woken by a round change reads that one key first
+        round_first = False  # a paused joiner woken by a round change has the record from its event
+        woke_on: Event | None = None  # ... that event (the newest of the wake's that carries the record)
         folding = False  # a ranked node past its first whole read folds events into its view
         while not self.stop.is_set():
             try:
                 was_ranked = self.name in self.ranks
-                revision = self._read_round() if round_first else 0
+                revision = 0
+                if round_first and woke_on is not None:  # as the agent's _round_now: no read
+                    self._round(woke_on.value, woke_on.revision)
+                    revision = woke_on.revision
                 if self.name not in self.ranks or not round_first:
                     revision = self._look()
                     folding = was_ranked and self.name in self.ranks
-                round_first = False
+                round_first, woke_on = False, None
                 ranked, closer = self.name in self.ranks, self._closer() == self.name
                 paused = agent and not (ranked or closer)
                 if not agent:
@@ -256,8 +261,11 @@ class SimNode:
                         batch = watch.wait(min(left, 0.5))
                         if self.store.backend == "v2":  # a long poll per wait; v3 streams on one call
                             self.fleet.counters.add("watch")
-                        if not paused:  # a paused joiner learns of the round from its read, not the event
+                        if not paused:
                             self._apply(batch, decide=not agent)
+                        else:  # a paused joiner: the round record, from the newest event that carries it
+                            rounds = [e for e in batch.events if e.key == ROUND and e.value is not None]
+                            woke_on = rounds[-1] if rounds else woke_on
                         if agent and batch.events and (paused or closer or not folding):
                             round_first = paused  # a wake: the agent reads a fresh view
                             break
@@ -268,16 +276,6 @@ class SimNode:
             except StoreError as e:
                 self.fleet.error_inc(e)
                 self.stop.wait(0.1)
-
-    def _read_round(self) -> int:
-        """One read of `live/round` alone (a paused joiner's, on a round change); its revision."""
-        entry = self.store.get(ROUND)
-        self.fleet.counters.add("get")
-        if entry is None:
-            return 0
-        self.fleet.counters.add("keys")
-        self._round(entry.value, entry.mod_revision)
-        return entry.mod_revision
 
     def _look(self) -> int:
         """One read of `live/` whole (the agent's view): members, the round, and the closer's write."""
