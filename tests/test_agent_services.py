@@ -385,6 +385,63 @@ class CompactingStore:
         return W()
 
 
+class OneRoundEventStore(CompactingStore):
+    """The round watch's first opening reports one round event, then (once `go` is set) finds its history
+    compacted; every other watch waits quietly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def _open(self, key: str, start: int):
+        from petctl.core.store import Batch, Compacted
+
+        first = key.endswith("/round") and not any(k == key for k, _ in self.opened)
+        self.opened.append((key, start))
+        go = self.go
+
+        class W:
+            closed = threading.Event()
+            requests = 1
+            sent = False
+
+            def wait(self, timeout: float):
+                if first and not self.sent:
+                    self.sent = True
+                    return Batch((Event("put", key, "{}", start),), start)
+                if first:
+                    go.wait(timeout)
+                    if go.is_set():
+                        raise Compacted(50)
+                    return Batch((), start)
+                self.closed.wait(timeout)
+                return Batch((), start - 1)
+
+            def close(self) -> None:
+                self.closed.set()
+
+        return W()
+
+
+def test_the_round_event_a_joiner_may_use_is_forgotten_when_the_round_watch_starts_again():
+    """After the round watch reopens from a fresh read (a compaction here; also an outage, or a wiped
+    store whose revisions start again), what it reported before is not offered to a joiner as the round:
+    only a new event, or a read."""
+    kv, rec = OneRoundEventStore(), Recorder()
+    watcher = LiveWatcher(kv, "/petctl/jobs/c/live", RequestStats(), OutageReporter("watch", rec))
+    watcher.start()
+    try:
+        wait_for(lambda: watcher.round_seen() is not None, 5, what="the round event")
+        assert watcher.round_seen().key == "/petctl/jobs/c/live/round"
+        kv.go.set()
+        wait_for(lambda: [k for k, _ in kv.opened].count("/petctl/jobs/c/live/round") == 2, 5,
+                 what="the round watch reopened")
+        wait_for(lambda: watcher.round_seen() is None, 5, what="the old event forgotten")
+    finally:
+        watcher.stop()
+    assert rec.events == []
+
+
 def test_a_compacted_watch_starts_again_from_a_fresh_read_and_is_no_failure():
     kv, rec = CompactingStore(), Recorder()
     watcher = LiveWatcher(kv, "/petctl/jobs/c/live", RequestStats(), OutageReporter("watch", rec))

@@ -130,7 +130,7 @@ class LiveWatcher:
         self._lock = threading.Lock()
         self._open: dict[str, Watch] = {}  # each thread's watch now, so stop() can close it mid-wait
         self.round_key = round_key = f"{prefix}/round"
-        self._round_seen: Event | None = None  # the newest change of the round record either watch saw
+        self._round_seen: Event | None = None  # the round watch's newest event since it last (re)opened
         self._threads = [
             threading.Thread(target=self._run, name="round-watch", daemon=True,
                              args=(round_key, lambda rev: kv.watch_key(round_key, rev), None)),
@@ -188,8 +188,10 @@ class LiveWatcher:
         return [unique[k] for k in sorted(unique)], stale
 
     def round_seen(self) -> Event | None:
-        """The newest change of the round record that either watch reported (None before any): what a
-        waiting joiner, woken by it, learns the round from without a read. Not consumed by `take`."""
+        """The round watch's newest event (None before any, and again each time that watch reopens from a
+        fresh read: a wiped store starts its revisions again, so an older event may not be older by
+        revision): what a waiting joiner, woken by it, learns the round from without a read. Not consumed
+        by `take`."""
         with self._lock:
             return self._round_seen
 
@@ -237,6 +239,8 @@ class LiveWatcher:
                         if fresh:  # what changed before it was not watched: the agent reads a fresh view
                             with self._lock:
                                 self._stale = True
+                                if key == self.round_key:
+                                    self._round_seen = None
                             self.changed.set()
                         continue
                     try:
@@ -250,11 +254,9 @@ class LiveWatcher:
                         self.outage.succeeded()
                         continue
                     self.outage.succeeded()
-                    rounds = [e for e in batch.events if e.key == self.round_key]
-                    if rounds:
+                    if key == self.round_key:  # one watch, so its events come in the store's order
                         with self._lock:
-                            if self._round_seen is None or rounds[-1].revision > self._round_seen.revision:
-                                self._round_seen = rounds[-1]
+                            self._round_seen = batch.events[-1]
                     if gate is None or gate.is_set():
                         with self._lock:
                             self._events.extend(batch.events)
