@@ -227,20 +227,19 @@ class SimNode:
         from petctl.agent.roundrunner import VIEW_EVERY
 
         agent = self.fleet.model == "agent"
-        round_first = False  # a paused joiner woken by a round change has the record from its event
-        woke_on: Event | None = None  # ... that event (the newest of the wake's that carries the record)
+        woke_on: Event | None = None  # the round event that woke a paused joiner: it carries the record
         folding = False  # a ranked node past its first whole read folds events into its view
         while not self.stop.is_set():
             try:
                 was_ranked = self.name in self.ranks
                 revision = 0
-                if round_first and woke_on is not None:  # as the agent's _round_now: no read
+                if woke_on is not None:  # as the agent's _round_now: the record from the event, no read
                     self._round(woke_on.value, woke_on.revision)
                     revision = woke_on.revision
-                if self.name not in self.ranks or not round_first:
+                if woke_on is None or self.name not in self.ranks:
                     revision = self._look()
                     folding = was_ranked and self.name in self.ranks
-                round_first, woke_on = False, None
+                woke_on = None
                 ranked, closer = self.name in self.ranks, self._closer() == self.name
                 paused = agent and not (ranked or closer)
                 if not agent:
@@ -265,10 +264,9 @@ class SimNode:
                             self._apply(batch, decide=not agent)
                         else:  # a paused joiner: the round record, from the newest event that carries it
                             rounds = [e for e in batch.events if e.key == ROUND and e.value is not None]
-                            woke_on = rounds[-1] if rounds else woke_on
+                            woke_on = rounds[-1] if rounds else None
                         if agent and batch.events and (paused or closer or not folding):
-                            round_first = paused  # a wake: the agent reads a fresh view
-                            break
+                            break  # a wake: the agent reads a fresh view (a paused one, the event's record)
                 finally:
                     watch.close()
             except Compacted:

@@ -252,14 +252,20 @@ class Counting:
         return call
 
 
+def rendezvous_of_b(kv: Store, keys: JobKeys, watcher, stats: RequestStats,
+                    calls: list[tuple[str, str]]) -> EtcdRendezvous:
+    """Node "b"'s rendezvous in a job of 2 to 3 nodes, its store calls recorded in `calls`."""
+    settings = Settings(node_id="b", min_nodes=2, max_nodes=3, initial_size=2, last_call=1.0,
+                        initial_wait=20.0, join_timeout=60.0, stop_grace=2.0)
+    return EtcdRendezvous(Counting(kv, calls), LeaseClasses(kv), keys.job, "b", "127.0.0.1", settings,
+                          SimpleNamespace(emit=Recorder()), watcher, stats,
+                          StoreHealth(Recorder(), grace=5.0, slow=5.0))
+
+
 def paused_behind_a(kv: Store, keys: JobKeys, watcher: LiveWatcher,
                     calls: list[tuple[str, str]]) -> tuple[EtcdRendezvous, RendezvousState]:
     """Node "b" of a job of two, joined to round 1 and waiting (paused) behind "a", its closer."""
-    settings = Settings(node_id="b", min_nodes=2, max_nodes=3, initial_size=2, last_call=1.0,
-                        initial_wait=20.0, join_timeout=60.0, stop_grace=2.0)
-    events = SimpleNamespace(emit=Recorder())
-    rdzv = EtcdRendezvous(Counting(kv, calls), LeaseClasses(kv), keys.job, "b", "127.0.0.1", settings, events,
-                          watcher, watcher.stats, StoreHealth(Recorder(), grace=5.0, slow=5.0))
+    rdzv = rendezvous_of_b(kv, keys, watcher, watcher.stats, calls)
     for node in ("a", "b"):
         kv.put(keys.node(node), NodeRecord(node_id=node, host_addr="127.0.0.1", pid=1).to_json())
     kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=time.time()).to_json())
@@ -333,11 +339,7 @@ def test_an_older_rounds_event_never_admits_a_joiner(etcd_server):
     old = Round(round=1, phase=Phase.FROZEN, ts=time.time(), ranks={"a": 0, "b": 1}, world_size=2,
                 master_addr="127.0.0.1", master_port=1)
     watcher = SimpleNamespace(round_seen=lambda: Event("put", keys.round, old.to_json(), 7))
-    settings = Settings(node_id="b", min_nodes=2, max_nodes=3, initial_size=2, last_call=1.0,
-                        initial_wait=20.0, join_timeout=60.0, stop_grace=2.0)
-    rdzv = EtcdRendezvous(Counting(kv, calls), LeaseClasses(kv), keys.job, "b", "127.0.0.1", settings,
-                          SimpleNamespace(emit=Recorder()), watcher, RequestStats(),
-                          StoreHealth(Recorder(), grace=5.0, slow=5.0))
+    rdzv = rendezvous_of_b(kv, keys, watcher, RequestStats(), calls)
     try:
         kv.create(keys.round, Round(round=2, phase=Phase.JOINING, ts=time.time()).to_json())
         assert rdzv._round_now(joined=1)[0] == old  # the round it joined: the event is enough
