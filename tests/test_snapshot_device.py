@@ -52,6 +52,16 @@ def test_a_copy_is_exact_counted_and_released_once_done() -> None:
     del views
 
 
+def test_a_small_slow_copy_reports_its_rate_not_zero() -> None:
+    """CI once saw the test above fail with a rate of 0.0: its 200-odd bytes, slowed by a loaded host,
+    copied at under 0.0005 GB/s, which the report rounded to 3 decimals. It keeps 4 significant digits."""
+    copier = DeviceCopy()
+    copier.bytes, copier.seconds = 212, 0.002  # what the test above copies, in 2 ms
+    report = copier.report(1)
+    assert report["d2h_gb_per_s"] == pytest.approx(212 / 0.002 / 1e9, rel=1e-3)  # 0.000106 GB/s
+    assert report["d2h_ms"] == 2.0
+
+
 class FakeCudart:
     """torch.cuda.cudart() as the page lock sees it: records the calls, refuses when told to."""
 

@@ -512,10 +512,12 @@ class DeviceCopy:
                 self.log.emit("snapshot.unpin_failed", reason=f"cudaHostUnregister: CUDA error {error}")
 
     def report(self, count: int) -> dict[str, Any]:
-        """Per copy (of `count`): milliseconds, the rate, and whether the mapping was page-locked."""
+        """Per copy (of `count`): milliseconds, the rate, and whether the mapping was page-locked. Both
+        figures keep 4 significant digits, not 3 decimals: a small state's copy (a few hundred bytes, or
+        one slowed by a busy host) has a real rate below 0.0005 GB/s, which 3 decimals wrote as 0."""
         n = max(1, count)
-        return {"d2h_ms": round(1e3 * self.seconds / n, 3), "pinned": self.pinned,
-                "d2h_gb_per_s": round(self.bytes / self.seconds / 1e9, 3) if self.seconds > 0 else None}
+        return {"d2h_ms": float(f"{1e3 * self.seconds / n:.4g}"), "pinned": self.pinned,
+                "d2h_gb_per_s": float(f"{self.bytes / self.seconds / 1e9:.4g}") if self.seconds > 0 else None}
 
 
 def _address(mm: mmap.mmap) -> int:
