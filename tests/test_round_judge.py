@@ -11,11 +11,15 @@ import pytest
 from petctl.agent.decisions import (
     EndJob,
     RoundInfo,
+    next_round,
 )
 from petctl.agent.roundjudge import (
     AskRestart,
     Continue,
+    HandOff,
+    HandoffLook,
     Idle,
+    MarkHandoff,
     MembershipChange,
     Over,
     ReportFailure,
@@ -23,11 +27,15 @@ from petctl.agent.roundjudge import (
     StopLingering,
     Succeeded,
     Timing,
+    TrainOn,
     Workers,
     WorkerWatch,
+    handoff,
+    handoff_at,
     judge,
     judge_workers,
     preempted_why,
+    save_estimate,
 )
 from petctl.core.records import Phase, Preempt, Round
 from tests.support.round_cases import (
@@ -242,3 +250,63 @@ def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
     client.close()
     assert snap.done_in(4) == {"a", "c", "d"}
     assert snap.mixed == {4: {"c": "local rank 0 exited with code 1"}}
+
+
+# --- a spot notice's hand-off -------------------------------------------------------------------------------
+@pytest.mark.parametrize("handing_off,alive,me,admits", [
+    ({}, {"a", "b", "c", "w"}, "a", True),  # nobody handing off: the lowest rank admits
+    ({"c": WALL + 120}, {"a", "b", "c", "w"}, "a", False),  # c hands its place to w: not a's to admit
+    ({"c": WALL + 120}, {"a", "b", "w"}, "a", False),  # c is gone: lost first, judged as such
+    ({"x": WALL + 120}, {"a", "b", "c", "w"}, "a", True),  # a stale entry of a node not in the round
+])
+def test_a_waiting_node_is_the_noticed_members_to_admit(handing_off, alive, me, admits):
+    """While a member under a spot notice is alive and trains on, the waiting node (its replacement) joins
+    in that member's hand-off, in one re-form: nobody else admits it first (a re-form at N+1 then N)."""
+    rnd = frozen_round(4, RANKS, handoffs=handing_off)
+    verdict = judge(snapshot(alive, rnd), info_of(RANKS, me), settings(me=me, max_nodes=4))
+    if admits:
+        assert verdict == MembershipChange("membership.waiting", ("w",), "scale-up: w")
+    elif "c" not in alive:
+        assert verdict == MembershipChange("membership.lost", ("c",), "node lost: c")
+    else:
+        assert verdict == Continue()
+
+
+def test_handoffs_are_a_round_field_that_the_next_round_drops():
+    rnd = frozen_round(4, RANKS, handoffs={"c": WALL + 120})
+    assert Round.from_json(rnd.to_json()) == rnd
+    nxt = next_round(rnd, "preemption of c", False, 3, WALL + 1, leaving="c")
+    assert nxt.handoffs == {} and "c" not in nxt.prev_ranks
+
+
+def look(**kw) -> HandoffLook:
+    base = dict(kind="spot", now=WALL, handoff_at=WALL + 60, waiting=False, marked=False)
+    base.update(kw)
+    return HandoffLook(**base)
+
+
+@pytest.mark.parametrize("kw,step", [
+    ({}, MarkHandoff()),  # a fresh spot notice: say so on the round, and train on
+    ({"marked": True}, TrainOn()),
+    ({"marked": True, "waiting": True}, HandOff("replacement")),  # the replacement is up: one re-form
+    ({"waiting": True}, HandOff("replacement")),
+    ({"marked": True, "now": WALL + 60}, HandOff("deadline")),  # the last moment that leaves the save
+    ({"now": WALL + 61, "handoff_at": WALL + 60}, HandOff("deadline")),  # a late-seen notice saves at once
+    ({"kind": "asg"}, HandOff("notice")),  # a scale-in: nothing replaces it
+    ({"kind": "leave"}, HandOff("notice")),
+])
+def test_the_noticed_node_trains_until_its_replacement_or_its_last_safe_step(kw, step):
+    assert handoff(look(**kw)) == step
+
+
+@pytest.mark.parametrize("measured,budget,estimate", [
+    ([], 22.5, 22.5 * 0.25),  # nothing measured yet: a quarter of the budget
+    ([], 2.0, 1.0),  # ... but never under the slack
+    ([0.4, 2.0, 1.0], 90.0, 2.0 * 1.5 + 1.0),  # the longest recent save, with its margin
+])
+def test_the_save_estimate_is_learned_from_measured_saves(measured, budget, estimate):
+    assert save_estimate(measured, budget) == pytest.approx(estimate)
+
+
+def test_handoff_at_leaves_the_step_under_way_and_the_save():
+    assert handoff_at(save_deadline=100.0, save_s=4.0, step_s=0.5) == pytest.approx(95.5)

@@ -37,7 +37,7 @@ from petctl.agent.decisions import RoundInfo, Settings
 from petctl.agent.health import OutageReporter, StoreHealth, describe, traceback_tail
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat, PeerWatch, silence_limit, watching_enabled
-from petctl.agent.notices import PreemptionHandler, RebalanceResponder
+from petctl.agent.notices import PreemptionHandler, RebalanceResponder, instance_place
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, LiveWatcher, RendezvousAborted, RequestStats
 from petctl.agent.reporting import EtcdEventSink, Mirror, Progress, StatusPublisher
 from petctl.agent.roundjudge import RoundOutcome
@@ -102,6 +102,7 @@ class Agent:
         self.preemption = PreemptionHandler(config, self.events)
         self.preemption.wake = self.watcher.nudge
         self.preemption.on_rebalance = RebalanceResponder(self.control_dir, self.events)
+        self.preemption.place = instance_place(config, self.events)
         self.event_sink = EtcdEventSink(self.leases, self.keys, self.node_id,
                                         OutageReporter("events", emit, parent=store))
         self.events.add_sink(self.event_sink)
@@ -250,7 +251,8 @@ class Agent:
         self.events.emit("agent.left", cause=cause, round=info.round if info else None)
         if cause == "preemption":
             self.preemption.complete_lifecycle()
-            self.preemption.wait_for_termination(self.leave)
+            if not self.preemption.end_instance():  # not detached: the reclaim ends the instance
+                self.preemption.wait_for_termination(self.leave)
         return 0
 
     def _on_result(self, result: JobResult) -> None:

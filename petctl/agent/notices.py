@@ -13,10 +13,19 @@ The metadata service itself is read in imds.py.
 
 What the agent does with a preemption notice (spot interruption or ASG scale-in), or a graceful leave.
 
-EC2 gives two minutes; we spend them like this: announce the preemption in the round (so every node
-flags its workers and all ranks save the same step), wait for the local workers' save with a deadline well
-inside the notice, leave the rendezvous so the others re-form at once, and complete the ASG lifecycle
-action so the instance can go. The metadata watcher lives in imds.py, the lifecycle client below.
+EC2 gives two minutes for a spot notice; we spend them like this (the rules are roundjudge.py's `handoff`):
+at the notice, the instance leaves its Auto Scaling group without lowering the desired capacity, so the
+replacement is launched at once (`place.detach_for_replacement`); the node puts itself on the round's
+`handoffs` and trains on at full world size; it hands off when the replacement waits to join, or at the
+last moment that leaves time to save (`handoff_at`, from its measured save and step times), whichever is
+first. Handing off is announcing the notice in the round: every node flags its workers and all ranks
+save the same step; we wait for the local workers' save with a deadline well inside the notice, leave
+the rendezvous so the others re-form at once (admitting the replacement in the same re-form, when it is
+there), and end our own instance (`place.end_instance`), so the rest of the window is not billed.
+
+An ASG scale-in notice is announced at once, and the node completes the ASG lifecycle action so the
+instance can go: the group wants it gone, and nothing replaces it. A notice seen too late for a save is
+announced at once too.
 
 A graceful leave (`petctl scale` down, SIGTERM to the agent) takes the same path when the workers speak
 the protocol (agent/roundjudge.py): `plan_leave` records it as a notice of kind `leave`, which saves first
@@ -35,7 +44,20 @@ from typing import Any, Protocol
 from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.health import describe
 from petctl.agent.rendezvous import EtcdRendezvous
-from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first, preempted_why
+from petctl.agent.roundjudge import (
+    SPOT,
+    HandoffLook,
+    HandoffStep,
+    Reform,
+    RequestSave,
+    SaveLook,
+    admission,
+    handoff,
+    handoff_at,
+    leave_saves_first,
+    preempted_why,
+    save_estimate,
+)
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.boots import boot_key
@@ -58,13 +80,60 @@ def save_budget(left: float, preempt_deadline: float) -> float:
     return max(1.0, min(left - margin, preempt_deadline))
 
 
+class InstancePlace(Protocol):
+    """This instance's place in its group (AWS: autoscaling.AwsPlace; local: imds.LocalPlace). Neither
+    method raises: a failure is reported by the implementation and answered False."""
+
+    def detach_for_replacement(self) -> bool: ...
+
+    def end_instance(self) -> bool: ...
+
+
+class LocalPlace:
+    """The local provider's instance: its reconciler plays the group, reached through the instance's own
+    metadata endpoint (providers/local/metadata_server.py); the agent process is the instance."""
+
+    def __init__(self, imds_endpoint: str, events: EventLog) -> None:
+        self.endpoint = imds_endpoint
+        self.events = events
+
+    def detach_for_replacement(self) -> bool:
+        from petctl.agent.imds import request_detach
+
+        ok = request_detach(self.endpoint)
+        self.events.emit("capacity.detached" if ok else "capacity.detach_failed", provider="local")
+        return ok
+
+    def end_instance(self) -> bool:
+        """Nothing to call: the instance ends when this agent exits, which it does next."""
+        self.events.emit("capacity.ending", provider="local")
+        return True
+
+
+def instance_place(config: AgentConfig, events: EventLog) -> InstancePlace | None:
+    """This instance's place in its group: AWS's Auto Scaling group where the agent runs in one, the
+    local reconciler where a local metadata endpoint stands in for EC2's; None elsewhere."""
+    if config.asg_name:
+        from petctl.agent.autoscaling import AwsPlace
+
+        return AwsPlace(config, events)
+    if config.imds_endpoint:
+        return LocalPlace(config.imds_endpoint, events)
+    return None
+
+
 class PreemptionHandler:
     def __init__(self, config: AgentConfig, events: EventLog) -> None:
         self.config = config
         self.events = events
         self.notice: Any = None
+        self.noticed_at = 0.0
         self.announced = False
         self.save_deadline = 0.0
+        self.place: InstancePlace | None = None  # set by the agent where the provider has one
+        self.detached = False  # our instance left its group at the notice: its replacement is launched
+        self._marked_round: int | None = None  # the round whose `handoffs` holds us
+        self.handoff_why = ""  # why we handed off (roundjudge.HandOff), once we did
         self.timed_out = False  # the workers' save ran past save_deadline
         self._watcher: Any = None
         self._heartbeat: Any = None
@@ -110,11 +179,42 @@ class PreemptionHandler:
                 return
             now, most = time.time(), self.config.job.timeouts.preempt_deadline
             self.save_deadline = now + save_budget(notice.deadline - now, most)
+            self.noticed_at = now
             self.notice = notice
         self.events.emit("preemption.notice", kind=notice.kind, action=notice.action,
                          deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
         if self.wake is not None:
-            self.wake()  # announce it now, not at the round runner's next pass
+            self.wake()  # the round runner weighs it now, not at its next pass
+        if notice.kind == SPOT and self.place is not None:
+            self.detached = self.place.detach_for_replacement()  # the replacement is launched now
+
+    def handoff_step(self, snap: StoreView, info: RoundInfo, now: float, save_seconds: Sequence[float],
+                     step_s: float) -> HandoffStep:
+        """What to do about our notice on this pass (roundjudge.handoff), from the round as last seen
+        and our measured save (`save_seconds`) and step (`step_s`) times."""
+        rnd = snap.round
+        save_s = save_estimate(list(save_seconds), self.save_deadline - self.noticed_at)
+        look = HandoffLook(kind=self.notice.kind, now=now,
+                           handoff_at=handoff_at(self.save_deadline, save_s, step_s),
+                           waiting=bool(snap.alive - info.ranks.keys()),
+                           marked=self._marked_round == info.round
+                           or (rnd is not None and self.config.node_id in rnd.handoffs))
+        return handoff(look)
+
+    def mark_handoff(self, rdzv: EtcdRendezvous, info: RoundInfo) -> None:
+        """Put our hand-off on the round (CAS on a fresh view; retried by the round runner's next pass
+        when the round moved meanwhile). Raises what the etcd calls raise."""
+        if rdzv.set_handoff(rdzv.view(), self.notice.deadline):
+            self._marked_round = info.round
+            self.events.emit("preemption.training_on", round=info.round, deadline=self.notice.deadline,
+                             detached=self.detached)
+
+    def end_instance(self) -> bool:
+        """Our instance left its group at the notice, and we have left the job: end it now, so the rest
+        of the notice window is not billed. False when it was not detached (the reclaim ends it)."""
+        if not self.detached or self.place is None:
+            return False
+        return self.place.end_instance()
 
     def plan_leave(self, budget: float) -> None:
         """A graceful leave that saves first: a notice of kind `leave`, due in `budget` seconds. A notice

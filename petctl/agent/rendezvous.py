@@ -498,6 +498,14 @@ class EtcdRendezvous:
         return ours and index is not None and self._cas_round(dataclasses.replace(rnd, preempt=request),
                                                               index)
 
+    def set_handoff(self, snap: StoreView, deadline: float) -> bool:
+        """Put us on our running round's `handoffs`, a spot-noticed member that trains on until it hands
+        off (roundjudge.handoff), reclaimed at `deadline` (CAS); False if the round moved meanwhile."""
+        rnd, index = snap.round, snap.round_index
+        ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
+        return ours and index is not None and self._cas_round(
+            dataclasses.replace(rnd, handoffs={**rnd.handoffs, self.node_id: deadline}), index)
+
     def mark_done(self, round_no: int, failure: str = "") -> None:
         self.stats.writes += 1
         record = DoneRecord(ts=time.time(), failure=failure)  # failure: a mixed ending's, else ""

@@ -33,8 +33,10 @@ from __future__ import annotations
 import json
 import os
 import queue
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -329,6 +331,10 @@ class Progress:
         self.longest_gap = 0.0  # the round's longest time between two steps
         self.progress_at: float | None = None  # monotonic: the round's latest event of any worker
         self.reporting = False  # the workers ever reported progress (events): the hang watchdog's default
+        # What a spot notice's hand-off plans with (roundjudge.handoff_at), kept across rounds: the
+        # latest saves' durations and steps' gaps, in seconds.
+        self.save_seconds: deque[float] = deque(maxlen=5)
+        self.step_gaps: deque[float] = deque(maxlen=20)
 
     def begin_round(self) -> None:
         self.span = {}
@@ -336,6 +342,10 @@ class Progress:
         self.last_step_at = None
         self.longest_gap = 0.0
         self.progress_at = None
+
+    def step_time(self) -> float:
+        """The median of the latest gaps between two steps (0.0 before two steps were seen)."""
+        return statistics.median(self.step_gaps) if self.step_gaps else 0.0
 
     def stalled_for(self, now: float) -> float | None:
         """Seconds since the round's latest step; None when the workers reported none this round."""
@@ -353,6 +363,7 @@ class Progress:
             now = time.monotonic()
             if self.last_step_at is not None:
                 self.longest_gap = max(self.longest_gap, now - self.last_step_at)
+                self.step_gaps.append(now - self.last_step_at)
             self.last_step_at = now
             if "first" not in self.span:
                 self.span.update(first=step, first_ts=ts)
@@ -360,6 +371,8 @@ class Progress:
         elif event in FORWARDED:
             last = self.last_checkpoint or Checkpoint(step=None)
             if event == "checkpoint.saved":
+                if isinstance(seconds := record.get("seconds"), int | float) and seconds >= 0:
+                    self.save_seconds.append(float(seconds))
                 self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"),
                                                   interval_s=last.interval_s,
                                                   interval_reason=last.interval_reason)

@@ -85,7 +85,9 @@ def judge(snap: StoreView, info: RoundInfo, s: Settings, finishing: bool = False
 
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
     exiting 0): done nodes may exit. Waiting nodes are admitted below `max` by the lowest live rank only,
-    so one node pays for the CAS. Every member done ends the job `succeeded`.
+    so one node pays for the CAS, unless a live member is handing off its place after a spot notice
+    (`Round.handoffs`): the waiting node is then that member's to admit, in its hand-off's one re-form.
+    Every member done ends the job `succeeded`.
     Once the job's workers have finished (a member is done, or `finishing`: a worker of ours exited 0),
     no membership change re-forms the round: re-forming would only restart every worker to load the
     final step and exit (issue 25). A waiting node is not admitted, and a member lost from then on is
@@ -114,7 +116,9 @@ def judge(snap: StoreView, info: RoundInfo, s: Settings, finishing: bool = False
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
     waiting = tuple(sorted(snap.alive - info.ranks.keys()))
-    if waiting and len(info.ranks) < s.max_nodes and is_lowest_live_rank(info, snap.alive):
+    handing_off = bool(rnd.handoffs.keys() & snap.alive & info.ranks.keys())  # theirs to admit: `handoff`
+    if (waiting and not handing_off and len(info.ranks) < s.max_nodes
+            and is_lowest_live_rank(info, snap.alive)):
         return MembershipChange("membership.waiting", waiting, f"scale-up: {','.join(waiting)}")
     if all_done:
         return EndJob("succeeded", finished(snap, info.round), info.round)
@@ -364,3 +368,77 @@ def leave_saves_first(look: SaveLook) -> bool:
     """A graceful leave of a member of a running round saves first when its workers can: they speak the
     protocol and still run. A request already on the round (a notice) is joined, not replaced."""
     return look.protocol and look.running
+
+
+# --- a spot notice's hand-off -------------------------------------------------------------------------------
+# A spot notice gives two minutes. The noticed node uses them (agent/notices.py does the I/O):
+# - at the notice its instance leaves its group without lowering the group's desired capacity, so the
+#   replacement is launched at once (AWS's DetachInstances; the local provider's reconciler likewise);
+# - the node puts itself on the round's `handoffs` and trains on, so the job keeps its full world size;
+# - it hands off at whichever comes first: a node waits to join (the replacement is up: the round it
+#   re-forms admits it in the leaver's place, one re-form, no round at N-1), or the last moment that
+#   still leaves time for a save (`handoff_at`): then the job trains at N-1 until the replacement joins;
+# - handing off is the save-now request every notice makes: every rank saves the same step, the node
+#   leaves, and its instance ends itself, so the rest of the window is not billed.
+# A scale-in notice ("asg") and a graceful leave hand off at once: nothing replaces them.
+
+SPOT = "spot"
+UNKNOWN_SAVE_SHARE = 0.25  # before any save was measured, this share of the save budget is kept for it
+SAVE_SAFETY = 1.5  # the measured save time is multiplied by this ...
+SAVE_SLACK = 1.0  # ... and this many seconds are added: the save's own margin
+
+
+@dataclass(frozen=True)
+class HandoffLook:
+    """What a noticed node weighs before it hands off (`handoff`)."""
+
+    kind: str  # the notice's kind: spot | asg | leave
+    now: float  # epoch seconds
+    handoff_at: float  # the last moment to ask for the save (`handoff_at`)
+    waiting: bool  # a live node outside the round waits to join: the replacement, or any joiner
+    marked: bool  # our hand-off is on the round (`Round.handoffs`)
+
+
+@dataclass(frozen=True)
+class MarkHandoff:
+    """Put our hand-off on the round (CAS), so no one else admits the waiting node; keep training."""
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """Ask for the save now: every rank saves the same step, then we leave (`why`: for the event)."""
+
+    why: str  # replacement | deadline | notice
+
+
+@dataclass(frozen=True)
+class TrainOn:
+    """Nothing to do yet: the job trains at full size."""
+
+
+HandoffStep = MarkHandoff | HandOff | TrainOn
+
+
+def handoff(look: HandoffLook) -> HandoffStep:
+    """The noticed node's next step. Only a spot notice trains on; the others hand off at once."""
+    if look.kind != SPOT:
+        return HandOff("notice")
+    if look.waiting:
+        return HandOff("replacement")
+    if look.now >= look.handoff_at:
+        return HandOff("deadline")
+    return TrainOn() if look.marked else MarkHandoff()
+
+
+def save_estimate(measured: list[float], budget: float) -> float:
+    """Seconds to keep for the hand-off's save: the longest recent save of this node, with a margin
+    (`SAVE_SAFETY`, `SAVE_SLACK`); before any was measured, a share of the budget."""
+    if not measured:
+        return max(SAVE_SLACK, budget * UNKNOWN_SAVE_SHARE)
+    return max(measured) * SAVE_SAFETY + SAVE_SLACK
+
+
+def handoff_at(save_deadline: float, save_s: float, step_s: float) -> float:
+    """The last moment to ask for the save: the workers finish the step under way (`step_s`), then save
+    (`save_s`), all before `save_deadline`."""
+    return save_deadline - save_s - step_s

@@ -38,6 +38,8 @@ from petctl.agent.roundjudge import (
     AskRestart,
     Continue,
     FailedAfterFinish,
+    HandOff,
+    MarkHandoff,
     MembershipChange,
     Over,
     Rebuild,
@@ -132,7 +134,7 @@ class RoundRunner:
             if p.leave.is_set() and not self.saves.defer_leave(snap):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
             if p.preemption.notice is not None and not p.preemption.announced:
-                self._store_call(p.preemption.announce, self.saves.announce)
+                self._hand_off(snap, info)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
             due = now >= next_view or self.saves.admission_saved()
@@ -160,6 +162,20 @@ class RoundRunner:
             if p.pool is not None:  # when, and at which CPU priority: refill_due
                 look = p.pool.refill_look(now - started, bool(p.progress.round_step_seen))
                 refill(p.pool, refill_due(look), info.round, p.events)
+
+    def _hand_off(self, snap: StoreView, info: RoundInfo) -> None:
+        """Our instance has a notice: train on, or hand off now (roundjudge.handoff)."""
+        p = self.p
+        step = p.preemption.handoff_step(snap, info, time.time(), p.progress.save_seconds,
+                                         p.progress.step_time())
+        if isinstance(step, HandOff):
+            if p.preemption.handoff_why != step.why:  # once per reason, not once per pass
+                p.preemption.handoff_why = step.why
+                p.events.emit("preemption.handoff", round=info.round, why=step.why,
+                              waiting=sorted(snap.alive - info.ranks.keys()), step=p.progress.step)
+            self._store_call(p.preemption.announce, self.saves.announce)
+        elif isinstance(step, MarkHandoff):
+            self._store_call(p.preemption.mark_handoff, p.rdzv, info)
 
     def _store_call(self, fn: Callable[..., object], *args: object) -> bool:
         """Run an etcd call of the round; False (counted, reported once per outage) if etcd failed."""

@@ -113,6 +113,10 @@ class Round(WireRecord):
     restarts: int = 0  # worker failures so far (max_restarts bounds it)
     cause: str = ""  # why this round was opened
     preempt: Preempt | None = None
+    # Members under a spot notice that train on until they hand their place over (agent/roundjudge.py,
+    # `handoff`): node_id -> when its instance is reclaimed. While one is alive, a waiting node is theirs
+    # to admit, in the one re-form of their hand-off, not the lowest rank's.
+    handoffs: dict[str, float] = field(default_factory=dict)
     # The ranks of the round this one replaced, less a node that opened it to leave: its members that are
     # still alive are expected to join this one (the closer waits for them; see agent/decisions.py).
     prev_ranks: dict[str, int] = field(default_factory=dict)
@@ -131,6 +135,8 @@ class Round(WireRecord):
         object.__setattr__(self, "ranks", {str(k): int(v) for k, v in (self.ranks or {}).items()})
         object.__setattr__(self, "prev_ranks",
                            {str(k): int(v) for k, v in (self.prev_ranks or {}).items()})
+        object.__setattr__(self, "handoffs",
+                           {str(k): float(v) for k, v in (self.handoffs or {}).items()})
 
 
 @dataclass(frozen=True)
