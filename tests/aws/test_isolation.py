@@ -135,8 +135,9 @@ def test_a_job_logs_only_to_streams_under_its_name(ab):
 
 # --- Auto Scaling: shrink its own group to 0, nothing else (17.4) -------------------------------------
 def release_contexts() -> list[tuple[str, dict[str, Any]]]:
-    """The IAM action and condition keys of each call petctl/agent/agent.py makes, recorded live."""
-    from petctl.agent.agent import release_capacity
+    """The IAM action and condition keys of each call release_capacity (petctl/agent/autoscaling.py) makes,
+    recorded live."""
+    from petctl.agent.autoscaling import release_capacity
     from petctl.core.eventlog import EventLog
 
     calls: list[tuple[str, dict[str, Any]]] = []

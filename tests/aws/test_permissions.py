@@ -7,7 +7,7 @@ permissions`). moto enforces no IAM, so the contract is checked on the rendered 
 - the base stack's JobStackRole (the service role the CLI passes as RoleARN) allows every action of
   every handler of every resource type in the job stack (wildcards such as `autoscaling:Describe*`
   matched with fnmatch, as IAM matches them);
-- the workers' own role allows exactly the calls the agent's release path makes (petctl/agent/agent.py,
+- the workers' own role allows exactly the calls the agent's release path makes (petctl/agent/autoscaling.py,
   read with `ast`), and nothing that deletes a stack or passes a role.
 
 The schemas: the installed cfn-lint's, when they still carry `handlers` (releases after 1.3 strip them);
@@ -195,8 +195,8 @@ def test_service_role_manages_job_roles_by_path_and_boundary_never_by_name_or_ta
 
 
 def release_calls() -> set[str]:
-    """The IAM actions of the AWS calls in petctl/agent/agent.py (`client.snake_case(...)`)."""
-    tree = ast.parse((ROOT / "petctl" / "agent" / "agent.py").read_text())
+    """The IAM actions of the AWS calls in petctl/agent/autoscaling.py (`client.snake_case(...)`)."""
+    tree = ast.parse((ROOT / "petctl" / "agent" / "autoscaling.py").read_text())
     calls = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
