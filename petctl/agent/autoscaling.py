@@ -1,7 +1,10 @@
-"""The instance's Auto Scaling calls: every call the agent makes to its own Auto Scaling group, in one place.
+"""The instance's Auto Scaling calls: every call the agent makes to its own group, and the end of an instance
+that left it, in one place.
 
 Sections:
 - the ASG lifecycle actions (the termination hook's heartbeat and completion, the launch hook's);
+- the instance's place in its group (`AwsPlace`): at a spot notice it is detached, so the group launches
+  its replacement at once, and once the node has left it ends itself;
 - releasing capacity (a finished job scales its own group to 0).
 
 All calls are best effort: a failure is an event, never an exception. boto3 is imported only when a call
@@ -12,9 +15,12 @@ they allow exactly the calls made here, and tests/aws/test_isolation.py that the
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from petctl.agent.health import describe
@@ -222,6 +228,131 @@ class LaunchCompletion:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=15)
+
+
+# --- the instance's place in its group: detached for a replacement, then ended ------------------------------
+# At a spot interruption notice the instance leaves its group without lowering the desired capacity, so the
+# group launches its replacement at once; the node keeps training until the hand-off, leaves the rendezvous,
+# and then ends its own instance. A scale-in notice (the group's `target-lifecycle-state` = Terminated) is
+# never detached: the group wants that instance gone, and the termination hook's path above applies.
+#
+# What AWS promises, and what the code and tests here rest on:
+# - DetachInstances with ShouldDecrementDesiredCapacity=false: "Amazon EC2 Auto Scaling launches instances
+#   to replace the ones that are detached" (API reference). The desired capacity is unchanged, so a group
+#   at its MaxSize (`--max`) still gets its replacement: the detached instance no longer counts. The same
+#   holds for a mixed-instances group: the replacement is chosen by the group's own instance types and
+#   allocation strategy, like any launch (it may be another type, or on-demand).
+# - Only an InService (or Standby) instance can be detached. One the group is already terminating
+#   (Terminating:Wait, e.g. Capacity Rebalancing, which on a two-minute notice "calls the termination
+#   lifecycle hook and attempts to launch a replacement immediately") is refused: the detach fails, the
+#   group launches that replacement itself, and the termination hook's heartbeat and completion still
+#   apply. `detach_for_replacement` then returns False and the caller keeps the hook path.
+# - Lifecycle hooks exist for two transitions only, EC2_INSTANCE_LAUNCHING and EC2_INSTANCE_TERMINATING;
+#   a detach is neither, so no hook holds it and the termination hook never fires for this instance
+#   again. The replacement's launch hook does apply (it joins like any new instance).
+# - A detached instance keeps running, and billing, until it ends or is reclaimed ("it continues running
+#   and incurring charges"). Ending it is ours to do.
+#
+# How it ends: by shutting itself down, with no IAM permission at all. The launch template sets
+# InstanceInitiatedShutdownBehavior=terminate (an OS shutdown, not `halt`, then terminates the instance),
+# and a one-time spot instance, which is what an Auto Scaling group launches, cannot be stopped anyway. The
+# agent runs unprivileged (uid 1000 in the job's container, or the `petctl` user on the AMI), so it asks
+# the host: it creates `END_REQUEST` in its work directory (the host's /var/lib/petctl/work), and the host's
+# `petctl-end-instance.path` unit (worker_image/worker_boot.sh.j2) powers the instance off. The rejected
+# alternative, ec2:TerminateInstances on the calling instance only, needs an IAM statement keyed on
+# `ec2:SourceInstanceARN`; the shutdown needs none, and the job role keeps no ec2:TerminateInstances. If the
+# request is never acted on (a host without the unit), the spot reclaim still ends the instance at the end
+# of its notice: the cost of a failure is bounded by the notice window.
+#
+# IAM: autoscaling:DetachInstances on the job's own group only (cfn/job.yaml.j2, `DetachOwnGroupInstance`).
+# IAM has no condition key for the instance ids or for ShouldDecrementDesiredCapacity, so the role could
+# detach any instance of its own group, never another job's; the agent detaches only its own instance.
+
+END_REQUEST = "end-instance"  # in the agent's work dir; the host powers off once it exists
+
+
+class AwsPlace:
+    """This instance's place in its Auto Scaling group, for a spot notice's hand-off.
+
+    `detach_for_replacement()` at the notice, `end_instance()` once the node has left the rendezvous.
+    Neither raises: each returns whether it did its part and says so in one event (see the section's
+    comment for AWS's contract). `autoscaling` stands in for a boto3 client in tests (a recorder or a
+    moto-backed client); `end_request` for the host's request file."""
+
+    def __init__(self, config: AgentConfig, events: EventLog, autoscaling: Any = None,
+                 end_request: Path | None = None) -> None:
+        self.config = config
+        self.events = events
+        self._autoscaling = autoscaling
+        work = Path(config.work_dir or os.getcwd())
+        self.end_request = end_request if end_request is not None else work / END_REQUEST
+        self.detached = False  # DetachInstances succeeded: the group no longer counts this instance
+        self.ended = False  # the end was asked of the host
+        self.failures = 0  # failed calls, counted for the node's status
+
+    def _fields(self) -> dict[str, str]:
+        return {"asg": self.config.asg_name, "instance_id": self.config.node_id}
+
+    def detach_for_replacement(self) -> bool:
+        """Take this instance out of its group without lowering the desired capacity, so the group
+        launches a replacement now. True when detached (now or by an earlier call: it is called once,
+        a second call makes none); False when it is not an AWS instance in a group, or the call failed
+        (`capacity.detach_failed`, counted): the caller then keeps the termination hook's path. Never
+        raises."""
+        if self.detached:
+            return True
+        if not (self.config.asg_name and self.config.node_id):
+            self.events.emit("capacity.detach_skipped", reason="no Auto Scaling group", **self._fields())
+            return False
+        try:
+            autoscaling = self._autoscaling
+            if autoscaling is None:
+                from petctl.io.aws import client
+
+                autoscaling = self._autoscaling = client("autoscaling", profile="agent",
+                                                         region=self.config.region)
+            reply = autoscaling.detach_instances(
+                InstanceIds=[self.config.node_id], AutoScalingGroupName=self.config.asg_name,
+                ShouldDecrementDesiredCapacity=False)
+        except Exception as e:  # noqa: BLE001 - denied, not InService, throttled, no network: a line, not a crash
+            from petctl.io.aws import error_code
+
+            self.failures += 1
+            self.events.emit("capacity.detach_failed", error=describe(e), code=error_code(e),
+                             **self._fields())
+            return False
+        self.detached = True
+        activities = [a.get("ActivityId", "") for a in (reply or {}).get("Activities", [])]
+        self.events.emit("capacity.detached", activities=activities, **self._fields())
+        return True
+
+    def end_instance(self) -> bool:
+        """Once the node has left the rendezvous: end this instance, so it stops billing. Asks the host to
+        power off (`END_REQUEST`); the launch template's InstanceInitiatedShutdownBehavior=terminate makes
+        that a termination. Only a detached instance ends itself: one still in its group is the group's to
+        end (False, `capacity.end_skipped`). False too when the request cannot be written
+        (`capacity.end_failed`, counted); True when asked (`capacity.ending`), or asked before. Never
+        raises; the host acts within about a second, and the process is stopped with the host."""
+        if self.ended:
+            return True
+        if not self.detached:
+            self.events.emit("capacity.end_skipped", reason="not detached: the group ends it",
+                             **self._fields())
+            return False
+        record = json.dumps({"instance_id": self.config.node_id, "asg": self.config.asg_name,
+                             "ts": time.time()})
+        try:
+            partial = self.end_request.with_name(self.end_request.name + ".partial")
+            partial.write_text(record + "\n")
+            partial.replace(self.end_request)  # whole or not at all: the host acts on its existence
+        except OSError as e:
+            self.failures += 1
+            self.events.emit("capacity.end_failed", error=describe(e), path=str(self.end_request),
+                             **self._fields())
+            return False
+        self.ended = True
+        self.events.emit("capacity.ending", path=str(self.end_request), **self._fields())
+        return True
 
 
 # --- releasing capacity -------------------------------------------------------------------------------------

@@ -216,16 +216,36 @@ def worker_statements(base: dict[str, Any], job: dict[str, Any]) -> list[dict[st
 
 
 def test_worker_role_allows_exactly_the_release_calls(base, job):
+    """The group calls of autoscaling.py: the release's two and a spot notice's detach (AwsPlace). The
+    detached instance ends itself by an OS shutdown, so the role holds no ec2:TerminateInstances."""
     calls = release_calls()
-    assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup"}
+    assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup",
+                     "autoscaling:DetachInstances"}
     role = next(r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role")
-    released = {a for s in role_statements(role) if s["Sid"].startswith("ReleaseOwnGroup")
-                 for a in _listed(s["Action"])}
+    released = {a for s in role_statements(role) if s["Sid"].startswith(("ReleaseOwnGroup", "DetachOwnGroup"))
+                for a in _listed(s["Action"])}  # the statements for these calls, and no more
+    if not launches_spot(job):  # an on-demand job gets no spot notice, so its role cannot detach
+        calls -= {"autoscaling:DetachInstances"}
     assert released == calls
     # Allowed by action here; the Allow's conditions and the conditional Denies are evaluated with the
     # call's own arguments in tests/aws/test_isolation.py (this helper ignores conditions).
     granted = [s for s in worker_statements(base, job) if s["Effect"] == "Allow"]
     assert all(allows(granted, call) for call in calls)
+    assert not allows(worker_statements(base, job), "ec2:TerminateInstances")
+
+
+def launches_spot(job: dict[str, Any]) -> bool:
+    """The job's group launches spot instances: its launch template asks for them, or its mixed-instances
+    policy puts anything above the on-demand base on spot."""
+    for resource in job["Resources"].values():
+        props = resource["Properties"]
+        if resource["Type"] == "AWS::EC2::LaunchTemplate" and "InstanceMarketOptions" in props[
+                "LaunchTemplateData"]:
+            return True
+        if resource["Type"] == "AWS::AutoScaling::AutoScalingGroup" and "MixedInstancesPolicy" in props:
+            distribution = props["MixedInstancesPolicy"]["InstancesDistribution"]
+            return int(distribution["OnDemandPercentageAboveBaseCapacity"]) < 100
+    return False
 
 
 def test_worker_role_can_neither_delete_a_stack_nor_pass_a_role(base, job):
