@@ -7,7 +7,7 @@ import io
 import threading
 from typing import Any
 
-from petctl.agent.notices import LifecycleHeartbeat, complete_lifecycle_action, make_client
+from petctl.agent.autoscaling import LifecycleHeartbeat, complete_lifecycle_action, make_client
 from petctl.core.eventlog import EventLog, parse_lines
 
 
@@ -110,7 +110,7 @@ def test_real_boto3_error_from_moto_is_logged(moto_env: str) -> None:
     assert hb.failures == 1
 
 
-# --- the launch hook: the agent completes it once registered (petctl/agent/lifecycle.LaunchCompletion) --
+# --- the launch hook: the agent completes it once registered (petctl/agent/autoscaling.LaunchCompletion) --
 def launch_config(tmp_path):
     from petctl.core.spec import AgentConfig, JobSpec
 
@@ -136,7 +136,7 @@ LAUNCH_ARGS = {"AutoScalingGroupName": "petctl-job-demo", "LifecycleHookName": "
 
 
 def run_launch(tmp_path, client, delays=(0.0, 0.0)):
-    from petctl.agent.notices import LaunchCompletion
+    from petctl.agent.autoscaling import LaunchCompletion
     from petctl.io.objstore import open_store
 
     config = launch_config(tmp_path)

@@ -37,12 +37,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from petctl.agent.autoscaling import LaunchCompletion, LifecycleHeartbeat, complete_lifecycle_action
 from petctl.agent.decisions import RoundInfo, StoreView
-from petctl.agent.health import describe
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
     SPOT,
@@ -60,9 +60,8 @@ from petctl.agent.roundjudge import (
 )
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
-from petctl.core.boots import boot_key
 from petctl.core.eventlog import EventLog
-from petctl.core.records import BootRecord, Preempt
+from petctl.core.records import Preempt
 from petctl.core.spec import AgentConfig, JobSpec
 
 # --- notices ------------------------------------------------------------------------------------------------
@@ -404,207 +403,6 @@ class SaveFirst:
         """Our own admission's save looks done: the round runner takes a fresh look at once (and re-forms).
         False for every other request, so a node waiting on someone else's save polls no etcd for it."""
         return self.admitting and self._saved(self._request)
-
-
-# --- ASG lifecycle actions ----------------------------------------------------------------------------------
-# Finishing an Auto Scaling group's lifecycle actions from the instance itself: the termination hook's
-# (a drain) and the launch hook's (a boot that worked).
-#
-# The ASG holds a terminating instance in `Terminating:Wait` until the hook times out or someone completes
-# the action. The agent heartbeats the action while its workers checkpoint (so a slow save is not cut off
-# at the hook's timeout) and completes it once they are done, so the instance goes (and its replacement
-# comes) as soon as possible. Both calls are best effort: a failure is one structured line, never an
-# exception, because the instance is going away either way and the agent still has to leave cleanly.
-#
-# The launch hook holds a new instance (Pending:Wait, not InService) until its agent is registered in the
-# rendezvous; `LaunchCompletion` then records the boot as `joined` (petctl/core/boots.py) and completes the
-# action with CONTINUE. Not at the first round it is admitted to: with --min 2 a healthy first instance
-# waits for a second one, perhaps for a spot shortage's time, and the hook would abandon it meanwhile. Being
-# registered already proves the boot end to end: petctl installed and running, the job's code fetched, its
-# workers' environment ready, the job's etcd credentials accepted. Those calls are retried in a thread of
-# their own (the rendezvous does not wait for them); failures are counted (`failures`, published with the
-# node's status) and reported once when they start and once when they end.
-#
-# The AWS calls go through `LifecycleClient` (a boto3 autoscaling client satisfies it), so tests use a
-# recorder: moto answers CompleteLifecycleAction with HTTP 500. boto3 is imported only when needed.
-
-class LifecycleClient(Protocol):
-    """The two autoscaling API calls we make (boto3's method names and keyword arguments)."""
-
-    def complete_lifecycle_action(self, **kwargs: Any) -> Any: ...
-
-    def record_lifecycle_action_heartbeat(self, **kwargs: Any) -> Any: ...
-
-
-def make_client(region: str, endpoint_url: str | None = None) -> LifecycleClient:
-    """A boto3 autoscaling client with few retries (the `agent` profile): the clock is the two-minute
-    notice."""
-    from petctl.io.aws import client
-
-    return client("autoscaling", profile="agent", region=region, endpoint_url=endpoint_url or "")
-
-
-def _args(asg_name: str, hook_name: str, instance_id: str) -> dict[str, str]:
-    return {"AutoScalingGroupName": asg_name, "LifecycleHookName": hook_name, "InstanceId": instance_id}
-
-
-def complete_lifecycle_action(asg_name: str, hook_name: str, instance_id: str, region: str,
-                              result: str = "CONTINUE", client: LifecycleClient | None = None,
-                              log: EventLog | None = None) -> bool:
-    """Tell the ASG this instance is done with its hook; True on success, False (logged) on any failure."""
-    log = log or EventLog("agent")
-    fields = {"asg": asg_name, "hook": hook_name, "instance_id": instance_id, "result": result}
-    try:
-        client = client or make_client(region)
-        client.complete_lifecycle_action(**_args(asg_name, hook_name, instance_id),
-                                         LifecycleActionResult=result)
-    except Exception as e:  # noqa: BLE001 - botocore errors, missing credentials, no network: never fatal
-        log.emit("lifecycle.complete_failed", error=describe(e), **fields)
-        return False
-    log.emit("lifecycle.completed", **fields)
-    return True
-
-
-class LifecycleHeartbeat:
-    """Records a lifecycle-action heartbeat now and every `interval` seconds until stopped.
-
-        with LifecycleHeartbeat(asg, hook, instance_id, region, interval=30):
-            wait_for_checkpoint()
-    """
-
-    def __init__(self, asg_name: str, hook_name: str, instance_id: str, region: str, interval: float = 30.0,
-                 client: LifecycleClient | None = None, log: EventLog | None = None) -> None:
-        self.args = _args(asg_name, hook_name, instance_id)
-        self.region = region
-        self.interval = interval
-        self.log = log or EventLog("agent")
-        self._client = client
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.beats = 0  # successful heartbeats
-        self.failures = 0
-
-    def beat(self) -> bool:
-        """One heartbeat; failures are logged and counted, not raised."""
-        try:
-            if self._client is None:
-                self._client = make_client(self.region)
-            self._client.record_lifecycle_action_heartbeat(**self.args)
-        except Exception as e:  # noqa: BLE001 - as above: counted and logged, the save goes on
-            self.failures += 1
-            self.log.emit("lifecycle.heartbeat_failed", error=describe(e),
-                          asg=self.args["AutoScalingGroupName"], instance_id=self.args["InstanceId"])
-            return False
-        self.beats += 1
-        return True
-
-    def _run(self) -> None:
-        while True:
-            self.beat()
-            if self._stop.wait(self.interval):
-                return
-
-    def start(self) -> LifecycleHeartbeat:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="petctl-lifecycle-heartbeat", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=15)
-
-    def __enter__(self) -> LifecycleHeartbeat:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-# Pauses between tries of the launch calls: about four minutes in all, well inside the boot timeout.
-LAUNCH_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0)
-
-
-class LaunchCompletion:
-    """Once the agent is registered: the `joined` boot record, then CONTINUE on the launch hook, each
-    retried until it succeeds (see the module doc). `run()` is the whole job; `start()` runs it in a
-    thread. `client`/`store` stand in for AWS in tests."""
-
-    def __init__(self, config: AgentConfig, log: EventLog, client: LifecycleClient | None = None,
-                 store: Any = None, delays: Sequence[float] = LAUNCH_RETRY_DELAYS) -> None:
-        self.config = config
-        self.log = log
-        self._client = client
-        self._store = store
-        self.delays = delays
-        self.failures = 0  # failed calls, both kinds
-        self.recorded = self.completed = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _record(self) -> None:
-        if self._store is None:
-            from petctl.io.objstore import open_store
-
-            self._store = open_store(self.config.status_url)
-        record = BootRecord(instance_id=self.config.node_id, event="joined", ts=time.time())
-        self._store.put_bytes(boot_key(record), record.to_json().encode(), "application/json")
-
-    def _complete(self) -> None:
-        if self._client is None:
-            self._client = make_client(self.config.region)
-        self._client.complete_lifecycle_action(
-            **_args(self.config.asg_name, self.config.launch_hook, self.config.node_id),
-            LifecycleActionResult="CONTINUE")
-
-    def _try(self, name: str, call) -> bool:
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - botocore errors, credentials, network: counted, retried
-            from petctl.io.aws import error_code
-
-            if name == "complete" and error_code(e) == "ValidationError":
-                # No pending launch action: this agent was restarted on an instance that already
-                # completed it (or the hook timed out): nothing to retry.
-                self.log.emit("lifecycle.launch_not_pending", error=describe(e), hook=self.config.launch_hook)
-                return True
-            self.failures += 1
-            if self.failures == 1:
-                self.log.emit("lifecycle.launch_failing", step=name, error=describe(e),
-                              hook=self.config.launch_hook)
-            return False
-        return True
-
-    def run(self) -> bool:
-        """Both calls until they succeed or the tries run out; True when both succeeded."""
-        for delay in (*self.delays, None):
-            if self.config.status_url and not self.recorded:
-                self.recorded = self._try("record", self._record)
-            if not self.completed:
-                self.completed = self._try("complete", self._complete)
-            if (self.recorded or not self.config.status_url) and self.completed:
-                break
-            if delay is None or self._stop.wait(delay):
-                break
-        done = self.completed and (self.recorded or not self.config.status_url)
-        self.log.emit("lifecycle.launch_completed" if done else "lifecycle.launch_gave_up",
-                      failures=self.failures, recorded=self.recorded, hook=self.config.launch_hook,
-                      asg=self.config.asg_name, instance_id=self.config.node_id)
-        return done
-
-    def start(self) -> LaunchCompletion:
-        self._thread = threading.Thread(target=self.run, name="petctl-launch-hook", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=15)
 
 
 # --- rebalance recommendations ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ HEADLINES = {
     "preemption.notice", "preemption.announced", "preemption.save_timeout", "checkpoint.saved",
     "checkpoint.loaded", "job.result", "instance.launched", "instance.terminated", "instance.reclaimed",
     "scale.changed", "release.done", "release.partial",
+    "capacity.detached", "capacity.detach_failed", "capacity.ending", "capacity.end_failed",
 }
 DETAIL_FIELDS = ("round", "rank", "world_size", "cause", "nodes", "step", "kind", "state", "reason", "code",
                  "seconds", "why", "desired")

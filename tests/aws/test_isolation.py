@@ -135,8 +135,9 @@ def test_a_job_logs_only_to_streams_under_its_name(ab):
 
 # --- Auto Scaling: shrink its own group to 0, nothing else (17.4) -------------------------------------
 def release_contexts() -> list[tuple[str, dict[str, Any]]]:
-    """The IAM action and condition keys of each call petctl/agent/agent.py makes, recorded live."""
-    from petctl.agent.agent import release_capacity
+    """The IAM action and condition keys of each call release_capacity (petctl/agent/autoscaling.py) makes,
+    recorded live."""
+    from petctl.agent.autoscaling import release_capacity
     from petctl.core.eventlog import EventLog
 
     calls: list[tuple[str, dict[str, Any]]] = []
@@ -158,6 +159,45 @@ def test_the_release_calls_are_allowed_on_its_own_group_only(ab):
         assert allowed(ab, action, GROUP + f"{STACK}-job-ab", context), action
         for other in (f"{STACK}-job-ab-c", f"{STACK}-job-a", f"{STACK}-etcd", "someone-elses-group"):
             assert not allowed(ab, action, GROUP + other, context), (action, other)
+
+
+def detach_contexts() -> list[tuple[str, dict[str, Any]]]:
+    """The IAM action and condition keys of the call a spot notice's detach (AwsPlace.detach_for_replacement,
+    petctl/agent/autoscaling.py) makes, recorded live. DetachInstances has no condition key for its
+    arguments: the context is empty."""
+    from petctl.agent.autoscaling import AwsPlace
+    from petctl.core.eventlog import EventLog
+    from petctl.core.spec import AgentConfig, JobSpec
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda **kw: calls.append(("autoscaling:" + name.title().replace("_", ""), kw)) or {}
+
+    spec = JobSpec(name="ab", min_size=1, max_size=2, size=2, entrypoint="train.py")
+    config = AgentConfig(job=spec, node_id="i-0123456789abcdef0", asg_name=f"{STACK}-job-ab",
+                         region="us-east-1")
+    place = AwsPlace(config, EventLog("agent", stream=io.StringIO()), autoscaling=Recorder())
+    assert place.detach_for_replacement()
+    return [(action, {}) for action, _ in calls]
+
+
+def test_a_spot_notice_detaches_only_from_its_own_group_and_ends_with_no_permission(ab, base, tmp_path):
+    """The detach is allowed on the job's own group only; ending the detached instance is an OS shutdown
+    (the launch template's InstanceInitiatedShutdownBehavior), so no ec2:TerminateInstances on any
+    instance, its own included. --keep keeps the detach: a kept job's spot instances get notices too."""
+    calls = detach_contexts()
+    assert [a for a, _ in calls] == ["autoscaling:DetachInstances"]
+    kept = worker(base, tmp_path, "ab", keep=True)
+    for action, context in calls:
+        assert allowed(ab, action, GROUP + f"{STACK}-job-ab", context)
+        assert allowed(kept, action, GROUP + f"{STACK}-job-ab", context)
+        for other in (f"{STACK}-job-ab-c", f"{STACK}-job-a", f"{STACK}-etcd", "someone-elses-group"):
+            assert not allowed(ab, action, GROUP + other, context), other
+    for instance in ("i-0123456789abcdef0", "*"):
+        for action in ("ec2:TerminateInstances", "ec2:StopInstances", "autoscaling:AttachInstances"):
+            assert not allowed(ab, action, ACCOUNT.format(service="ec2") + f":instance/{instance}"), action
 
 
 @pytest.mark.parametrize("context", [

@@ -7,7 +7,7 @@ permissions`). moto enforces no IAM, so the contract is checked on the rendered 
 - the base stack's JobStackRole (the service role the CLI passes as RoleARN) allows every action of
   every handler of every resource type in the job stack (wildcards such as `autoscaling:Describe*`
   matched with fnmatch, as IAM matches them);
-- the workers' own role allows exactly the calls the agent's release path makes (petctl/agent/agent.py,
+- the workers' own role allows exactly the calls the agent's release path makes (petctl/agent/autoscaling.py,
   read with `ast`), and nothing that deletes a stack or passes a role.
 
 The schemas: the installed cfn-lint's, when they still carry `handlers` (releases after 1.3 strip them);
@@ -195,8 +195,8 @@ def test_service_role_manages_job_roles_by_path_and_boundary_never_by_name_or_ta
 
 
 def release_calls() -> set[str]:
-    """The IAM actions of the AWS calls in petctl/agent/agent.py (`client.snake_case(...)`)."""
-    tree = ast.parse((ROOT / "petctl" / "agent" / "agent.py").read_text())
+    """The IAM actions of the AWS calls in petctl/agent/autoscaling.py (`client.snake_case(...)`)."""
+    tree = ast.parse((ROOT / "petctl" / "agent" / "autoscaling.py").read_text())
     calls = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
@@ -216,16 +216,36 @@ def worker_statements(base: dict[str, Any], job: dict[str, Any]) -> list[dict[st
 
 
 def test_worker_role_allows_exactly_the_release_calls(base, job):
+    """The group calls of autoscaling.py: the release's two and a spot notice's detach (AwsPlace). The
+    detached instance ends itself by an OS shutdown, so the role holds no ec2:TerminateInstances."""
     calls = release_calls()
-    assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup"}
+    assert calls == {"autoscaling:DeleteLifecycleHook", "autoscaling:UpdateAutoScalingGroup",
+                     "autoscaling:DetachInstances"}
     role = next(r for r in job["Resources"].values() if r["Type"] == "AWS::IAM::Role")
-    released = {a for s in role_statements(role) if s["Sid"].startswith("ReleaseOwnGroup")
-                 for a in _listed(s["Action"])}
+    released = {a for s in role_statements(role) if s["Sid"].startswith(("ReleaseOwnGroup", "DetachOwnGroup"))
+                for a in _listed(s["Action"])}  # the statements for these calls, and no more
+    if not launches_spot(job):  # an on-demand job gets no spot notice, so its role cannot detach
+        calls -= {"autoscaling:DetachInstances"}
     assert released == calls
     # Allowed by action here; the Allow's conditions and the conditional Denies are evaluated with the
     # call's own arguments in tests/aws/test_isolation.py (this helper ignores conditions).
     granted = [s for s in worker_statements(base, job) if s["Effect"] == "Allow"]
     assert all(allows(granted, call) for call in calls)
+    assert not allows(worker_statements(base, job), "ec2:TerminateInstances")
+
+
+def launches_spot(job: dict[str, Any]) -> bool:
+    """The job's group launches spot instances: its launch template asks for them, or its mixed-instances
+    policy puts anything above the on-demand base on spot."""
+    for resource in job["Resources"].values():
+        props = resource["Properties"]
+        if resource["Type"] == "AWS::EC2::LaunchTemplate" and "InstanceMarketOptions" in props[
+                "LaunchTemplateData"]:
+            return True
+        if resource["Type"] == "AWS::AutoScaling::AutoScalingGroup" and "MixedInstancesPolicy" in props:
+            distribution = props["MixedInstancesPolicy"]["InstancesDistribution"]
+            return int(distribution["OnDemandPercentageAboveBaseCapacity"]) < 100
+    return False
 
 
 def test_worker_role_can_neither_delete_a_stack_nor_pass_a_role(base, job):

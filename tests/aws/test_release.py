@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 
-from petctl.agent.agent import release_capacity
+from petctl.agent.autoscaling import release_capacity
 from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
 from petctl.providers.aws.launch import LIFECYCLE_HOOK
