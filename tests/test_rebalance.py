@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from petctl.agent.imds import IMDSError, IMDSWatcher, Notice, Recommendation
-from petctl.agent.notices import RebalanceResponder
+from petctl.agent.rebalance import RebalanceResponder
 from petctl.core import controlfiles as cf
 from petctl.core.errors import PetctlError
 from petctl.core.eventlog import EventLog, parse_lines

@@ -170,11 +170,18 @@ def run_once(ctx: Context, sid: str, system: str, rep: int, workload: str = "ben
             detect_nodes = nodes
             if sid == "P1":
                 if system in PETCTL_VARIANTS:
-                    t_event = job.notice(victim.name, ctx.grace)
+                    # petctl trains on after a spot notice until its hand-off (no replacement comes in
+                    # this harness: at the last moment that leaves time to save). The stall is timed from
+                    # the hand-off, where training stops for the change, as torchrun's is from its SIGTERM.
+                    t_notice = job.notice(victim.name, ctx.grace)
+                    handoff = wait_for(lambda: victim.events("preemption.handoff"), ctx.grace, 0.05)
+                    t_event = float(handoff[0]["ts"]) if handoff else time.time()
+                    result["notice_to_handoff_s"] = round(t_event - t_notice, 3)
+                    kill_at = t_notice + ctx.grace
                 else:  # torchrun has no notice: it gets SIGTERM at the notice time
                     t_event = time.time()
                     victim.proc.send_signal(signal.SIGTERM)
-                kill_at = t_event + ctx.grace
+                    kill_at = t_event + ctx.grace
             else:
                 t_event = time.time()
                 victim.signal(signal.SIGSTOP)

@@ -33,13 +33,14 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from petctl.agent.autoscaling import release_capacity
+from petctl.agent.autoscaling import instance_place, release_capacity
 from petctl.agent.code import fetch_code
 from petctl.agent.decisions import RoundInfo, Settings
 from petctl.agent.health import OutageReporter, StoreHealth, describe, traceback_tail
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat, PeerWatch, silence_limit, watching_enabled
-from petctl.agent.notices import PreemptionHandler, RebalanceResponder, instance_place
+from petctl.agent.notices import PreemptionHandler
+from petctl.agent.rebalance import RebalanceResponder
 from petctl.agent.rendezvous import EtcdRendezvous, JobEnded, LiveWatcher, RendezvousAborted, RequestStats
 from petctl.agent.reporting import EtcdEventSink, Mirror, Progress, StatusPublisher
 from petctl.agent.roundjudge import RoundOutcome

@@ -3,8 +3,8 @@ that left it, in one place.
 
 Sections:
 - the ASG lifecycle actions (the termination hook's heartbeat and completion, the launch hook's);
-- the instance's place in its group (`AwsPlace`): at a spot notice it is detached, so the group launches
-  its replacement at once, and once the node has left it ends itself;
+- the instance's place in its group (`InstancePlace`: `AwsPlace`, `LocalPlace`): at a spot notice it is
+  detached, so the group launches its replacement at once, and once the node has left it ends itself;
 - releasing capacity (a finished job scales its own group to 0).
 
 All calls are best effort: a failure is an event, never an exception. boto3 is imported only when a call
@@ -353,6 +353,48 @@ class AwsPlace:
         self.ended = True
         self.events.emit("capacity.ending", path=str(self.end_request), **self._fields())
         return True
+
+
+# The provider-neutral face of the same idea: one interface, AWS's group and the local reconciler behind it.
+
+class InstancePlace(Protocol):
+    """This instance's place in its group (AWS: `AwsPlace`; local: `LocalPlace`). Neither method raises:
+    a failure is reported by the implementation and answered False."""
+
+    def detach_for_replacement(self) -> bool: ...
+
+    def end_instance(self) -> bool: ...
+
+
+class LocalPlace:
+    """The local provider's instance: its reconciler plays the group, reached through the instance's own
+    metadata endpoint (providers/local/metadata_server.py); the agent process is the instance."""
+
+    def __init__(self, imds_endpoint: str, events: EventLog) -> None:
+        self.endpoint = imds_endpoint
+        self.events = events
+
+    def detach_for_replacement(self) -> bool:
+        from petctl.agent.imds import request_detach
+
+        ok = request_detach(self.endpoint)
+        self.events.emit("capacity.detached" if ok else "capacity.detach_failed", provider="local")
+        return ok
+
+    def end_instance(self) -> bool:
+        """Nothing to call: the instance ends when this agent exits, which it does next."""
+        self.events.emit("capacity.ending", provider="local")
+        return True
+
+
+def instance_place(config: AgentConfig, events: EventLog) -> InstancePlace | None:
+    """This instance's place in its group: AWS's Auto Scaling group where the agent runs in one, the
+    local reconciler where a local metadata endpoint stands in for EC2's; None elsewhere."""
+    if config.asg_name:
+        return AwsPlace(config, events)
+    if config.imds_endpoint:
+        return LocalPlace(config.imds_endpoint, events)
+    return None
 
 
 # --- releasing capacity -------------------------------------------------------------------------------------

@@ -1,15 +1,10 @@
-"""Notices: what the agent does when this instance is told to go (spot interruption, ASG scale-in), when it
-is asked to leave, or admits a waiting node, all of which save first; and a rebalance recommendation.
+"""Notices: what the agent does when this instance is told to go (a spot interruption, an ASG scale-in), or
+is asked to leave: the notice's state, and when it hands off.
 
-Sections:
-- the notice (`PreemptionHandler`, this docstring): its state (the notice, its save deadline, announced,
-  timed out) and what the agent does with it;
-- `save_done`: the one test of "the save has finished", for a notice's save and a planned change's;
-- save first (`SaveFirst`): one node's part in the round's save-now request, whoever asked for it (flag
-  our workers, put our notice's or our admission's request on the round, defer a leave while they save);
-- the ASG lifecycle actions (the termination hook's heartbeat and completion, the launch hook's);
-- the rebalance recommendation's checkpoint request.
-The metadata service itself is read in imds.py.
+One home per idea on a notice's path: the metadata service is read in imds.py; the notice's state and its
+hand-off are here (`PreemptionHandler`, rules in roundjudge.py); every rank's save is savefirst.py's; the
+instance's calls to its group (detach, lifecycle actions, ending itself) are autoscaling.py's; a
+rebalance recommendation's checkpoint request is rebalance.py's.
 
 What the agent does with a preemption notice (spot interruption or ASG scale-in), or a graceful leave.
 
@@ -34,37 +29,35 @@ but completes no lifecycle action and waits for no reclaim.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from petctl.agent.autoscaling import LaunchCompletion, LifecycleHeartbeat, complete_lifecycle_action
+from petctl.agent.autoscaling import (
+    InstancePlace,
+    LaunchCompletion,
+    LifecycleHeartbeat,
+    complete_lifecycle_action,
+)
 from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import (
     SPOT,
     HandoffLook,
     HandoffStep,
-    Reform,
-    RequestSave,
-    SaveLook,
-    admission,
     handoff,
     handoff_at,
-    leave_saves_first,
     preempted_why,
     save_estimate,
 )
+from petctl.agent.savefirst import save_done
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Preempt
-from petctl.core.spec import AgentConfig, JobSpec
-
-# --- notices ------------------------------------------------------------------------------------------------
+from petctl.core.spec import AgentConfig
 
 SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
 SHORT_NOTICE_SHARE = 0.25  # ... or, on a notice shorter than 4 x that, this share of the time left
@@ -77,48 +70,6 @@ def save_budget(left: float, preempt_deadline: float) -> float:
     what is left, rather than cutting an upload that would have finished at 1 s."""
     margin = min(SAFETY_MARGIN, max(left, 0.0) * SHORT_NOTICE_SHARE)
     return max(1.0, min(left - margin, preempt_deadline))
-
-
-class InstancePlace(Protocol):
-    """This instance's place in its group (AWS: autoscaling.AwsPlace; local: imds.LocalPlace). Neither
-    method raises: a failure is reported by the implementation and answered False."""
-
-    def detach_for_replacement(self) -> bool: ...
-
-    def end_instance(self) -> bool: ...
-
-
-class LocalPlace:
-    """The local provider's instance: its reconciler plays the group, reached through the instance's own
-    metadata endpoint (providers/local/metadata_server.py); the agent process is the instance."""
-
-    def __init__(self, imds_endpoint: str, events: EventLog) -> None:
-        self.endpoint = imds_endpoint
-        self.events = events
-
-    def detach_for_replacement(self) -> bool:
-        from petctl.agent.imds import request_detach
-
-        ok = request_detach(self.endpoint)
-        self.events.emit("capacity.detached" if ok else "capacity.detach_failed", provider="local")
-        return ok
-
-    def end_instance(self) -> bool:
-        """Nothing to call: the instance ends when this agent exits, which it does next."""
-        self.events.emit("capacity.ending", provider="local")
-        return True
-
-
-def instance_place(config: AgentConfig, events: EventLog) -> InstancePlace | None:
-    """This instance's place in its group: AWS's Auto Scaling group where the agent runs in one, the
-    local reconciler where a local metadata endpoint stands in for EC2's; None elsewhere."""
-    if config.asg_name:
-        from petctl.agent.autoscaling import AwsPlace
-
-        return AwsPlace(config, events)
-    if config.imds_endpoint:
-        return LocalPlace(config.imds_endpoint, events)
-    return None
 
 
 class PreemptionHandler:
@@ -285,155 +236,3 @@ class PreemptionHandler:
         deadline = (self.notice.deadline if self.notice is not None else time.time()) + 30.0
         while not stop.is_set() and time.time() < deadline:
             stop.wait(0.5)
-
-
-def save_done(workers: WorkerGroup | None, control_dir: Path, nproc: int, deadline: float | None) -> str:
-    """Whether this node's workers are done with a requested save, and why: "exited" (none runs, or none
-    was started), "saved" (each of the `nproc` local workers reported it in `control_dir`), "deadline"
-    (`deadline` passed: time to go, saved or not), or "" while they still save. The one test of "the save
-    has finished", for a notice's save (`PreemptionHandler.save_finished`) and for a planned change's
-    (`SaveFirst`), checked in that order."""
-    if workers is None or not workers.running:
-        return "exited"
-    if controlfiles.all_saved(control_dir, nproc):
-        return "saved"
-    if deadline is not None and time.time() >= deadline:
-        return "deadline"
-    return ""
-
-
-# --- save first ---------------------------------------------------------------------------------------------
-# The round runner's save-now requests, acted on: flag our workers, put ours on the round, say when done.
-#
-# Three things ask every member's workers to save the same step and exit before the round re-forms: a
-# preemption notice of this instance, a graceful leave of this node, and this node admitting a waiting
-# node (agent/roundjudge.py decides the last two). All three travel as the round's `preempt` record and the
-# node-local `<control>/preempt` flag (core/controlfiles.py), which `petctl.elastic` reads at every step
-# boundary. This section does the I/O around those decisions; the round runner (roundrunner.py) calls it.
-
-class SaveFirst:
-    """One node's part in save-now requests, for one round at a time (`begin` resets it)."""
-
-    def __init__(self, spec: JobSpec, node_id: str, rdzv: EtcdRendezvous, preemption: PreemptionHandler,
-                 events: EventLog, control_dir: Path) -> None:
-        self.spec = spec
-        self.node_id = node_id
-        self.rdzv = rdzv
-        self.preemption = preemption
-        self.events = events
-        self.control_dir = control_dir
-        self.workers: WorkerGroup | None = None
-        self.flagged = False
-        self.admitting = False  # the round carries our own admission's request (seen in `flag`)
-        self._request: Preempt | None = None  # the round's request, as last seen
-
-    def begin(self, workers: WorkerGroup) -> None:
-        self.workers = workers
-        self.flagged = self.admitting = False
-        self._request = None
-
-    def _ours(self, request: Preempt | None) -> bool:
-        """`request` is our own admission's (nobody leaves)."""
-        return request is not None and request.node_id == self.node_id and not request.leaves
-
-    def _saved(self, request: Preempt | None) -> bool:
-        """Our workers are done with the requested save: all reported it, exited, or its deadline passed."""
-        deadline = request.deadline if request is not None else None
-        return bool(save_done(self.workers, self.control_dir, self.spec.nproc_per_node, deadline))
-
-    def finished(self) -> bool:
-        """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
-        return self.workers is not None and not self.flagged and self.workers.some_succeeded()
-
-    def _look(self, snap: StoreView) -> SaveLook:
-        request = snap.round.preempt if snap.round is not None else None
-        return SaveLook(node_id=self.node_id, request=request,
-                        running=self.workers is not None and self.workers.running, saved=self._saved(request),
-                        protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
-                        finished=request is None and self.finished())
-
-    # --- a request on the round: flag our workers ---------------------------------------------------
-    def flag(self, snap: StoreView, info: RoundInfo) -> None:
-        """Tell our workers the round carries a save-now request (every rank then saves the same step);
-        once per round."""
-        request = snap.round.preempt if snap.round is not None else None
-        self.admitting, self._request = self._ours(request), request
-        if self.flagged or request is None:
-            return
-        controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
-        self.flagged = True
-        event = "preemption.flagged" if request.reason == "preemption" else "save.flagged"
-        self.events.emit(event, round=info.round, noticed=request.node_id, reason=request.reason)
-        if (request.node_id == self.node_id and request.leaves and self.workers is not None
-                and not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
-            self.workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
-
-    # --- our notice or leave ------------------------------------------------------------------------
-    def announce(self) -> bool:
-        """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
-        return self.rdzv.set_preempt(self.rdzv.view(), self.preemption.request(self.node_id))
-
-    def defer_leave(self, snap: StoreView) -> bool:
-        """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
-        already under way), False when it is time to stop them and go (nothing to save, or too late)."""
-        if self.preemption.notice is None:
-            if not leave_saves_first(self._look(snap)):
-                return False
-            self.preemption.plan_leave(self.spec.timeouts.stop_grace)
-        return time.time() < self.preemption.save_deadline
-
-    # --- admitting a waiting node -------------------------------------------------------------------
-    def admit(self, snap: StoreView, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
-        """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
-        is done. Raises what the etcd calls raise (the round runner counts and retries)."""
-        request = snap.round.preempt if snap.round is not None else None
-        if cause is None and not self._ours(request):
-            return  # nobody waiting and no admission of ours under way (the usual look): no file I/O
-        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
-        if cause is not None and request is None and isinstance(step, RequestSave | Reform):
-            self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
-        if isinstance(step, RequestSave):
-            if self.rdzv.set_preempt(snap, step.request):
-                self.events.emit("save.requested", round=info.round, reason=step.request.reason,
-                                 deadline=round(step.request.deadline, 3))
-        elif isinstance(step, Reform):
-            self.rdzv.start_round(snap, cause=request.reason if request is not None else (cause or ""))
-
-    def admission_saved(self) -> bool:
-        """Our own admission's save looks done: the round runner takes a fresh look at once (and re-forms).
-        False for every other request, so a node waiting on someone else's save polls no etcd for it."""
-        return self.admitting and self._saved(self._request)
-
-
-# --- rebalance recommendations ------------------------------------------------------------------------------
-# What the agent does with a rebalance recommendation: ask its workers for a checkpoint now.
-#
-# A recommendation (imds.py) says this instance is at elevated risk of interruption. It is not a notice:
-# nothing is announced in the round and training goes on. The agent writes `<control>/checkpoint`
-# (core/controlfiles.py) with the next sequence number; every rank of the job learns of it in the
-# preemption check's all-reduce and saves the same step at once (elastic/preemption.py). Whatever comes
-# next (the two-minute notice, a late one, none at all before the ASG's Capacity Rebalancing scales this
-# instance in) then starts from a checkpoint taken when the risk was announced.
-
-REASON = "rebalance"
-
-
-class RebalanceResponder:
-    """The watcher's `on_rebalance` callback: one checkpoint request per recommendation."""
-
-    def __init__(self, control_dir: Path, events: EventLog) -> None:
-        self.control_dir = Path(control_dir)
-        self.events = events
-        self.requests = 0  # written so far (for tests and diagnostics)
-
-    def __call__(self, recommendation: Any) -> None:
-        """Write the request and say so (`checkpoint.requested`); a control dir that cannot be written
-        is reported (`checkpoint.request_failed`): the workers then only save at their usual times."""
-        notice_time = getattr(recommendation, "notice_time", None)
-        try:
-            seq = controlfiles.request_checkpoint(self.control_dir, REASON)
-        except OSError as e:
-            self.events.emit("checkpoint.request_failed", reason=REASON, error=repr(e))
-            return
-        self.requests += 1
-        self.events.emit("checkpoint.requested", seq=seq, reason=REASON, notice_time=notice_time)

@@ -31,7 +31,7 @@ from typing import IO
 from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView, first_look_after, safety_period
 from petctl.agent.health import FenceLook, OutageReporter, fence, should_fence
 from petctl.agent.liveness import Heartbeat, PeerWatch
-from petctl.agent.notices import PreemptionHandler, SaveFirst
+from petctl.agent.notices import PreemptionHandler
 from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher
 from petctl.agent.reporting import Progress, StatusPublisher
 from petctl.agent.roundjudge import (
@@ -55,6 +55,7 @@ from petctl.agent.roundjudge import (
     judge,
     judge_workers,
 )
+from petctl.agent.savefirst import SaveFirst
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, refill_due, round_env
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
