@@ -21,8 +21,8 @@ Two figures, both over every billed second in the window [start, end]:
   - re-form stalls: between two consecutive rank-0 steps of different rounds, or of one round more
     than 3 T apart (a save stall), (gap - T) x the world size of the step after the gap;
   - lost steps: every execution of a step that was executed again later, world size x T;
-  - the settle transient: in a round's first SETTLE_S seconds, each step's time over T, x world size
-    (the warm pools refill once per event; see below).
+  - the settle transient: in the first SETTLE_S seconds of a round formed in the window, the steps'
+    time over T (summed, at least 0), x world size (the warm pools refill once per event; see below).
 - Everything else, B - K - F, is a duration the replay compressed by S (time_scale): a booting
   instance (the boot is replayed as boot / S), a noticed node billed after it left the world until it
   ends, a node waiting to be admitted, and the steady overhead (checkpoint stalls and slow steps of
@@ -205,10 +205,13 @@ def account(steps: Iterable[Step], lives: Iterable[Life], start: float, end: flo
         if t and b_ts - a_ts > 3 * t:
             reforming += b_ts - a_ts
     settle_node_s = 0.0
-    for run in _runs(win).values():
-        for a, b in zip(run, run[1:], strict=False):
-            if b.step == a.step + 1 and b.ts - a.ts <= 3 * t and b.ts - run[0].ts <= settle + 1e-6:
-                settle_node_s += max(0.0, b.ts - a.ts - t) * b.world
+    before = {(r.node, r.round) for r in rows if r.ts < start}  # rounds formed before the window
+    for key, run in _runs(win).items():
+        if key in before:
+            continue
+        excess = sum(b.ts - a.ts - t for a, b in zip(run, run[1:], strict=False)
+                     if b.step == a.step + 1 and b.ts - a.ts <= 3 * t and b.ts - run[0].ts <= settle + 1e-6)
+        settle_node_s += max(0.0, excess) * run[0].world
     fixed = reform_node_s + lost_node_s + settle_node_s
     s = time_scale
     scaled = goodput_scaled(kept_node_s, billed, fixed, s)

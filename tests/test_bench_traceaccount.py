@@ -152,3 +152,11 @@ def test_a_leaver_that_ends_its_instance_at_the_hand_off_is_billed_less():
     assert after.billed_node_s == pytest.approx(before.billed_node_s - 3.0)
     # 3 node-s less at 10x: 2730 / 2928
     assert after.goodput_scaled == pytest.approx(2730 / 2928, abs=1e-4)
+
+
+def test_a_round_formed_before_the_window_pays_no_settle_transient():
+    slow = [ta.Step(r.ts + 0.3 * min(i, 25), r.step, r.world, r.node, r.round)
+            for i, r in enumerate(steps("a", 1, 0, 150, 0.0))]
+    assert ta.account(slow, [ta.Life(0.0, 60.0)], 0.0, 60.0, time_scale=10.0).settle_node_s > 0
+    # the replay starts with the job already training: its first round is not an event's
+    assert ta.account(slow, [ta.Life(0.0, 60.0)], 0.4, 60.0, time_scale=10.0).settle_node_s == 0.0
