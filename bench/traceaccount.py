@@ -37,10 +37,11 @@ Worked example (tests/test_bench_traceaccount.py builds it step by step): S = 10
 100 s window. A notice whose replacement boots 9 s (a 90 s boot) and hands off with a 1 s stall (3 nodes),
 the leaver billed 3 s after it left; a silent loss with 2 steps redone (world 3) and a 3 s stall (world
 2), its replacement booting 9 s and joining with a 1 s stall (3 nodes). B = 312, K = 273,
-F = 3 + 6 + 3 (stalls) + 6 (lost) = 18, the compressed rest 21 (two boots 9 + 9.5, the leaver's 3,
--0.5 for the node lost mid-step). measured = 273 / 312 = 0.875; scaled = 2730 / (10 x 294 + 18) =
-2730 / 2958 = 0.9229. The formula before issue 43 kept all of B - K as the events' waste and stretched
-only the rest: 1 - 39 / 3120 = 0.9875, with the boots and the notice window billed at a tenth.
+F = 3 + 6 + 3 (stalls) + 6 (lost) = 18, the compressed rest 21 (the first boot 9, the second 9 plus
+0.5 waiting for the round, the leaver's 3, -0.5 for the node lost mid-step). measured = 273 / 312 =
+0.875; scaled = 2730 / (10 x 294 + 18) = 2730 / 2958 = 0.9229. The formula before issue 43 kept
+all of B - K as the events' waste and stretched only the rest: 1 - 39 / 3120 = 0.9875, with the boots
+and the notice window billed at a tenth.
 
 A round's first SETTLE_S seconds. On the bench machine the steps of those seconds ran slower
 (2026-11-27, spot-10-15-mixed: petctl's averaged 0.32 s in a round's first 5 s, 0.22 in the next 5 and
