@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -79,6 +78,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import runmeta  # noqa: E402
 from petctl.core.store import Batch, Compacted, Event, Lease, LeaseExpired, Store, StoreError  # noqa: E402
 from petctl.io.etcd import EtcdServer  # noqa: E402
 from petctl.io.store import open_store  # noqa: E402
@@ -828,6 +828,7 @@ def table(rows: list[FleetRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    meta = runmeta.start(None if argv is None else ["bench/fleet.py", *argv])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="v3,v2")
     ap.add_argument("--nodes", default="64,256,1000")
@@ -860,8 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(["python", "bench/fleet.py", *(argv or sys.argv[1:])]),
-                               "machine": {"cpus": os.cpu_count()}, "rows": [asdict(r) for r in rows],
+    out.write_text(json.dumps({**runmeta.finish(meta), "rows": [asdict(r) for r in rows],
                                "median_up_to_ranked_s": statistics.median(
                                    [r.up_to_ranked_s for r in rows if r.up_to_ranked_s is not None] or [0])},
                               indent=2) + "\n")

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import gpu_save, gpu_snap, gpu_step, gpu_warm  # noqa: E402
+from bench import gpu_save, gpu_snap, gpu_step, gpu_warm, runmeta  # noqa: E402
 from bench.gpu_info import device_info  # noqa: E402
 from bench.gpu_step import Skip  # noqa: E402
 from bench.gpu_table import markdown, rows  # noqa: E402
@@ -88,8 +88,9 @@ class Run:
         self.deadline = T_START + args.budget_s  # start-up (the torch import) included
         self.device = gpu_step.Device(args.device)
         self.rates = dict(SAVE_RATES)  # bytes/s of the slowest save seen per target, for estimates
+        self.meta = runmeta.start()
         self.doc: dict[str, Any] = {
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "started": T_START,
+            **self.meta, "started": T_START,
             "device": device_info(args.device), "config": {k: v for k, v in vars(args).items()},
             "errors": []}
 
@@ -251,6 +252,8 @@ def problems(doc: Any, path: str = "") -> list[str]:
 def write(doc: dict[str, Any], out: Path) -> None:
     """The JSON, the table as Markdown beside it, and the table on stdout."""
     doc["seconds"] = round(time.time() - T_START, 1)
+    if "machine" in doc:  # the load average at this write (the end)
+        doc.update(runmeta.finish({"machine": doc["machine"]}))
     doc["table"] = rows(doc)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -1,19 +1,20 @@
 """petctl's benchmark: recovery, scale-up, checkpoint and rendezvous figures side by side with torchrun.
 
     python bench/run.py [--reps 3] [--quick] [--out bench/results/latest.json] [--scenarios P1,P2,...]
+    python bench/run.py --scenarios spot-10-15-notice,spot-10-15-mixed --systems petctl,torchrun-c10d \
+        --boot 90,180 [--reps 1]
 
 Runs every scenario on this machine (loopback only; every server binds 127.0.0.1 and is stopped at the
-end), prints a table, writes JSON (with the machine it ran on) and a PNG timeline of a recovery next to
-the JSON. bench/README.md says what each scenario measures.
+end), prints a table, writes JSON (with the commit, the dirty flag, the machine and its load, and the
+command line: bench/runmeta.py) and a PNG timeline of a recovery next to the JSON. bench/README.md says
+what each scenario measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -26,45 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/run.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from bench import report  # noqa: E402
+from bench import report, runmeta  # noqa: E402
 from bench.scenarios.common import Context  # noqa: E402
 
 ALL = ["P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
 SYSTEMS = ["petctl", "torchrun-c10d", "torchrun-etcd-v2"]
 
 
-def machine_info() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            total_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-            mem_gib = round(total_kb / 2**20, 1)
-    except (OSError, StopIteration):
-        pass
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    return {"cpu_count": os.cpu_count(), "cpu_model": model, "mem_gib": mem_gib,
-            "load_avg_at_write": list(os.getloadavg()), "python": platform.python_version(),
-            "torch": torch_version, "platform": platform.platform(),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-
-
 def _doc(args: argparse.Namespace, reps: int, scenarios: list[str], systems: list[str], started: float,
-         results: dict[str, Any], ctx: Context) -> dict[str, Any]:
-    return {"machine": machine_info(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "reps": reps, "quick": args.quick, "scenarios": scenarios, "systems": systems,
-            "wall_s": round(time.time() - started, 1), "results": results,
-            "table": report.build_rows(results), "phases": report.phase_rows(results),
+         results: dict[str, Any], ctx: Context, meta: dict[str, Any]) -> dict[str, Any]:
+    return {**runmeta.finish(meta), "reps": reps, "quick": args.quick, "scenarios": scenarios,
+            "systems": systems, "boots": args.boots, "wall_s": round(time.time() - started, 1),
+            "results": results, "table": report.build_rows(results), "phases": report.phase_rows(results),
             "timeline": ctx.timeline}
 
 
@@ -75,9 +49,11 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; `boots` (floats) from --boot, `reps` left None where not given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per scenario (default 3)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions per scenario (default 3; a trace scenario: 1)")
     parser.add_argument("--quick", action="store_true", help="1 repetition, smallest sizes (smoke test)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "latest.json"))
     parser.add_argument("--scenarios", default=",".join(ALL),
@@ -98,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="P1-P3: bench (workload.py), user (user_train.py, README-style), fsdp "
                              "(fsdp_train.py, the same with FSDP2), hf (examples/hf_trainer.py), lightning "
                              "(examples/lightning_ddp.py) or both (bench,user; comma-separated)")
-    parser.add_argument("--boot", type=float, default=3.0,
-                        help="trace scenarios: seconds from a replacement's launch to its agent's start")
+    parser.add_argument("--boot", default="90",
+                        help="trace scenarios: simulated seconds from a replacement's launch to its agent's "
+                             "start, replayed compressed by the trace's time scale (90: 9 replayed s at "
+                             "x10); comma-separated for one replay per boot (90,180). Default 90")
     parser.add_argument("--torchrun-every", type=int, default=None,
                         help="trace scenarios: torchrun's fixed durable interval in steps (default 1, the "
                              "best of a sweep over 1, 5 and 20)")
@@ -110,20 +88,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
     args = parser.parse_args(argv)
+    try:
+        args.boots = [float(x) for x in str(args.boot).split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--boot takes comma-separated seconds, not {args.boot!r}")
+    if not args.boots or any(b < 0 for b in args.boots):
+        parser.error("--boot: at least one boot time, each >= 0 seconds")
+    if args.reps is not None and args.reps < 1:
+        parser.error("--reps: at least 1")
+    from bench.scenarios import spottrace  # a trace scenario: a shipped trace's name or a .json path
+
+    traces = {s.strip(): spottrace.find(s.strip()) for s in args.scenarios.split(",") if s.strip()}
+    args.traces = {k: v for k, v in traces.items() if v is not None}
+    args.scenario_ids = [s.strip() if s.strip() in args.traces else s.strip().upper()
+                         for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(args.scenario_ids) - set(ALL) - set(args.traces))
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; choose from {ALL} or a trace in bench/traces/")
+    args.parser = parser
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    meta = runmeta.start(argv if argv is None else ["bench/run.py", *argv])
+    args = parse(argv)
+    parser = args.parser
     # A SIGTERM (`kill`, a timeout) unwinds like Ctrl-C: every `finally` runs, so the jobs' agents, their
     # workers and the etcd stop with the bench. Without it a killed run left three nodes training for 40
     # minutes (their own sessions), loading every later run on the machine.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    from bench.scenarios import spottrace  # a trace scenario: a shipped trace's name or a .json path
+    from bench.scenarios import spottrace
 
-    traces = {s.strip(): spottrace.find(s.strip()) for s in args.scenarios.split(",") if s.strip()}
-    traces = {k: v for k, v in traces.items() if v is not None}
-    scenarios = [s.strip() if s.strip() in traces else s.strip().upper()
-                 for s in args.scenarios.split(",") if s.strip()]
-    unknown = sorted(set(scenarios) - set(ALL) - set(traces))
-    if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {ALL} or a trace in bench/traces/")
+    traces, scenarios = args.traces, args.scenario_ids
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
     workloads = ["bench", "user"] if workloads == ["both"] else workloads
@@ -131,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workload: choose bench, user, fsdp, hf, lightning or both, not {args.workload!r}")
     if args.torchrun_every is not None and args.torchrun_every < 1:
         parser.error("--torchrun-every: a number of steps, at least 1")
-    reps = 1 if args.quick else max(1, args.reps)
+    reps = 1 if args.quick else (args.reps or 3)
+    trace_reps = 1 if args.quick else (args.reps or 1)
     default_sizes = [8] if args.quick else [8, 32, 64]
     try:
         sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else default_sizes
@@ -159,15 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")
         for sid in scenarios:
             t0 = time.time()
-            if sid in traces:  # issue 28: the same trace under petctl and torchrun (its own table and PNG)
-                results[sid] = spottrace.run(ctx, traces[sid], systems, boot_s=args.boot,
-                                             torchrun_every=args.torchrun_every or spottrace.TORCHRUN_EVERY)
-                results[sid]["wall_s"] = round(time.time() - t0, 1)
-                _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))
-                text = spottrace.table(results[sid])
-                out_path.with_name(f"{out_path.stem}-{sid}.md").write_text(text + "\n")
-                print(text)
-                print(spottrace.chart(results[sid], out_path.with_name(f"{out_path.stem}-{sid}.png")))
+            if sid in traces:  # issues 28, 43: the same trace under petctl and torchrun, once per boot
+                for boot in args.boots:
+                    key = sid if len(args.boots) == 1 else f"{sid}-boot{boot:g}"
+                    t_b = time.time()
+                    every = args.torchrun_every or spottrace.TORCHRUN_EVERY
+                    results[key] = spottrace.run(ctx, traces[sid], systems, boot_s=boot, reps=trace_reps,
+                                                 torchrun_every=every)
+                    results[key]["wall_s"] = round(time.time() - t_b, 1)
+                    _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx, meta))
+                    text = spottrace.table(results[key])
+                    out_path.with_name(f"{out_path.stem}-{key}.md").write_text(text + "\n")
+                    print(text)
+                    print(spottrace.chart(results[key], out_path.with_name(f"{out_path.stem}-{key}.png")))
                 continue
             if sid in ("P1", "P2", "P3"):
                 from bench.scenarios import recovery
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     t_w = time.time()
                     results[key] = recovery.run(ctx, sid, workload)
                     results[key]["wall_s"] = round(time.time() - t_w, 1)
-                    _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))  # partial
+                    # partial
+                    _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx, meta))
                 continue
             elif sid == "P4":
                 from bench.scenarios import checkpoint
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 results[sid] = storefaults.run(ctx)
             results[sid]["wall_s"] = round(time.time() - t0, 1)
-            _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx))  # partial
+            _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx, meta))  # partial
     except BaseException:  # interrupted (Ctrl-C, SIGTERM) or failed: what was measured is in the JSON
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if etcd is not None:
             etcd.stop(remove_data=True)
 
-    doc = _doc(args, reps, scenarios, systems, started, results, ctx)
+    doc = _doc(args, reps, scenarios, systems, started, results, ctx, meta)
     _write(out_path, doc)
     rows, phase = doc["table"], doc["phases"]
     report.print_table(rows, phase)

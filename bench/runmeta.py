@@ -1,0 +1,83 @@
+"""What every bench result records about its run: the commit, whether the tree was dirty, the machine
+(cores, load average at the start and at the end), and the command line.
+
+    meta = runmeta.start()          # at the start of the run
+    doc = {**runmeta.finish(meta), ...}   # when writing (each partial write refreshes the end)
+
+A figure is only comparable with another if both ran on the same code, on a machine as loaded; a result
+that does not say so cannot be quoted. Git may be missing (a copied tree, a device machine): the
+commit is then None and `dirty` None.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_state(repo: Path = REPO) -> dict[str, Any]:
+    """{"commit": `git rev-parse HEAD`, "dirty": `git status --porcelain` non-empty}; None where git fails."""
+    def git(*args: str) -> str | None:
+        try:
+            run = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return run.stdout if run.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    dirty = None if status is None else bool(status.strip())
+    return {"commit": head.strip() if head else None, "dirty": dirty}
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            total_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+            mem_gib = round(total_kb / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    torch_version = None
+    if "torch" in sys.modules:  # never import torch only to say which: a bench writer may not need it
+        torch_version = getattr(sys.modules["torch"], "__version__", None)
+    else:
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            torch_version = version("torch")
+        except (ImportError, PackageNotFoundError):
+            pass
+    return {"cpu_count": os.cpu_count(), "cpu_model": model, "mem_gib": mem_gib,
+            "python": platform.python_version(), "torch": torch_version, "platform": platform.platform()}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def start(argv: list[str] | None = None) -> dict[str, Any]:
+    """The run's record at its start; `argv` defaults to this process's command line."""
+    argv = list(sys.argv) if argv is None else list(argv)
+    m = machine()
+    m.update(load_avg_start=[round(x, 2) for x in os.getloadavg()], started=_now())
+    return {**git_state(), "command": " ".join([Path(sys.executable).name, *argv]), "machine": m}
+
+
+def finish(meta: dict[str, Any]) -> dict[str, Any]:
+    """The record with the load average and the time at this write (the end, at the last write)."""
+    m = {**meta["machine"], "load_avg_end": [round(x, 2) for x in os.getloadavg()], "date": _now()}
+    return {**meta, "machine": m}
