@@ -170,7 +170,9 @@ class LocalProvider(Provider):
                 state, reason = "running", ""
             else:
                 state, reason = self._ended(name)
-        live = [r for r in job.read_instances() if r.get("state") in ("running", "frozen")]
+        # The group's size: booting instances count, detached ones no longer do (reconciler.py).
+        live = [r for r in job.read_instances()
+                if r.get("state") in ("booting", "running", "frozen") and not r.get("detached_at")]
         return JobInfo(name=name, state=state, min_size=spec.min_size, max_size=spec.max_size,
                        desired=job.read_desired(spec.size), created_at=float(meta.get("created_at", 0)),
                        provider=self.name, reason=reason,
