@@ -2,7 +2,8 @@
 chaos capability (notice, kill, rebalance) and, where it has one, its capacity hold (`hold_capacity`:
 the local provider's reconciler launches nothing until then). The plan is petctl.core.spottrace's
 (pure); this is the clock and the calls. Slots map to the job's running instances in launch order,
-skipping those with a pending notice. Boot time is the reconciler's `--replace-delay`.
+skipping those with a pending notice. Boot time is the reconciler's `--replace-delay`: a replacement is
+launched at once and its agent starts that much later.
 """
 
 from __future__ import annotations
