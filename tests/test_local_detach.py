@@ -163,3 +163,22 @@ def test_the_start_and_scale_ups_start_agents_at_once(stub: Petctl) -> None:  # 
     wait_hosts(stub, "up", lambda rows: [r["state"] for r in rows] == ["running", "running"], timeout=10)
     assert [e["boot_s"] for e in reconciler_events(stub, "up", "instance.launched")] == [0.0, 0.0]
     stub.run("kill_job", "up")
+
+
+def test_a_detached_instance_with_a_notice_is_reclaimed_at_its_time_and_not_replaced_twice(
+        stub: Petctl) -> None:  # noqa: F811
+    # The agent's flow on a spot notice: the notice, then the detach; here it never leaves by itself.
+    start(stub, "spot", "--size", "1", "--replace-delay", "0.5")
+    (victim,) = [r["host_id"] for r in wait_hosts(stub, "spot", lambda rows: len(rows) == 1
+                                                  and rows[0]["state"] == "running")]
+    stub.run("chaos", "spot", "--node", victim, "--notice", "--grace", "3")
+    reclaim_at = json.loads((stub.job_dir("spot") / "notices" / f"{victim}.json").read_text())["time"]
+    assert request_detach(_imds(stub, "spot", victim)) is True
+    wait_hosts(stub, "spot", lambda rows: {r["host_id"]: r["state"] for r in rows}.get(victim) == "terminated"
+               and sum(r["state"] == "running" for r in rows) == 1)
+    time.sleep(1.5)  # longer than a replacement's boot: nothing more is launched
+    row = instance_rows(stub, "spot")[victim]
+    assert row["reason"] == "detached, then spot-reclaimed" and row["ended_at"] >= reclaim_at
+    launched = reconciler_events(stub, "spot", "instance.launched")
+    assert len(launched) == 2 and launched[1]["replaces"] == victim and launched[1]["ts"] < reclaim_at
+    stub.run("kill_job", "spot")
