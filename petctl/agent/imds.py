@@ -13,6 +13,11 @@ re-fetched shortly before it expires and whenever a GET answers 401.
 
 A metadata service that does not answer (a local run without the endpoint, a transient error) is logged
 once per outage (health.py) and treated as "no notice": the watcher never raises into the agent.
+
+`request_detach` is the local provider's DetachInstances, asked of the instance's own endpoint
+(`POST latest/petctl/detach` with a token): the group stops counting this instance and launches its
+replacement at once, the instance runs on until it ends itself. On EC2 there is no such path (404): there
+the agent calls Auto Scaling's DetachInstances instead.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SPOT_PATH = "/latest/meta-data/spot/instance-action"
 ASG_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+DETACH_PATH = "/latest/petctl/detach"  # the local provider's only (providers/local/metadata_server.py)
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -71,6 +77,43 @@ def parse_time(text: str) -> float:
     return value.timestamp()
 
 
+def _http(endpoint: str, method: str, path: str, headers: dict[str, str], timeout: float) -> tuple[int, str]:
+    """One request: (status, body); an HTTP error status is returned, not raised. Raises IMDSError when
+    nothing answered."""
+    req = urllib.request.Request(endpoint + path, method=method, headers=headers,
+                                 data=b"" if method in ("PUT", "POST") else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (fixed endpoint)
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise IMDSError(f"{method} {path}: {e}") from e
+
+
+def fetch_token(endpoint: str, ttl: int, timeout: float) -> str:
+    """A new IMDSv2 session token (`PUT api/token`). Raises IMDSError."""
+    status, body = _http(endpoint, "PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: str(int(ttl))}, timeout)
+    if status != 200 or not body.strip():
+        raise IMDSError(f"PUT {TOKEN_PATH}: HTTP {status}")
+    return body.strip()
+
+
+def request_detach(endpoint: str, timeout: float = 2.0) -> bool:
+    """Ask the local provider to detach this instance from its group without lowering the desired size:
+    its replacement is launched at once, and this instance runs on until it ends itself (or is
+    reclaimed). True once the endpoint answered `{"detached": true}` (again on a repeated call: it is
+    idempotent); False for anything else (no such endpoint, as on EC2; refused; unreachable). Never
+    raises."""
+    base = endpoint.rstrip("/")
+    try:
+        token = fetch_token(base, 60, timeout)
+        status, body = _http(base, "POST", DETACH_PATH, {TOKEN_HEADER: token}, timeout)
+        return status == 200 and json.loads(body).get("detached") is True
+    except Exception:  # noqa: BLE001 - the caller's fallback decides; an IMDS fault must not reach it
+        return False
+
+
 class IMDSWatcher:
     """Polls both notice paths (and the rebalance path when asked). `poll()` is one check;
     `start(callback, on_rebalance)` polls on a daemon thread, calls `on_rebalance(recommendation)` once
@@ -97,23 +140,12 @@ class IMDSWatcher:
 
     # --- HTTP ------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
-        req = urllib.request.Request(self.endpoint + path, method=method, headers=headers,
-                                     data=b"" if method == "PUT" else None)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 (fixed endpoint)
-                return resp.status, resp.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as e:
-            return e.code, ""
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise IMDSError(f"{method} {path}: {e}") from e
+        return _http(self.endpoint, method, path, headers, self.timeout)
 
     def _fetch_token(self) -> str:
         # Renew a little early: a token expiring between our check and the server's is one more 401.
-        status, body = self._request("PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: str(self.token_ttl)})
-        if status != 200 or not body:
-            raise IMDSError(f"PUT {TOKEN_PATH}: HTTP {status}")
+        self._token = fetch_token(self.endpoint, self.token_ttl, self.timeout)
         self.token_fetches += 1
-        self._token = body.strip()
         self._token_expires = time.monotonic() + self.token_ttl * 0.9
         return self._token
 

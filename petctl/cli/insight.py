@@ -10,6 +10,7 @@ import click
 
 from petctl.cli.context import job_view, provider_for
 from petctl.cli.render import output_option, print_json, table
+from petctl.jobview.summary import basis_text
 
 # Events worth a line in `petctl events` by default; --all shows every one (checkpoints included).
 HEADLINES = {
@@ -75,7 +76,8 @@ def report_rows(acc) -> list[tuple[str, Any]]:
         ("failure restarts (counted against --max-restarts)", acc.failure_restarts),
         ("preemption notices", acc.preemption_notices),
         ("time re-forming", reforming),
-        ("instance time", f"{acc.instance_seconds / 3600:.3f} node-hours over {acc.nodes} nodes"),
+        ("instance time", f"{acc.instance_seconds / 3600:.3f} node-hours over {acc.nodes} nodes"
+                          f"{basis_text(acc.billing_basis)}"),
     ]
 
 

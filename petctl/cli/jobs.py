@@ -61,7 +61,9 @@ def wait_formed(provider, name: str, timeout: float) -> None:
 @click.option("--entrypoint", help="The file to run when SCRIPT is a directory.")
 @click.option("--timeout", "timeout_items", multiple=True, metavar="NAME=SECONDS",
               help="Override an agent timeout, e.g. heartbeat_ttl=2 (repeatable).")
-@click.option("--replace-delay", type=float, help="Seconds before a lost instance is replaced (local).")
+@click.option("--replace-delay", type=float,
+              help="Local: how long a replacement boots before its agent starts; billed from launch (the "
+                   "first instances and scale-ups start at once).")
 @click.option("--instance-type", "instance_types", multiple=True, help="Instance type (aws; repeatable).")
 @click.option("--on-demand", is_flag=True, help="Use on-demand instead of spot capacity (aws).")
 @click.option("--on-demand-base", type=int, default=0, help="On-demand instances before spot (aws).")

@@ -162,7 +162,7 @@ class JobSubmission:
 
     spec: JobSpec
     script: Path  # a file to run, or a directory whose `spec.entrypoint` is run
-    replace_delay: float | None = None  # local: seconds before a lost instance is replaced
+    replace_delay: float | None = None  # local: a replacement's boot, launch to agent start (billed)
     image: str = ""  # aws: run the agent in this container image instead of on the Deep Learning AMI
     requirements: Path | None = None  # aws: a pip requirements file the instances install
 

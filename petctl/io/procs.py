@@ -147,8 +147,9 @@ class ProcRef:
 
     def alive(self) -> bool:
         """Running or stopped, and still ours. A zombie counts as gone; it is never reaped here, because
-        the reconciler's Popen must collect its children's exit status itself."""
-        return alive(self.pid, self.start)
+        the reconciler's Popen must collect its children's exit status itself. No process (pid 0: an
+        instance still booting) is never alive."""
+        return self.pid > 0 and alive(self.pid, self.start)
 
     def frozen(self) -> bool:
         """Stopped (SIGSTOP: a frozen instance), and still ours."""
@@ -170,6 +171,8 @@ class ProcRef:
         Works after the leader died too, as long as any member (a worker) is left: that is how the
         provider makes sure an instance leaves no orphan behind.
         """
+        if self.pid <= 0:  # no process: killpg(0) would signal the caller's own group
+            return False
         now = start_ticks(self.pid)
         if self.start is not None and now is not None and now != self.start:
             return False  # the pid was reused by a new process: not our group any more

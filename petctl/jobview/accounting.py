@@ -18,7 +18,13 @@ petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous ge
 - re-forms = rounds opened after the first, whatever the cause (a node lost or joining, a planned change,
   a worker failure); failure restarts = those opened after a worker failure, the ones `--max-restarts`
   bounds (the round record's `restarts`);
-- goodput = kept node-seconds / instance node-seconds (from agent start to its exit, or last word).
+- goodput = kept node-seconds / instance node-seconds;
+- instance node-seconds: every billed second, from the provider's launch of each instance to its
+  termination or reclaim (`BilledSpan`: the local reconciler's instances.json; on AWS the instances'
+  LaunchTime and the group's termination activities), so a boot and a notice window after the agent
+  left are counted. Only an instance the provider has no record of (an older job, an AWS group already
+  deleted) falls back to its agent's life, `agent.started` to its exit or last word; `billing_basis`
+  says which: "provider", "agents" (the fallback), or "provider+agents" (some of each).
 """
 
 from __future__ import annotations
@@ -46,10 +52,68 @@ class RoundStats:
     kept_node_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class BilledSpan:
+    """One instance as its provider bills it: launched at `launched_at`, ended (terminated, reclaimed)
+    at `ended_at`, None while it runs. Type, market and zone when the provider knows them (pricing)."""
+
+    instance: str
+    launched_at: float
+    ended_at: float | None = None
+    instance_type: str = ""
+    market: str = ""
+    az: str = ""
+
+
+@dataclass
+class InstanceSpan:
+    """One instance's billed time, and where the figure came from ("provider" or "agents")."""
+
+    node: str
+    start: float
+    end: float
+    basis: str
+    identity: dict[str, Any]  # instance_type, market, az: the provider's, else the agent's start event
+
+
+def instance_spans(events: Iterable[dict[str, Any]], billed: Iterable[BilledSpan] | None = None,
+                   now: float | None = None) -> list[InstanceSpan]:
+    """Every instance's billed span: the provider's record where it has one (launch to end; one still
+    running counts to `now`, or, with no `now`, to its agent's last word), else its agent's life."""
+    agents = node_spans(events, now)
+    by_node: dict[str, list[NodeSpan]] = {}
+    for span in agents:
+        by_node.setdefault(span.node, []).append(span)
+    out: list[InstanceSpan] = []
+    recorded: set[str] = set()
+    for b in billed or ():
+        recorded.add(b.instance)
+        mine = by_node.get(b.instance, [])
+        end = b.ended_at if b.ended_at is not None else now if now is not None else \
+            max((s.end for s in mine), default=b.launched_at)
+        started = mine[0].start_event if mine else {}
+        identity = {"instance_type": b.instance_type or started.get("instance_type", ""),
+                    "market": b.market or started.get("market", ""), "az": b.az or started.get("az", "")}
+        out.append(InstanceSpan(b.instance, b.launched_at, max(b.launched_at, end), "provider", identity))
+    for span in agents:
+        if span.node not in recorded:
+            identity = {k: span.start_event.get(k, "") for k in ("instance_type", "market", "az")}
+            out.append(InstanceSpan(span.node, span.start, span.end, "agents", identity))
+    return out
+
+
+def billing_basis(bases: Iterable[str]) -> str:
+    """"provider", "agents" (none from the provider: the fallback) or "provider+agents", from the
+    spans' bases."""
+    bases = set(bases)
+    return "provider+agents" if len(bases) > 1 else bases.pop() if bases else "agents"
+
+
 @dataclass
 class Accounting:
     rounds: list[RoundStats] = field(default_factory=list)
-    instance_seconds: float = 0.0  # sum over nodes of time they were up
+    instance_seconds: float = 0.0  # sum over instances of their billed time (module docstring)
+    billing_basis: str = "agents"  # provider | agents | provider+agents: where instance time came from
     kept_node_seconds: float = 0.0
     steps_kept: int = 0
     steps_lost: int = 0
@@ -109,8 +173,10 @@ NO_STEPS = ("the script reports no training steps (Trainer/Lightning: callbacks=
             "a loop of your own: print train.step lines, see README's progress events)")
 
 
-def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accounting:
-    """Accounting for one job from all its nodes' events (any order; duplicates harmless)."""
+def account(events: Iterable[dict[str, Any]], now: float | None = None,
+            billed: Iterable[BilledSpan] | None = None) -> Accounting:
+    """Accounting for one job from all its nodes' events (any order; duplicates harmless), its instance
+    time from the provider's `billed` record where there is one."""
     records = merge(events)
     acc = Accounting()
     acc.rounds = _rounds(records)
@@ -127,7 +193,10 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None) -> Accou
     acc.reforms = len({e.get("round") for e in restarts})
     acc.failure_restarts = len({e.get("round") for e in restarts if e.get("failure")})
     acc.preemption_notices = len({e.get("node") for e in records if e.get("event") == "preemption.notice"})
-    acc.instance_seconds, acc.nodes = _instance_seconds(records, now)
+    spans = instance_spans(records, billed, now)
+    acc.instance_seconds = sum(s.end - s.start for s in spans)
+    acc.nodes = len({s.node for s in spans})
+    acc.billing_basis = billing_basis(s.basis for s in spans)
     return acc
 
 
@@ -228,7 +297,7 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
     """Each agent lifetime: its `agent.started` to its exit/leave, or to the provider's word that its
     instance ended (`instance.terminated`, the local reconciler's), or to its last event if it vanished
     without either (killed, frozen); one still running counts to `now` when given. Instance time and
-    cost use this.
+    cost use this only for an instance the provider has no record of (`instance_spans`).
 
     Why the provider's word: an instance killed without a word used to count to `now` while the job ran
     and to its last event (often the round's start) once it ended, so instance-hours fell after
@@ -252,11 +321,6 @@ def node_spans(events: Iterable[dict[str, Any]], now: float | None = None) -> li
         for span in current.values():
             span.end = max(span.end, now)
     return spans
-
-
-def _instance_seconds(records: list[dict[str, Any]], now: float | None) -> tuple[float, int]:
-    spans = node_spans(records, now)
-    return sum(s.end - s.start for s in spans), len({s.node for s in spans})
 
 
 def _f(v: Any) -> float | None:

@@ -1,10 +1,12 @@
 """What a job cost, and what the same instance hours would have cost on demand.
 
-Usage comes from the agents' events (each `agent.started` carries the instance's type, market and AZ
-read from the metadata service; uptime runs to its exit or last word), so it covers instances that are
-long terminated. Prices come from a provider-specific `Prices` (AWS: spot price history and the Price
-List API, see providers/aws/pricing.py). Every figure says whether it is an estimate: spot is billed
-per second at the price of the moment, which the history only approximates; the bill is authoritative.
+Usage is every billed second: each instance from its launch to its end as the provider recorded it
+(accounting.py `instance_spans`), its type, market and AZ the provider's or, failing that, its agent's
+`agent.started` (read from the metadata service); an instance the provider has no record of counts from
+its agent's start to its exit or last word. Prices come from a provider-specific `Prices` (AWS: spot
+price history and the Price List API, see providers/aws/pricing.py). Every figure says whether it is an
+estimate: spot is billed per second at the price of the moment, which the history only approximates; the
+bill is authoritative.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from petctl.jobview.accounting import node_spans
+from petctl.jobview.accounting import BilledSpan, billing_basis, instance_spans
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class CostReport:
     on_demand_total: float | None = None
     estimate: bool = False
     note: str = ""
+    billing_basis: str = "agents"  # where the hours came from (accounting.py `billing_basis`)
 
     @property
     def saving(self) -> float | None:
@@ -74,16 +77,31 @@ class CostReport:
         return {**asdict(self), "saving": self.saving, "saving_pct": self.saving_pct}
 
 
-def usage(events: Iterable[dict[str, Any]], now: float | None = None) -> list[tuple[UsageKey, float, float]]:
-    """(what, start, end) per instance lifetime; instances without an identity (local) are skipped."""
+def usage(events: Iterable[dict[str, Any]], now: float | None = None,
+          billed: Iterable[BilledSpan] | None = None) -> list[tuple[UsageKey, float, float]]:
+    """(what, start, end) per instance's billed span; instances without an identity (local) are skipped."""
+    return [(key, start, end) for key, start, end, _ in _usage(events, now, billed)]
+
+
+def _usage(events: Iterable[dict[str, Any]], now: float | None,
+           billed: Iterable[BilledSpan] | None) -> list[tuple[UsageKey, float, float, str]]:
     out = []
-    for span in node_spans(events, now):
-        started = span.start_event
-        if started.get("instance_type"):
-            market = "spot" if started.get("market") == "spot" else "on-demand"
-            key = UsageKey(started["instance_type"], market, started.get("az", ""))
-            out.append((key, span.start, span.end))
+    for span in instance_spans(events, billed, now):
+        identity = span.identity
+        if identity.get("instance_type"):
+            market = "spot" if identity.get("market") == "spot" else "on-demand"
+            key = UsageKey(identity["instance_type"], market, identity.get("az", ""))
+            out.append((key, span.start, span.end, span.basis))
     return out
+
+
+def billed_usage(events: Iterable[dict[str, Any]], now: float | None, billed: Iterable[BilledSpan] | None,
+                 prices: Prices) -> CostReport:
+    """`price_usage` of the job's billed spans, saying where the hours came from."""
+    found = _usage(events, now, billed)
+    report = price_usage([(key, start, end) for key, start, end, _ in found], prices)
+    report.billing_basis = billing_basis(basis for *_, basis in found)
+    return report
 
 
 def price_usage(spans: list[tuple[UsageKey, float, float]], prices: Prices) -> CostReport:

@@ -42,7 +42,7 @@ def summarize(view: JobView, running: bool, live_steps: bool = False) -> dict[st
             "reforms": acc.reforms, "restarts": acc.reforms, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
             "reform_basis": acc.reform_basis, "reform_lower_bound": acc.reform_lower_bound,
-            "instance_hours": acc.instance_seconds / 3600.0,
+            "instance_hours": acc.instance_seconds / 3600.0, "billing_basis": acc.billing_basis,
             "cost": cost.to_dict() if cost is not None else None, "cost_error": cost_error,
             "events_error": events_error}
 
@@ -56,9 +56,19 @@ def one_line(summary: dict[str, Any]) -> str:
              "steps lost n/a", reforms_text(summary.get("reforms", summary.get("restarts", 0)),
                                            summary.get("failure_restarts", 0)),
              reforming_text(summary['reform_seconds'], summary.get("reform_basis") == "rounds"),
-             f"{summary['instance_hours']:.2f} instance-hours"]
+             f"{summary['instance_hours']:.2f} instance-hours{basis_text(summary.get('billing_basis'))}"]
     parts.append(cost_text(summary.get("cost")))
     return ", ".join(parts)
+
+
+BASIS_TEXT = {"provider": "launch to end",
+              "agents": "agent uptime: the provider has no record of its instances",
+              "provider+agents": "launch to end; agent uptime where the provider has no record"}
+
+
+def basis_text(basis: str | None) -> str:
+    """" (launch to end)": what the instance time counts (accounting.py `billing_basis`)."""
+    return f" ({BASIS_TEXT[basis]})" if basis in BASIS_TEXT else ""
 
 
 def reforming_text(seconds: float, lower_bound: bool) -> str:

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from petctl.core.errors import ProviderError
+from petctl.core.errors import PetctlError, ProviderError
 from petctl.core.records import JobResult
 from petctl.core.store import JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdpki import EtcdTls
-from petctl.jobview.accounting import Accounting, account
-from petctl.jobview.cost import CostReport, Prices, price_usage, usage
+from petctl.jobview.accounting import Accounting, BilledSpan, account
+from petctl.jobview.cost import CostReport, Prices, billed_usage
 from petctl.jobview.live import JobState, mirror_result, read_job_state, read_result, state_from_mirror
 from petctl.jobview.prefix import Corrupt, PrefixReader, etcd_events, merge, mirror_events
 
@@ -37,6 +37,9 @@ class JobSources:
     extra_events: Callable[[], list[dict[str, Any]]] | None = None  # events kept by the provider itself
     etcd_tls: EtcdTls | None = None  # the client certificate an https etcd asks for (the operator's)
     etcd_store: Backend = JOB_DEFAULT_BACKEND  # the API the job's agents write with (JobSpec.etcd_store)
+    # The provider's record of each instance's launch and end (what it bills); None where it keeps none.
+    # May raise PetctlError (an API that did not answer): instance time then falls back to the agents'.
+    billing: Callable[[], list[BilledSpan]] | None = None
 
 
 class JobView:
@@ -118,15 +121,28 @@ class JobView:
             raise ProviderError(f"no logs are kept for job {self.job!r}")
         return self.sources.logs(node, follow)
 
+    def billed(self) -> list[BilledSpan] | None:
+        """The provider's record of its instances' launches and ends, read once per view; None when it
+        keeps none or could not be read (said in `notes`): instance time then comes from the agents."""
+        if not hasattr(self, "_billed"):
+            self._billed: list[BilledSpan] | None = None
+            if self.sources.billing is not None:
+                try:
+                    self._billed = self.sources.billing()
+                except PetctlError as e:
+                    self.unreadable.append(f"the provider's instance record did not answer ({e}): "
+                                           "instance time from the agents' start and exit")
+        return self._billed
+
     def accounting(self, events: list[dict[str, Any]], running: bool) -> Accounting:
-        return account(events, now=time.time() if running else None)
+        return account(events, now=time.time() if running else None, billed=self.billed())
 
     def cost(self, events: list[dict[str, Any]], running: bool) -> CostReport | None:
-        """What the job's instance hours cost, or None where the provider prices nothing.
+        """What the job's billed instance hours cost, or None where the provider prices nothing.
         Raises PetctlError when the prices cannot be read."""
         if self.prices is None:
             return None
-        return price_usage(usage(events, time.time() if running else None), self.prices())
+        return billed_usage(events, time.time() if running else None, self.billed(), self.prices())
 
     def notes(self) -> list[str]:
         """What the user should know about how this view was read (skipped records, silent copies)."""

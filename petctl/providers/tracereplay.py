@@ -2,9 +2,10 @@
 chaos capability (notice, kill, rebalance) and, where it has one, its capacity hold (`hold_capacity`:
 the local provider's reconciler launches nothing until then). The plan is petctl.core.spottrace's
 (pure); this is the clock and the calls. Slots map to the job's running instances in launch order,
-skipping those with a pending notice. Boot time is the reconciler's `--replace-delay`, in replayed
-seconds: to replay a boot of B simulated seconds, start the job with `--replace-delay B/S` (S the trace's
-`time_scale`; 9 for a 90 s boot at 10x), as bench/run.py's `--boot` does for the bench's own group.
+skipping those with a pending notice. Boot time is the reconciler's `--replace-delay`: a replacement is
+launched at once and its agent starts that much later, in replayed seconds. To replay a boot of B
+simulated seconds, start the job with `--replace-delay B/S` (S the trace's `time_scale`; 9 for a 90 s boot
+at 10x), as bench/run.py's `--boot` does for the bench's own group.
 """
 
 from __future__ import annotations

@@ -14,12 +14,19 @@ the rule that stops a job whose boots never join is petctl/core/boots.py, applie
 themselves. Here they are only read (`report`): the listing (stages and the breaker's view), the newest
 failure's record (its error and boot log lines), and the group's instances that wrote nothing yet
 (`launching`). `boot_settings` is what the boot script needs to write them.
+
+What each instance was billed (`billed`, for status, report and jobs): from its LaunchTime to its end,
+the earliest of the time in EC2's StateTransitionReason and the group's terminating activity. EC2 lists
+a terminated instance for about an hour and the group's activities go with the group (kill_job), so an
+instance neither still records is counted from its agent's life instead (jobview/accounting.py).
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
+from calendar import timegm
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,7 @@ from petctl.core.errors import JobNotFound, ProviderError
 from petctl.core.records import BootRecord, JobResult, WireFormatError
 from petctl.core.spec import AgentConfig, Timeouts
 from petctl.io.aws import aws_errors, error_code
+from petctl.jobview.accounting import BilledSpan
 from petctl.providers.aws.storage import JobStore, job_prefix
 from petctl.providers.base import HostInfo, JobInfo
 
@@ -128,6 +136,83 @@ def hosts(ec2, stack: str, job: str) -> list[HostInfo]:
                         private_ip=i.get("PrivateIpAddress", ""),
                         launched_at=launched.timestamp() if launched else None))
     return sorted(out, key=lambda h: (h.state == "terminated", h.launched_at or 0, h.host_id))
+
+
+# --- what each instance was billed --------------------------------------------------------------------
+# EC2's StateTransitionReason for a stopped/terminated instance: "User initiated (2026-11-21 06:13:00 GMT)"
+_TRANSITION_TIME = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
+_LAUNCHING = re.compile(r"^Launching a new EC2 instance: (i-[0-9a-f]+)")
+_TERMINATING = re.compile(r"^Terminating EC2 instance: (i-[0-9a-f]+)")
+ACTIVITY_PAGES = 10  # DescribeScalingActivities pages read (100 records each): a job's whole history
+
+
+def transition_time(reason: str) -> float | None:
+    """The time in an EC2 StateTransitionReason, or None."""
+    found = _TRANSITION_TIME.search(reason or "")
+    return float(timegm(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))) if found else None
+
+
+def _ts(value: Any) -> float | None:
+    return value.timestamp() if hasattr(value, "timestamp") else None
+
+
+def billed_spans(instances: Iterable[dict[str, Any]],
+                 activities: Iterable[dict[str, Any]]) -> list[BilledSpan]:
+    """Each instance's billed span from DescribeInstances records (`instances`) and the group's scaling
+    activities: launched at its LaunchTime (or its launch activity's start, once EC2 no longer lists it),
+    ended at the earliest of the time in its StateTransitionReason and its terminating activity's end;
+    still running (None) while EC2 says pending or running. A detached instance leaves the group's
+    activities but ends itself through EC2: its transition time ends it."""
+    launches: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    for a in activities:
+        description = str(a.get("Description", ""))
+        if (m := _LAUNCHING.match(description)) and (start := _ts(a.get("StartTime"))) is not None:
+            launches[m.group(1)] = min(start, launches.get(m.group(1), start))
+        elif (m := _TERMINATING.match(description)) and a.get("StatusCode") == "Successful" \
+                and (end := _ts(a.get("EndTime"))) is not None:
+            ends[m.group(1)] = min(end, ends.get(m.group(1), end))
+    out: dict[str, BilledSpan] = {}
+    for i in instances:
+        iid = i["InstanceId"]
+        launched = _ts(i.get("LaunchTime")) or launches.get(iid)
+        if launched is None:
+            continue
+        state = i.get("State", {}).get("Name", "")
+        if state in ("pending", "running"):
+            end = None
+        else:
+            found = [t for t in (transition_time(i.get("StateTransitionReason", "")), ends.get(iid)) if t]
+            end = min(found) if found else None
+        out[iid] = BilledSpan(iid, launched, end, instance_type=i.get("InstanceType", ""),
+                              market="spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+                              az=i.get("Placement", {}).get("AvailabilityZone", ""))
+    for iid, launched in launches.items():  # gone from EC2's listing (about an hour after it ended)
+        if iid not in out and iid in ends:
+            out[iid] = BilledSpan(iid, launched, ends[iid])
+    return sorted(out.values(), key=lambda b: (b.launched_at, b.instance))
+
+
+def billed(ec2, autoscaling, stack: str, job: str, asg_name: str) -> list[BilledSpan]:
+    """What the job's instances were billed (`billed_spans`), read from DescribeInstances and
+    DescribeScalingActivities. A group already deleted has no activities: the instances EC2 still lists
+    count alone. Raises ProviderError when EC2 does not answer."""
+    filters = [{"Name": "tag:petctl:stack", "Values": [stack]}, {"Name": "tag:petctl:job", "Values": [job]}]
+    instances: list[dict[str, Any]] = []
+    with aws_errors(f"list the instances of job {job}"):
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+            for reservation in page["Reservations"]:
+                instances.extend(reservation["Instances"])
+    activities: list[dict[str, Any]] = []
+    try:
+        with aws_errors(f"read the scaling activities of {asg_name}"):
+            pages = autoscaling.get_paginator("describe_scaling_activities").paginate(
+                AutoScalingGroupName=asg_name, PaginationConfig={"MaxItems": ACTIVITY_PAGES * 100})
+            for page in pages:
+                activities.extend(page.get("Activities", []))
+    except ProviderError:
+        activities = []  # the group is gone (kill_job): what EC2 still lists is the record
+    return billed_spans(instances, activities)
 
 
 ENDED = ("succeeded", "failed", "killed")

@@ -98,8 +98,15 @@ class AwsProvider(AwsContext):
         store = self.store(self.session(), name)
         answers = self._etcd_answers[endpoint]
         backend = self._job_backend(store) if answers else basestack.stack_store(self.settings, "")
+        session = self.session()
+
+        def billing():  # each instance's launch and end, as EC2 and the group record them
+            return inventory.billed(session.client("ec2"), session.client("autoscaling"), self.base_stack,
+                                    name, self.job_stack(name))
+
         return JobSources(job=name, etcd_endpoint=endpoint if answers else "", etcd_store=backend,
-                          mirror=store, logs=lambda node, follow: self._logs(name, store, node, follow))
+                          mirror=store, logs=lambda node, follow: self._logs(name, store, node, follow),
+                          billing=billing)
 
     def _job_backend(self, store: JobStore) -> Backend:
         """The etcd API the job's agents write with: its spec's (job.json), else the stack's store."""

@@ -27,14 +27,18 @@ NOTICES = ("notice", "rebalance")  # modes that leave a notice (one per instance
 
 
 def host_info(row: dict[str, Any]) -> HostInfo:
-    """instances.json row -> HostInfo, with the live state checked against the process itself."""
+    """instances.json row -> HostInfo, with the live state checked against the process itself. A booting
+    instance (launched, its agent not started yet) is `pending`, as EC2 says; a detached one that still
+    runs is `detached` (it no longer counts toward the job's size)."""
     state = row.get("state", "terminated")
-    if state in ("running", "frozen", "terminating"):
+    if state == "booting":
+        state = "pending"
+    elif state in ("running", "frozen", "terminating"):
         ref = ProcRef(int(row["pid"]), row.get("start"))
         if not ref.alive():
             state = "terminated"
         elif state != "terminating":
-            state = "frozen" if ref.frozen() else "running"
+            state = "frozen" if ref.frozen() else "detached" if row.get("detached_at") else "running"
     return HostInfo(host_id=row["id"], state=state, instance_type="local", market="local",
                     private_ip="127.0.0.1", launched_at=row.get("launched_at"))
 

@@ -3,6 +3,11 @@
 The reconciler decides (how many, which ones, why one went); the fleet does it to the processes and
 keeps the record the CLI reads. Every instance is an agent in its own process group (see instances.py),
 so a signal to the group reaches the agent and its workers at once, as losing a machine would.
+
+Launch and boot are two facts, as on EC2: `launch` bills the instance from now (`instance.launched`, with
+its `boot_s` and the instance it `replaces`); with a boot time it has no process yet ("booting": it counts
+toward the group's size, `petctl hosts` shows it pending) and `boot` starts its agent once the time is up
+(`instance.booted`). A booting instance that is stopped meanwhile simply ends, its agent never started.
 """
 
 from __future__ import annotations
@@ -32,21 +37,50 @@ class Fleet:
         self.instances: dict[str, Instance] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.deadlines: dict[str, float] = {}  # terminating instance -> when to SIGKILL its group
+        self.imds: dict[str, str] = {}  # booting instance -> the metadata endpoint its agent will get
         self._written: list[dict[str, Any]] | None = None
 
     def live(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.live]
 
-    def launch(self, imds_endpoint: str, iid: str, desired: int) -> Instance:
-        inst, proc = inst_mod.launch(self.job, self.spec, iid=iid, imds_endpoint=imds_endpoint,
-                                     command=self.command)
-        self.instances[inst.id] = inst
-        self.procs[inst.id] = proc
-        self.events.emit("instance.launched", instance=inst.id, pid=inst.pid, desired=desired)
+    def launch(self, imds_endpoint: str, iid: str, desired: int, boot_s: float = 0.0, replaces: str = "",
+               now: float | None = None) -> Instance:
+        """One instance, billed from now. `boot_s` > 0: its agent starts that much later (`boot`)."""
+        now = time.time() if now is None else now
+        boot_s = max(0.0, boot_s)
+        inst = Instance(id=iid, pid=0, start=None, launched_at=now, state="booting", boot_until=now + boot_s,
+                        replaces=replaces)
+        self.instances[iid] = inst
+        self.imds[iid] = imds_endpoint
+        self.events.emit("instance.launched", instance=iid, desired=desired, boot_s=boot_s,
+                         replaces=replaces or None)
+        if boot_s == 0:
+            self._start_agent(inst)
         return inst
 
+    def boot(self, now: float) -> None:
+        """Start the agents of booting instances whose boot time is up."""
+        for inst in list(self.instances.values()):
+            if inst.state == "booting" and inst.boot_until is not None and now >= inst.boot_until:
+                self._start_agent(inst)
+
+    def _start_agent(self, inst: Instance) -> None:
+        started, proc = inst_mod.launch(self.job, self.spec, iid=inst.id,
+                                        imds_endpoint=self.imds.pop(inst.id, ""), command=self.command)
+        inst.pid, inst.start, inst.booted_at = started.pid, started.start, started.booted_at
+        inst.state = "running"
+        self.procs[inst.id] = proc
+        self.events.emit("instance.booted", instance=inst.id, pid=inst.pid,
+                         boot_s=round((inst.booted_at or inst.launched_at) - inst.launched_at, 3))
+
     def terminate(self, inst: Instance, reason: str, now: float) -> None:
-        """SIGTERM the agent (it leaves gracefully); its group is SIGKILLed after `stop_grace`."""
+        """SIGTERM the agent (it leaves gracefully); its group is SIGKILLed after `stop_grace`. A booting
+        instance ends at once: its agent never starts."""
+        if not inst.has_process:
+            inst.reason = reason
+            self.imds.pop(inst.id, None)
+            self.ended(inst, None, now)
+            return
         inst.state, inst.reason = "terminating", reason
         self.deadlines[inst.id] = now + self.stop_grace
         inst.ref.signal_group(signal.SIGCONT)
@@ -68,7 +102,7 @@ class Fleet:
             out.append((inst, code))
         return out
 
-    def ended(self, inst: Instance, code: int, now: float) -> None:
+    def ended(self, inst: Instance, code: int | None, now: float) -> None:
         inst.state, inst.ended_at, inst.returncode = "terminated", now, code
         self.events.emit("instance.terminated", instance=inst.id, reason=inst.reason, returncode=code)
 
@@ -81,6 +115,8 @@ class Fleet:
 
     def refresh_frozen(self) -> None:
         for inst in self.live():
+            if not inst.has_process:
+                continue
             state = "frozen" if inst.ref.frozen() else "running"
             if state != inst.state:
                 inst.state = state
@@ -98,6 +134,12 @@ class Fleet:
         def all_exited() -> bool:
             return all(p.poll() is not None for p in self.procs.values())
 
+        now = time.time()
+        for inst in list(self.instances.values()):  # still booting: end it before its agent starts
+            if inst.state == "booting":
+                inst.reason = f"job {job_state} while booting"
+                self.imds.pop(inst.id, None)
+                self.ended(inst, None, now)
         wait_until(lambda: hurry() or all_exited(), self_exit_grace, 0.1)
         for iid, proc in self.procs.items():
             if proc.poll() is None:

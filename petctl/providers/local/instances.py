@@ -48,16 +48,25 @@ def host_threads(spec: JobSpec, env: Mapping[str, str], cpus: int) -> dict[str, 
 
 @dataclass
 class Instance:
-    """One row of instances.json."""
+    """One row of instances.json: the instance's whole life, kept after it ended (billing reads it).
+
+    Billed from `launched_at` (the provider launched it) to `ended_at` (terminated or reclaimed). A
+    replacement boots first (`state` "booting", no process yet: `pid` 0) until `boot_until`; its agent
+    starts at `booted_at`. `detached_at`: it left the group's count (the local DetachInstances) and runs on
+    until it exits by itself or is reclaimed."""
 
     id: str
     pid: int
     start: int | None
     launched_at: float
-    state: str = "running"  # running | frozen | terminating | terminated
+    state: str = "running"  # booting | running | frozen | terminating | terminated
     reason: str = ""  # why it is terminating/terminated
     ended_at: float | None = None
     returncode: int | None = None
+    booted_at: float | None = None  # when its agent started (None: still booting, or never did)
+    boot_until: float | None = None  # a booting instance's agent starts at this time
+    replaces: str = ""  # the instance this one was launched to replace ("" for a scale-up or the start)
+    detached_at: float | None = None  # when it was detached from the group (None: never)
 
     @property
     def ref(self) -> ProcRef:
@@ -65,7 +74,17 @@ class Instance:
 
     @property
     def live(self) -> bool:
-        return self.state in ("running", "frozen")
+        """Launched and not ended: booting, running, frozen (detached or not)."""
+        return self.state in ("booting", "running", "frozen")
+
+    @property
+    def has_process(self) -> bool:
+        """Its agent was started (a booting instance has no process to signal)."""
+        return self.pid > 0
+
+    @property
+    def detached(self) -> bool:
+        return self.detached_at is not None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,4 +120,5 @@ def launch(job: JobDir, spec: JobSpec, iid: str | None = None, imds_endpoint: st
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent(signal.SIGTERM))
     ref = ProcRef.of(proc.pid)
-    return Instance(id=iid, pid=proc.pid, start=ref.start, launched_at=time.time()), proc
+    now = time.time()
+    return Instance(id=iid, pid=proc.pid, start=ref.start, launched_at=now, booted_at=now), proc

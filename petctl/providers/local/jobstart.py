@@ -144,6 +144,8 @@ def stop_processes(job: JobDir, grace: float) -> None:
             rec.signal(signal.SIGKILL)
             wait_gone([rec], 5.0)
     for row in job.read_instances():
+        if int(row.get("pid") or 0) <= 0:
+            continue  # launched, still booting: no process was ever started
         ref = ProcRef(int(row["pid"]), row.get("start"))
         if ref.alive():
             stop_group(ref, grace=grace)

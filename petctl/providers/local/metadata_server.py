@@ -9,6 +9,12 @@ and the tests run. Per instance `<iid>`, under `http://127.0.0.1:<port>/<iid>`:
     GET latest/meta-data/autoscaling/target-lifecycle-state    InService, or Terminated on an "asg" notice
     GET latest/meta-data/events/recommendations/rebalance      404 until a rebalance recommendation; then
                                                     {"noticeTime"}, also once the "asg" notice followed it
+    POST latest/petctl/detach                       (token required, else 401; not an EC2 path) the local
+                                                    DetachInstances: the reconciler stops counting the
+                                                    instance and launches its replacement; 200
+                                                    {"detached": true}, the same again on a repeat; 404
+                                                    for an instance the reconciler does not know (or
+                                                    when no reconciler serves detach)
 
 Notices are files `<notices_dir>/<iid>.json` = {"kind": "spot"|"asg", "time": <unix ts of the kill>},
 written by the chaos command; the reconciler enforces the kill. A rebalance recommendation is
@@ -23,6 +29,7 @@ import json
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -74,8 +81,12 @@ class _Tokens:
 class LocalMetadataServer:
     """Serves IMDSv2 paths for every local instance from one loopback port, on a background thread."""
 
-    def __init__(self, notices_dir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, notices_dir: Path, host: str = "127.0.0.1", port: int = 0,
+                 on_detach: Callable[[str], bool] | None = None) -> None:
+        """`on_detach(iid)`: the reconciler detaches `iid` (called on a server thread); True when it
+        knows the instance (and will detach it, or has already)."""
         self.notices_dir = Path(notices_dir)
+        self.on_detach = on_detach
         self.host = host
         self.port = port
         self.tokens = _Tokens()
@@ -178,6 +189,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(token)))
         self.end_headers()
         self.wfile.write(token.encode())
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.owner.requests += 1
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        route = self._route()
+        if route is None or route[1].rstrip("/") != "petctl/detach":
+            return self._reply(404, "Not Found")
+        instance_id = route[0]
+        if not self.owner.tokens.valid(instance_id, self.headers.get(TOKEN_HEADER)):
+            return self._reply(401, "Unauthorized")
+        if self.owner.on_detach is None or not self.owner.on_detach(instance_id):
+            return self._reply(404, "Not Found")
+        return self._reply(200, json.dumps({"detached": True}), "application/json")
 
     def do_GET(self) -> None:  # noqa: N802
         self.owner.requests += 1

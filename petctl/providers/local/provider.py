@@ -31,6 +31,7 @@ from petctl.core.keys import JobKeys
 from petctl.core.spec import JobSpec, JobSubmission
 from petctl.core.store import BACKENDS, JOB_DEFAULT_BACKEND, Backend, Store, StoreError
 from petctl.io.etcdauth import AuthError
+from petctl.jobview.accounting import BilledSpan
 from petctl.jobview.prefix import file_prefix
 from petctl.jobview.view import JobSources
 from petctl.providers.base import HostInfo, JobInfo, Provider
@@ -169,7 +170,9 @@ class LocalProvider(Provider):
                 state, reason = "running", ""
             else:
                 state, reason = self._ended(name)
-        live = [r for r in job.read_instances() if r.get("state") in ("running", "frozen")]
+        # The group's size: booting instances count, detached ones no longer do (reconciler.py).
+        live = [r for r in job.read_instances()
+                if r.get("state") in ("booting", "running", "frozen") and not r.get("detached_at")]
         return JobInfo(name=name, state=state, min_size=spec.min_size, max_size=spec.max_size,
                        desired=job.read_desired(spec.size), created_at=float(meta.get("created_at", 0)),
                        provider=self.name, reason=reason,
@@ -252,7 +255,7 @@ class LocalProvider(Provider):
         return JobSources(job=name, etcd_endpoint=self.etcd_endpoint(), mirror=file_prefix(job.mirror),
                           etcd_tls=etcdhost.admin_tls(self.settings), etcd_store=backend,
                           logs=lambda node, follow: logs.follow_logs(job, node, follow, running),
-                          extra_events=lambda: logs.reconciler_events(job))
+                          extra_events=lambda: logs.reconciler_events(job), billing=lambda: billed(job))
 
     # --- the chaos capability ----------------------------------------------------------------------
     def hold_capacity(self, name: str, until: float) -> None:
@@ -274,6 +277,20 @@ class LocalProvider(Provider):
         except StoreError as e:
             raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
         return chaos.take_away(JobDir.of(self.config.home, name), ranks_of(current), host_id, mode, grace)
+
+
+def billed(job: JobDir) -> list[BilledSpan]:
+    """What the job's instances were billed, as its reconciler recorded them in instances.json: each
+    from its launch (a replacement's boot included) to its termination or reclaim (None: running)."""
+    out = []
+    for row in job.read_instances():
+        try:
+            launched = float(row["launched_at"])
+            ended = float(row["ended_at"]) if row.get("ended_at") is not None else None
+        except (KeyError, TypeError, ValueError):
+            continue  # a row from a petctl that did not record it: its agent's span stands in
+        out.append(BilledSpan(str(row["id"]), launched, ended))
+    return out
 
 
 def torch_warning(find_spec: Callable[[str], object] = importlib.util.find_spec) -> str | None:

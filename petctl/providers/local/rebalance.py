@@ -69,10 +69,11 @@ def plan(at_risk: dict[str, dict[str, Any]], live: set[str], ranks: dict[str, in
 
 
 class CapacityRebalancer:
-    """The reconciler's rebalancing step; `launch()` starts one instance (the reconciler's, so it gets its
-    metadata endpoint), `ranks()`/`alive()` read the job's round and heartbeats from etcd."""
+    """The reconciler's rebalancing step; `launch(at_risk)` launches the replacement of `at_risk` (the
+    reconciler's, so it gets its metadata endpoint and boots as every replacement does),
+    `ranks()`/`alive()` read the job's round and heartbeats from etcd."""
 
-    def __init__(self, job: JobDir, events: EventLog, max_size: int, launch: Callable[[], Instance | None],
+    def __init__(self, job: JobDir, events: EventLog, max_size: int, launch: Callable[[str], Instance | None],
                  ranks: Callable[[], dict[str, int]], alive: Callable[[], set[str]]) -> None:
         self.job = job
         self.events = events
@@ -101,7 +102,7 @@ class CapacityRebalancer:
             self._retire(iid, at_risk[iid], now)
 
     def _replace(self, iid: str, notice: dict[str, Any]) -> None:
-        replacement = self.launch()
+        replacement = self.launch(iid)
         if replacement is None:  # the job ended meanwhile
             return
         self.job.write_notice(iid, "rebalance", float(notice["time"]), **_carry(notice),
