@@ -199,7 +199,7 @@ class PreemptionHandler:
             self.announced = True
             self.events.emit("preemption.announced", deadline=self.notice.deadline, kind=self.notice.kind)
             if (self.config.asg_name and self.config.lifecycle_hook and self._heartbeat is None
-                    and not self.leaving):
+                    and not self.leaving and not self.detached):  # a detached instance has no hook
 
                 self._heartbeat = LifecycleHeartbeat(self.config.asg_name, self.config.lifecycle_hook,
                                                      self.config.node_id, self.config.region, log=self.events)
@@ -225,8 +225,8 @@ class PreemptionHandler:
     def complete_lifecycle(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        if not (self.config.asg_name and self.config.lifecycle_hook):
-            return
+        if not (self.config.asg_name and self.config.lifecycle_hook) or self.detached:
+            return  # no group, or no longer in it: no lifecycle action is pending for this instance
 
         complete_lifecycle_action(self.config.asg_name, self.config.lifecycle_hook, self.config.node_id,
                                   self.config.region, log=self.events)
