@@ -11,10 +11,11 @@ The plan (petctl.core.spottrace.plan) is pure; this is its I/O. Per action:
 
 The group. A node that is gone is replaced like an ASG would: launched (billed) once capacity allows,
 its process started `boot_s` later (the boot: OS, image, agent install; the caller passes the boot
-compressed by the trace's time scale, B / S). A system whose agent detaches its instance at a spot
-notice (`detach_on_notice`: petctl, issue 43; the group keeps its desired capacity) gets the
-replacement launched at the notice, not at the reclaim; the noticed instance is then no longer the
-group's and is billed until it ends itself (its process exits: the agent ends its instance after the
+compressed by the trace's time scale, B / S). An agent that detaches its instance at a spot notice
+(petctl: its real call, `POST latest/petctl/detach` on the local metadata endpoint, which hands it to
+`Fleet.request_detach`; the group keeps its desired capacity) gets the replacement launched when the
+call comes, not at the reclaim; the detached instance is then no longer the group's and is billed until
+it ends itself (its process exits: the agent ends its instance after the
 hand-off) or is reclaimed, whichever comes first. Every other instance is billed from its launch until
 it is reclaimed, lost or the replay ends: an agent that exits on its own leaves its instance running.
 The fleet records each instance's life as events (`instance.launched` with `boot_s`, `instance.booted`,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import time
 from collections.abc import Callable
@@ -81,14 +83,14 @@ class Billed:
 class Fleet:
     """The nodes of one system. `start(name)` starts a node process; `notices` is where petctl's metadata
     endpoint reads notices (None for torchrun); `protected` names a node only an outage may take;
-    `detach_on_notice`: the system's agent takes its instance out of the group at a notice (the group
-    launches the replacement at once) and ends the instance itself when it is done."""
+    `request_detach(name)`: an agent takes its instance out of the group (the metadata endpoint's
+    `on_detach`, called on the server's thread); the replay launches the replacement on its next tick."""
 
     system: str
     start: Callable[[], Node]
     notices: Path | None
     restart_job: Callable[[], None] | None = None  # torchrun: a fresh job after every node is gone
-    detach_on_notice: bool = False
+    detach_requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # (name, ts)
     nodes: dict[str, Node] = field(default_factory=dict)
     billed: dict[str, Billed] = field(default_factory=dict)
     protected: str | None = None
@@ -115,6 +117,27 @@ class Fleet:
 
     def detach(self, name: str, now: float) -> None:
         self.billed[name].detached = now
+
+    def request_detach(self, name: str) -> bool:
+        """An agent asks to leave the group (any thread): True when `name` is one of this fleet's live
+        instances, or already detached (the call is idempotent, as AWS's answer to a repeat is)."""
+        b = self.billed.get(name)
+        if b is None or b.ended is not None:
+            return False
+        if b.detached is None:
+            self.detach_requests.put((name, time.time()))
+        return True
+
+    def take_detaches(self) -> list[tuple[str, float]]:
+        """The detach requests since the last call, each instance once, in arrival order."""
+        out: list[tuple[str, float]] = []
+        while True:
+            try:
+                name, ts = self.detach_requests.get_nowait()
+            except queue.Empty:
+                return out
+            if self.billed[name].detached is None and all(name != n for n, _ in out):
+                out.append((name, ts))
 
     def remove(self, name: str, why: str, graceful: bool) -> None:
         """The instance is gone now (billing ends); torchrun's node is shut down (SIGTERM, SIGKILL
@@ -193,6 +216,9 @@ def replay(trace: Trace, fleet: Fleet, boot_s: float, stop: Callable[[], bool] =
         batch, done = due(actions, done, now)
         for a in batch:
             hold_until = _act(a, fleet, now, hold_until, reclaims, pending, target, log)
+        for name, ts in fleet.take_detaches():  # the group launches a detached instance's replacement now
+            fleet.detach(name, ts)
+            pending.append(now)
         for item in [r for r in reclaims if r[0] <= now]:
             reclaims.remove(item)
             b = fleet.billed[item[1]]
@@ -264,6 +290,3 @@ def _notice(fleet: Fleet, name: str, grace: float, now: float, reclaims: list, p
             event: int) -> None:
     fleet.notice(name, grace)
     reclaims.append((now + grace, name, event))
-    if fleet.detach_on_notice and fleet.notices is not None:  # the agent detaches: replaced at once
-        fleet.detach(name, time.time())
-        pending.append(now)

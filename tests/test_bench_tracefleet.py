@@ -50,6 +50,15 @@ class FakeNode:
         return []
 
 
+class AgentsDetach(Fleet):
+    """A fleet whose fake agents do what petctl's does at a spot notice: ask the group to detach them
+    (on the metadata endpoint: `request_detach`, here called at once)."""
+
+    def notice(self, name: str, grace: float, kind: str = "spot") -> None:
+        super().notice(name, grace, kind)
+        assert self.request_detach(name) and self.request_detach(name)  # a repeat is answered the same
+
+
 def fleet(tmp_path: Path, petctl: bool) -> Fleet:
     notices = tmp_path / "notices" if petctl else None
     count = [0]
@@ -58,7 +67,7 @@ def fleet(tmp_path: Path, petctl: bool) -> Fleet:
         count[0] += 1
         return FakeNode(f"n{count[0]}", notices, 0.5 if petctl else None)
 
-    f = Fleet("petctl" if petctl else "torchrun-c10d", start, notices=notices, detach_on_notice=petctl)
+    f = (AgentsDetach if petctl else Fleet)("petctl" if petctl else "torchrun-c10d", start, notices=notices)
     t = time.time()
     for _ in range(3):
         f.launch(t)

@@ -93,9 +93,11 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
                                max_size=n, size=n, checkpoint_url=ckpt, imds=ctx.imds, initial_wait=60.0,
                                env={**env, "BENCH_CKPT_EVERY": "auto", "PETCTL_LOSS_RATE": f"{rate:.4f}"})
         jobs.append(job)
-        # petctl's agent takes its instance out of the group at a spot notice (issue 43): the group
-        # launches the replacement at once, and the agent ends its instance after the hand-off.
-        fleet = Fleet(system, lambda: job.start(), notices=Path(ctx.imds.notices_dir), detach_on_notice=True)
+        # petctl's agent takes its instance out of the group at a spot notice (its real call, on the
+        # metadata endpoint): the group launches the replacement then, and the agent ends its instance
+        # after the hand-off.
+        fleet = Fleet(system, lambda: job.start(), notices=Path(ctx.imds.notices_dir))
+        ctx.imds.on_detach = fleet.request_detach
     else:
         count = [0]
 
@@ -126,6 +128,8 @@ def one(ctx: Context, trace: Trace, system: str, boot_s: float, every: int, pric
     finally:
         for job in jobs:
             job.stop()
+        if ctx.imds is not None:
+            ctx.imds.on_detach = None
     records = [dict(r, node=name) for name, node in fleet.nodes.items() for r in node.events("train.step")
                if int(r.get("rank", -1)) == 0]
     instances = fleet.instance_events()
