@@ -45,11 +45,10 @@ def test_announced_preemption_loses_no_step(cluster, metadata_server, tmp_path):
     (notices / f"{victim.node_id}.json").write_text(json.dumps({"kind": "spot", "time": t_notice + 20}))
 
     st2 = wait_for(lambda: (s := cluster.state()).world_size == 2 and s, 40, what="world of 2")
-    # No replacement came (this harness has no group): the noticed node trained on at world 3 until the
-    # last moment that left time for its save, then handed off (roundjudge.handoff).
+    # No replacement comes (this harness has no group), and no save was measured before the notice (no
+    # periodic save yet): nothing says the window is long enough, so the node handed off at once.
     (handoff,) = victim.events("preemption.handoff")
-    assert handoff["why"] == "deadline" and handoff["ts"] > t_notice + 5
-    assert any(s["world_size"] == 3 and s["ts"] > t_notice + 5 for s in cluster.steps(victim.node_id))
+    assert handoff["why"] == "deadline" and handoff["ts"] < t_notice + 5
     assert victim.node_id not in st2.ranks
     assert st2.round.restarts == 0
     for node in survivors:

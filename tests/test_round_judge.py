@@ -300,12 +300,17 @@ def test_the_noticed_node_trains_until_its_replacement_or_its_last_safe_step(kw,
 
 
 @pytest.mark.parametrize("measured,budget,estimate", [
-    ([], 22.5, 22.5 * 0.25),  # nothing measured yet: a quarter of the budget
-    ([], 2.0, 1.0),  # ... but never under the slack
-    ([0.4, 2.0, 1.0], 90.0, 2.0 * 1.5 + 1.0),  # the longest recent save, with its margin
+    ([], 22.5, 22.5),  # nothing measured yet: the whole budget, so the node hands off at once
+    ([0.4, 2.0, 1.0], 90.0, 2.0 * 2.0 + 1.0),  # the longest recent save, twice (one may be in flight), +1 s
 ])
 def test_the_save_estimate_is_learned_from_measured_saves(measured, budget, estimate):
     assert save_estimate(measured, budget) == pytest.approx(estimate)
+
+
+def test_a_node_that_never_measured_a_save_hands_off_at_once():
+    noticed, save_deadline = WALL, WALL + 22.5
+    at = handoff_at(save_deadline, save_estimate([], save_deadline - noticed), step_s=0.2)
+    assert handoff(look(handoff_at=at, now=noticed + 0.5)) == HandOff("deadline")
 
 
 def test_handoff_at_leaves_the_step_under_way_and_the_save():

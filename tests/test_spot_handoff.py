@@ -41,8 +41,11 @@ def start(local: Petctl, ledger_dir: Path, job: str, boot: float) -> tuple[str, 
     Returns (the noticed node, the original nodes, the notice's reclaim time, when the agent saw it)."""
     run_ledger_job(local, ledger_dir, job, "--min", "2", "--max", "3", "--size", "3",
                    "--replace-delay", str(boot), "--wait", "--wait-timeout", "120",
-                   STEPS=STEPS, CKPT_EVERY=100000, STEP_TIME=0.1)
+                   STEPS=STEPS, CKPT_EVERY=20, STEP_TIME=0.1)
     wait_until(lambda: ledger_steps(ledger_dir, world=3) >= 3 * 20, 90, "20 steps at world size 3")
+    # Rank 0 has saved and published how long it took: the noticed node plans its hand-off with it.
+    wait_until(lambda: any((n.get("last_checkpoint") or {}).get("save_s") is not None
+                           for n in local.status(job)["nodes"].values()), 30, "rank 0's save time published")
     ranks = local.status(job)["ranks"]
     victim = next(node for node, rank in ranks.items() if rank == 2)
     local.run("chaos", job, "--node", victim, "--notice", "--grace", str(GRACE))

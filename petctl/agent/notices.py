@@ -56,7 +56,7 @@ from petctl.agent.savefirst import save_done
 from petctl.agent.workers import WorkerGroup
 from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
-from petctl.core.records import Preempt
+from petctl.core.records import NodeStatus, Preempt, WireFormatError
 from petctl.core.spec import AgentConfig
 
 SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
@@ -84,6 +84,8 @@ class PreemptionHandler:
         self.detached = False  # our instance left its group at the notice: its replacement is launched
         self._marked_round: int | None = None  # the round whose `handoffs` holds us
         self.handoff_why = ""  # why we handed off (roundjudge.HandOff), once we did
+        self.writer_save_s: float | None = None  # rank 0's latest save time, as it published it
+        self._writer_read: int | None = None  # the round whose rank 0 status we read
         self.timed_out = False  # the workers' save ran past save_deadline
         self._watcher: Any = None
         self._heartbeat: Any = None
@@ -143,13 +145,30 @@ class PreemptionHandler:
         """What to do about our notice on this pass (roundjudge.handoff), from the round as last seen
         and our measured save (`save_seconds`) and step (`step_s`) times."""
         rnd = snap.round
-        save_s = save_estimate(list(save_seconds), self.save_deadline - self.noticed_at)
+        measured = [*save_seconds, *([self.writer_save_s] if self.writer_save_s is not None else [])]
+        save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
         look = HandoffLook(kind=self.notice.kind, now=now,
                            handoff_at=handoff_at(self.save_deadline, save_s, step_s),
                            waiting=bool(snap.alive - info.ranks.keys()),
                            marked=self._marked_round == info.round
                            or (rnd is not None and self.config.node_id in rnd.handoffs))
         return handoff(look)
+
+    def writer_save(self, rdzv: EtcdRendezvous, info: RoundInfo) -> None:
+        """How long rank 0's latest save took, from its published status (`Checkpoint.save_s`): under DDP
+        rank 0 writes for every rank, so a noticed node of another rank has no save of its own to go
+        by. Read once per round. Raises what the etcd calls raise."""
+        writer = next((node for node, rank in info.ranks.items() if rank == 0), None)
+        if writer is None or writer == self.config.node_id or self._writer_read == info.round:
+            return
+        entry = rdzv.kv.get(rdzv.keys.node_status(writer))
+        self._writer_read = info.round
+        try:
+            status = NodeStatus.from_json(entry.value) if entry is not None else None
+        except WireFormatError:
+            status = None
+        save_s = status.last_checkpoint.save_s if status and status.last_checkpoint else None
+        self.writer_save_s = save_s if isinstance(save_s, int | float) else self.writer_save_s
 
     def mark_handoff(self, rdzv: EtcdRendezvous, info: RoundInfo) -> None:
         """Put our hand-off on the round (CAS on a fresh view; retried by the round runner's next pass

@@ -371,11 +371,13 @@ class Progress:
         elif event in FORWARDED:
             last = self.last_checkpoint or Checkpoint(step=None)
             if event == "checkpoint.saved":
-                if isinstance(seconds := record.get("seconds"), int | float) and seconds >= 0:
+                seconds = record.get("seconds")
+                if isinstance(seconds, int | float) and seconds >= 0:
                     self.save_seconds.append(float(seconds))
                 self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"),
                                                   interval_s=last.interval_s,
-                                                  interval_reason=last.interval_reason)
+                                                  interval_reason=last.interval_reason,
+                                                  save_s=self.save_seconds[-1] if self.save_seconds else None)
             elif event == "checkpoint.interval":  # every="auto" chose (or changed) the durable interval
                 self.last_checkpoint = Checkpoint(step=last.step, url=last.url,
                                                   interval_s=record.get("interval_s"),

@@ -377,15 +377,17 @@ def leave_saves_first(look: SaveLook) -> bool:
 # - the node puts itself on the round's `handoffs` and trains on, so the job keeps its full world size;
 # - it hands off at whichever comes first: a node waits to join (the replacement is up: the round it
 #   re-forms admits it in the leaver's place, one re-form, no round at N-1), or the last moment that
-#   still leaves time for a save (`handoff_at`): then the job trains at N-1 until the replacement joins;
+#   still leaves time for a save (`handoff_at`, from the node's measured saves; with none measured yet,
+#   at once): then the job trains at N-1 until the replacement joins;
 # - handing off is the save-now request every notice makes: every rank saves the same step, the node
 #   leaves, and its instance ends itself, so the rest of the window is not billed.
 # A scale-in notice ("asg") and a graceful leave hand off at once: nothing replaces them.
 
 SPOT = "spot"
-UNKNOWN_SAVE_SHARE = 0.25  # before any save was measured, this share of the save budget is kept for it
-SAVE_SAFETY = 1.5  # the measured save time is multiplied by this ...
-SAVE_SLACK = 1.0  # ... and this many seconds are added: the save's own margin
+# The time kept for the hand-off's save: twice the longest recent save (a periodic save may still be in
+# flight when the hand-off comes, and the hand-off's own waits for it), plus a second.
+SAVE_SAFETY = 2.0
+SAVE_SLACK = 1.0
 
 
 @dataclass(frozen=True)
@@ -432,9 +434,10 @@ def handoff(look: HandoffLook) -> HandoffStep:
 
 def save_estimate(measured: list[float], budget: float) -> float:
     """Seconds to keep for the hand-off's save: the longest recent save of this node, with a margin
-    (`SAVE_SAFETY`, `SAVE_SLACK`); before any was measured, a share of the budget."""
+    (`SAVE_SAFETY`, `SAVE_SLACK`). Before any save was measured nothing says the window is long enough,
+    so the whole `budget` is kept: the node hands off at once, as a notice too short for a save does."""
     if not measured:
-        return max(SAVE_SLACK, budget * UNKNOWN_SAVE_SHARE)
+        return budget
     return max(measured) * SAVE_SAFETY + SAVE_SLACK
 
 

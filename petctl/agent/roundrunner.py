@@ -167,6 +167,7 @@ class RoundRunner:
     def _hand_off(self, snap: StoreView, info: RoundInfo) -> None:
         """Our instance has a notice: train on, or hand off now (roundjudge.handoff)."""
         p = self.p
+        self._store_call(p.preemption.writer_save, p.rdzv, info)  # once per round; unknown: hand off now
         step = p.preemption.handoff_step(snap, info, time.time(), p.progress.save_seconds,
                                          p.progress.step_time())
         if isinstance(step, HandOff):

@@ -176,6 +176,7 @@ class Checkpoint(WireRecord):
     url: str | None = None
     interval_s: float | None = None  # every="auto": the durable interval chosen (checkpoint.interval)
     interval_reason: str = ""
+    save_s: float | None = None  # how long this save took (rank 0's write): what a noticed node plans with
 
 
 @dataclass(frozen=True)
