@@ -100,8 +100,9 @@ def ami_job_template(home: Path, name: str = "ami", stack: str = STACK) -> str:
     prefix = f"s3://{BUCKET}/jobs/{name}"
     spec.code_url, spec.checkpoint_url = f"{prefix}/code/train.py", f"{prefix}/checkpoints"
     agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/var/lib/petctl/work",
-                        imds_endpoint=WORKER_IMDS, asg_name=f"{stack}-job-{name}", lifecycle_hook=LIFECYCLE_HOOK,
-                        launch_hook=LAUNCH_HOOK, region="us-east-1", status_url=f"{prefix}/")
+                        imds_endpoint=WORKER_IMDS, asg_name=f"{stack}-job-{name}",
+                        lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK, region="us-east-1",
+                        status_url=f"{prefix}/")
     wheel = f"{prefix}/wheelhouse/petctl-0.1.0+0123456789ab-py3-none-any.whl"
     boot = JobBoot(ami="ami-0123456789abcdef0", ami_boot=AmiBoot(
         wheel_url=wheel, requirements_url=f"{prefix}/wheelhouse/requirements.txt",
