@@ -597,3 +597,24 @@ def test_the_longest_stack_and_job_names_fit_every_name_and_the_service_roles_sc
     scope = json.dumps(service["Policies"])
     assert f"role/petctl/{rendered.LONG_STACK}/*" in scope and role["Path"].startswith(
         f"/petctl/{rendered.LONG_STACK}/")
+
+
+def test_a_job_template_with_the_largest_user_data_fits_a_template_body(tmp_path):
+    """Job templates go as a TemplateBody too: the largest user data petctl accepts (escaped as JSON in the
+    template), the longest names and three instance types stay well under 51,200 bytes."""
+    from petctl.core.errors import ValidationError
+    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT
+
+    spec = rendered.job_spec("spot-mixed")
+    spec.name = rendered.LONG_JOB
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name=f"{rendered.LONG_STACK}-job-x")
+    size, biggest = 256, ""
+    while True:  # grow the environment until the user data is refused: the last accepted is the largest
+        spec.env = {"PAYLOAD": "\"\\n" * size}
+        try:
+            biggest = rendered.provider(tmp_path, rendered.LONG_STACK).render_job_template(
+                spec, agent, "s3://b/jobs/x/agent.json")
+        except ValidationError:
+            break
+        size += 256
+    assert size > 512 and len(biggest.encode()) < TEMPLATE_BODY_LIMIT - 8192
