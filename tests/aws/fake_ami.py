@@ -2,12 +2,14 @@
 
 What the DLAMI gives that the script relies on (AWS's release notes: python_location /opt/pytorch/bin/python,
 with a CUDA torch) is `root/opt/pytorch/bin/python`: a venv over this test interpreter (its torch, its
-pip, and petctl's dependencies, through --system-site-packages), so the script's `pip install` of the
-launching petctl's wheel is a real install. What only a machine has is faked on PATH: IMDSv2 (`curl`),
-`aws s3 cp` (read from the emulator's S3), `systemctl`, `useradd`, `install -o`, `logger`, `shutdown`
-and `sleep`. Every faked call is one JSON line in calls.jsonl. The venv's own site-packages come before
-the interpreter's, and PYTHONPATH is cleared, so what imports petctl there gets the installed wheel, not
-this checkout.
+pip, and petctl's dependencies), so the script's `pip install` of the launching petctl's wheel is a real
+install. Those packages are the test environment's, exactly: `venv --system-site-packages` would expose
+the *base* interpreter's when the tests run in a virtual environment (README's users do), so the venv
+has no system site-packages and a .pth file adds the site directories this interpreter has (issue 44.9).
+What only a machine has is faked on PATH: IMDSv2 (`curl`), `aws s3 cp` (read from the emulator's S3;
+`aws --version` says v2), `systemctl`, `useradd`, `install -o`, `logger`, `shutdown` and `sleep`. Every
+faked call is one JSON line in calls.jsonl. The venv's own site-packages come before the interpreter's,
+and PYTHONPATH is cleared, so what imports petctl there gets the installed wheel, not this checkout.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps({{"cmd": "aws", "args": " ".join(args)}}) + "\\n")
+if args == ["--version"]:  # the DLAMI's AWS CLI v2
+    print("aws-cli/2.31.0 Python/3.13.7 Linux/6.1 exe/x86_64.amzn.2023")
+    sys.exit(0)
 if args[:2] != ["s3", "cp"]:
     sys.exit(2)
 source, dest = [a for a in args[2:] if not a.startswith("--")]
@@ -63,6 +68,21 @@ FAKES = {
 }
 
 
+def see_test_packages(python: Path) -> Path:
+    """Make the venv of `python` (made without system site-packages) see exactly this interpreter's
+    packages. In a venv, `--system-site-packages` reaches the base interpreter's site-packages, not the
+    venv's, and on a distribution's Python also packages the venv never sees (Debian's dist-packages). A
+    .pth file in the new venv's site-packages adds the site directories on this interpreter's sys.path,
+    in its order, each with its own .pth files, after the new venv's own: a wheel installed there still
+    wins. Returns the .pth file."""
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    dirs = [d for d in sys.path if d.endswith(("site-packages", "dist-packages")) and Path(d).is_dir()]
+    pth = Path(purelib) / "petctl-test-environment.pth"
+    pth.write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+    return pth
+
+
 class FakeAmi:
     """One instance's disk (`root`), its fakes and its call log."""
 
@@ -71,8 +91,9 @@ class FakeAmi:
         self.root = directory / "root"
         (self.root / "var" / "log").mkdir(parents=True, exist_ok=True)
         self.python = self.root / "opt" / "pytorch" / "bin" / "python"
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                        str(self.root / "opt" / "pytorch")], check=True, timeout=120)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(self.root / "opt" / "pytorch")],
+                       check=True, timeout=120)
+        see_test_packages(self.python)
         fakes = directory / "fakes"
         fakes.mkdir(exist_ok=True)
         for name, text in {**FAKES, "aws": FAKE_AWS.format(python=sys.executable)}.items():

@@ -89,6 +89,27 @@ def job_template(home: Path, variant: str) -> str:
     return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
 
 
+def ami_job_template(home: Path, name: str = "ami", stack: str = STACK) -> str:
+    """The default job's template: no --image, the Deep Learning AMI installs petctl's wheel (what
+    `run_job` renders without --image; the variants above are --image jobs, the recorded setting)."""
+    from petctl.providers.aws.boot import AMI_PYTHON, AmiBoot
+    from petctl.providers.aws.launch import JobBoot, render_job_template
+
+    spec = job_spec("spot-single")
+    spec.name = name
+    prefix = f"s3://{BUCKET}/jobs/{name}"
+    spec.code_url, spec.checkpoint_url = f"{prefix}/code/train.py", f"{prefix}/checkpoints"
+    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/var/lib/petctl/work",
+                        imds_endpoint=WORKER_IMDS, asg_name=f"{stack}-job-{name}",
+                        lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK, region="us-east-1",
+                        status_url=f"{prefix}/")
+    wheel = f"{prefix}/wheelhouse/petctl-0.1.0+0123456789ab-py3-none-any.whl"
+    boot = JobBoot(ami="ami-0123456789abcdef0", ami_boot=AmiBoot(
+        wheel_url=wheel, requirements_url=f"{prefix}/wheelhouse/requirements.txt",
+        python_bin=AMI_PYTHON.rsplit("/", 1)[0]))
+    return render_job_template(provider(home, stack), spec, agent, f"{prefix}/agent.json", None, boot)
+
+
 def named_job_template(home: Path, name: str, stack: str = STACK, keep: bool = False) -> str:
     """The job template of a job called `name` (spot, one type) under base stack `stack`."""
     spec = job_spec("spot-single")
@@ -120,12 +141,15 @@ LONG_JOB = "j" + "y" * 30 + "9"
 def write_all(directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / f"{name}.yaml" for name in ("base", "base-etcd3", "base-private", "base-long",
-                                                          "job-long")}
+                                                          "base-largest", "job-long", "job-ami")}
     paths["base"].write_text(base_template())
     paths["base-etcd3"].write_text(base_template(etcd_nodes=3))
     paths["base-private"].write_text(base_template(etcd_nodes=3, private=True))
     paths["base-long"].write_text(base_template(stack=LONG_STACK))
+    # The largest base template petctl renders: the longest name, private subnets, 3 etcd members.
+    paths["base-largest"].write_text(base_template(etcd_nodes=3, private=True, stack=LONG_STACK))
     paths["job-long"].write_text(named_job_template(directory, LONG_JOB, stack=LONG_STACK))
+    paths["job-ami"].write_text(ami_job_template(directory))  # the default boot (no --image)
     for variant in JOB_VARIANTS:
         paths[variant] = directory / f"job-{variant}.yaml"
         paths[variant].write_text(job_template(directory, variant))

@@ -15,7 +15,7 @@ import pytest
 
 from petctl.core.errors import ValidationError
 from petctl.providers.aws import boot
-from petctl.providers.aws.boot import MAX_USER_DATA, AmiBoot, worker_user_data
+from petctl.providers.aws.boot import MAX_USER_DATA, USER_DATA_ROOM, AmiBoot, worker_user_data
 from tests.support.aws.boot import SECRET_MARKERS, agent_config, bash_syntax_ok
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +50,19 @@ def test_ami_boot_installs_the_wheel_and_requirements_with_the_amis_torch_pinned
                      + r' -r "\$house/requirements.txt"', text)
     assert 'PY="$ROOT/opt/pytorch/bin/python"' in text
     assert "retry 3 10 install_petctl || fatal" in text
+
+
+@pytest.mark.parametrize("how", ["ami", "image"])
+def test_the_boot_script_leaves_room_for_a_jobs_arguments_and_environment(how):
+    """Issue 44.8: what the boot script itself takes of EC2's 16 KB bounds every job's args and env. A
+    boot script that grows past this needs to move to the bucket, as the etcd hosts' did."""
+    from tests.support.aws.boot import worker
+
+    text = ami_worker() if how == "ami" else worker()
+    room = MAX_USER_DATA - len(text.encode())
+    assert room >= USER_DATA_ROOM, f"{room} bytes left for a job's arguments and environment"
+    env = {"PAYLOAD": "x" * (USER_DATA_ROOM - 200)}
+    assert len((ami_worker(env=env) if how == "ami" else worker(env=env)).encode()) <= MAX_USER_DATA
 
 
 def test_ami_boot_without_requirements_installs_only_petctl():
@@ -182,3 +195,68 @@ def test_a_single_manifest_image_in_ecr_is_checked_through_its_config_blob(moto,
         boot.check_image(ecr, image, "us-east-1", fetch=lambda url: b"not json")
     blobs = {k: json.dumps({"os": "linux", "architecture": "amd64"}).encode() for k in blobs}
     assert boot.check_image(ecr, image, "us-east-1", fetch=blobs.__getitem__) == "linux/amd64"
+
+
+# --- what DescribeImages says of the AMI (issue 44.6) ----------------------------------------------------
+class _Ec2:
+    def __init__(self, *images: dict) -> None:
+        self.images = list(images)
+
+    def describe_images(self, ImageIds):  # noqa: N803 (boto3's keyword)
+        return {"Images": [dict(i, ImageId=ImageIds[0]) for i in self.images]}
+
+
+DLAMI = {"Name": "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023) 20261003",
+         "Architecture": "x86_64", "RootDeviceType": "ebs", "RootDeviceName": "/dev/xvda",
+         "State": "available",
+         "BlockDeviceMappings": [{"DeviceName": "/dev/xvda",
+                                  "Ebs": {"SnapshotId": "snap-0a", "VolumeSize": 75}}]}
+PINNED = {"options": {"worker_ami": "ami-0123456789abcdef0"}}
+
+
+def test_the_root_volume_is_the_larger_of_the_setting_and_the_amis_snapshot():
+    ami = boot.resolve(None, _Ec2(DLAMI), PINNED, container=False)
+    assert (ami.root_device, ami.root_snapshot_gb, ami.root_volume_gb(100)) == ("/dev/xvda", 75, 100)
+    grown = {**DLAMI, "RootDeviceName": "/dev/sda1", "BlockDeviceMappings": [
+        {"DeviceName": "/dev/sdb", "VirtualName": "ephemeral0"},
+        {"DeviceName": "/dev/sda1", "Ebs": {"SnapshotId": "snap-0b", "VolumeSize": 140}}]}
+    ami = boot.resolve(None, _Ec2(grown), PINNED, container=False)
+    assert (ami.root_device, ami.root_volume_gb(100)) == ("/dev/sda1", 140)  # EC2 refuses 100 < 140
+    silent = {k: v for k, v in DLAMI.items() if k not in ("BlockDeviceMappings", "RootDeviceName")}
+    ami = boot.resolve(None, _Ec2(silent), PINNED, container=False)
+    assert (ami.root_device, ami.root_volume_gb(100)) == ("/dev/xvda", 100)  # the fallback
+
+
+def test_the_job_template_sizes_the_amis_root_device(tmp_path):
+    from tests.aws.rendered import ami_job_template, parse
+
+    template = parse(ami_job_template(tmp_path))
+    (mapping,) = template["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"][
+        "BlockDeviceMappings"]
+    assert mapping["DeviceName"] == "/dev/xvda" and mapping["Ebs"]["VolumeSize"] == 100
+    from petctl.providers.aws.launch import JobBoot, render_job_template
+    from tests.aws import rendered
+
+    spec = rendered.job_spec("spot-single")
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name="petctl-job-spot-single")
+    text = render_job_template(rendered.provider(tmp_path), spec, agent, "s3://b/a.json", None,
+                               JobBoot(ami="ami-0a", image=rendered.provider(tmp_path).settings["image"],
+                                       root_volume_gb=140, root_device="/dev/sda1"))
+    (mapping,) = parse(text)["Resources"]["LaunchTemplate"]["Properties"]["LaunchTemplateData"][
+        "BlockDeviceMappings"]
+    assert mapping == {"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 140, "VolumeType": "gp3",
+                                                         "Encrypted": True, "DeleteOnTermination": True}}
+
+
+@pytest.mark.parametrize("image, message", [
+    (None, "is not visible in this region"),
+    ({**DLAMI, "Architecture": "arm64"}, "its architecture is arm64, and petctl launches x86_64"),
+    ({**DLAMI, "RootDeviceType": "instance-store"}, "its root device is instance-store"),
+    ({**DLAMI, "State": "deregistered"}, "it is deregistered, not available"),
+])
+def test_an_ami_petctl_cannot_boot_is_refused_in_one_line(image, message):
+    from petctl.core.errors import ProviderError
+
+    with pytest.raises(ProviderError, match=message) as caught:
+        boot.resolve(None, _Ec2(*([image] if image else [])), PINNED, container=False)
+    assert "\n" not in str(caught.value) and "worker_ami=" in str(caught.value)

@@ -139,12 +139,16 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
         installed, where = ami.installed_petctl()
         assert installed == version and where.startswith(str(ami.root / "opt" / "pytorch")), where
         assert [c["args"] for c in ami.calls("aws")] == [
+            "--version",  # the AMI's checks: AWS CLI v2 on root's PATH (issue 44.6)
             f"s3 cp --only-show-errors s3://{outputs['BucketName']}/{wheel} "
             f"{ami.root}/var/lib/petctl/wheelhouse/{wheel.rsplit('/', 1)[1]}"]
         unit = ami.unit()
         assert (unit["User"], unit["KillMode"], unit["OnFailure"]) == ("petctl", "mixed",
                                                                        "petctl-unhealthy.service")
         assert {"cmd": "systemctl", "args": "enable --now petctl-agent.service"} in ami.calls()
+        # the worker's home is its own (caches), and its file limit is not systemd's 1024 (issue 44.3, 44.4)
+        assert (ami.root / "var/lib/petctl/.cache").is_dir() and unit["LimitNOFILE"] == "1048576"
+        assert "HOME=/var/lib/petctl" in unit["Environment"].split()
         assert "docker" not in " ".join(c["cmd"] for c in ami.calls())
     # ... and each agent, once registered, completed its instance's launch hook with CONTINUE: the call
     # AWS needs before the instance leaves Pending:Wait (moto_patches.record_lifecycle_actions checks it as

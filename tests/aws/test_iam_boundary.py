@@ -155,6 +155,54 @@ def test_the_service_role_passes_job_roles_to_ec2_only(service):
     assert verdict(service, "iam:PassRole", ROLE, **{"iam:PassedToService": "lambda.amazonaws.com"}) != ALLOW
 
 
+# --- the service role's EC2 reach (issue 44.5) ----------------------------------------------------------
+EC2 = "arn:aws:ec2:us-east-1:123456789012"
+VPC = f"{EC2}:vpc/{OUTPUTS['VpcId']}"
+OTHER_VPC = f"{EC2}:vpc/vpc-0fedcba9876543210"
+GROUP_ACTIONS = ("ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
+                 "ec2:RevokeSecurityGroupIngress", "ec2:RevokeSecurityGroupEgress", "ec2:DeleteSecurityGroup",
+                 "ec2:CreateSecurityGroup", "ec2:CreateTags", "ec2:DeleteTags")
+
+
+def test_the_service_role_changes_security_groups_only_in_the_stacks_vpc(service):
+    group = f"{EC2}:security-group/sg-0aaaaaaaaaaaaaaaa"
+    for action in GROUP_ACTIONS:
+        assert verdict(service, action, group, **{"ec2:Vpc": VPC}) == ALLOW, action
+        assert verdict(service, action, group, **{"ec2:Vpc": OTHER_VPC}) != ALLOW, action
+        assert verdict(service, action, group) != ALLOW, action  # a group whose VPC is not known
+    assert verdict(service, "ec2:CreateSecurityGroup", VPC) == ALLOW
+    assert verdict(service, "ec2:CreateSecurityGroup", OTHER_VPC) != ALLOW
+
+
+def test_the_service_role_launches_only_from_the_stacks_launch_templates(service):
+    ours = f"{EC2}:launch-template/lt-0aaaaaaaaaaaaaaaa"
+    from_ours = {"ec2:LaunchTemplate": ours}
+    tagged = {"aws:ResourceTag/petctl:stack": STACK, **from_ours}
+    assert verdict(service, "ec2:RunInstances", ours, **tagged) == ALLOW
+    for resource in ("instance/i-0a", "volume/vol-0a", "network-interface/eni-0a", "subnet/subnet-0a",
+                     "security-group/sg-0a"):
+        assert verdict(service, "ec2:RunInstances", f"{EC2}:{resource}", **from_ours) == ALLOW, resource
+        assert verdict(service, "ec2:RunInstances", f"{EC2}:{resource}") != ALLOW, resource  # no template
+    # another stack's template, or an untagged one, launches nothing
+    for context in ({"aws:ResourceTag/petctl:stack": f"{STACK}-x", **from_ours}, from_ours):
+        assert verdict(service, "ec2:RunInstances", ours, **context) != ALLOW, context
+
+
+def test_the_service_role_tags_ec2_resources_only_as_they_are_created(service):
+    instance = f"{EC2}:instance/i-0aaaaaaaaaaaaaaaa"
+    for create in ("RunInstances", "CreateLaunchTemplate", "CreateSecurityGroup"):
+        assert verdict(service, "ec2:CreateTags", instance, **{"ec2:CreateAction": create}) == ALLOW
+    assert verdict(service, "ec2:CreateTags", instance) != ALLOW  # an existing instance of anyone's
+    assert verdict(service, "ec2:CreateTags", f"{EC2}:volume/vol-0a") != ALLOW
+
+
+def test_the_service_role_cannot_change_a_job_roles_trust(service):
+    # Only the AWS::IAM::Role update handler calls it, and petctl never updates a job stack: its trust is
+    # EC2's, fixed at creation. A new trust would let another principal take the job's credentials.
+    for context in ({}, {"iam:PermissionsBoundary": BOUNDARY}):
+        assert verdict(service, "iam:UpdateAssumeRolePolicy", ROLE, **context) != ALLOW
+
+
 # --- the boundary ---------------------------------------------------------------------------------------
 def test_every_job_role_is_created_with_the_boundary(base, tmp_path):
     for variant in rendered.JOB_VARIANTS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,47 @@ def test_wheel_from_docker_build_context_installs_and_renders_templates(tmp_path
                          check=True, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     base_len, job_len, etcd_boot, worker_boot = out.stdout.split()
     assert int(base_len) > 1000 and int(job_len) > 1000 and etcd_boot == worker_boot == "True"
+
+
+# --- the install a new user runs, and the Python it needs (issue 44.1) ----------------------------------
+def _floor(spec: str) -> tuple[int, ...]:
+    """The lowest Python a Requires-Python allows ((0,) when it names none)."""
+    from packaging.specifiers import SpecifierSet
+
+    floors = [tuple(int(p) for p in s.version.split(".")[:2]) for s in SpecifierSet(spec)
+              if s.operator in (">=", ">", "~=")]
+    return max(floors, default=(0,))
+
+
+def test_the_declared_python_is_what_every_dependency_needs_and_the_same_everywhere():
+    import ast
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    from packaging.requirements import Requirement
+
+    from petctl.providers.aws.boot import PYTHON_FLOOR, PYTHON_REQUIRES
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keywords = {k.arg: k.value for k in ast.walk(tree) if isinstance(k, ast.keyword)}
+    declared = ast.literal_eval(keywords["python_requires"])
+    assert declared == PYTHON_REQUIRES and _floor(declared) == PYTHON_FLOOR  # the wheel and the boot check
+    for requirement in ast.literal_eval(keywords["install_requires"]):
+        name = Requirement(requirement).name
+        try:
+            needs = metadata(name).get("Requires-Python") or ""
+        except PackageNotFoundError:
+            continue
+        assert _floor(needs) <= PYTHON_FLOOR, f"{name} needs Python {needs}, petctl declares {declared}"
+    readme = (ROOT / "README.md").read_text()
+    said = set(re.findall(r"Python >= ?(3\.\d+)", readme))
+    assert said == {".".join(map(str, PYTHON_FLOOR))}, said
+
+
+def test_readme_installs_from_this_repository_not_from_pypi():
+    readme = (ROOT / "README.md").read_text()
+    aws = readme.split("## AWS", 1)[1]
+    first_step = aws.split("\n1. ", 1)[1].split("\n2. ", 1)[0]
+    assert "git clone" in first_step and "python -m pip install -c constraints.txt ." in first_step
+    # `pip install petctl` appears only in the warning not to run it: the name is not this project's
+    for match in re.finditer(r"pip install '?petctl", readme):
+        assert readme[max(0, match.start() - 20):match.start()].endswith("Do not run `"), match.group(0)

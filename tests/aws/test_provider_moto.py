@@ -404,6 +404,21 @@ def test_run_job_refuses_a_dlami_whose_torch_is_outside_the_supported_range(read
     publish_dlami(moto)  # what the next test's `ready` expects
 
 
+def test_run_job_refuses_an_ami_petctl_cannot_boot_before_creating_anything(ready, moto, tmp_path,
+                                                                            stack_name):
+    """Issue 44.6: what DescribeImages says of the AMI is checked before anything is uploaded or created."""
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    dlami = publish_dlami(moto)
+    ec2_backends[DEFAULT_ACCOUNT_ID][REGION].amis[dlami].root_device_type = "instance-store"
+    with pytest.raises(ProviderError, match=f"AMI {dlami}: its root device is instance-store"):
+        ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    assert stack_names(moto, stack_name) == {stack_name}
+    assert keys(moto, ready.settings["outputs"]["BucketName"], "jobs/demo/") == []
+    publish_dlami(moto)  # what the next test's `ready` expects
+
+
 def test_run_job_refuses_private_subnets_on_the_default_path(ready, moto, tmp_path, stack_name):
     ready.settings["network"]["subnets"] = "private"
     with pytest.raises(ValidationError, match="private subnets cannot reach the package index.*--image"):

@@ -433,8 +433,30 @@ def cluster(templates) -> dict:
 
 
 def test_base_templates_fit_cloudformations_inline_body_limit(templates):
-    for name in ("base", "base-etcd3", "base-private", "base-long"):
-        assert len(templates[name].read_bytes()) < 51_200, name  # CreateStack's TemplateBody limit
+    # The base stack creates the bucket, so its template goes as a TemplateBody (51,200 bytes at most).
+    # The largest one keeps a margin for what the next issue adds (issue 44.8).
+    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT
+
+    for name in ("base", "base-etcd3", "base-private", "base-long", "base-largest"):
+        assert len(templates[name].read_bytes()) < TEMPLATE_BODY_LIMIT, name
+    assert len(templates["base-largest"].read_bytes()) < TEMPLATE_BODY_LIMIT - 4096
+
+
+def test_the_base_template_sheds_its_comments_and_nothing_else():
+    from petctl.providers.aws.templates import CFN_DIR, render, strip_comments
+
+    assert strip_comments("a: 1\n  # why\nb: '# kept'\n") == "a: 1\nb: '# kept'\n"
+    text = rendered.base_template(etcd_nodes=3, private=True, stack=rendered.LONG_STACK)
+    assert not any(line.lstrip().startswith("#") for line in text.splitlines())
+    # what CloudFormation parses is the same with or without the comments (no block scalar lost a line)
+    from petctl.providers.aws.jobscope import base_scope
+
+    plan, hosts, _ = rendered._etcd_hosts(3, 3, True, rendered.LONG_STACK)
+    full = render(CFN_DIR, "base.yaml.j2", **base_scope(rendered.LONG_STACK), stack_name=rendered.LONG_STACK,
+                  plan=plan, etcd_ami="ami-0123456789abcdef0", etcd_instance_type="t3.small",
+                  bucket_placeholder=rendered.BUCKET_PLACEHOLDER, etcd_members=hosts,
+                  repository_name=f"{rendered.LONG_STACK}-worker", noncurrent_days=1, log_retention_days=14)
+    assert parse(full) == parse(text)
 
 
 def test_three_etcd_members_each_in_its_own_subnet_behind_its_own_fixed_address(cluster):
@@ -575,3 +597,24 @@ def test_the_longest_stack_and_job_names_fit_every_name_and_the_service_roles_sc
     scope = json.dumps(service["Policies"])
     assert f"role/petctl/{rendered.LONG_STACK}/*" in scope and role["Path"].startswith(
         f"/petctl/{rendered.LONG_STACK}/")
+
+
+def test_a_job_template_with_the_largest_user_data_fits_a_template_body(tmp_path):
+    """Job templates go as a TemplateBody too: the largest user data petctl accepts (escaped as JSON in the
+    template), the longest names and three instance types stay well under 51,200 bytes."""
+    from petctl.core.errors import ValidationError
+    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT
+
+    spec = rendered.job_spec("spot-mixed")
+    spec.name = rendered.LONG_JOB
+    agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name=f"{rendered.LONG_STACK}-job-x")
+    size, biggest = 256, ""
+    while True:  # grow the environment until the user data is refused: the last accepted is the largest
+        spec.env = {"PAYLOAD": "\"\\n" * size}
+        try:
+            biggest = rendered.provider(tmp_path, rendered.LONG_STACK).render_job_template(
+                spec, agent, "s3://b/jobs/x/agent.json")
+        except ValidationError:
+            break
+        size += 256
+    assert size > 512 and len(biggest.encode()) < TEMPLATE_BODY_LIMIT - 8192

@@ -75,6 +75,13 @@ class WorkerAmi:
     source: str = ""  # the SSM parameter it was resolved from, or "worker_ami option"
     torch: str = ""  # "" when the AMI does not say (a custom AMI, or an --image job: the image's torch)
     cuda: str = ""
+    root_device: str = "/dev/xvda"  # the AMI's RootDeviceName: the launch template sizes this device
+    root_snapshot_gb: int = 0  # its root snapshot's size (DescribeImages); 0 when the AMI does not say
+
+    def root_volume_gb(self, wanted: int) -> int:
+        """The root volume a worker gets: `wanted` (setup's root_volume_gb), or the AMI's root snapshot
+        when that is larger (EC2 refuses a volume smaller than its snapshot: every launch would fail)."""
+        return max(wanted, self.root_snapshot_gb)
 
     def summary(self) -> str:
         what = f"torch {self.torch or 'unknown'}, CUDA {self.cuda or 'unknown'}"
@@ -112,13 +119,45 @@ def resolve(ssm: Any, ec2: Any, settings: dict[str, Any], container: bool) -> Wo
     image_id = pinned or ssm_parameter(ssm, param)
     with aws_errors(f"describe AMI {image_id}"):
         images = ec2.describe_images(ImageIds=[image_id]).get("Images", [])
-    found = images[0] if images else {}
+    if not images:
+        raise ProviderError(f"AMI {image_id} ({'worker_ami option' if pinned else param}) is not visible in "
+                            "this region: pin another with `petctl setup --option worker_ami=ami-...`")
+    found = images[0]
+    problem = ami_problem(found)
+    if problem:
+        raise ProviderError(f"AMI {image_id}: {problem}: pin another with `petctl setup --option "
+                            "worker_ami=ami-...`")
     torch, cuda = describe(found.get("Name", ""), found.get("Description", "")) if not container else ("", "")
-    ami = WorkerAmi(image_id, found.get("Name", ""), "worker_ami option" if pinned else param, torch, cuda)
+    root = found.get("RootDeviceName") or "/dev/xvda"
+    ami = WorkerAmi(image_id, found.get("Name", ""), "worker_ami option" if pinned else param, torch, cuda,
+                    root, root_snapshot_gb(found))
     if torch and torch_supported(torch) is False:
         raise ProviderError(f"AMI {ami.summary()} has a torch outside petctl's supported range "
                             f"{TORCH_RANGE}: pin another with `petctl setup --option worker_ami=ami-...`")
     return ami
+
+
+def root_snapshot_gb(image: dict[str, Any]) -> int:
+    """The size (GiB) of an image's root snapshot, from DescribeImages' BlockDeviceMappings; 0 when the
+    image does not say (then setup's root_volume_gb stands)."""
+    root = image.get("RootDeviceName", "")
+    for mapping in image.get("BlockDeviceMappings") or []:
+        if mapping.get("DeviceName") == root:
+            return int((mapping.get("Ebs") or {}).get("VolumeSize") or 0)
+    return 0
+
+
+def ami_problem(image: dict[str, Any]) -> str:
+    """Why petctl's workers cannot boot this image ("" when nothing AWS publishes says so): an x86_64 AMI
+    whose root is an EBS volume. A field the image leaves out is not held against it."""
+    arch, root_type = image.get("Architecture", ""), image.get("RootDeviceType", "")
+    if arch and arch != "x86_64":
+        return f"its architecture is {arch}, and petctl launches x86_64 GPU instances"
+    if root_type == "instance-store":
+        return f"its root device is {root_type}, and petctl sizes an EBS root volume"
+    if image.get("State", "available") != "available":
+        return f"it is {image['State']}, not available"
+    return ""
 
 
 PLATFORM = "linux/amd64"
@@ -206,7 +245,10 @@ def _fetch(url: str) -> bytes:
 
 WHEEL_DIR = "wheelhouse"
 ENTRY_POINTS = {"petctl": "petctl.cli:main", "petctl-agent": "petctl.agent.main:main"}
-PYTHON_REQUIRES = ">=3.10"
+# The Python petctl needs: its dependencies' (etcd3aio 0.3 requires 3.11). setup.py declares the same
+# (tests/aws/test_packaging.py), and the default boot checks the AMI's Python against it.
+PYTHON_FLOOR = (3, 11)
+PYTHON_REQUIRES = ">=3.11"
 MAX_REQUIREMENTS = 64 * 1024
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: the same code makes the same bytes
 # One requirement a line: a name with extras and a version/marker, or an index option with a URL. A path
@@ -331,9 +373,12 @@ def read_requirements(path: Path | None) -> str:
 
 
 CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
-# Keep the user data below EC2's 16 KB limit (with room to spare) so a long argument list is refused here
-# with a clear message rather than by a failed launch.
-MAX_USER_DATA = 14 * 1024
+# EC2 takes 16 KB of user data (raw, before base64). A boot script over MAX_USER_DATA is refused here with a
+# clear message rather than by a failed launch; the 256 bytes kept back are for nothing but rounding. What a
+# job's arguments and environment may use is what the boot script leaves: tests/aws/test_ami_boot.py keeps
+# that above USER_DATA_ROOM for both boots.
+MAX_USER_DATA = 16 * 1024 - 256
+USER_DATA_ROOM = 2 * 1024
 
 BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
@@ -367,7 +412,7 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
         config_url=config_url, gpus=gpus, boot=boot_settings(config),
         log_stream_prefix=log_stream_prefix(config.job.name),
         wheel_url=ami.wheel_url, wheel_name=ami.wheel_url.rsplit("/", 1)[-1],
-        requirements_url=ami.requirements_url, python_bin=ami.python_bin))
+        requirements_url=ami.requirements_url, python_bin=ami.python_bin, python_floor=PYTHON_FLOOR))
     if len(text.encode()) > MAX_USER_DATA:
         raise ValidationError(f"the job's boot script is {len(text.encode())} bytes (limit {MAX_USER_DATA}): "
                               "shorten the job's arguments or environment")

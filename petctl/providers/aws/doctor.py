@@ -20,7 +20,10 @@ OPERATOR_ACTIONS = (
     "sts:GetCallerIdentity", "cloudformation:CreateStack", "cloudformation:DeleteStack",
     "cloudformation:DescribeStacks", "cloudformation:DescribeStackEvents", "cloudformation:GetTemplate",
     "autoscaling:DescribeAutoScalingGroups", "autoscaling:UpdateAutoScalingGroup",
-    "autoscaling:SetDesiredCapacity", "autoscaling:DescribeScalingActivities", "ec2:DescribeInstances",
+    "autoscaling:SetDesiredCapacity", "autoscaling:DescribeScalingActivities",
+    # run_job suspends AZRebalance on the new group (capacity.suspend_processes), and picks the AZ from
+    # where its instance types are offered (capacity.py).
+    "autoscaling:SuspendProcesses", "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeInstances",
     "ec2:DescribeInstanceTypes", "ec2:DescribeImages", "ec2:TerminateInstances",
     "ec2:DescribeAvailabilityZones", "ec2:DescribeSpotPriceHistory", "ecr:BatchGetImage",
     "ecr:GetDownloadUrlForLayer",

@@ -60,6 +60,8 @@ class JobBoot:
     ami: str
     image: str = ""
     ami_boot: AmiBoot | None = None
+    root_volume_gb: int = 0  # 0: setup's root_volume_gb
+    root_device: str = "/dev/xvda"
 
 
 def validate(provider: AwsContext, job: JobSubmission) -> JobSpec:
@@ -104,8 +106,13 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
     check_quota(provider, session, spec)
     store = provider.store(session, spec.name)
     spec.code_url, _ = store.upload_code(job.script)
-    boot = JobBoot(ami.image_id, image) if image else JobBoot(ami.image_id, ami_boot=upload_wheelhouse(
-        store, requirements, provider.progress))
+    root = {"root_volume_gb": ami.root_volume_gb(int(settings.get("root_volume_gb", 100))),
+            "root_device": ami.root_device}
+    if image:
+        boot = JobBoot(ami.image_id, image, **root)
+    else:
+        wheelhouse = upload_wheelhouse(store, requirements, provider.progress)
+        boot = JobBoot(ami.image_id, ami_boot=wheelhouse, **root)
     spec.checkpoint_url = spec.checkpoint_url or store.url("checkpoints")
     spec.etcd_endpoint = settings["outputs"]["EtcdEndpoint"]
     # The API the stack's etcd serves (setup's `store`: etcd 3.6 serves v3 only): agents and readers alike.
@@ -207,5 +214,6 @@ def render_job_template(provider: AwsContext, spec: JobSpec, agent: AgentConfig,
                       launch_hook=LAUNCH_HOOK, boot_timeout=int(spec.timeouts.boot_timeout),
                       **template_scope(provider.base_stack, spec.name, agent.asg_name, out["LogGroupName"]),
                       etcd_secret_arn=spec.etcd_credentials,
-                      root_volume_gb=settings.get("root_volume_gb", 100),
+                      root_volume_gb=boot.root_volume_gb or settings.get("root_volume_gb", 100),
+                      root_device=boot.root_device,
                       hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))

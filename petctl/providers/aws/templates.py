@@ -61,7 +61,19 @@ def render_base(**context: Any) -> str:
     service role's scope and the job roles' paths come from one place."""
     from petctl.providers.aws.jobscope import base_scope
 
-    return render(CFN_DIR, "base.yaml.j2", **base_scope(context["stack_name"]), **context)
+    return strip_comments(render(CFN_DIR, "base.yaml.j2", **base_scope(context["stack_name"]), **context))
+
+
+# CloudFormation's limit on a TemplateBody. The base stack creates the bucket, so its template cannot go by
+# TemplateURL: it must stay below this (tests/aws/test_templates.py renders the largest one).
+TEMPLATE_BODY_LIMIT = 51_200
+
+
+def strip_comments(template: str) -> str:
+    """A rendered template without its whole-line YAML comments: they explain the source (cfn/), and
+    CloudFormation counts every byte of a TemplateBody. The templates hold no block scalars, and every
+    multi-line string (user data) is one JSON line, so a line that starts with # is always a comment."""
+    return "".join(line for line in template.splitlines(keepends=True) if not line.lstrip().startswith("#"))
 
 
 def render_job(**context: Any) -> str:
