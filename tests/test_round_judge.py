@@ -315,3 +315,20 @@ def test_a_node_that_never_measured_a_save_hands_off_at_once():
 
 def test_handoff_at_leaves_the_step_under_way_and_the_save():
     assert handoff_at(save_deadline=100.0, save_s=4.0, step_s=0.5) == pytest.approx(95.5)
+
+
+def test_rank_0_publishes_its_save_time_through_the_interval_that_follows():
+    """A noticed node of another rank plans its hand-off with rank 0's published save time. With
+    every="auto" a `checkpoint.interval` line follows each save: it must not drop the save's time (it did,
+    and every noticed node then handed off at once, as if no save had been measured)."""
+    import io
+
+    from petctl.agent.reporting import Progress
+    from petctl.core.eventlog import EventLog
+
+    progress = Progress(nproc=1, events=EventLog("agent", stream=io.StringIO()))
+    progress.on_worker_event({"event": "checkpoint.saved", "rank": 0, "step": 9, "url": "file:///c",
+                              "seconds": 0.25})
+    progress.on_worker_event({"event": "checkpoint.interval", "rank": 0, "interval_s": 30.0, "reason": "r"})
+    assert progress.last_checkpoint.save_s == 0.25 and progress.last_checkpoint.interval_s == 30.0
+    assert progress.last_checkpoint.step == 9 and list(progress.save_seconds) == [0.25]

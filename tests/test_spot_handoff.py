@@ -132,5 +132,10 @@ def test_a_replacement_slower_than_the_window_finds_the_save_already_made(local:
         (original, {3}), (original - {victim}, {2}), (original - {victim} | {replacement}, {3})]
     (handoff,) = [e for e in local.events("slowboot", "preemption.handoff") if e["node"] == victim]
     assert handoff["why"] == "deadline"
+    # It trained on until the last moment that left time for its save (rank 0's, measured and published):
+    # a 30 s notice keeps a quarter as its margin, so the save had to be done 22.5 s after the notice.
+    save_deadline = seen + 0.75 * (reclaim_at - seen)
+    assert handoff["save_estimate_s"] < 10.0, handoff
+    assert save_deadline - handoff["save_estimate_s"] - 2.0 <= handoff["ts"] <= save_deadline, (handoff, seen)
     left_right_after_its_save(local, ledger, "slowboot", victim, reclaim_at)
     assert len(local.processes()) == 1  # etcd only

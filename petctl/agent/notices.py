@@ -85,6 +85,7 @@ class PreemptionHandler:
         self._marked_round: int | None = None  # the round whose `handoffs` holds us
         self.handoff_why = ""  # why we handed off (roundjudge.HandOff), once we did
         self.writer_save_s: float | None = None  # rank 0's latest save time, as it published it
+        self.save_s = 0.0  # the time kept for the hand-off's save, as last planned (for its event)
         self._writer_read: int | None = None  # the round whose rank 0 status we read
         self.timed_out = False  # the workers' save ran past save_deadline
         self._watcher: Any = None
@@ -146,7 +147,7 @@ class PreemptionHandler:
         and our measured save (`save_seconds`) and step (`step_s`) times."""
         rnd = snap.round
         measured = [*save_seconds, *([self.writer_save_s] if self.writer_save_s is not None else [])]
-        save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
+        save_s = self.save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
         look = HandoffLook(kind=self.notice.kind, now=now,
                            handoff_at=handoff_at(self.save_deadline, save_s, step_s),
                            waiting=bool(snap.alive - info.ranks.keys()),
@@ -176,7 +177,7 @@ class PreemptionHandler:
         if rdzv.set_handoff(rdzv.view(), self.notice.deadline):
             self._marked_round = info.round
             self.events.emit("preemption.training_on", round=info.round, deadline=self.notice.deadline,
-                             detached=self.detached)
+                             detached=self.detached, save_estimate_s=round(self.save_s, 3))
 
     def end_instance(self) -> bool:
         """Our instance left its group at the notice, and we have left the job: end it now, so the rest

@@ -30,6 +30,7 @@ mirroring nothing. The bytes go through `petctl.io.objstore` (boto3 loads for s3
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -379,9 +380,8 @@ class Progress:
                                                   interval_reason=last.interval_reason,
                                                   save_s=self.save_seconds[-1] if self.save_seconds else None)
             elif event == "checkpoint.interval":  # every="auto" chose (or changed) the durable interval
-                self.last_checkpoint = Checkpoint(step=last.step, url=last.url,
-                                                  interval_s=record.get("interval_s"),
-                                                  interval_reason=str(record.get("reason", "")))
+                self.last_checkpoint = dataclasses.replace(last, interval_s=record.get("interval_s"),
+                                                           interval_reason=str(record.get("reason", "")))
             self.events.forward(record)
 
 

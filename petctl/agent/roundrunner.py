@@ -174,7 +174,8 @@ class RoundRunner:
             if p.preemption.handoff_why != step.why:  # once per reason, not once per pass
                 p.preemption.handoff_why = step.why
                 p.events.emit("preemption.handoff", round=info.round, why=step.why,
-                              waiting=sorted(snap.alive - info.ranks.keys()), step=p.progress.step)
+                              waiting=sorted(snap.alive - info.ranks.keys()), step=p.progress.step,
+                              save_estimate_s=round(p.preemption.save_s, 3))
             self._store_call(p.preemption.announce, self.saves.announce)
         elif isinstance(step, MarkHandoff):
             self._store_call(p.preemption.mark_handoff, p.rdzv, info)
