@@ -68,13 +68,21 @@ def finish(local: Petctl, ledger_dir: Path, job: str, replacement_trained) -> Le
     return ledger
 
 
-def the_replacement(local: Petctl, job: str, victim: str, seen: float) -> str:
-    """The instance launched for the noticed one, launched within 1 s of its agent seeing the notice."""
-    launched = [e for e in local.json("events", job, "--all")
-                if e["event"] == "instance.launched" and e.get("replaces") == victim]
-    assert len(launched) == 1, launched
-    assert launched[0]["ts"] - seen <= 1.0, (launched[0]["ts"], seen)
-    return launched[0]["instance"]
+def launched_for(local: Petctl, job: str, victim: str) -> list[dict]:
+    return [e for e in local.json("events", job, "--all")
+            if e["event"] == "instance.launched" and e.get("replaces") == victim]
+
+
+def replaced_and_finished(local: Petctl, ledger_dir: Path, job: str, victim: str,
+                          seen: float) -> tuple[str, Ledger]:
+    """The instance launched for the noticed one (once, within 1 s of its agent seeing the notice), and
+    the job's ledger once the replacement has trained and the job finished."""
+    new = wait_until(lambda: launched_for(local, job, victim), 10, "the replacement launched")[0]["instance"]
+    ledger = finish(local, ledger_dir, job,
+                    lambda: any(e["node"] == new for e in Ledger.read(ledger_dir).of("step")))
+    (launched,) = launched_for(local, job, victim)
+    assert launched["ts"] - seen <= 1.0, (launched["ts"], seen)
+    return launched["instance"], ledger
 
 
 def left_right_after_its_save(local: Petctl, ledger: Ledger, job: str, victim: str,
@@ -98,12 +106,7 @@ def left_right_after_its_save(local: Petctl, ledger: Ledger, job: str, victim: s
 def test_the_replacement_first_hands_off_in_one_reform_at_full_size(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
     victim, original, reclaim_at, seen = start(local, ledger_dir, "handoff", boot=8.0)
-    replacement = wait_until(lambda: [e["instance"] for e in local.json("events", "handoff", "--all")
-                                      if e["event"] == "instance.launched" and e.get("replaces") == victim],
-                             10, "the replacement launched")[0]
-    ledger = finish(local, ledger_dir, "handoff",
-                    lambda: any(e["node"] == replacement for e in Ledger.read(ledger_dir).of("step")))
-    assert the_replacement(local, "handoff", victim, seen) == replacement
+    replacement, ledger = replaced_and_finished(local, ledger_dir, "handoff", victim, seen)
 
     # World 3 all along: the hand-off is one re-form, with the replacement in the noticed node's place.
     assert {e["world"] for e in ledger.of("step")} == {3}
@@ -119,12 +122,7 @@ def test_the_replacement_first_hands_off_in_one_reform_at_full_size(local: Petct
 def test_a_replacement_slower_than_the_window_finds_the_save_already_made(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
     victim, original, reclaim_at, seen = start(local, ledger_dir, "slowboot", boot=40.0)
-    replacement = wait_until(lambda: [e["instance"] for e in local.json("events", "slowboot", "--all")
-                                      if e["event"] == "instance.launched" and e.get("replaces") == victim],
-                             10, "the replacement launched")[0]
-    ledger = finish(local, ledger_dir, "slowboot",
-                    lambda: any(e["node"] == replacement for e in Ledger.read(ledger_dir).of("step")))
-    assert the_replacement(local, "slowboot", victim, seen) == replacement
+    replacement, ledger = replaced_and_finished(local, ledger_dir, "slowboot", victim, seen)
 
     # World 3 until the hand-off's save (its deadline came first), 2 until the replacement joined, then 3.
     runs = ledger.training_rounds()
