@@ -46,9 +46,9 @@ def requirement() -> str:
         return f"missing: {exc}"
 
 
-emit("probe.env", home=str(Path.home()), cache_error=cache_check(),
-     nofile=resource.getrlimit(resource.RLIMIT_NOFILE)[0], requirement=requirement(),
-     python=sys.version.split()[0], torch=torch.__version__)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+emit("probe.env", home=str(Path.home()), cache_error=cache_check(), nofile=soft, nofile_hard=hard,
+     requirement=requirement(), python=sys.version.split()[0], torch=torch.__version__)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)

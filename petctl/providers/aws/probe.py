@@ -45,7 +45,11 @@ HELD, BROKEN, NEEDS_AWS, NOT_REACHED = "held", "broken", "needs AWS", "not reach
 DEFAULT_TYPE = "t3.medium"
 STEPS = 50
 STEP_SECONDS = 1.0  # per step: the instance stays InService long enough to be seen there
-NOFILE_FLOOR = 65536  # the agent's unit sets 1048576; systemd's default soft limit is 1024
+# The agent's unit sets LimitNOFILE=1048576; without it systemd's default soft limit, 1024, is what the
+# workers get ("Too many open files" in DataLoader and NCCL). The soft limit must be the unit's, or as high as
+# the machine's hard limit lets it be, and above systemd's default.
+NOFILE_WANTED = 1048576
+SYSTEMD_DEFAULT_NOFILE = 1024
 GOOD_TIMEOUT = 30 * 60.0  # seconds for the first job to finish (a DLAMI boot is 3-8 minutes)
 BAD_TIMEOUT = 45 * 60.0  # seconds for the breaker: BREAKER_LIMIT boots, one after another
 EMPTY_TIMEOUT = 10 * 60.0  # seconds for a group at 0 to have no instance left
@@ -190,9 +194,9 @@ def home(o: Observations) -> tuple[str, str]:
     problems = []
     if env.get("cache_error"):
         problems.append(f"~/.cache: {env['cache_error']}")
-    nofile = int(env.get("nofile") or 0)
-    if nofile < NOFILE_FLOOR:
-        problems.append(f"soft file limit {nofile}, below {NOFILE_FLOOR}")
+    nofile, hard = int(env.get("nofile") or 0), int(env.get("nofile_hard") or 0)
+    if nofile <= SYSTEMD_DEFAULT_NOFILE or nofile < min(NOFILE_WANTED, hard or NOFILE_WANTED):
+        problems.append(f"soft file limit {nofile} (hard {hard}), not the unit's {NOFILE_WANTED}")
     if problems:
         return BROKEN, "; ".join(problems)
     return HELD, f"wrote {env.get('home', '~')}/.cache; soft file limit {nofile}"
@@ -658,7 +662,13 @@ def _cost(provider: AwsContext, session, obs: Observations, since: float) -> Spe
                 market = span.market or "spot"
                 spans.append((UsageKey(span.instance_type or "", market, span.az or ""),
                               max(span.launched_at, since), span.ended_at or now))
-        return spend([s for s in spans if s[0].instance_type], provider.prices())
+        from petctl.providers.aws.pricing import PRICING_REGION, AwsPrices
+
+        # the prices' own clients fail fast ("probe" retries): a missing price is a note, not a wait
+        prices = AwsPrices(session.client("ec2", profile="probe"),
+                           session.client("pricing", region=PRICING_REGION, profile="probe"), session.region,
+                           provider.config.home / "cache" / "aws-prices.json")
+        return spend([s for s in spans if s[0].instance_type], prices)
     except Exception as exc:  # noqa: BLE001 money is reported, never a reason to skip the clean-up
         return Spend(sum(max(0.0, end - start) for _, start, end in spans) / 3600.0, None,
                      f"no price: {type(exc).__name__}")
