@@ -217,3 +217,28 @@ def test_the_probe_job_ships_with_petctl_with_one_requirement_each():
         assert len([line for line in text.splitlines() if line and not line.startswith("#")]) == 1, name
     setup_py = (files.parents[2] / "setup.py").read_text()
     assert '"petctl._templates": ["probe/*"]' in setup_py  # package data: installed petctl has them too
+
+
+def test_the_probe_script_trains_50_steps_writes_its_cache_and_reports(tmp_path):
+    """The packaged script as a worker runs it (torchrun's environment, one process), with a HOME of its
+    own: the `probe.env` line the probe reads, 50 `train.step` lines, a checkpoint, the cache file."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    repo = probe.probe_files().parents[2]
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1",
+           "PETCTL_CHECKPOINT_URL": (tmp_path / "checkpoints").as_uri(), "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               str(probe.probe_files() / "train.py")]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    (report,) = [e for e in events if e["event"] == "probe.env"]
+    assert report["cache_error"] == "" and report["home"] == str(tmp_path / "home")
+    assert report["nofile"] > 0 and report["requirement"].startswith("tqdm ")
+    assert [e["step"] for e in events if e["event"] == "train.step"] == list(range(probe.STEPS))
+    assert (tmp_path / "home" / ".cache" / "petctl-probe" / "0.txt").read_text() == "probe\n"
+    assert any(p.is_file() for p in (tmp_path / "checkpoints").rglob("*"))

@@ -7,8 +7,8 @@ The probe sets up nothing beyond its jobs; it needs a finished `petctl setup --p
 1. A one-node job on a small CPU instance (`--instance-type`, DEFAULT_TYPE), from the Deep Learning AMI
    like any default job: `petctl/_templates/probe/train.py` trains 50 steps through `petctl.elastic`,
    writes to `~/.cache`, reports its file limit, and imports the one requirement its instance installed.
-2. A second one-node job whose requirement no index can satisfy: each boot fails, the launch is
-   abandoned, the group launches the next, and the third failure trips the boot breaker
+2. At the same time, a second one-node job whose requirement no index can satisfy: each boot fails, the
+   launch is abandoned, the group launches the next, and the third failure trips the boot breaker
    (petctl/core/boots.py), which sets the group to 0 and ends the job `failed`.
 3. While each job stands: its role's permissions boundary (IAM GetRole) and, for the first, whether the
    role may detach instances from its own group and from no other (IAM SimulatePrincipalPolicy).
@@ -387,11 +387,13 @@ def run(provider: AwsContext, plan: Plan, echo: Callable[[str], None]) -> tuple[
         with _signals(_interrupt):
             files = probe_files()
             echo(f"probe: job {plan.good} ({plan.instance_type}): {STEPS} steps through petctl.elastic")
+            # Both jobs run at once (two small instances: within a new account's vCPU quota), so the
+            # probe takes the second job's three failed boots, not the sum of both jobs.
             if _start(provider, plan, obs.good, files / "requirements.txt", echo):
-                _watch_good(provider, obs.good, echo)
-            if obs.good.created:
                 echo(f"probe: job {plan.bad}: a requirement no index has; the boot breaker must end it")
-                if _start(provider, plan, obs.bad, files / "unbootable.txt", echo):
+                bad = _start(provider, plan, obs.bad, files / "unbootable.txt", echo)
+                _watch_good(provider, obs.good, echo)
+                if bad:
                     _watch_bad(provider, obs.bad, echo)
     except KeyboardInterrupt as exc:
         obs.stopped = f"stopped by {exc.args[0] if exc.args else 'SIGINT'}"
