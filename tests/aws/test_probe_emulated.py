@@ -154,9 +154,9 @@ def test_the_probe_runs_both_jobs_prints_every_contract_and_leaves_nothing(ready
 
 def test_sigterm_while_the_probe_waits_cleans_up_and_still_prints_the_table(ready, moto, stack_name,
                                                                            monkeypatch, capsys):
-    """No instance boots here (no emulator): the first job's stack is created, then a SIGTERM arrives while
-    the probe waits for it. The job is deleted, its prefix emptied, the table printed with what was not
-    reached, and the command ends as an interrupted one (130)."""
+    """No instance boots here (no emulator): both jobs' stacks are created, then a SIGTERM arrives while
+    the probe waits for the first. Both are deleted, their prefixes emptied, the table printed with what
+    was not reached, and the command ends as an interrupted one (130)."""
     from petctl.cli.main import main
 
     def terminated(provider, job, echo):
@@ -173,14 +173,37 @@ def test_sigterm_while_the_probe_waits_cleans_up_and_still_prints_the_table(read
     assert ended.value.code == 130 and captured.err.strip() == "error: interrupted"  # after click's newline
     table = rows(captured.out)
     assert table["probe job trains"] == (probe.NOT_REACHED, "stopped by SIGTERM")
-    assert table["boot breaker"] == (probe.NOT_REACHED, "the second job did not run")
+    assert table["boot breaker"] == (probe.NOT_REACHED, "stopped by SIGTERM")  # both jobs had started
     assert table["trust-policy key"][0] == probe.NEEDS_AWS  # its stack was created
     assert table["job role boundary"][0] == probe.HELD
     assert table["nothing left behind"] == (probe.HELD, "clean")
     assert "stopped by SIGTERM" in ready.lines and "probe: cleaning up" in ready.lines
     assert signal.getsignal(signal.SIGTERM) is before  # the probe's handlers are gone again
     assert table["deletion under the service role"] == (
-        probe.NEEDS_AWS, "the emulator deletes with no role (seen here: 1 stack(s) DELETE_COMPLETE)")
+        probe.NEEDS_AWS, "the emulator deletes with no role (seen here: 2 stack(s) DELETE_COMPLETE)")
     assert live_probe_stacks(moto, stack_name) == []
     bucket = ready.settings["outputs"]["BucketName"]
     assert boto(moto, "s3").list_objects_v2(Bucket=bucket, Prefix="jobs/probe-").get("KeyCount", 0) == 0
+
+
+def test_a_failure_while_the_probe_waits_still_cleans_up_and_exits_non_zero(ready, moto, stack_name,
+                                                                            monkeypatch, capsys):
+    from petctl.cli.main import main
+
+    def fails(provider, job, echo):
+        raise RuntimeError("the network went away")
+
+    monkeypatch.setattr(probe, "_watch_good", fails)
+    ready.wait_timeout = 5.0
+    with pytest.raises(SystemExit) as ended:
+        main(["doctor", "--provider", "aws", "--probe"], obj=CliContext(provider=ready))
+    captured = capsys.readouterr()
+    assert ended.value.code == 1 and captured.err.startswith("error: ") and captured.err.count("\n") == 1
+    table = rows(captured.out)
+    assert table["probe job trains"] == (probe.NOT_REACHED, "stopped: RuntimeError: the network went away")
+    assert table["nothing left behind"] == (probe.HELD, "clean")
+    assert live_probe_stacks(moto, stack_name) == []
+    bucket = ready.settings["outputs"]["BucketName"]
+    s3 = boto(moto, "s3")
+    for prefix in ("jobs/probe-", "etcd-users/probe-"):
+        assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount", 0) == 0, prefix

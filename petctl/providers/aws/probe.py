@@ -398,8 +398,9 @@ def run(provider: AwsContext, plan: Plan, echo: Callable[[str], None]) -> tuple[
     except KeyboardInterrupt as exc:
         obs.stopped = f"stopped by {exc.args[0] if exc.args else 'SIGINT'}"
         obs.interrupted = True
-    except PetctlError as exc:
-        obs.stopped = f"stopped: {exc}"
+    except Exception as exc:  # noqa: BLE001 any failure: clean up, then the table says where it stopped
+        what = str(exc) if isinstance(exc, PetctlError) else f"{type(exc).__name__}: {exc}"
+        obs.stopped = f"stopped: {what}"
     finally:
         def hold_on(signum: int, frame: Any) -> None:
             echo("probe: cleaning up what it made; wait for it to finish")
@@ -410,7 +411,10 @@ def run(provider: AwsContext, plan: Plan, echo: Callable[[str], None]) -> tuple[
                 if job.submitted:
                     job.deletion = _remove(provider, job)
             cost = _cost(provider, session, obs, wall)  # EC2 lists ended instances for about an hour
-            obs.leftovers = _leftovers(provider, [j.name for j in (obs.good, obs.bad) if j.submitted])
+            try:
+                obs.leftovers = _leftovers(provider, [j.name for j in (obs.good, obs.bad) if j.submitted])
+            except Exception as exc:  # noqa: BLE001 an unanswered look is a leftover not ruled out
+                obs.leftovers = [f"could not look for leftovers: {type(exc).__name__}: {exc}"]
             obs.cleaned = True
     if obs.interrupted:
         echo(obs.stopped)
@@ -578,17 +582,19 @@ def _remove(provider: AwsContext, job: JobObservation) -> str:
     from petctl.providers.aws import jobrecords
 
     status = "DELETE_COMPLETE"
+    session = provider.session()
     try:
-        stack = provider.stacks(provider.session()).describe(provider.job_stack(job.name))
+        stack = provider.stacks(session).describe(provider.job_stack(job.name))
         jobrecords.kill(provider, job.name)
         if stack is not None:
             status = _final_status(provider, stack["StackId"])
-    except JobNotFound:
-        pass  # it never got a stack
-    except PetctlError as exc:
-        status = str(exc)
-    with contextlib.suppress(PetctlError):
-        provider.store(provider.session(), job.name).delete_all()
+    except JobNotFound:  # it never got a stack: stopped inside run_job, its credentials may be made
+        with contextlib.suppress(Exception):
+            jobrecords.delete_credentials(provider, session, job.name)
+    except Exception as exc:  # noqa: BLE001 the table reports it; the clean-up goes on
+        status = str(exc) if isinstance(exc, PetctlError) else f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):
+        provider.store(session, job.name).delete_all()
     return status
 
 
