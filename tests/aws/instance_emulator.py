@@ -214,13 +214,16 @@ class InstanceEmulator:
         unit_env = dict(item.split("=", 1) for item in unit.get("Environment", "").split() if "=" in item)
         if "HOME" in unit_env:
             env["HOME"] = str(self.amis[instance_id].root / unit_env["HOME"].lstrip("/"))
-        nofile = int(unit["LimitNOFILE"]) if unit.get("LimitNOFILE", "").isdigit() else 0
+        # The limit is set by a shell that then execs the agent (same pid): preexec_fn is not safe with the
+        # emulator's threads.
+        if unit.get("LimitNOFILE", "").isdigit():
+            limit = str(_soft_file_limit(int(unit["LimitNOFILE"])))
+            cmd = ["bash", "-c", 'ulimit -Sn "$0" && exec "$@"', limit, *cmd]
         if self._stop.is_set():
             raise _Stopped(instance_id)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True,
-                preexec_fn=(lambda: _limit_files(nofile)) if nofile else None,
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work, start_new_session=True
             )
         grace = float(stop_timeout.group(1)) if stop_timeout else 10.0  # docker's default
         self.booted[instance_id] = Booted(instance_id, proc, log, grace)
@@ -377,13 +380,12 @@ fatal "$PETCTL_TEST_ERROR"
         )
 
 
-def _limit_files(wanted: int) -> None:
-    """systemd's LimitNOFILE in the child: the soft limit `wanted`, capped at the hard limit."""
+def _soft_file_limit(wanted: int) -> int:
+    """systemd's LimitNOFILE as this machine allows it: `wanted`, capped at the hard limit."""
     import resource
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
 
 
 def session_members(sid: int) -> list[int]:

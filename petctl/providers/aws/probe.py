@@ -163,7 +163,7 @@ def trust(o: Observations) -> tuple[str, str]:
     if job.create_error and _ASSUME.search(job.create_error) and not job.created:
         return BROKEN, job.create_error
     if job.created:
-        return HELD, f"CloudFormation created stack {job.name} as the service role"
+        return HELD, f"CloudFormation created job {job.name}'s stack as the service role"
     return NOT_REACHED, _why_not(job, o.stopped)
 
 
