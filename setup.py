@@ -19,7 +19,8 @@ setup(
     # kept by hand. A checkout or an editable install reads cfn/ and worker_image/ directly.
     packages=[*find_packages(include=["petctl", "petctl.*"]), *TEMPLATE_PACKAGES],
     package_dir=TEMPLATE_PACKAGES,
-    package_data={name: ["*.j2"] for name in TEMPLATE_PACKAGES},
+    # ... and the probe job of `doctor --probe` (its script and requirements: petctl/providers/aws/probe.py).
+    package_data={**{name: ["*.j2"] for name in TEMPLATE_PACKAGES}, "petctl._templates": ["probe/*"]},
     exclude_package_data={name: ["Dockerfile*", "*.py"] for name in TEMPLATE_PACKAGES},
     install_requires=[
         "boto3>=1.28",

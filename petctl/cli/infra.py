@@ -60,13 +60,25 @@ def teardown(force: bool) -> None:
 @click.command()
 @click.option("--provider", "provider_name", type=click.Choice(["local", "aws"]), default=None,
               help="Which provider to check (default: the configured one).")
-def doctor(provider_name: str | None) -> None:
+@click.option("--probe", is_flag=True,
+              help="aws: run two one-node probe jobs on your account and print a table of every contract "
+                   "they prove (about half an hour, a few cents; docs/aws.md: Prove it on your account). "
+                   "Needs `petctl setup --provider aws`; deletes what it made, also after Ctrl-C.")
+@click.option("--instance-type", metavar="TYPE",
+              help="--probe: the probe jobs' instance type (default: a small x86_64 type, "
+                   "t3.medium).")
+def doctor(provider_name: str | None, probe: bool, instance_type: str | None) -> None:
     """Check what a job needs before it runs (aws: credentials, base stack, spot vCPU quotas, AMI, worker
     image in ECR, your permissions). One line per check: OK, FAIL or SKIP (the endpoint lacks that API)
-    with the reason; exits 1 when any check fails."""
+    with the reason; exits 1 when any check fails. With --probe (aws), run probe jobs instead and print
+    each contract as held, broken (with AWS's error), needs AWS (an emulator cannot show it) or not
+    reached; exits 1 unless every one held or needs AWS."""
     from petctl.providers.base import Check
     from petctl.providers.capabilities import Diagnostics
 
+    if probe or instance_type is not None:
+        run_probe(provider_name, probe, instance_type)
+        return
     provider = provider_for(provider_name or configured() or "local")
     if isinstance(provider, Diagnostics):
         checks = provider.doctor()
@@ -77,6 +89,34 @@ def doctor(provider_name: str | None) -> None:
     failed = [c for c in checks if c.status == "FAIL"]
     if failed:
         raise ChecksFailed(f"{len(failed)} of {len(checks)} checks failed")
+
+
+def run_probe(provider_name: str | None, probe: bool, instance_type: str | None) -> None:
+    """`doctor --probe`: the input checked with no AWS call, then petctl/providers/aws/probe.py."""
+    from petctl.core.errors import ValidationError
+
+    if not probe:
+        raise ValidationError("--instance-type is for `doctor --probe`")
+    name = provider_name or configured() or "local"
+    if name != "aws":
+        raise ValidationError(f"--probe is for `--provider aws` (not {name})")
+    from petctl.providers.aws import probe as probing
+    from petctl.providers.aws.capacity import validate_instance_types
+
+    (checked,) = validate_instance_types([instance_type or probing.DEFAULT_TYPE])
+    provider = provider_for("aws")
+    provider.require_ready()  # NotSetUp, one line, before anything is made
+    plan = probing.Plan(instance_type=checked)
+    observations, cost, elapsed = probing.run(provider, plan, provider.progress)
+    results = probing.verdicts(observations)
+    for line in probing.render(results, elapsed, cost):
+        click.echo(line)
+    if observations.interrupted:
+        raise KeyboardInterrupt  # one line "interrupted", exit 130 (petctl.cli.main)
+    if not probing.passed(results):
+        bad = [v for v in results if v.status not in (probing.HELD, probing.NEEDS_AWS)]
+        raise ChecksFailed(f"{len(bad)} of {len(results)} contracts did not hold: "
+                           + ", ".join(v.contract for v in bad))
 
 
 COMMANDS = (setup, teardown, doctor)

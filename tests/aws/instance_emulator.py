@@ -15,7 +15,8 @@ EC2 and the VPC for petctl's end-to-end test:
   so code download, checkpoints and the status mirror all go to the emulated S3. A default-path worker
   (no image: the Deep Learning AMI) first runs its real boot script against a fake AMI root
   (tests/aws/fake_ami.py), which pip-installs the launching petctl's wheel from the job's S3 prefix; its
-  agent is then the unit's ExecStart, run by that AMI's Python with the installed petctl;
+  agent is then the unit's ExecStart, run by that AMI's Python with the installed petctl, with the
+  unit's HOME (inside the fake root) and its LimitNOFILE (capped at this machine's hard limit);
 * an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
   SIGTERM (`docker stop`), then everything on the machine is killed after the container's stop timeout
   (`--stop-timeout` in the user data).
@@ -176,8 +177,10 @@ class InstanceEmulator:
         stop_timeout = re.search(r"--stop-timeout (\d+)", user_data) or re.search(r"TimeoutStopSec=(\d+)",
                                                                                    user_data)
         python, pythonpath = sys.executable, [str(REPO)]
+        unit: dict[str, str] = {}
         if "docker run" not in user_data:  # the default boot: the Deep Learning AMI, no image
             python, pythonpath = self.boot_on_ami(instance_id, user_data), []
+            unit = self.amis[instance_id].unit()
         config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
         work = self.root / instance_id
         work.mkdir(parents=True, exist_ok=True)
@@ -206,6 +209,16 @@ class InstanceEmulator:
         }
         if not pythonpath:  # the AMI's Python imports the petctl its boot installed, not this checkout
             env.pop("PYTHONPATH")
+        # What systemd gives the unit's process: its HOME (inside the AMI's root) and its LimitNOFILE, as far
+        # as this machine's hard limit allows (raising that needs CAP_SYS_RESOURCE).
+        unit_env = dict(item.split("=", 1) for item in unit.get("Environment", "").split() if "=" in item)
+        if "HOME" in unit_env:
+            env["HOME"] = str(self.amis[instance_id].root / unit_env["HOME"].lstrip("/"))
+        # The limit is set by a shell that then execs the agent (same pid): preexec_fn is not safe with the
+        # emulator's threads.
+        if unit.get("LimitNOFILE", "").isdigit():
+            limit = str(_soft_file_limit(int(unit["LimitNOFILE"])))
+            cmd = ["bash", "-c", 'ulimit -Sn "$0" && exec "$@"', limit, *cmd]
         if self._stop.is_set():
             raise _Stopped(instance_id)
         with open(log, "ab") as out:
@@ -365,6 +378,14 @@ fatal "$PETCTL_TEST_ERROR"
             for i, b in self.booted.items()
             if b.log.exists()
         )
+
+
+def _soft_file_limit(wanted: int) -> int:
+    """systemd's LimitNOFILE as this machine allows it: `wanted`, capped at the hard limit."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
 
 
 def session_members(sid: int) -> list[int]:

@@ -35,6 +35,9 @@ OPERATOR_ACTIONS = (
     "secretsmanager:ListSecrets", "secretsmanager:DeleteSecret",
     # ... and indexes each run's etcd user in the bucket for the etcd hosts (kill_job deletes the entry).
     "s3:DeleteObject",
+    # `doctor --probe` (probe.py): its job role's boundary, and the probe jobs' prefixes removed with
+    # every version (the bucket is versioned).
+    "cloudformation:DescribeStackResource", "iam:GetRole", "s3:ListBucketVersions", "s3:DeleteObjectVersion",
 )
 QUOTA_PROBES = (("L-3819A6DF", "All G and VT Spot Instance Requests", "g4dn.xlarge"),
                 ("L-34B43A08", "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "c5.large"))
