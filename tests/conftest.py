@@ -10,6 +10,7 @@ kills its own; a session-level net kills any left under this session's temp root
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.support.cli import Petctl, petctl_in
+from tests.support.localstub import STUB_AGENT
 from tests.support.moto_server import serve_moto
 from tests.support.procs import kill_processes_with_home
 
@@ -133,3 +135,15 @@ def metadata_server(tmp_path: Path) -> Iterator[LocalMetadataServer]:
 
     with LocalMetadataServer(tmp_path / "notices") as server:
         yield server
+
+
+@pytest.fixture
+def stub(local: Petctl, tmp_path: Path) -> Petctl:
+    """The CLI after `petctl setup`, with a stub agent (tests/support/localstub.py) in place of the real
+    one: the local reconciler is then tested fast and apart from the agent."""
+    agent = tmp_path / "stub_agent.py"
+    agent.write_text(STUB_AGENT)
+    # The local provider's documented seam for another agent: `setup --option agent_command=...`.
+    local.run("setup", "--option", f"agent_command={sys.executable} {agent} {{config}}")
+    (tmp_path / "train.py").write_text("print('never run by the stub')\n")
+    return local

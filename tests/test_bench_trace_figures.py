@@ -14,7 +14,7 @@ import pytest
 from bench import run as bench_run
 from bench import runmeta
 from bench.scenarios import spottrace
-from tests.test_bench_traceaccount import hand_trace
+from tests.support.tracecases import hand_trace
 
 REPO = Path(__file__).resolve().parents[1]
 PRICES = json.loads(spottrace.PRICES.read_text())

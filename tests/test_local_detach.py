@@ -16,7 +16,7 @@ from petctl.agent.imds import request_detach
 from petctl.providers.local.metadata_server import LocalMetadataServer
 from petctl.providers.local.reconciler import plan_launches
 from tests.support.cli import Petctl
-from tests.test_local_reconciler import instance_rows, reconciler_events, start, stub, wait_hosts  # noqa: F401
+from tests.support.localstub import instance_rows, reconciler_events, start, wait_hosts
 
 
 # --- the reconciler's launch decisions (pure) -------------------------------------------------------
@@ -102,7 +102,7 @@ def _imds(cli: Petctl, name: str, iid: str) -> str:
     return json.loads((cli.job_dir(name) / "instances" / iid / "agent.json").read_text())["imds_endpoint"]
 
 
-def test_a_detached_instance_is_replaced_at_once_and_its_exit_is_no_loss(stub: Petctl) -> None:  # noqa: F811
+def test_a_detached_instance_is_replaced_at_once_and_its_exit_is_no_loss(stub: Petctl) -> None:
     import os
     import signal
 
@@ -140,7 +140,7 @@ def test_a_detached_instance_is_replaced_at_once_and_its_exit_is_no_loss(stub: P
     stub.run("kill_job", "det")
 
 
-def test_a_booting_replacement_is_stopped_cleanly_when_the_job_ends(stub: Petctl) -> None:  # noqa: F811
+def test_a_booting_replacement_is_stopped_cleanly_when_the_job_ends(stub: Petctl) -> None:
     start(stub, "boot", "--size", "1", "--replace-delay", "60")
     (victim,) = [r["host_id"] for r in wait_hosts(stub, "boot", lambda rows: len(rows) == 1
                                                   and rows[0]["state"] == "running")]
@@ -156,7 +156,7 @@ def test_a_booting_replacement_is_stopped_cleanly_when_the_job_ends(stub: Petctl
     assert len(stub.processes()) == 1  # etcd only
 
 
-def test_the_start_and_scale_ups_start_agents_at_once(stub: Petctl) -> None:  # noqa: F811
+def test_the_start_and_scale_ups_start_agents_at_once(stub: Petctl) -> None:
     start(stub, "up", "--size", "1", "--replace-delay", "30")
     wait_hosts(stub, "up", lambda rows: [r["state"] for r in rows] == ["running"])
     stub.run("scale", "up", "--size", "2")
@@ -166,7 +166,7 @@ def test_the_start_and_scale_ups_start_agents_at_once(stub: Petctl) -> None:  # 
 
 
 def test_a_detached_instance_with_a_notice_is_reclaimed_at_its_time_and_not_replaced_twice(
-        stub: Petctl) -> None:  # noqa: F811
+        stub: Petctl) -> None:
     # The agent's flow on a spot notice: the notice, then the detach; here it never leaves by itself.
     start(stub, "spot", "--size", "1", "--replace-delay", "0.5")
     (victim,) = [r["host_id"] for r in wait_hosts(stub, "spot", lambda rows: len(rows) == 1

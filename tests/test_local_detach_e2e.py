@@ -15,7 +15,7 @@ import pytest
 
 from petctl.agent.imds import request_detach
 from tests.support.cli import Petctl
-from tests.test_local_elastic import FAST, TRAIN, formed
+from tests.support.localjobs import FAST, TRAIN, formed
 
 pytestmark = pytest.mark.slow
 
