@@ -54,3 +54,16 @@ def test_the_server_stops_and_frees_its_port():
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_the_price_list_api_answers_no_price_and_prints_nothing(capfd):
+    """moto has no Price List API and prints into the test's stdout when asked (where an in-process CLI's
+    JSON output then breaks): the server answers it as AWS does for an unlisted product."""
+    import boto3
+
+    with serve_moto() as url:
+        pricing = boto3.client("pricing", region_name="us-east-1", endpoint_url=url,
+                               aws_access_key_id="testing", aws_secret_access_key="testing")
+        answer = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=1)
+    assert answer["PriceList"] == [] and answer["FormatVersion"] == "aws_v1"
+    assert "backend" not in capfd.readouterr().out

@@ -7,11 +7,16 @@ page that botocore cannot parse and does not retry (`ResponseParserError`). AWS'
 failure, so it would be a fault of the emulator, not of petctl: the server here takes requests one at a
 time (`OneAtATime`), as a single consistent service. Connections are still served on their own threads,
 so a client that is slow to read an answer holds no one up.
+
+moto has no Price List API: it answers such a request by printing to its process's stdout (the test's own,
+where the CLI runs in process) and failing it. `NoPriceList` answers it as AWS does for a product it lists
+no price for: an empty `PriceList`, so a cost is "unknown" here, as the CLI says it is then.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -38,6 +43,22 @@ class OneAtATime:
                     close()
 
 
+class NoPriceList:
+    """A WSGI app that answers the Price List API (`AWSPriceListService.*`) with no prices, and passes every
+    other request to the app it wraps."""
+
+    def __init__(self, app: WsgiApp) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("HTTP_X_AMZ_TARGET", "").startswith("AWSPriceListService."):
+            body = json.dumps({"FormatVersion": "aws_v1", "PriceList": []}).encode()
+            start_response("200 OK", [("Content-Type", "application/x-amz-json-1.1"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+        return self.app(environ, start_response)
+
+
 @contextlib.contextmanager
 def serve_moto() -> Iterator[str]:
     """moto as a real HTTP server on a free loopback port (boto3 and subprocesses talk to it like AWS), taking
@@ -45,7 +66,7 @@ def serve_moto() -> Iterator[str]:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    app = OneAtATime(DomainDispatcherApplication(create_backend_app))
+    app = OneAtATime(NoPriceList(DomainDispatcherApplication(create_backend_app)))
     server = make_server("127.0.0.1", 0, app, threaded=True)  # the port the kernel gives: no race for it
     thread = threading.Thread(target=server.serve_forever, name="moto-server", daemon=True)
     thread.start()
