@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from bench import runmeta  # noqa: E402
+from bench.procs import wait_for  # noqa: E402
 from petctl.core.eventlog import parse_line  # noqa: E402
 
 FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5", "--timeout", "stop_grace=2",
@@ -73,15 +73,12 @@ class Cli:
         return sorted(out, key=lambda r: r["ts"])
 
 
-def wait(predicate, timeout: float, what: str, every: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:.0f}s")
-        time.sleep(every)
+def wait(predicate, timeout: float, what: str) -> Any:
+    """`bench.procs.wait_for`, which raises when the wait runs out (a repetition then records why)."""
+    value = wait_for(predicate, timeout, 0.3)
+    if not value:
+        raise TimeoutError(f"no {what} within {timeout:.0f}s")
+    return value
 
 
 def one(cli: Cli, job: str, boot: float, grace: float, steps_after: int) -> dict[str, Any]:
