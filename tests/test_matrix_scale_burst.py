@@ -63,7 +63,10 @@ def test_a_burst_of_scale_calls_ends_in_one_coherent_round(local: Petctl, tmp_pa
     (first,) = {e["node"] for e in Ledger.read(ledger_dir).of("step")}
 
     t0, done = scale_burst(local, "burst", [3, 1, 3])
-    assert len(done) == 3 and done[-1] - t0 < 5, [d - t0 for d in done]
+    # The three calls were made, in order, GAP apart: how long each CLI call takes is the machine's speed,
+    # not the burst's (under load the first took 3.3 s), so no wall-clock bound is asserted here.
+    assert len(done) == 3 and t0 < done[0] < done[1] < done[2], [d - t0 for d in done]
+    assert all(b - a >= GAP for a, b in zip(done, done[1:], strict=False)), [d - t0 for d in done]
 
     info = local.wait_finished("burst", timeout=200)
     assert info["state"] == "succeeded", info
