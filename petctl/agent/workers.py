@@ -136,7 +136,11 @@ def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, wor
     snapshots = {ENV_SNAPSHOT_DIR: str(snapshot_dir)} if snapshot_dir is not None else {}
     return {"PETCTL_JOB": spec.name, "PETCTL_NODE_ID": node_id, "PETCTL_ROUND": str(round_no),
             "PETCTL_CHECKPOINT_URL": spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(control_dir),
-            "PETCTL_CACHE_DIR": str(work_dir / "cache"), **snapshots}
+            "PETCTL_CACHE_DIR": str(work_dir / "cache"),
+            # The world sizes (ranks) the job may take: ElasticSampler refuses, at start, a global batch
+            # that one of them cannot split (petctl.elastic.sampler reads these names).
+            "PETCTL_MIN_WORLD_SIZE": str(spec.min_size * spec.nproc_per_node),
+            "PETCTL_MAX_WORLD_SIZE": str(spec.max_size * spec.nproc_per_node), **snapshots}
 
 
 # --- the warm pool ------------------------------------------------------------------------------------------

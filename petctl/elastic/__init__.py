@@ -25,7 +25,9 @@ from typing import Any
 # never pays for torch; `from petctl.elastic import Checkpointer` loads what it needs.
 _EXPORTS = {
     "ENV_CHECKPOINT_URL": "checkpointer",
+    "BatchPlan": "sampler",
     "Checkpointer": "checkpointer",
+    "ElasticSampler": "sampler",
     "Manifest": "manifest",
     "ObjectEntry": "manifest",
     "manifest_steps": "manifest",

@@ -123,9 +123,13 @@ class BaseCheckpointer:
 
     def step_end(self, step: int, state: Any) -> bool:
         """Call after each completed step (on every rank). True: the preemption save of `step` is
-        done and this worker should leave its training loop and exit 0."""
+        done and this worker should leave its training loop and exit 0.
+
+        It first tells the state's step-counting parts (an `ElasticSampler`'s `step_done`) that `step` is
+        done, so whatever it saves holds the data position after `step`."""
         if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
             return True
+        count_step(state, step)
         preempt, time_due, requested = self._poll(step)
         if preempt:
             self._preemption_save(step, state)
@@ -454,6 +458,14 @@ class Checkpointer(BaseCheckpointer):
                 self.log.emit("checkpoint.save_failed", step=step, error=repr(e), url=self.url)
                 ok = False
         return bool(self.comm.broadcast_object(ok))
+
+
+def count_step(state: Any, step: int) -> None:
+    """Tell each stateful part of `state` that has `step_done` (an ElasticSampler) that `step` is done."""
+    for part in getattr(state, "stateful", {}).values():
+        step_done = getattr(part, "step_done", None)
+        if callable(step_done):
+            step_done(step)
 
 
 def _store_step(ckpt: Checkpointer) -> int | None:

@@ -132,17 +132,22 @@ class ShardedState:
     `get_state_dict`/`set_state_dict` give sharded state dicts for FSDP and plain ones otherwise.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: Any, optimizer: Any = None, extra: dict[str, Any] | None = None,
+                 stateful: dict[str, Stateful] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.extra = extra if extra is not None else {}
+        self.stateful = stateful if stateful is not None else {}  # e.g. an ElasticSampler (the same on every rank)
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         optimizers = [self.optimizer] if self.optimizer is not None else []
         model_sd, optim_sd = get_state_dict(self.model, optimizers)
-        return {"model": model_sd, "optim": optim_sd, "extra": dict(self.extra)}
+        out = {"model": model_sd, "optim": optim_sd, "extra": dict(self.extra)}
+        if self.stateful:
+            out["stateful"] = {name: obj.state_dict() for name, obj in self.stateful.items()}
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -151,6 +156,9 @@ class ShardedState:
         set_state_dict(self.model, optimizers, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"] if optimizers else {})
         self.extra.update(state_dict.get("extra", {}))
+        for name, obj in self.stateful.items():
+            if name in state_dict.get("stateful", {}):
+                obj.load_state_dict(state_dict["stateful"][name])
 
 
 class _HashingWriter:
