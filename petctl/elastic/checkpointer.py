@@ -116,6 +116,9 @@ class BaseCheckpointer:
         """A synchronous save of `step`; True on every rank when it is complete everywhere (collective)."""
         raise NotImplementedError
 
+    def _step_snapshot(self, step: int, state: Any) -> None:
+        """Start this step's in-memory snapshot, when due (the subclass's tier; none here)."""
+
     # --- when to save --------------------------------------------------------------------------------
     def should_checkpoint(self, step: int) -> bool:
         """True on every rank at the same step when any node of the job has a preemption pending."""
@@ -130,6 +133,7 @@ class BaseCheckpointer:
         if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
             return True
         count_step(state, step)
+        self._step_snapshot(step, state)
         preempt, time_due, requested = self._poll(step)
         if preempt:
             self._preemption_save(step, state)
@@ -346,10 +350,8 @@ class Checkpointer(BaseCheckpointer):
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
         return _adopt(self, state, step, snapshot), source
 
-    def step_end(self, step: int, state: State) -> bool:
-        """As `BaseCheckpointer.step_end`, after starting this step's in-memory snapshot (when due)."""
+    def _step_snapshot(self, step: int, state: State) -> None:
         self.snapshots.take(step, state)
-        return super().step_end(step, state)
 
     def close(self) -> None:
         """Commit the snapshot in flight, then as `BaseCheckpointer.close`."""
@@ -461,11 +463,16 @@ class Checkpointer(BaseCheckpointer):
 
 
 def count_step(state: Any, step: int) -> None:
-    """Tell each stateful part of `state` that has `step_done` (an ElasticSampler) that `step` is done."""
-    for part in getattr(state, "stateful", {}).values():
-        step_done = getattr(part, "step_done", None)
-        if callable(step_done):
-            step_done(step)
+    """Tell each stateful part of `state` that has `step_done` (an ElasticSampler) that `step` is done.
+
+    `state` is a `State`, or a sharded checkpointer's dict of DCP Statefuls (a `ShardedState` among them).
+    """
+    holders = list(state.values()) if isinstance(state, dict) else [state]
+    for holder in holders:
+        for part in getattr(holder, "stateful", {}).values():
+            step_done = getattr(part, "step_done", None)
+            if callable(step_done):
+                step_done(step)
 
 
 def _store_step(ckpt: Checkpointer) -> int | None:

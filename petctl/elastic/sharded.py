@@ -147,10 +147,8 @@ class ShardedCheckpointer(BaseCheckpointer):
         return 0
 
     # --- saving ----------------------------------------------------------------------------------
-    def step_end(self, step: int, state: dict[str, Any]) -> bool:
-        """As `BaseCheckpointer.step_end`, after starting this step's in-memory snapshot (when due)."""
+    def _step_snapshot(self, step: int, state: dict[str, Any]) -> None:
         self.snapshots.take(step, state)
-        return super().step_end(step, state)
 
     def close(self) -> None:
         """Commit the snapshot in flight, then as `BaseCheckpointer.close`."""

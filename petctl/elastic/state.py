@@ -137,7 +137,7 @@ class ShardedState:
         self.model = model
         self.optimizer = optimizer
         self.extra = extra if extra is not None else {}
-        self.stateful = stateful if stateful is not None else {}  # e.g. an ElasticSampler (the same on every rank)
+        self.stateful = stateful if stateful is not None else {}  # an ElasticSampler, say: same on all ranks
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
