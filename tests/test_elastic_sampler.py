@@ -262,3 +262,33 @@ def test_step_end_moves_the_cursor_before_it_saves(tmp_path, monkeypatch):
     with Checkpointer(url, every=3, background=False) as ckpt:
         assert ckpt.resume(State(model=torch.nn.Linear(2, 2), stateful={"sampler": again})) == 6
     assert again.cursor == Cursor(0, 24) and again.last_step == 5
+
+
+@pytest.mark.parametrize(("world", "rank", "batch", "cursor", "drop_last"), [
+    (3, 2, 4, Cursor(0, 0), False),
+    (3, 0, 4, Cursor(2, 41), False),  # the pass's last step reaches into epoch 3
+    (4, 3, 20, Cursor(0, 10), False),  # a step of 80 of a 50-sample dataset spans three epochs
+    (2, 1, 5, Cursor(1, 38), True),  # the tail of epoch 1 skipped: the pass is epoch 2's
+])
+def test_the_pass_reads_the_positions_the_rule_gives(world, rank, batch, cursor, drop_last):
+    s = ElasticSampler(SIZE, batch_size=batch, rank=rank, world_size=world, seed=2, drop_last=drop_last)
+    s.cursor = cursor
+    starts = step_starts(cursor, world * batch, SIZE, drop_last)
+    positions = [p for start in starts for p in rank_positions(start, s.plan, SIZE)]
+    expected = [int(s.order(p.epoch)[p.offset]) for p in positions]
+    assert list(s) == expected and len(s) == len(expected)
+
+
+def test_endless_makes_a_pass_after_another_and_refuses_an_empty_loader():
+    from petctl.elastic import endless
+
+    s = ElasticSampler(10, batch_size=2, rank=0, world_size=1, shuffle=False)
+    loader = DataLoader(list(range(10)), batch_size=2, sampler=s)
+    batches = endless(loader)
+    read = []
+    for step in range(7):  # 5 steps an epoch: the sixth starts the next pass
+        read += next(batches).tolist()
+        s.step_done(step)
+    assert read == list(range(10)) + [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="yielded no batch"):
+        next(endless([]))

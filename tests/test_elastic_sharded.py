@@ -137,3 +137,76 @@ def test_ranks_agree_on_a_time_based_sharded_save(tmp_path: Path) -> None:
                              rank_env=lambda rank: {"PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}")})
     assert r0["saved"] == r1["saved"] == [None, None, 2, 2, 2, 2, 2, 2]
     assert mf.manifest_steps(open_store(url)) == [2]
+
+
+DATA_WORKER = r'''
+import datetime, json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from petctl.elastic import ElasticSampler, ShardedCheckpointer, ShardedState
+
+steps, out = int(sys.argv[1]), Path(sys.argv[2])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                        world_size=world, timeout=datetime.timedelta(seconds=60))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+sampler = ElasticSampler(60, batch_size=3, seed=11)
+app = {"app": ShardedState(model, opt, stateful={"sampler": sampler})}
+ckpt = ShardedCheckpointer(every=5)
+start = ckpt.resume(app)
+read, it = [], iter(sampler)
+for step in range(start, start + steps):
+    idx = [next(it) for _ in range(sampler.plan.per_rank)]
+    shares = [None] * world
+    dist.all_gather_object(shares, idx)
+    read.append([s[i] for i in range(len(idx)) for s in shares])
+    loss = model(torch.randn(len(idx), 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ckpt.step_end(step, app)
+ckpt.close()
+cursor = [sampler.cursor.epoch, sampler.cursor.offset]
+out.write_text(json.dumps({"start": start, "read": read, "cursor": cursor}))
+dist.destroy_process_group()
+'''
+
+
+def run_data_ranks(tmp_path: Path, world: int, steps: int, url: str, tag: str) -> list[dict]:
+    import sys
+
+    from petctl.io.procs import free_port
+    from tests.support.helpers_gloo import run_ranks
+
+    script = tmp_path / "data_worker.py"
+    script.write_text(DATA_WORKER)
+    port = free_port()
+    outs = [tmp_path / f"{tag}-{rank}.json" for rank in range(world)]
+    return run_ranks([[sys.executable, str(script), str(steps), str(out)] for out in outs],
+                     lambda rank: {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "PETCTL_CHECKPOINT_URL": url,
+                                   "PETCTL_CACHE_DIR": str(tmp_path / f"cache-{tag}-{rank}")},
+                     outs, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_resharded_resume_continues_the_data_at_the_same_global_position(tmp_path: Path) -> None:
+    """FSDP at world 2 saves after step 4 (DCP, every 5 steps); the job resumes at world 1 (DCP reshards
+    the weights) and reads on from position 30 of the epoch's order: nothing twice, nothing skipped."""
+    url = (tmp_path / "ckpt").as_uri()
+    r0, r1 = run_data_ranks(tmp_path, 2, 5, url, "two")
+    assert r0["read"] == r1["read"] and r0["cursor"] == [0, 30]
+    (alone,) = run_data_ranks(tmp_path, 1, 4, url, "one")
+    assert alone["start"] == 5 and alone["cursor"] == [0, 42]
+    from petctl.elastic import ElasticSampler
+
+    order = ElasticSampler(60, batch_size=1, seed=11, rank=0, world_size=1).order(0).tolist()
+    stream = [i for step in r0["read"] + alone["read"] for i in step]
+    assert stream == order[:42]

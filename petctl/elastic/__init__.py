@@ -28,6 +28,7 @@ _EXPORTS = {
     "BatchPlan": "sampler",
     "Checkpointer": "checkpointer",
     "ElasticSampler": "sampler",
+    "endless": "sampler",
     "Manifest": "manifest",
     "ObjectEntry": "manifest",
     "manifest_steps": "manifest",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,24 +251,28 @@ class ElasticSampler(Sampler[int]):
         return self.steps_left_in_epoch() * self.plan.per_rank
 
     def __iter__(self) -> Iterator[int]:
-        generation = self._generation
-        for start in step_starts(self.cursor, self.plan.global_batch, self.size, self.drop_last):
-            if generation != self._generation:
+        generation, per_rank = self._generation, self.plan.per_rank
+        for k, index in enumerate(self.pass_indices()):
+            if k % per_rank == 0 and generation != self._generation:
                 raise RuntimeError("ElasticSampler: this iterator was made before the sampler's state "
                                    "was loaded; call iter(loader) after Checkpointer.resume")
-            yield from self.step_indices(start)
+            yield index
 
-    def step_indices(self, start: Cursor) -> list[int]:
-        """This rank's dataset indices for the step starting at `start` (`rank_positions`, vectorised)."""
-        plan = self.plan
-        positions = start.offset + plan.rank + plan.world_size * torch.arange(plan.per_rank)
+    def pass_indices(self) -> list[int]:
+        """This rank's dataset indices for the whole pass, in order (`rank_positions` of each step).
+
+        One slice: a step's global batch is world_size x per_rank, so the rank's positions in step j,
+        start + j x global_batch + rank + i x world_size, run on with the same stride from step to step."""
+        starts = step_starts(self.cursor, self.plan.global_batch, self.size, self.drop_last)
+        plan, first = self.plan, starts[0]
+        positions = first.offset + plan.rank + plan.world_size * torch.arange(len(starts) * plan.per_rank)
         epochs, offsets = positions // self.size, positions % self.size
-        if int(epochs[-1]) == 0:  # the usual case: the whole step inside this epoch
-            return self.order(start.epoch)[offsets].tolist()
+        if int(epochs[-1]) == 0:  # the usual case: the whole pass inside this epoch
+            return self.order(first.epoch)[offsets].tolist()
         out = torch.empty_like(positions)
         for e in torch.unique(epochs).tolist():
             mask = epochs == e
-            out[mask] = self.order(start.epoch + e)[offsets[mask]]
+            out[mask] = self.order(first.epoch + e)[offsets[mask]]
         return out.tolist()
 
     def set_epoch(self, epoch: int) -> None:
@@ -312,6 +316,22 @@ class ElasticSampler(Sampler[int]):
         last = state.get("last_step")
         self.last_step = None if last is None else int(last)
         self._generation += 1
+
+
+def endless(loader: Iterable[Any]) -> Iterator[Any]:
+    """The batches of `loader`, pass after pass, for a loop that counts steps rather than epochs.
+
+    Each pass is a fresh `iter(loader)`, made when the previous one runs out, so it starts at the
+    sampler's cursor. The first is made at the first `next`: after `Checkpointer.resume`.
+    Raises RuntimeError when a pass yields nothing (a loader with no data would loop forever).
+    """
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError("the DataLoader's pass yielded no batch (is the dataset empty?)")
 
 
 def reachable_worlds(world_size: int) -> list[int]:

@@ -117,7 +117,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    from petctl.elastic import Checkpointer, ElasticSampler, State
+    from petctl.elastic import Checkpointer, ElasticSampler, State, endless
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -144,15 +144,10 @@ def main() -> int:
                                   "node": env.get("PETCTL_NODE_ID", "local"), **fields}) + "\n")
 
     write("resumed", start=start, cursor=[sampler.cursor.epoch, sampler.cursor.offset])
-    it = iter(loader)
+    batches = endless(loader)
     left = False
     for step in range(start, steps):
-        micro = []
-        while len(micro) < plan.accumulation:
-            try:
-                micro.append(next(it))
-            except StopIteration:  # the pass is over: the next one starts where the cursor is
-                it = iter(loader)
+        micro = [next(batches) for _ in range(plan.accumulation)]
         train_step(model, opt, micro, plan.accumulation, xs, ys, ddp)
         mine = [i for b in micro for i in b.tolist()]
         shares: list = [None] * world
