@@ -162,3 +162,28 @@ def test_a_fixed_global_batch_keeps_the_weights_of_a_run_that_never_changed_size
     final = json.loads((ledger_dir / "final.json").read_text())["weights"]
     dw = max(abs(a - b) for a, b in zip(expected, final, strict=True))
     assert dw <= 1e-9, f"final weights differ from a run that never changed size: max |dw| = {dw:.3g}"
+
+
+@pytest.mark.timeout(300)
+def test_the_example_keeps_its_global_batch_through_a_scale_in(local: Petctl, tmp_path: Path):
+    """examples/train_elastic.py, run as README says, scaled from 2 nodes to 1 mid-run: the lone node
+    reads the whole global batch in more micro-batches, and the job's data cursor ends exactly
+    steps x global batch positions in (no step read twice or skipped)."""
+    from tests.support.paths import EXAMPLES
+
+    steps, g, samples = 60, 24, 100
+    local.run("run_job", "--name", "ex", *FAST, "--min", "1", "--max", "2", "--size", "2",
+              str(EXAMPLES / "train_elastic.py"), "--", "--steps", str(steps), "--global-batch", str(g),
+              "--micro-batch", "8", "--samples", str(samples), "--ckpt-every", "1000", "--step-time", "0.2")
+    wait_until(lambda: any(e.get("world_size") == 2 and e.get("step", 0) >= 10
+                           for e in local.events("ex", "train.step")), 150, "10 steps at world 2")
+    local.run("scale", "ex", "--size", "1")
+    info = local.wait_finished("ex", timeout=240)
+    assert info["state"] == "succeeded", info
+    resumed = {e["world_size"]: (e["micro_batch"], e["accumulation"])
+               for e in local.events("ex", "train.resumed")}
+    assert resumed == {2: (6, 2), 1: (8, 3)}, resumed
+    (done,) = local.events("ex", "train.done")
+    assert (done["epoch"], done["offset"]) == divmod(steps * g, samples)
+    ran = [e["step"] for e in local.events("ex", "train.step") if e["rank"] == 0]
+    assert sorted(ran) == list(range(1, steps + 1)), "a step was run twice or never"
