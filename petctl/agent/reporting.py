@@ -313,9 +313,60 @@ class EtcdEventSink:
 # the agent made, the failures its services counted, and the last failed worker's error lines. It is
 # informational: a failed publication is counted and reported once per outage (health.py), never allowed
 # to stop training.
+#
+# Every put of the key is a raft proposal (an fsync on every member), so a node at rest must not put it on
+# a timer (issue 47: two proposals per node per 10 s, 200 a second at 1000 nodes). `status_due` decides:
+# - a change of what the node *is* (state, round, rank, world size, restarts, failures, last error) is put
+#   at once;
+# - progress alone (step, last checkpoint, the request counters) is put on a backoff that starts at
+#   PROGRESS_FIRST when the node's state last changed and doubles up to PROGRESS_MAX, so a new round's
+#   first steps show within seconds and a steady round costs one put per PROGRESS_MAX;
+# - nothing changed at all: put every REFRESH, so the key (under a lease of STATUS_TTL) never expires
+#   under a live node.
+# `updated` is the time of the put, so a reader can say how old a step is (cli/status.py shows it). The
+# mirror gets every publication (it uploads only what changed, every `Mirror.interval`): its copy of the
+# step is at most that old.
 
-STATUS_TTL = 120
+STATUS_TTL = 900  # the key lives 900-1800 s past its latest put (leases.py): longer than REFRESH
+REFRESH = 600.0  # an unchanged status is put again this often
+PROGRESS_FIRST = 5.0  # the first progress-only put of a state comes this long after it
+PROGRESS_MAX = 300.0  # ... and the gap doubles up to this
 FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed", "checkpoint.interval")
+
+
+def changed_substance(old: NodeStatus | None, new: NodeStatus) -> bool:
+    """Whether `new` says something other than progress since `old` (None: never put)."""
+    if old is None:
+        return True
+    return _substance(old) != _substance(new)
+
+
+def _substance(status: NodeStatus) -> NodeStatus:
+    return dataclasses.replace(status, updated=0.0, step=None, last_checkpoint=None, etcd_requests={})
+
+
+def status_due(put: NodeStatus | None, current: NodeStatus, since_put: float, gap: float) -> str | None:
+    """Why `current` should be put now, or None: "change" (what the node is changed since `put`, the
+    status last put), "progress" (only progress changed, and `gap` seconds have passed since that put),
+    "refresh" (nothing changed in REFRESH seconds). Pure: `since_put` and `gap` are the caller's clock."""
+    if changed_substance(put, current):
+        return "change"
+    assert put is not None  # changed_substance is True for None
+    moved = (put.step, put.last_checkpoint, put.etcd_requests) != (current.step, current.last_checkpoint,
+                                                                   current.etcd_requests)
+    if moved and since_put >= gap:
+        return "progress"
+    return "refresh" if since_put >= REFRESH else None
+
+
+def next_gap(gap: float, why: str) -> float:
+    """The progress backoff after a put made for `why` (status_due): back to PROGRESS_FIRST after a
+    change, doubled (up to PROGRESS_MAX) after a progress put, unchanged after a refresh."""
+    if why == "change":
+        return PROGRESS_FIRST
+    if why == "progress":
+        return min(PROGRESS_MAX, 2 * gap)
+    return gap
 
 
 class Progress:
@@ -386,11 +437,16 @@ class Progress:
 
 
 class StatusPublisher:
-    """Publishes the node's status at each state change and whenever `publish()` is called."""
+    """Puts the node's status in etcd when `status_due` says so (see the section's comment): at once on
+    a state change (`set_state`), and on `publish()`, which the round loop calls every few seconds, when
+    the status changed or its progress backoff ran out. Every publication goes to the mirror.
+
+    clock: monotonic seconds (tests pass their own)."""
 
     def __init__(self, leases: LeaseClasses, keys: JobKeys, node_id: str, host_addr: str,
                  stats: RequestStats, progress: Progress, outage: OutageReporter,
-                 failures: Callable[[], dict[str, int]] = dict, mirror: Any = None) -> None:
+                 failures: Callable[[], dict[str, int]] = dict, mirror: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.leases = leases
         self.key = keys.node_status(node_id)
         self.node_id = node_id
@@ -400,13 +456,19 @@ class StatusPublisher:
         self.outage = outage
         self.failures = failures
         self.mirror = mirror
+        self.clock = clock
         self.state = "starting"
         self.round: RoundInfo | None = None
         self.last_error: list[str] = []  # the last failed worker's error lines (NodeStatus.last_error)
+        self._put: NodeStatus | None = None  # the status last stored in etcd
+        self._put_at = 0.0  # when (clock)
+        self._gap = PROGRESS_FIRST  # the progress backoff (next_gap)
+        self.puts = 0  # stored puts (tests, the bench)
 
     def set_state(self, state: str) -> None:
+        """A state change: put at once (a transition is rare and is what `petctl status` is for)."""
         self.state = state
-        self.publish()
+        self.publish(force=True)
 
     def status(self) -> NodeStatus:
         info = self.round if self.state not in ("joining", "waiting") else None
@@ -419,14 +481,24 @@ class StatusPublisher:
                           etcd_requests=self.stats.as_dict(), failures=self.failures(),
                           last_error=list(self.last_error))
 
-    def publish(self) -> None:
+    def publish(self, force: bool = False) -> bool:
+        """Hand the status to the mirror, and put it in etcd if `force` or `status_due` says so. Returns
+        whether it was put; a failed put is counted and reported (once per outage), retried on the next
+        call (the stored status did not move), never raised."""
         status = self.status()
         if self.mirror is not None:
             self.mirror.set_status(status.to_dict())
+        now = self.clock()
+        why = "change" if force else status_due(self._put, status, now - self._put_at, self._gap)
+        if why is None:
+            return False
         t0 = time.monotonic()
         try:
             self.leases.put(self.key, status.to_json(), STATUS_TTL)
         except store_errors() as e:
             self.outage.failed(e)
-            return
+            return False
         self.outage.succeeded(time.monotonic() - t0)
+        self._put, self._put_at, self._gap = status, now, next_gap(self._gap, why)
+        self.puts += 1
+        return True

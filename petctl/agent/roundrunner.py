@@ -68,7 +68,7 @@ from petctl.io.etcd import store_errors
 VIEW_EVERY = 2.0  # a fresh look at live/ even without a watch event
 PASS = 0.1  # the round loop's pass when nothing wakes it
 SAVING_PASS = 0.02  # ... while our workers save for a re-form: its end is seen by polling their files
-PUBLISH_EVERY = 5.0
+PUBLISH_EVERY = 5.0  # how often the status is offered to StatusPublisher, which puts it only when due
 
 
 @dataclass

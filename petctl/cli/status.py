@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import click
@@ -40,6 +41,21 @@ def checkpoint_step(value: Any) -> Any:
         return value
     every = value.get("interval_s")
     return value.get("step") if every is None else f"{value.get('step')} (auto every {every:g}s)"
+
+
+STALE_AFTER = 30.0  # a node's step older than this is shown with its age
+
+
+def aged(value: Any, updated: Any, now: float) -> Any:
+    """`value` (a node's step or checkpoint) with how old its publication is, when that is over
+    STALE_AFTER seconds: at rest an agent puts its progress every few minutes only (agent/reporting.py),
+    so "1200 (4m ago)" says what the number is. Unchanged when there is no value or no publication time."""
+    if value is None or not isinstance(updated, int | float) or updated <= 0:
+        return value
+    age = now - updated
+    if age <= STALE_AFTER:
+        return value
+    return f"{value} ({int(age // 60)}m ago)" if age >= 60 else f"{value} ({int(age)}s ago)"
 
 
 def failures_text(failures: dict[str, int] | None) -> str:
@@ -87,9 +103,10 @@ def node_rows(data: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     # A script that reports no steps: "n/a" (the one-line summary says why), not a bare "-".
     no_step = None if data["accounting"].get("steps_reported", True) else "n/a"
     columns = ["node", "rank", "world size", "round", "failure restarts", "state", "step", "checkpoint"]
+    now = time.time()
     rows = [[n.get("node_id"), n.get("rank"), n.get("world_size"), n.get("round"), n.get("restarts"),
-             n.get("state"), n.get("step") if n.get("step") is not None else no_step,
-             checkpoint_step(n.get("last_checkpoint"))] for n in nodes]
+             n.get("state"), aged(n.get("step"), n.get("updated"), now) if n.get("step") is not None
+             else no_step, checkpoint_step(n.get("last_checkpoint"))] for n in nodes]
     failures = [failures_text(n.get("failures")) for n in nodes]
     if any(failures):
         columns.append("failures")
