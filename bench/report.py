@@ -163,6 +163,12 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                     rows.append(_row("P5", f"N={n} etcd requests/node to form the round (agent count)",
                                      system, {"median": s["rdzv_requests_per_node"], "n": 1}, "",
                                      note=f"closer (max): {s.get('rdzv_requests_max_node')}"))
+                if (s.get("agent_cpu_to_ranked_s") or {}).get("median") is not None:
+                    rows.append(_row("P5", f"N={n} agent CPU s, launch -> ranked (mean per agent)", system,
+                                     s["agent_cpu_to_ranked_s"], "s",
+                                     note=f"busiest agent {s.get('agent_cpu_to_ranked_max_s')} s; in the "
+                                          f"rendezvous alone {s.get('agent_cpu_rendezvous_s')} s; whole "
+                                          f"life {s.get('agent_cpu_life_s')} s (medians over reps)"))
                 if s.get("agent_requests_per_node_per_round") is not None:
                     v = s["agent_requests_per_node_per_round"]
                     rows.append(_row("P5", f"N={n} etcd requests/node/round, whole job (agent count)", system,

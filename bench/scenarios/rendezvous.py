@@ -153,6 +153,7 @@ def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[s
                 out.setdefault("stragglers", []).append(node.name)
         out["agent_requests_per_node_per_round"] = _agent_requests(job, nodes)
         out["rdzv_requests_per_node"] = _rdzv_requests(nodes)
+        out["agent_cpu_s"] = agent_cpu(nodes)
         return out
     finally:
         job.stop()
@@ -185,6 +186,24 @@ def _agent_requests(job: PetctlJob, nodes: list[Node]) -> dict[str, Any]:
     totals = [sum(p.values()) for p in per]
     out["total"] = {"mean": round(sum(totals) / len(totals), 2), "max": round(max(totals), 2)}
     return out
+
+
+def agent_cpu(nodes: list[Node]) -> dict[str, Any]:
+    """CPU seconds per agent process (its threads, not its workers), as each agent reports its own
+    `time.process_time()`: from its launch to ranked (the first `rendezvous.complete`'s `cpu_s`:
+    interpreter start-up and imports included, since a new instance pays them), in that rendezvous
+    alone (`rdzv_cpu_s`), and over its whole life (`agent.exit`). Mean and max over the agents that
+    reported it; {} when none did (an agent older than the figure)."""
+    def stats(values: list[float]) -> dict[str, float] | None:
+        return ({"mean": round(sum(values) / len(values), 3), "max": round(max(values), 3), "n": len(values)}
+                if values else None)
+
+    firsts = [hits[0] for n in nodes if (hits := n.events("rendezvous.complete"))]
+    exits = [hits[-1] for n in nodes if (hits := n.events("agent.exit"))]
+    out = {"to_ranked": stats([float(e["cpu_s"]) for e in firsts if "cpu_s" in e]),
+           "rendezvous": stats([float(e["rdzv_cpu_s"]) for e in firsts if "rdzv_cpu_s" in e]),
+           "life": stats([float(e["cpu_s"]) for e in exits if "cpu_s" in e])}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
@@ -252,18 +271,23 @@ def run(ctx: Context) -> dict[str, Any]:
                                                                 "total", "mean"),
                 "rdzv_requests_per_node": _median_of(runs, "rdzv_requests_per_node", "mean"),
                 "rdzv_requests_max_node": _median_of(runs, "rdzv_requests_per_node", "max"),
+                "agent_cpu_to_ranked_s": phases.summarize([_dig(r, "agent_cpu_s", "to_ranked", "mean")
+                                                           for r in runs]),
+                "agent_cpu_to_ranked_max_s": _median_of(runs, "agent_cpu_s", "to_ranked", "max"),
+                "agent_cpu_rendezvous_s": _median_of(runs, "agent_cpu_s", "rendezvous", "mean"),
+                "agent_cpu_life_s": _median_of(runs, "agent_cpu_s", "life", "mean"),
                 "skipped": next((r["skipped"] for r in runs if r.get("skipped")), None),
                 "errors": [r["error"] for r in runs if r.get("error")],
             }
     return out
 
 
+def _dig(value: Any, *path: str) -> float | None:
+    for p in path:
+        value = value.get(p) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _median_of(runs: list[dict[str, Any]], *path: str) -> float | None:
-    vals = []
-    for r in runs:
-        v: Any = r
-        for p in path:
-            v = v.get(p) if isinstance(v, dict) else None
-        if isinstance(v, (int, float)):
-            vals.append(float(v))
+    vals = [v for r in runs if (v := _dig(r, *path)) is not None]
     return phases.summarize(vals)["median"]

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -274,7 +275,8 @@ class Agent:
     def _finish(self, ended: JobEnded) -> int:
         self.heartbeat.stop(delete=True)
         self.status.set_state(ended.state)
-        self.events.emit("agent.exit", state=ended.state, reason=ended.reason)
+        self.events.emit("agent.exit", state=ended.state, reason=ended.reason,
+                         cpu_s=round(time.process_time(), 3))  # this process's CPU since its launch
         return 0 if ended.state in ("succeeded", "killed") else 1
 
 

@@ -418,6 +418,7 @@ class EtcdRendezvous:
         # told when a view lacks our own heartbeat key, with the view's revision (Heartbeat.missing_from)
         self.on_own_key_missing: Callable[[int], None] | None = None
         self._prejoined: tuple[int, float] | None = None  # (round, monotonic time) of an early join
+        self._cpu_at_start = 0.0  # process CPU seconds when the current rendezvous began
         self._admitted_at: int | None = None  # the revision of the freeze that admitted us
         self.last_round: Round | None = None  # the newest non-final round seen: rebuilt if etcd loses it
 
@@ -551,6 +552,7 @@ class EtcdRendezvous:
         cannot be reached it waits (and retries) as long as it takes.
         """
         state = RendezvousState(started=time.monotonic(), prev_rank=prev_rank)
+        self._cpu_at_start = time.process_time()
         if self._prejoined is not None:
             round_no, at = self._prejoined
             state = dataclasses.replace(state, joined_round=round_no, joined_at=at)
@@ -644,8 +646,13 @@ class EtcdRendezvous:
         view, where it is not known)."""
         self._admitted_at = known_at
         seconds = round(time.monotonic() - state.started, 3)
+        # CPU seconds of this agent process (every thread; not its workers): since its launch, and in this
+        # rendezvous alone. What an agent costs per round carries over to hosts with cores of their own,
+        # where its wall time on a shared bench machine does not (issue 47; bench P5 reports both).
+        cpu = time.process_time()
         self.events.emit("rendezvous.complete", round=info.round, rank=info.rank, world_size=info.world_size,
-                         seconds=seconds, cause=info.cause, requests=self.stats.as_dict())
+                         seconds=seconds, cause=info.cause, requests=self.stats.as_dict(),
+                         cpu_s=round(cpu, 3), rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
         return info
 
     def _wait(self, action: Wait, snap: StoreView, on_state: Callable[[str], None]) -> None:
