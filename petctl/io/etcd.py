@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from petctl.core.errors import ProviderError
 from petctl.io import procs
+from petctl.io.etcdname import loaded_python_etcd
 from petctl.io.etcdpki import EtcdTls
 from petctl.io.procs import free_port, wait_until
 
@@ -267,11 +268,14 @@ def store_errors() -> tuple[type[BaseException], ...]:
     the socket and urllib3 errors it lets through (while some agent modules still call python-etcd;
     issue 27 moves them onto the Store).
     `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
-    callers handle those by name, in an `except` before this tuple. Imported lazily (python-etcd stays
-    out of the CLI's import)."""
-    import etcd
-    import urllib3.exceptions
-
+    callers handle those by name, in an `except` before this tuple. python-etcd's and urllib3's errors are
+    in it only once python-etcd is loaded (the v2 store, a v2 client): a process that never loaded it
+    cannot raise them, and loading it only to name them cost a v3 agent 0.1 s of CPU (etcdname.py)."""
     from petctl.core.store import StoreError
+
+    etcd = loaded_python_etcd()
+    if etcd is None:
+        return (StoreError, OSError)
+    import urllib3.exceptions
 
     return (StoreError, etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import etcd
-
+from petctl.io.etcdname import python_etcd
 from petctl.io.etcdpki import EtcdTls
+
+etcd = python_etcd()  # `import etcd`, beside etcd3aio's protos (petctl/io/etcdname.py)
 
 
 def client_for(pairs: list[tuple[str, int]], protocol: str, read_timeout: float,

@@ -51,6 +51,7 @@ from petctl.core.store import (
     StoreError,
     StoreUnavailable,
 )
+from petctl.io import etcdname
 from petctl.io.etcdpki import EtcdTls
 
 T = TypeVar("T")
@@ -307,23 +308,20 @@ class V3Store:
 # python-etcd's is a regular package, etcd3aio's (`etcd3aio/proto/etcd/api/...`, reached through the
 # `etcd3aio/proto` directory its `_protobuf.py` puts first on sys.path) a namespace package, and a regular
 # package always wins the name. Importing etcd3aio in a process that has python-etcd installed therefore
-# fails (`No module named 'etcd.api'`) whatever the order, unless etcd3aio's directory is added to
-# python-etcd's package path first: then `etcd.Client` is python-etcd's and `etcd.api` etcd3aio's, in one
-# process (the agent needs both while v2 is supported).
+# fails (`No module named 'etcd.api'`) whatever the order, unless the `etcd` in sys.modules has etcd3aio's
+# directory on its path: python-etcd's, extended, or a package of the protos alone until python-etcd is
+# needed (petctl/io/etcdname.py). `etcd.Client` is then python-etcd's and `etcd.api` etcd3aio's, in one
+# process (a CLI reading both backends, the store contract tests).
 
 def import_etcd3aio() -> ModuleType:
     """etcd3aio, importable beside python-etcd (see the comment above). Raises ImportError when
     etcd3aio is not installed."""
-    try:
-        import etcd  # python-etcd: it must own the name `etcd`, with etcd3aio's protos added below
-    except ImportError:  # no python-etcd: etcd3aio's namespace package has the name to itself
-        etcd = None
     spec = importlib.util.find_spec("etcd3aio")
     if spec is None or spec.origin is None:
         raise ImportError("etcd3aio is not installed: pip install 'etcd3aio>=0.3,<0.4'")
-    protos = str(Path(spec.origin).parent / "proto" / "etcd")
-    if etcd is not None and protos not in list(etcd.__path__):
-        etcd.__path__.append(protos)
+    # The name `etcd` for etcd3aio's protos, without loading python-etcd (its urllib3 and dnspython cost an
+    # agent 0.1 s of CPU at start): petctl/io/etcdname.py.
+    etcdname.claim_for_protos(str(Path(spec.origin).parent / "proto" / "etcd"))
     # gRPC's fork handlers, read when grpc is first imported: the agent forks its workers (which exec, or
     # never touch gRPC) while its store's threads are in calls, and gRPC then logs "Other threads are
     # currently calling into gRPC, skipping fork() handlers" on every fork, into the agent's event log.
