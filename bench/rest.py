@@ -13,7 +13,13 @@ etcd's /metrics before and after `--window` seconds:
   reads and keep-alives are none);
 - requests: the v3 API's gRPC messages received by service (`grpc_server_msg_received_total`: a unary
   call is one, each keep-alive or watch request on a stream is one) and the v2 store's reads, writes and
-  watches (bench/scenarios/rendezvous.py's `etcd_counts`).
+  watches (bench/scenarios/rendezvous.py's `etcd_counts`);
+- the agents' CPU at rest (`/proc/<pid>/stat`, the agent process alone, not its workers), per node per
+  10 s;
+- then (`--reform`, on by default) one re-form: the highest rank is SIGKILLed and the others re-form
+  without it (the job's min is N - 1): what each survivor's agent spent in CPU from the kill until every
+  survivor was ranked again (`/proc`), and in its rendezvous alone (`rdzv_cpu_s` of its
+  `rendezvous.complete`), beside the wall time.
 
     python bench/rest.py --nodes 3 --window 60 --out bench/results/rest-3-v3.json
     python bench/rest.py --nodes 3 --store v2          # the v2 backend: every heartbeat is a proposal
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -40,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 from bench import runmeta  # noqa: E402
 from bench.petctl_runner import BENCH, PetctlJob  # noqa: E402
-from bench.procs import wait_for  # noqa: E402
+from bench.procs import Node, wait_for  # noqa: E402
 from bench.scenarios.rendezvous import etcd_counts  # noqa: E402
 from petctl.core.store import JOB_DEFAULT_BACKEND  # noqa: E402
 
@@ -57,15 +64,24 @@ def proposals(endpoint: str) -> int:
     return int(float(m.group(1)))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (its threads; not its children), from
+    `/proc/<pid>/stat`. Raises OSError when the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACKEND, settle: float = 90.0,
-            window: float = 60.0, form_timeout: float = 180.0) -> dict[str, Any]:
+            window: float = 60.0, form_timeout: float = 180.0, reform: bool = False) -> dict[str, Any]:
     """Start `nodes` agents of one job against the etcd at `endpoint`, wait until all are ranked, wait
-    `settle` s, and count what etcd saw over `window` s. Returns the figures (per node per 10 s, and the
-    raw counts); the agents are stopped before it returns. Raises AssertionError when the round does not
-    form within `form_timeout` s or an agent exits meanwhile."""
+    `settle` s, and count what etcd saw over `window` s; with `reform`, then kill the highest rank and
+    time the survivors' re-form (module docstring). Returns the figures (per node per 10 s, and the raw
+    counts); the agents are stopped before it returns. Raises AssertionError when a round does not form
+    within `form_timeout` s or an agent exits meanwhile."""
     name = f"rest{nodes}{store}{int(time.time()) % 100000}"
-    job = PetctlJob.create(root / name, endpoint, name, min_size=nodes, max_size=nodes, size=nodes,
-                           script=STEADY, initial_wait=120.0)
+    job = PetctlJob.create(root / name, endpoint, name, min_size=max(1, nodes - 1) if reform else nodes,
+                           max_size=nodes, size=nodes, script=STEADY, initial_wait=120.0)
     job.spec.etcd_store = store
     if hasattr(job.spec, "warm_workers"):
         job.spec.warm_workers = False  # the worker imports no torch: nothing to preload
@@ -79,36 +95,72 @@ def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACK
         assert job.frozen_ranks(nodes), f"{nodes} nodes not ranked within {form_timeout:g} s"
         ranked_s = time.time() - t0
         time.sleep(settle)
+        pids = [n.proc.pid for n in started]
+        cpu0 = sum(cpu_seconds(pid) for pid in pids)
         p0, c0, w0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
         time.sleep(window)
         p1, c1, w1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+        cpu1 = sum(cpu_seconds(pid) for pid in pids)
         exited = [n.name for n in started if n.proc.poll() is not None]
         assert not exited, f"agents exited during the window: {exited}"
-        assert job.frozen_ranks(nodes), "the round changed during the window: not at rest"
+        ranks = job.frozen_ranks(nodes)
+        assert ranks, "the round changed during the window: not at rest"
         span = w1 - w0
         per10 = 10.0 / span / nodes
         requests = {k: c1[k] - c0[k] for k in c0}
-        return {"nodes": nodes, "store": store, "settle_s": settle, "window_s": round(span, 2),
-                "ranked_after_s": round(ranked_s, 2), "proposals": p1 - p0,
-                "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
-                "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
-                "requests": requests,
-                "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items() if v},
-                "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2)}
+        out = {"nodes": nodes, "store": store, "settle_s": settle, "window_s": round(span, 2),
+               "ranked_after_s": round(ranked_s, 2), "proposals": p1 - p0,
+               "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
+               "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
+               "requests": requests,
+               "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items() if v},
+               "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2),
+               "agent_cpu_per_node_per_10s": round((cpu1 - cpu0) * per10, 4)}
+        if reform and nodes > 1:
+            out["reform"] = _reform(job, started, ranks, nodes, form_timeout)
+        return out
     finally:
         job.stop()
 
 
+def _reform(job: PetctlJob, started: list[Node], ranks: dict[str, int], nodes: int,
+            form_timeout: float) -> dict[str, Any]:
+    """SIGKILL the highest rank; the survivors' CPU and wall time until all are ranked again."""
+    victim = max(ranks, key=lambda node_id: ranks[node_id])
+    survivors = [n for n in started if n.name != victim]
+    before = {n.name: cpu_seconds(n.proc.pid) for n in survivors}
+    seen = {n.name: len(n.events("rendezvous.complete")) for n in survivors}
+    t0 = time.monotonic()
+    job.nodes[victim].kill()
+    formed = wait_for(lambda: all(len(n.events("rendezvous.complete")) > seen[n.name] for n in survivors),
+                      form_timeout, 0.05)
+    wall = time.monotonic() - t0
+    assert formed, f"the survivors did not re-form within {form_timeout:g} s"
+    spent = [cpu_seconds(n.proc.pid) - before[n.name] for n in survivors]
+    rdzv = [float(n.events("rendezvous.complete")[-1].get("rdzv_cpu_s", 0.0)) for n in survivors]
+    return {"world": nodes - 1, "wall_s": round(wall, 3),
+            "cpu_s": {"mean": round(sum(spent) / len(spent), 3), "max": round(max(spent), 3)},
+            "rdzv_cpu_s": {"mean": round(sum(rdzv) / len(rdzv), 3), "max": round(max(rdzv), 3)}}
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     rows = ["| nodes | store | window | proposals / node / 10 s | per node / min | requests / node / 10 s "
-            "(by kind) |", "|---|---|---|---|---|---|"]
+            "(by kind) | agent CPU s / node / 10 s | re-form: wall, agent CPU s (mean, max), in rendezvous |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         kinds = ", ".join(f"{k} {v:g}" for k, v in sorted(r["requests_per_node_per_10s"].items()))
         rows.append(f"| {r['nodes']} | {r['store']} | {r['window_s']:g} s "
                     f"| {r['proposals_per_node_per_10s']:g} | {r['proposals_per_node_per_min']:g} "
                     f"| {r['requests_total_per_node_per_10s']:g} "
-                    f"({kinds}) |")
+                    f"({kinds}) | {r['agent_cpu_per_node_per_10s']:g} | {_reform_text(r.get('reform'))} |")
     return "\n".join(rows)
+
+
+def _reform_text(r: dict[str, Any] | None) -> str:
+    if not r:
+        return "-"
+    return (f"{r['wall_s']:g} s, {r['cpu_s']['mean']:g} / {r['cpu_s']['max']:g}, "
+            f"{r['rdzv_cpu_s']['mean']:g} / {r['rdzv_cpu_s']['max']:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=90.0, help="seconds after ranked before the window")
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--no-reform", dest="reform", action="store_false",
+                        help="skip the re-form after the window")
     parser.add_argument("--out", default=str(BENCH / "results" / "rest-latest.json"))
     args = parser.parse_args(argv)
     meta = runmeta.start()
@@ -128,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     try:
         for _ in range(args.reps):
-            runs.append(measure(scratch, etcd.endpoint, args.nodes, args.store, args.settle, args.window))
+            runs.append(measure(scratch, etcd.endpoint, args.nodes, args.store, args.settle, args.window,
+                                reform=args.reform))
             print(json.dumps(runs[-1]), flush=True)
     finally:
         etcd.stop(remove_data=True)
