@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the re-form after the window")
     parser.add_argument("--out", default=str(BENCH / "results" / "rest-latest.json"))
     args = parser.parse_args(argv)
+    # SIGTERM (a timeout, a background job's kill) ends the run through the `finally` below: the agents
+    # and etcd it started are stopped, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     meta = runmeta.start()
     from petctl.io.etcd import EtcdServer
 
