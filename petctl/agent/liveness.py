@@ -93,8 +93,9 @@ class Heartbeat:
                     pass  # it expires by its TTL anyway
 
     def start(self) -> None:
-        # resolved here, not in the thread: the first call imports python-etcd (about 60 ms), which in
-        # the thread delayed the first keep-alive past a short interval's gap (`heartbeat.gap`)
+        # resolved here, not in the thread: any import it needs must not delay the first keep-alive past
+        # a short interval's gap (`heartbeat.gap`); python-etcd once did (about 60 ms), before v3 stopped
+        # loading it (io/etcdname.py)
         self._errors = store_errors()
         self.register()
         self._stop.clear()

@@ -1,0 +1,261 @@
+"""P9 on the agent's own code: N nodes of petctl's real rendezvous in one process, against one real etcd
+(issue 47).
+
+    python bench/fleetreal.py --nodes 8,16,32 --reps 3 --out bench/results/fleetreal.json
+
+bench/fleet.py runs a model of the rendezvous; this runs the agent's code itself, each node as the
+agent builds it (agent/agent.py): its own `Store` session (`open_store`, as in production: on v3 its own
+gRPC channel and event loop), `StoreHealth`, `LeaseClasses`, `LiveWatcher`, `Heartbeat` and
+`EtcdRendezvous`, with the agent's timeouts. What it leaves out: workers, the round runner, the peer
+watch, the event sink and the status (none of them is on the path to ranked), and every node's own
+interpreter (they share this one: its imports are paid once, and its GIL is shared, which a host of
+its own would not share).
+
+Shared where production has one per process, and said so: on v3 every node's store runs on one asyncio
+loop thread of this process (gRPC's asyncio client serves one event loop per process; a loop per store
+fails when one closes), each store still with its own channel and session.
+
+Each node runs in a thread: it registers (`Heartbeat.start`: its key under `live/nodes/`, as the agent
+does before its rendezvous), starts its watch and calls `next_rendezvous`. The clock starts at the
+first node's registration. Reported, per N:
+- `mass_join_s`: the first registration → the last (every node booting at once);
+- `ranking_s`: the last registration → every node knows its rank (`rendezvous.complete`);
+- `ranked_s`: the first registration → every node ranked (the sum);
+- requests per node to ranked (the agents' own count) and this process's CPU per node;
+- `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
+  keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
+  bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, like bench/run.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import runmeta  # noqa: E402
+from petctl.agent.decisions import Settings  # noqa: E402
+from petctl.agent.health import OutageReporter, StoreHealth  # noqa: E402
+from petctl.agent.leases import LeaseClasses  # noqa: E402
+from petctl.agent.liveness import GAP_BEATS, Heartbeat  # noqa: E402
+from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats  # noqa: E402
+from petctl.core.eventlog import EventLog  # noqa: E402
+from petctl.core.keys import JobKeys  # noqa: E402
+from petctl.core.records import NodeRecord  # noqa: E402
+from petctl.core.spec import JobSpec  # noqa: E402
+from petctl.core.store import JOB_DEFAULT_BACKEND, Store, StoreError  # noqa: E402
+from petctl.io.store import open_store  # noqa: E402
+
+STORE_MARGIN = 1.0  # as agent.py's: the store health's grace beyond one TTL and one refresh
+_loop: Any = None  # the v3 stores' one event loop thread (module docstring), made on first use
+
+
+def shared_loop() -> Any:
+    """This process's one LoopThread for every v3 store of every run (never closed: a daemon thread)."""
+    global _loop
+    if _loop is None:
+        from petctl.io.store.v3 import LoopThread
+
+        _loop = LoopThread("fleetreal-loop")
+    return _loop
+
+
+@dataclass
+class Node:
+    """One simulated instance: the agent's rendezvous parts, built as agent/agent.py builds them."""
+
+    node_id: str
+    kv: Store
+    heartbeat: Heartbeat
+    watcher: LiveWatcher
+    rdzv: EtcdRendezvous
+    stats: RequestStats
+    registered: float | None = None  # monotonic
+    ranked: float | None = None
+    rank: int | None = None
+    error: str = ""
+    log: io.StringIO = field(default_factory=io.StringIO)
+
+
+def build(spec: JobSpec, node_id: str) -> Node:
+    """A node's parts on a store session of its own (no etcd call yet)."""
+    t = spec.timeouts
+    out = io.StringIO()  # the events, kept for a failure's report
+    events = EventLog("agent", stream=out, job=spec.name, node=node_id)
+    emit = events.emit
+    timeout = min(5.0, max(1.0, t.heartbeat_ttl - t.heartbeat_interval))
+    health = StoreHealth(emit, grace=t.heartbeat_ttl + t.heartbeat_interval + STORE_MARGIN,
+                         slow=max(t.heartbeat_ttl - t.heartbeat_interval, t.heartbeat_ttl / 2),
+                         straggle=timeout)
+    kv = open_store(spec.etcd_endpoint, spec.etcd_store, None, timeout,  # type: ignore[arg-type]
+                    loop=shared_loop() if spec.etcd_store == "v3" else None)
+    keys = JobKeys(spec.name)
+    stats = RequestStats()
+    watcher = LiveWatcher(kv, keys.live, stats, OutageReporter("watch", emit, parent=health))
+    heartbeat = Heartbeat(kv, keys, NodeRecord(node_id=node_id, host_addr="127.0.0.1", pid=os.getpid()),
+                          t.heartbeat_interval, t.heartbeat_ttl,
+                          OutageReporter("heartbeat", emit, parent=health), health, events)
+    rdzv = EtcdRendezvous(kv, LeaseClasses(kv), spec.name, node_id, "127.0.0.1", Settings.of(node_id, spec),
+                          events, watcher, stats, health)
+    return Node(node_id, kv, heartbeat, watcher, rdzv, stats, log=out)
+
+
+def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
+    go.wait()
+    try:
+        node.heartbeat.start()
+        node.registered = time.monotonic()
+        node.watcher.start()
+        info = node.rdzv.next_rendezvous(None, abort.is_set)
+        node.ranked, node.rank = time.monotonic(), info.rank
+    except Exception as e:  # noqa: BLE001 - recorded on the node and reported in the run's errors
+        node.error = f"{type(e).__name__}: {e}"
+
+
+def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND,
+             timeout: float = 120.0) -> dict[str, Any]:
+    """One fleet of `n` nodes from start to every node ranked; the figures of the module docstring."""
+    name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
+    spec = JobSpec(name=name, min_size=n, max_size=n, size=n, entrypoint="none.py", etcd_endpoint=endpoint)
+    spec.etcd_store = store
+    nodes = [build(spec, f"n{i:04d}") for i in range(n)]
+    go, abort = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=_run_node, args=(node, go, abort), name=node.node_id, daemon=True)
+               for node in nodes]
+    for t in threads:
+        t.start()
+    cpu0 = time.process_time()
+    go.set()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    abort.set()
+    cpu = time.process_time() - cpu0
+    try:
+        return _figures(nodes, n, store, spec, cpu)
+    finally:
+        for node in nodes:
+            _close(node)
+        for t in threads:
+            t.join(5.0)
+
+
+def _close(node: Node) -> None:
+    try:
+        node.heartbeat.stop(delete=True)
+        node.watcher.stop()
+    except StoreError:
+        pass  # the keys expire with their leases
+    finally:
+        node.kv.close()
+
+
+def _figures(nodes: list[Node], n: int, store: str, spec: JobSpec, cpu: float) -> dict[str, Any]:
+    regs = [x.registered for x in nodes if x.registered is not None]
+    ranked = [x.ranked for x in nodes if x.ranked is not None]
+    gaps = [x.heartbeat.longest_gap for x in nodes]
+    late = GAP_BEATS * spec.timeouts.heartbeat_interval
+    errors = sorted({x.error for x in nodes if x.error})
+    why = []
+    if len(ranked) < n:
+        why.append(f"{n - len(ranked)} of {n} nodes not ranked")
+    if max(gaps, default=0.0) >= late:
+        why.append(f"heartbeats ran late: a gap of {max(gaps):.2f} s (>= {late:.2f} s)")
+    ranks = sorted(x.rank for x in nodes if x.rank is not None)
+    requests = [sum(x.stats.as_dict().values()) for x in nodes]
+    out: dict[str, Any] = {"nodes": n, "store": store, "valid": not why, "saturated": "; ".join(why),
+                           "errors": errors[:5], "cpu_per_node_s": round(cpu / n, 4),
+                           "longest_heartbeat_gap_s": round(max(gaps, default=0.0), 3),
+                           "requests_per_node": {"mean": round(statistics.mean(requests), 2),
+                                                 "max": max(requests)},
+                           "ranks_ok": ranks == list(range(n))}
+    if regs and len(ranked) == n:
+        first, last = min(regs), max(regs)
+        out.update(mass_join_s=round(last - first, 4), ranking_s=round(max(ranked) - last, 4),
+                   ranked_s=round(max(ranked) - first, 4))
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the valid runs (None where none was valid), and how many were not."""
+    valid = [r for r in runs if r["valid"]]
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in valid if r.get(key) is not None]
+        return round(statistics.median(vals), 4) if vals else None
+    return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
+            **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
+            "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
+                               if valid else None)}
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = ["| nodes | store | valid runs | first registration → all ranked | mass join | ranking | "
+            "CPU / node (this process) | note |", "|---|---|---|---|---|---|---|---|"]
+    def fmt(v: float | None) -> str:
+        return "invalid" if v is None else f"{v:g} s"
+
+    for res in results.values():
+        s = res["summary"]
+        note = "; ".join(sorted({r["saturated"] for r in res["runs"] if r["saturated"]}))
+        rows.append(f"| {res['nodes']} | {res['store']} | {s['valid_runs']} of {len(res['runs'])} | "
+                    f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
+                    f"{fmt(s['cpu_per_node_s'])} | {note} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="8,16,32", help="comma-separated fleet sizes")
+    parser.add_argument("--store", default=JOB_DEFAULT_BACKEND, choices=("v3", "v2"))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every node to be ranked")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                             / "fleetreal-latest.json"))
+    args = parser.parse_args(argv)
+    import shutil
+    import signal
+    import tempfile
+
+    from petctl.io.etcd import EtcdServer
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the `finally`: etcd is stopped
+    meta = runmeta.start()
+    scratch = Path(tempfile.mkdtemp(prefix="petctl-fleetreal-"))
+    etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
+    results: dict[str, Any] = {}
+    try:
+        for n in [int(x) for x in args.nodes.split(",") if x]:
+            runs = []
+            for rep in range(args.reps):
+                runs.append(run_once(etcd.endpoint, n, args.store, args.timeout))
+                print(json.dumps({"rep": rep, **runs[-1]}), flush=True)
+            results[f"{args.store}/N={n}"] = {"nodes": n, "store": args.store, "runs": runs,
+                                              "summary": summarize(runs)}
+    finally:
+        etcd.stop(remove_data=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc = {**runmeta.finish(meta), "title": "P9 on the agent's own rendezvous code", "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    text = table(results)
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    print(f"load average at the start {meta['machine']['load_avg_start']}, at the end "
+          f"{doc['machine']['load_avg_end']}; written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

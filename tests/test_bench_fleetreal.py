@@ -1,0 +1,52 @@
+"""Issue 47: the fleet bench on the agent's own rendezvous code (bench/fleetreal.py): eight real
+`EtcdRendezvous` nodes in one process rank 0..7 against a real etcd, the clock starts at the first
+registration, and a run whose heartbeats ran late is marked invalid rather than quoted."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import fleetreal
+from petctl.core.spec import JobSpec
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_eight_real_nodes_rank_and_the_clock_starts_at_the_first_registration(etcd_server):
+    run = fleetreal.run_once(etcd_server.endpoint, 8, "v3", timeout=60.0)
+    assert run["ranks_ok"] and not run["errors"], run
+    assert run["ranked_s"] == pytest.approx(run["mass_join_s"] + run["ranking_s"], abs=1e-3), run
+    assert run["requests_per_node"]["mean"] > 0, run
+
+
+class FakeHeartbeat:
+    def __init__(self, gap: float) -> None:
+        self.longest_gap = gap
+
+
+class FakeStats:
+    def as_dict(self) -> dict[str, int]:
+        return {"reads": 3, "writes": 2, "watches": 1}
+
+
+def nodes(gaps: list[float], ranked: bool = True) -> list[fleetreal.Node]:
+    out = []
+    for i, gap in enumerate(gaps):
+        node = fleetreal.Node(f"n{i}", None, FakeHeartbeat(gap), None, None, FakeStats())  # type: ignore[arg-type]
+        node.registered, node.ranked, node.rank = 10.0 + i, (20.0 + i if ranked else None), i
+        out.append(node)
+    return out
+
+
+def test_late_heartbeats_or_unranked_nodes_make_a_run_invalid_and_the_summary_skips_it():
+    spec = JobSpec(name="f", min_size=2, max_size=2, size=2, entrypoint="x.py")
+    fine = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)
+    late = fleetreal._figures(nodes([0.2, 0.6]), 2, "v3", spec, cpu=0.1)  # 2.5 beats of 0.2 s: late
+    lost = fleetreal._figures(nodes([0.2, 0.2], ranked=False), 2, "v3", spec, cpu=0.1)
+    assert fine["valid"] and (fine["mass_join_s"], fine["ranking_s"], fine["ranked_s"]) == (1.0, 10.0, 11.0)
+    assert not late["valid"] and "heartbeats ran late" in late["saturated"]
+    assert not lost["valid"] and "not ranked" in lost["saturated"] and "ranked_s" not in lost
+    summary = fleetreal.summarize([fine, late, lost])
+    assert (summary["valid_runs"], summary["invalid_runs"], summary["ranked_s"]) == (1, 2, 11.0)
+    assert "invalid" in fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [late],
+                                                    "summary": fleetreal.summarize([late])}})
