@@ -245,15 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    doc = {**runmeta.finish(meta), "title": "P9 on the agent's own rendezvous code", "results": results}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    text = table(results)
-    out.with_suffix(".md").write_text(text + "\n")
-    print(text)
-    print(f"load average at the start {meta['machine']['load_avg_start']}, at the end "
-          f"{doc['machine']['load_avg_end']}; written to {out}")
+    runmeta.write(meta, Path(args.out), table(results), title="P9 on the agent's own rendezvous code",
+                  results=results)
     return 0
 
 

@@ -192,15 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    doc = {**runmeta.finish(meta), "title": "etcd's cost of a job at rest", "runs": runs}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    text = table(runs)
-    out.with_suffix(".md").write_text(text + "\n")
-    print(text)
-    print(f"load average at the start {meta['machine']['load_avg_start']}, "
-          f"at the end {doc['machine']['load_avg_end']}; written to {out}")
+    runmeta.write(meta, Path(args.out), table(runs), title="etcd's cost of a job at rest", runs=runs)
     return 0
 
 

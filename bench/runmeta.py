@@ -12,6 +12,7 @@ commit is then None and `dirty` None.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import subprocess
@@ -81,3 +82,17 @@ def finish(meta: dict[str, Any]) -> dict[str, Any]:
     """The record with the load average and the time at this write (the end, at the last write)."""
     m = {**meta["machine"], "load_avg_end": [round(x, 2) for x in os.getloadavg()], "date": _now()}
     return {**meta, "machine": m}
+
+
+def write(meta: dict[str, Any], out: Path, table: str, **fields: Any) -> dict[str, Any]:
+    """Write one bench's result: `fields` with the run's record (`finish(meta)`) as JSON at `out`, and
+    `table` as Markdown beside it (`out` with `.md`); print the table and the load at both ends. Returns
+    the document written. Raises OSError when `out` cannot be written."""
+    doc = {**finish(meta), **fields}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"load average at the start {meta['machine']['load_avg_start']}, at the end "
+          f"{doc['machine']['load_avg_end']}; written to {out}")
+    return doc
