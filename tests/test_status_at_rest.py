@@ -25,7 +25,7 @@ from petctl.agent.reporting import (
 )
 from petctl.cli.status import aged
 from petctl.core.keys import JobKeys
-from petctl.core.records import NodeStatus
+from petctl.core.records import Checkpoint, NodeStatus
 from petctl.core.store import StoreUnavailable
 from tests.support.emitter import Recorder
 
@@ -42,6 +42,17 @@ def test_a_change_of_state_round_or_rank_is_put_at_once():
                    {"failures": {"mirror": 1}}, {"last_error": ["Traceback"]}):
         assert status_due(put, running(**change), since_put=0.0, gap=PROGRESS_MAX) == "change", change
     assert status_due(None, put, since_put=0.0, gap=PROGRESS_FIRST) == "change"
+
+
+def test_a_first_save_time_or_a_much_longer_one_is_put_at_once_a_similar_one_waits():
+    """A noticed node of another rank plans its hand-off with rank 0's published save time."""
+    def saved(step: int, save_s: float | None) -> NodeStatus:
+        return running(step=step, last_checkpoint=Checkpoint(step=step, url="file:///c", save_s=save_s))
+
+    assert status_due(running(), saved(20, 0.4), since_put=0.0, gap=PROGRESS_MAX) == "change"
+    assert status_due(saved(20, 0.4), saved(40, 0.5), since_put=0.0, gap=PROGRESS_MAX) is None
+    assert status_due(saved(20, 0.4), saved(40, 0.7), since_put=0.0, gap=PROGRESS_MAX) == "change"
+    assert status_due(saved(20, 0.4), saved(40, None), since_put=0.0, gap=PROGRESS_MAX) is None
 
 
 def test_progress_alone_waits_for_its_backoff():

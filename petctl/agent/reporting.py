@@ -317,7 +317,9 @@ class EtcdEventSink:
 # Every put of the key is a raft proposal (an fsync on every member), so a node at rest must not put it on
 # a timer (issue 47: two proposals per node per 10 s, 200 a second at 1000 nodes). `status_due` decides:
 # - a change of what the node *is* (state, round, rank, world size, restarts, failures, last error) is put
-#   at once;
+#   at once, and so is its first measured save time and one SAVE_GROWTH times longer than the one put: a
+#   noticed node of another rank plans its hand-off with rank 0's (notices.py, `writer_save`), and
+#   without one it hands off at once instead of training on;
 # - progress alone (step, last checkpoint, the request counters) is put on a backoff that starts at
 #   PROGRESS_FIRST when the node's state last changed and doubles up to PROGRESS_MAX, so a new round's
 #   first steps show within seconds and a steady round costs one put per PROGRESS_MAX;
@@ -331,14 +333,25 @@ STATUS_TTL = 900  # the key lives 900-1800 s past its latest put (leases.py): lo
 REFRESH = 600.0  # an unchanged status is put again this often
 PROGRESS_FIRST = 5.0  # the first progress-only put of a state comes this long after it
 PROGRESS_MAX = 300.0  # ... and the gap doubles up to this
+SAVE_GROWTH = 1.5  # a save this many times longer than the one last put is put at once
 FORWARDED = ("checkpoint.saved", "checkpoint.loaded", "train.resumed", "checkpoint.interval")
 
 
 def changed_substance(old: NodeStatus | None, new: NodeStatus) -> bool:
-    """Whether `new` says something other than progress since `old` (None: never put)."""
+    """Whether `new` says something other than progress since `old` (None: never put): what the node is,
+    or a save time a hand-off should plan with (see the section's comment)."""
     if old is None:
         return True
-    return _substance(old) != _substance(new)
+    return _substance(old) != _substance(new) or _save_news(_save_s(old), _save_s(new))
+
+
+def _save_s(status: NodeStatus) -> float | None:
+    save = status.last_checkpoint.save_s if status.last_checkpoint is not None else None
+    return float(save) if isinstance(save, int | float) else None
+
+
+def _save_news(put: float | None, now: float | None) -> bool:
+    return now is not None and (put is None or now > SAVE_GROWTH * put)
 
 
 def _substance(status: NodeStatus) -> NodeStatus:
