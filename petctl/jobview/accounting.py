@@ -170,7 +170,7 @@ class Accounting:
 
 # Shown wherever goodput or lost steps would be: where the step numbers come from, and how to get them.
 NO_STEPS = ("the script reports no training steps (Trainer/Lightning: callbacks=[PetctlCallback()]; "
-            "a loop of your own: print train.step lines, see README's progress events)")
+            "a loop of your own: print train.step lines, see docs/getting-started.md)")
 
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None,
