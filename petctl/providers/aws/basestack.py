@@ -6,6 +6,11 @@ The base stack holds what every job shares: the VPC and its subnets (one per AZ)
 bucket, the worker image repository, the log group, the workers' policy and the service role that
 creates and deletes job stacks.
 
+How the stack is made: a new stack is created from a seed template (the bucket alone, small enough to go
+inline); setup then uploads etcd's files and the full template to that bucket and updates the stack from
+the template's URL (it outgrows CloudFormation's 51,200-byte TemplateBody). An existing stack is updated
+from the URL directly (stacks.py says who reads it).
+
 Why an update may be refused: since issue 17 every job's IAM role and instance profile live under the
 job's own IAM path (`/petctl/<stack>/<job>/`, jobscope.py), and the base stack's CloudFormation service
 role, which creates and deletes job stacks, may touch only roles under `/petctl/<stack>/`. A job stack
