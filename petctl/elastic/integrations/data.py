@@ -33,7 +33,23 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from petctl.core.eventlog import EventLog
-from petctl.elastic.sampler import STATE_VERSION, Cursor, ElasticSampler, advance, normalize, step_starts
+from petctl.elastic.sampler import (
+    STATE_VERSION,
+    Cursor,
+    ElasticSampler,
+    advance,
+    normalize,
+    rank_positions,
+    step_starts,
+)
+
+
+def step_indices(sampler: ElasticSampler, start: Cursor) -> list[int]:
+    """This rank's dataset indices for the step starting at `start` (its stride, `rank_positions`), through
+    the sampler's public order only, so the stream follows the sampler's rules whatever its pass does."""
+    positions = rank_positions(start, sampler.plan, sampler.size)
+    orders = {e: sampler.order(e) for e in {p.epoch for p in positions}}
+    return [int(orders[p.epoch][p.offset]) for p in positions]
 
 
 def nominal_steps(global_batch: int, size: int, drop_last: bool) -> int:
@@ -64,7 +80,7 @@ class StepStream(Sampler[int]):
             if generation != self._generation:
                 raise RuntimeError("StepStream: this iterator was made before the cursor was loaded; the "
                                    "framework must call iter(loader) after its checkpoint is restored")
-            yield from inner.step_indices(at)
+            yield from step_indices(inner, at)
             at = advance(at, inner.plan.global_batch, inner.size, inner.drop_last)
 
     def set_epoch(self, epoch: int) -> None:
