@@ -155,14 +155,13 @@ class Accounting:
         return ""
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON: kept and lost steps are null (n/a) when no step was reported, not 0; `restarts` is
-        kept for older readers and means `reforms`."""
+        """As JSON: kept and lost steps are null (n/a) when no step was reported, not 0. No `restarts` key:
+        in petctl that word means failure restarts only (`failure_restarts`); every round is a re-form."""
         d = asdict(self)
         d["goodput"] = self.goodput
         d["goodput_note"] = self.goodput_note
         d["steps_reported"] = self.steps_reported
         d["reform_lower_bound"] = self.reform_lower_bound
-        d["restarts"] = self.reforms
         if not self.steps_reported:
             d["steps_kept"] = d["steps_lost"] = None
         return d
