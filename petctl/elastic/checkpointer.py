@@ -36,7 +36,7 @@ from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_staged
 from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
-from petctl.io.objstore import ObjectStore, S3Options, open_store
+from petctl.io.objstore import ObjectStore, S3Options, open_object_store
 from petctl.io.objstore import ObjectStore as CheckpointStore
 
 # --- the base both checkpointers share ----------------------------------------------------------------------
@@ -104,7 +104,7 @@ class BaseCheckpointer:
     @property
     def store(self) -> ObjectStore:
         if self._store is None:
-            self._store = open_store(self.url, self._s3)
+            self._store = open_object_store(self.url, self._s3)
         return self._store
 
     # --- what the subclass provides ----------------------------------------------------------------
