@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.core import controlfiles
 from petctl.elastic import Checkpointer, open_object_store
 from petctl.elastic import manifest as mf
+from petctl.io import controlfiles
 from tests.support.checkpointing import CountingStore, Recorder, assert_same, make_state, train
 
 

@@ -62,7 +62,7 @@ def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(
     r0, r1 = run_pair(tmp_path, "train", url, "train")
     assert r0["start"] == r1["start"] == 0
     assert r0["exited_at"] == r1["exited_at"] == 5  # flag only in rank 1's control dir
-    from petctl.core import controlfiles
+    from petctl.io import controlfiles
 
     assert controlfiles.read_saved(tmp_path / "control-0") == {0: 5}
     assert controlfiles.read_saved(tmp_path / "control-1") == {0: 5}

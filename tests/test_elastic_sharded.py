@@ -54,7 +54,7 @@ def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
-    from petctl.core import controlfiles
+    from petctl.io import controlfiles
 
     url = (tmp_path / "ckpt").as_uri()
     r0, r1 = run_pair(tmp_path, "train", url)

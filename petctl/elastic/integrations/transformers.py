@@ -53,6 +53,7 @@ from petctl.elastic.integrations.data import (
 from petctl.elastic.integrations.memory import FrameworkSnapshots
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 from petctl.elastic.snapshots import SnapshotOptions
+from petctl.io.files import atomic_write
 
 # --- the Trainer's half of the in-memory tier ---------------------------------------------------------------
 # The Hugging Face `Trainer`'s half of the in-memory snapshot tier (`memory.py`).
@@ -158,9 +159,7 @@ def materialize(payload: dict[str, Any], step: int, where: Path, rank: int, worl
     (ckpt / "trainer_state.json").write_text(payload["trainer_state"])
     if world == 1 or payload["rank"] == rank:
         torch.save(payload["rng"], ckpt / ("rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"))
-    tmp = where / (MARK + ".tmp")
-    tmp.write_text(json.dumps({"round": round_no, "step": step, "path": str(ckpt)}))
-    os.replace(tmp, where / MARK)
+    atomic_write(where / MARK, json.dumps({"round": round_no, "step": step, "path": str(ckpt)}))
     return str(ckpt)
 
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from petctl.io.files import atomic_write
 
 ENV_CONTROL_DIR = "PETCTL_CONTROL_DIR"
 PREEMPT_FILE = "preempt"
@@ -42,15 +43,7 @@ CHECKPOINTED_PREFIX = "checkpointed."
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Atomic write: a worker polling the flag never reads a truncated document."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(data))
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
