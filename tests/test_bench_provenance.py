@@ -54,18 +54,21 @@ def test_readme_quotes_only_results_tied_to_a_commit():
         assert doc["commit"] and doc["dirty"] is False, f"README quotes {name}, not tied to a clean commit"
 
 
-def test_readme_trace_figures_are_the_results():
-    """The 'How it compares' table, row by row, against bench/results/spot-trace-handoff.json."""
+def test_readme_figures_are_generated_from_their_files():
+    """README's table is bench/headline.py's output: edit a figure by hand, or let a result change under
+    it, and this fails until `python -m bench.headline --write` is run."""
+    from bench import headline
+
     readme = (REPO / "README.md").read_text()
-    doc = json.loads((RESULTS / "spot-trace-handoff.json").read_text())
+    assert headline.current(readme) == headline.block(), "README's figures differ from their result files"
 
-    def figure(trace: str, system: str, key: str) -> float:
-        return doc["results"][f"{trace}-boot90"]["systems"][system]["summary"]["mean"][key]
 
-    rows = {"every loss announced": "spot-10-15-notice", "a third without notice": "spot-10-15-mixed"}
-    for label, trace in rows.items():
-        row = next(line for line in readme.splitlines() if line.startswith(f"| {label} |"))
-        cells = [c.strip().strip("*") for c in row.strip("|").split("|")]
-        assert cells[1] == f"{100 * figure(trace, 'petctl', 'goodput_scaled'):.1f} %", row
-        assert cells[2] == f"{100 * figure(trace, 'torchrun-c10d', 'goodput_scaled'):.1f} %", row
-        assert cells[3] == f"{figure(trace, 'petctl', 'steps_lost'):.0f}", row
+def test_a_headline_refuses_a_result_without_a_clean_commit(tmp_path, monkeypatch):
+    from bench import headline
+
+    (tmp_path / "old.json").write_text(json.dumps({"commit": None, "dirty": None, "provenance": "x"}))
+    (tmp_path / "dirty.json").write_text(json.dumps({"commit": "abc", "dirty": True}))
+    monkeypatch.setattr(headline, "RESULTS", tmp_path)
+    for name in ("old.json", "dirty.json"):
+        with pytest.raises(ValueError, match="not tied to a clean commit"):
+            headline.load(name)
