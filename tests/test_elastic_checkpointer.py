@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.core import controlfiles
-from petctl.elastic import Checkpointer, open_store
+from petctl.elastic import Checkpointer, open_object_store
 from petctl.elastic import manifest as mf
 from petctl.elastic.state import load_payload
+from petctl.io import controlfiles
 from tests.support.checkpointing import CountingStore, Recorder, assert_same, make_state, train
 
 
@@ -80,7 +80,7 @@ def test_next_save_reuses_buffers_and_both_checkpoints_stay_right(url: str, tmp_
     # The upload of step 0 was done: step 1 was copied into its buffers, not into fresh memory.
     assert all(second["model"][k].data_ptr() == first["model"][k].data_ptr() for k in at_step0)
     # ...and that did not touch what step 0 had written.
-    store = open_store(url)
+    store = open_object_store(url)
     for step, expected in ((0, at_step0), (1, at_step1)):
         path = tmp_path / f"state-{step}.pt"
         store.get_file(mf.data_prefix(step) + "state.pt", path)
@@ -113,7 +113,7 @@ def test_data_without_manifest_resumes_previous(url: str, tmp_path: Path) -> Non
     state = make_state()
     with Checkpointer(url) as ckpt:
         ckpt.save(9, state, block=True)
-    store = open_store(url)
+    store = open_object_store(url)
     partial = tmp_path / "partial"
     partial.write_bytes(b"\x00" * 100)
     store.put_file(mf.data_prefix(19) + "state.pt", partial)
@@ -132,7 +132,7 @@ def test_corrupt_newest_is_never_loaded(url: str, tmp_path: Path, damage: str) -
             reader.resume(expected)
         train(state, 1)
         ckpt.save(19, state, block=True)
-    store = open_store(url)
+    store = open_object_store(url)
     key = mf.data_prefix(19) + "state.pt"
     good = store.get_bytes(key)
     if damage == "truncate":
@@ -161,7 +161,7 @@ def test_retention_keeps_exactly_k(url: str) -> None:
     with Checkpointer(url, keep=3, every=1, background=False) as ckpt:
         for step in range(7):
             assert ckpt.step_end(step, state) is False
-    store = open_store(url)
+    store = open_object_store(url)
     assert mf.manifest_steps(store) == [6, 5, 4]
     data_steps = {int(o.key[5:17]) for o in store.list("step-")}
     assert data_steps == {4, 5, 6}
@@ -172,12 +172,12 @@ def test_periodic_schedule(url: str) -> None:
     with Checkpointer(url, keep=10, every=4) as ckpt:
         for step in range(10):
             ckpt.step_end(step, state)
-    assert mf.manifest_steps(open_store(url)) == [7, 3]
+    assert mf.manifest_steps(open_object_store(url)) == [7, 3]
 
 
 def test_background_save_overlaps_training_and_next_save_waits(url: str) -> None:
     hold = threading.Event()
-    store = CountingStore(open_store(url), hold=hold)
+    store = CountingStore(open_object_store(url), hold=hold)
     state = make_state()
     ckpt = Checkpointer(url, every=1, store=store)
     try:
@@ -205,7 +205,7 @@ def test_restart_on_same_node_uses_cache(url: str, tmp_path: Path) -> None:
     state = make_state()
     with Checkpointer(url, cache_dir=tmp_path / "node") as ckpt:
         ckpt.save(4, state, block=True)
-    store = CountingStore(open_store(url))
+    store = CountingStore(open_object_store(url))
     with Checkpointer(url, cache_dir=tmp_path / "node", store=store, log=rec.log) as ckpt:
         assert ckpt.resume(make_state(seed=2)) == 5
     assert store.reads == 1  # the manifest only: the data came from the local cache
@@ -230,7 +230,7 @@ def test_preemption_flag_saves_synchronously_and_reports(url: str, tmp_path: Pat
         controlfiles.write_preempt(control, "i-local-1", deadline=1e10)
         assert ckpt.step_end(3, state) is True
         # synchronous: the manifest exists before step_end returned
-        assert mf.manifest_steps(open_store(url)) == [3]
+        assert mf.manifest_steps(open_object_store(url)) == [3]
         assert controlfiles.read_saved(control) == {0: 3}
         assert ckpt.step_end(4, state) is True  # sticky
     with Checkpointer(url, use_cache=False) as ckpt:
@@ -254,7 +254,7 @@ def test_failed_save_is_logged_not_raised(url: str, tmp_path: Path) -> None:
     rec = Recorder()
     control = tmp_path / "control"
     state = make_state()
-    with Checkpointer(url, every=1, store=FailingStore(open_store(url)), control_dir=control,
+    with Checkpointer(url, every=1, store=FailingStore(open_object_store(url)), control_dir=control,
                       log=rec.log) as ckpt:
         assert ckpt.step_end(0, state) is False
         ckpt.wait()
@@ -312,12 +312,12 @@ def test_time_based_periodic_save(url: str, monkeypatch: pytest.MonkeyPatch) -> 
     with Checkpointer(url, keep=10, every=0, every_seconds=60, background=False) as ckpt:
         now[0] += 59
         assert ckpt.step_end(0, state) is False
-        assert mf.manifest_steps(open_store(url)) == []  # not due yet
+        assert mf.manifest_steps(open_object_store(url)) == []  # not due yet
         now[0] += 1
         ckpt.step_end(1, state)
         now[0] += 59
         ckpt.step_end(2, state)  # the clock restarted at the save of step 1
-    assert mf.manifest_steps(open_store(url)) == [1]
+    assert mf.manifest_steps(open_object_store(url)) == [1]
 
 
 class NoDeleteStore(CountingStore):
@@ -329,7 +329,7 @@ def test_failed_prune_does_not_fail_a_complete_save(url: str, tmp_path: Path) ->
     rec = Recorder()
     control = tmp_path / "control"
     state = make_state()
-    with Checkpointer(url, keep=1, store=NoDeleteStore(open_store(url)), control_dir=control,
+    with Checkpointer(url, keep=1, store=NoDeleteStore(open_object_store(url)), control_dir=control,
                       log=rec.log) as ckpt:
         assert ckpt.save(0, state, block=True) is not None
         controlfiles.write_preempt(control, "n", deadline=0)

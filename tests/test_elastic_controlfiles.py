@@ -1,4 +1,4 @@
-"""The control-dir protocol shared by the agent and petctl.elastic (petctl/core/controlfiles.py)."""
+"""The control-dir protocol shared by the agent and petctl.elastic (petctl/io/controlfiles.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from petctl.core import controlfiles as cf
+from petctl.io import controlfiles as cf
 
 
 def test_preempt_flag_round_trip(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_env(tmp_path: Path) -> None:
 
 
 def test_agent_modules_import_without_torch_or_boto3() -> None:
-    code = ("import sys; import petctl.core.controlfiles, petctl.agent.imds, petctl.agent.notices, "
+    code = ("import sys; import petctl.io.controlfiles, petctl.agent.imds, petctl.agent.notices, "
             "petctl.providers.local.metadata_server; "
             "bad = [m for m in ('torch', 'boto3', 'botocore') if m in sys.modules]; "
             "assert not bad, bad")

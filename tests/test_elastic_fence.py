@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl.core import controlfiles
-from petctl.elastic import Checkpointer, open_store
+from petctl.elastic import Checkpointer, open_object_store
 from petctl.elastic import manifest as mf
+from petctl.io import controlfiles
 from tests.support.checkpointing import CountingStore, Recorder, assert_same, make_state, train
 
 
@@ -27,7 +27,7 @@ def url(checkpoint_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 def data_steps(url: str) -> set[int]:
     """Steps with any data object in the store (committed or not)."""
-    return {int(m.group(1)) for o in open_store(url).list() if (m := mf.DATA_RE.match(o.key))}
+    return {int(m.group(1)) for o in open_object_store(url).list() if (m := mf.DATA_RE.match(o.key))}
 
 
 def newest_loadable(url: str, tmp_path: Path) -> tuple[int, object]:
@@ -51,7 +51,7 @@ def test_a_fenced_save_commits_nothing_and_saves_commit_again_once_lifted(url: s
         for step in (2, 3):
             train(state, 1)
             assert ckpt.save(step, state, block=True) is None
-        assert mf.manifest_steps(open_store(url)) == [1]
+        assert mf.manifest_steps(open_object_store(url)) == [1]
         assert data_steps(url) == {1}  # a fenced node uploads nothing at all
         start, loaded = newest_loadable(url, tmp_path)
         assert start == 2
@@ -61,7 +61,7 @@ def test_a_fenced_save_commits_nothing_and_saves_commit_again_once_lifted(url: s
         train(state, 1)
         assert ckpt.save(4, state, block=True) is not None
         assert ckpt.fence.skipped == 2
-    assert mf.manifest_steps(open_store(url)) == [4, 1]
+    assert mf.manifest_steps(open_object_store(url)) == [4, 1]
     start, loaded = newest_loadable(url, tmp_path)
     assert start == 5
     assert_same(state, loaded)
@@ -79,7 +79,7 @@ def test_a_background_save_begun_before_the_fence_does_not_commit(url: str, tmp_
     control = tmp_path / "control"
     rec = Recorder()
     hold = threading.Event()
-    store = CountingStore(open_store(url), hold=hold)
+    store = CountingStore(open_object_store(url), hold=hold)
     state = make_state()
     with Checkpointer(url, keep=10, control_dir=control, store=store, log=rec.log) as ckpt:
         hold.set()
@@ -94,7 +94,7 @@ def test_a_background_save_begun_before_the_fence_does_not_commit(url: str, tmp_
         ckpt.wait()  # the upload finished; the commit did not happen
         assert ckpt.fence.skipped == 1
         assert ckpt.last_saved is not None and ckpt.last_saved.step == 0
-    assert mf.manifest_steps(open_store(url)) == [0]
+    assert mf.manifest_steps(open_object_store(url)) == [0]
     assert newest_loadable(url, tmp_path)[0] == 1
     (fenced,) = rec.events("checkpoint.fenced")
     assert fenced["step"] == 1 and fenced["stage"] == "commit"
@@ -107,7 +107,7 @@ def test_a_preemption_save_under_a_fence_is_reported_failed_not_saved(url: str, 
         controlfiles.write_fence(control, round_no=1, reason="cut off")
         controlfiles.write_preempt(control, "n1", deadline=1e12)
         assert ckpt.step_end(3, make_state()) is True
-    assert mf.manifest_steps(open_store(url)) == []
+    assert mf.manifest_steps(open_object_store(url)) == []
     assert controlfiles.read_saved(control) == {}  # the agent is not told a save exists
     assert [e["step"] for e in rec.events("preempt.save_failed")] == [3]
 
@@ -125,12 +125,12 @@ def test_sharded_saves_obey_the_fence(tmp_path: Path) -> None:
         controlfiles.write_fence(control, round_no=3, reason="cut off")
         app["w"] += 1
         assert ckpt.save(1, app, block=True) is False
-        assert mf.manifest_steps(open_store(url)) == [0] and data_steps(url) == {0}
+        assert mf.manifest_steps(open_object_store(url)) == [0] and data_steps(url) == {0}
         controlfiles.clear(control)
         app["w"] += 1
         assert ckpt.save(2, app, block=True) is True
         assert ckpt.fence.skipped == 1
-    assert mf.manifest_steps(open_store(url)) == [2, 0]
+    assert mf.manifest_steps(open_object_store(url)) == [2, 0]
     restored = {"w": torch.zeros(4)}
     with ShardedCheckpointer(url, local_dir=tmp_path / "dcp2", control_dir=tmp_path / "c2") as ckpt:
         assert ckpt.resume(restored) == 3
@@ -144,7 +144,7 @@ def test_sharded_background_upload_fenced_before_its_manifest(tmp_path: Path) ->
     url = (tmp_path / "ckpt").as_uri()
     control = tmp_path / "control"
     hold = threading.Event()
-    store = CountingStore(open_store(url), hold=hold)
+    store = CountingStore(open_object_store(url), hold=hold)
     with ShardedCheckpointer(url, keep=10, local_dir=tmp_path / "dcp", control_dir=control,
                              store=store) as ckpt:
         assert ckpt.save(5, {"w": torch.ones(3)}) is True  # background
@@ -153,5 +153,5 @@ def test_sharded_background_upload_fenced_before_its_manifest(tmp_path: Path) ->
         hold.set()
         ckpt.wait()
         assert ckpt.fence.skipped == 1
-    assert mf.manifest_steps(open_store(url)) == []
+    assert mf.manifest_steps(open_object_store(url)) == []
     assert data_steps(url) == {5}  # the shards went up before the fence; unnamed, they are never loaded

@@ -11,7 +11,7 @@ from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
 from petctl.elastic import Checkpointer, State
-from petctl.elastic import open_store
+from petctl.elastic import open_object_store
 
 sys.path.insert(0, os.environ["TEST_DIR"])
 from test_elastic_checkpointer import CountingStore  # noqa: E402
@@ -23,7 +23,7 @@ net = torch.nn.Linear(4, 2)
 model = torch.nn.parallel.DistributedDataParallel(net) if mode == "train" else net
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 state = State(model=model, optimizer=opt, extra={"step": -1})
-store = CountingStore(open_store(os.environ["PETCTL_CHECKPOINT_URL"]))
+store = CountingStore(open_object_store(os.environ["PETCTL_CHECKPOINT_URL"]))
 ckpt = Checkpointer(every=int(os.environ.get("EVERY", "0")), store=store)
 start = ckpt.resume(state)
 exited_at = None
@@ -62,7 +62,7 @@ def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(
     r0, r1 = run_pair(tmp_path, "train", url, "train")
     assert r0["start"] == r1["start"] == 0
     assert r0["exited_at"] == r1["exited_at"] == 5  # flag only in rank 1's control dir
-    from petctl.core import controlfiles
+    from petctl.io import controlfiles
 
     assert controlfiles.read_saved(tmp_path / "control-0") == {0: 5}
     assert controlfiles.read_saved(tmp_path / "control-1") == {0: 5}

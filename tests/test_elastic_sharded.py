@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from petctl.elastic import manifest as mf
-from petctl.elastic import open_store
+from petctl.elastic import open_object_store
 from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
@@ -54,14 +54,14 @@ def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
-    from petctl.core import controlfiles
+    from petctl.io import controlfiles
 
     url = (tmp_path / "ckpt").as_uri()
     r0, r1 = run_pair(tmp_path, "train", url)
     assert r0["exited_at"] == r1["exited_at"] == 4
     assert controlfiles.read_saved(tmp_path / "control-0") == {0: 4}
     assert controlfiles.read_saved(tmp_path / "control-1") == {0: 4}
-    store = open_store(url)
+    store = open_object_store(url)
     assert mf.manifest_steps(store) == [4, 3, 1]
     names = {e.name for e in mf.read_manifest(store, 4).objects}
     assert names == {".metadata", "__0_0.distcp", "__1_0.distcp"}  # every rank's shards
@@ -97,7 +97,7 @@ def test_every_seconds_saves_when_due_and_restarts_the_clock(tmp_path: Path, mon
         for step, advance in enumerate([59, 1, 59, 2, 30]):
             now[0] += advance
             assert ckpt.step_end(step, app) is False
-    assert mf.manifest_steps(open_store(url)) == [3, 1]  # due at 60 s, then 60 s after the save of 1
+    assert mf.manifest_steps(open_object_store(url)) == [3, 1]  # due at 60 s, then 60 s after the save of 1
 
 
 def test_every_seconds_needs_the_preemption_check_to_agree_on(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_ranks_agree_on_a_time_based_sharded_save(tmp_path: Path) -> None:
     r0, r1 = run_worker_pair(tmp_path, CLOCK_WORKER, "train", url, tag="clock", timeout=240,
                              rank_env=lambda rank: {"PETCTL_CACHE_DIR": str(tmp_path / f"cache-{rank}")})
     assert r0["saved"] == r1["saved"] == [None, None, 2, 2, 2, 2, 2, 2]
-    assert mf.manifest_steps(open_store(url)) == [2]
+    assert mf.manifest_steps(open_object_store(url)) == [2]
 
 
 DATA_WORKER = r'''

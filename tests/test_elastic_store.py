@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from petctl.elastic import CheckpointStore, FileStore, ObjectNotFound, S3Options, S3Store, open_store
+from petctl.elastic import CheckpointStore, FileStore, ObjectNotFound, S3Options, S3Store, open_object_store
 from petctl.elastic import manifest as mf
 
 
 @pytest.fixture
 def store(checkpoint_url: str) -> CheckpointStore:
-    return open_store(checkpoint_url)
+    return open_object_store(checkpoint_url)
 
 
 def test_open_store_picks_backend(tmp_path: Path, s3_url: str) -> None:
-    assert isinstance(open_store(tmp_path.as_uri()), FileStore)
-    assert isinstance(open_store(str(tmp_path)), FileStore)
-    assert isinstance(open_store(s3_url), S3Store)
+    assert isinstance(open_object_store(tmp_path.as_uri()), FileStore)
+    assert isinstance(open_object_store(str(tmp_path)), FileStore)
+    assert isinstance(open_object_store(s3_url), S3Store)
     with pytest.raises(ValueError):
-        open_store("gs://bucket/x")
+        open_object_store("gs://bucket/x")
 
 
 def test_put_get_list_delete(store: CheckpointStore, tmp_path: Path) -> None:

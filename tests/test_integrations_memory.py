@@ -48,8 +48,11 @@ def _steps(capsys: pytest.CaptureFixture) -> tuple[list[int], list[dict]]:
     return [e["step"] for e in events if e["event"] == "train.step"], events
 
 
-def _hf_run(out: Path, crash: bool) -> torch.Tensor:
+def _hf_run(out: Path, crash: bool, docs_way: bool = False) -> torch.Tensor:
+    """docs_way: resume as Hugging Face's docs show, `get_last_checkpoint(output_dir)` found before the
+    Trainer is built (not petctl's `last_checkpoint` after)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
 
     from petctl.elastic.integrations.transformers import PetctlCallback, last_checkpoint
 
@@ -73,22 +76,25 @@ def _hf_run(out: Path, crash: bool) -> torch.Tensor:
                              use_cpu=True, save_steps=2, report_to=[], disable_tqdm=True, logging_steps=100,
                              learning_rate=0.05)
     model = Tiny()
+    found = get_last_checkpoint(str(out)) if docs_way and out.is_dir() else None
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[PetctlCallback(), Die()])
-    trainer.train(resume_from_checkpoint=last_checkpoint(out))
+    trainer.train(resume_from_checkpoint=found if docs_way else last_checkpoint(out))
     return model.lin.weight.detach().clone()
 
 
+@pytest.mark.parametrize("docs_way", [False, True], ids=["last_checkpoint", "get_last_checkpoint_first"])
 def test_the_trainer_resumes_from_node_memory_not_from_the_older_disk_checkpoint(
-        agent_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+        agent_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        docs_way: bool):
     expected = _hf_run(tmp_path / "plain", crash=False)  # uninterrupted (it keeps snapshots too)
     capsys.readouterr()
     out = tmp_path / "out"
-    monkeypatch.setenv("PETCTL_JOB", "memjob-hf")
+    monkeypatch.setenv("PETCTL_JOB", f"memjob-hf-{docs_way}")
     with pytest.raises(Crash):
         _hf_run(out, crash=True)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4"]
     monkeypatch.setenv("PETCTL_ROUND", "2")
-    weights = _hf_run(out, crash=False)
+    weights = _hf_run(out, crash=False, docs_way=docs_way)  # the script asks for checkpoint-4
     steps, events = _steps(capsys)
     assert steps == list(range(1, STEPS + 1)), steps  # step 5 once: resumed after it, from memory
     loaded = [e for e in events if e["event"] == "checkpoint.loaded"]

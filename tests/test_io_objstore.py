@@ -19,10 +19,10 @@ from petctl.io.objstore import (
     FileStore,
     ObjectNotFound,
     ObjectStore,
+    ObjectStoreError,
     S3Store,
-    StoreError,
+    open_object_store,
     open_parent,
-    open_store,
     read_url,
 )
 from tests.support.paths import REPO
@@ -30,7 +30,7 @@ from tests.support.paths import REPO
 
 @pytest.fixture
 def store(checkpoint_url: str) -> ObjectStore:
-    return open_store(checkpoint_url)
+    return open_object_store(checkpoint_url)
 
 
 def test_layout_operations_on_both_backends(store: ObjectStore, tmp_path: Path) -> None:
@@ -63,13 +63,13 @@ def test_layout_operations_on_both_backends(store: ObjectStore, tmp_path: Path) 
 
 def test_s3_failures_are_oserrors_with_the_aws_code(moto_env: str, tmp_path: Path) -> None:
     missing = S3Store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/p")
-    with pytest.raises(StoreError) as failure:
+    with pytest.raises(ObjectStoreError) as failure:
         missing.put_bytes("k", b"x")
     assert isinstance(failure.value, OSError) and failure.value.code == "NoSuchBucket"
     assert "no-such-bucket" in str(failure.value)
     src = tmp_path / "f"
     src.write_bytes(b"x")
-    with pytest.raises(StoreError, match="S3UploadFailedError"):  # boto3's managed transfer, wrapped too
+    with pytest.raises(ObjectStoreError, match="S3UploadFailedError"):  # boto3's managed transfer, wrapped
         missing.put_file("k", src)
     with pytest.raises(ProviderError, match="failed to write .*NoSuchBucket"):  # what the CLI shows
         with aws_errors("write the job record"):
@@ -79,10 +79,10 @@ def test_s3_failures_are_oserrors_with_the_aws_code(moto_env: str, tmp_path: Pat
 def test_aws_errors_judges_a_store_error_by_its_cause() -> None:
     from botocore.exceptions import ClientError, NoCredentialsError
 
-    def wrapped(cause: BaseException) -> StoreError:
+    def wrapped(cause: BaseException) -> ObjectStoreError:
         try:
-            raise StoreError("cannot write s3://b/k") from cause
-        except StoreError as e:
+            raise ObjectStoreError("cannot write s3://b/k") from cause
+        except ObjectStoreError as e:
             return e
 
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "not yours"}}, "PutObject")
@@ -102,9 +102,9 @@ def test_s3_content_type_is_kept(moto_env: str, s3_url: str) -> None:
 
 
 def test_opening_a_store_loads_no_boto3_and_file_urls_never_do(tmp_path: Path) -> None:
-    code = ("import sys; from petctl.io.objstore import open_store; "
-            "s = open_store('s3://bucket/prefix'); assert 'boto3' not in sys.modules; "
-            f"f = open_store({str(tmp_path)!r}); f.put_bytes('a/b', b'1'); "
+    code = ("import sys; from petctl.io.objstore import open_object_store; "
+            "s = open_object_store('s3://bucket/prefix'); assert 'boto3' not in sys.modules; "
+            f"f = open_object_store({str(tmp_path)!r}); f.put_bytes('a/b', b'1'); "
             "assert f.get_bytes('a/b') == b'1'; "
             "assert 'boto3' not in sys.modules and 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -134,7 +134,7 @@ def test_the_agent_loads_its_config_and_code_from_s3_and_files(moto_env: str, s3
 
     config = AgentConfig(job=JobSpec(name="demo", min_size=1, max_size=2, size=1, entrypoint="train.py"),
                          node_id="i-1")
-    store = open_store(s3_url)
+    store = open_object_store(s3_url)
     store.put_bytes("agent.json", config.to_json().encode())
     assert load_config(f"{s3_url}/agent.json") == config
     local = tmp_path / "agent.json"

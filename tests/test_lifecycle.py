@@ -137,12 +137,12 @@ LAUNCH_ARGS = {"AutoScalingGroupName": "petctl-job-demo", "LifecycleHookName": "
 
 def run_launch(tmp_path, client, delays=(0.0, 0.0)):
     from petctl.agent.autoscaling import LaunchCompletion
-    from petctl.io.objstore import open_store
+    from petctl.io.objstore import open_object_store
 
     config = launch_config(tmp_path)
     out = io.StringIO()
     completion = LaunchCompletion(config, EventLog("agent", stream=out), client=client,
-                                  store=open_store(config.status_url), delays=delays)
+                                  store=open_object_store(config.status_url), delays=delays)
     return completion, completion.run(), list(parse_lines(out.getvalue().splitlines()))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from petctl.core import controlfiles
+from petctl.io import controlfiles
 from tests.support.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
 from tests.support.netns import NetLab, Slot, netns_available
 from tests.support.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env

@@ -199,7 +199,7 @@ def test_a_preempted_round_says_whether_anything_was_saved(protocol, saved, npro
 def test_the_agent_reads_the_words_from_the_control_files(tmp_path):
     """The agent's side of it: the control dir's markers, as the workers left them."""
     from petctl.agent.notices import PreemptionHandler
-    from petctl.core import controlfiles
+    from petctl.io import controlfiles
 
     handler = PreemptionHandler(config=None, events=None)  # type: ignore[arg-type]
     assert handler.why_stopped(tmp_path, 2) == SIGTERMED  # a plain script: no marker, no save

@@ -105,13 +105,13 @@ def test_the_header_counts_failure_restarts_and_the_summary_counts_re_forms():
     assert "failure restarts" in columns and "restarts" not in columns
 
 
-def test_json_names_both_counts_and_keeps_the_old_keys():
+def test_json_names_both_counts_and_restarts_means_failure_restarts_only():
     data = status_of(plain_job())
-    assert (data["failure_restarts"], data["restarts"]) == (1, 1)  # the round's count; `restarts` kept
+    assert (data["failure_restarts"], data["restarts"]) == (1, 1)  # the round's failure count, both names
     acc = data["accounting"]
-    assert (acc["reforms"], acc["failure_restarts"], acc["restarts"]) == (3, 1, 3)  # `restarts` kept
+    assert (acc["reforms"], acc["failure_restarts"]) == (3, 1) and "restarts" not in acc
     report = account(plain_job(), now=100.0).to_dict()
-    assert (report["reforms"], report["failure_restarts"], report["restarts"]) == (3, 1, 3)
+    assert (report["reforms"], report["failure_restarts"]) == (3, 1) and "restarts" not in report
 
 
 def test_the_report_names_both_counts():

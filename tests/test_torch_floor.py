@@ -27,6 +27,13 @@ TORCH_API_SINCE = {
     **dict.fromkeys(["torch.cuda." + name for name in (
         "Event", "Stream", "cudart", "current_stream", "is_available", "stream")], BASICS),
     "torch.random.get_rng_state": BASICS,
+    # the data cursor (elastic/sampler.py, integrations/data.py): samplers, loaders and the permutation,
+    # all in torch 1.x
+    **dict.fromkeys(["torch." + name for name in (
+        "Generator", "arange", "empty_like", "randperm", "unique")], BASICS),
+    **dict.fromkeys(["torch.utils.data." + name for name in (
+        "BatchSampler", "DataLoader", "IterableDataset", "RandomSampler", "Sampler", "SequentialSampler")],
+        BASICS),
     **dict.fromkeys(["torch.distributed." + name for name in (
         "ReduceOp.MAX", "all_gather", "all_reduce", "barrier", "broadcast", "destroy_process_group",
         "get_backend", "get_rank", "get_world_size", "irecv", "isend", "is_available", "is_initialized",

@@ -170,9 +170,9 @@ class LaunchCompletion:
 
     def _record(self) -> None:
         if self._store is None:
-            from petctl.io.objstore import open_store
+            from petctl.io.objstore import open_object_store
 
-            self._store = open_store(self.config.status_url)
+            self._store = open_object_store(self.config.status_url)
         record = BootRecord(instance_id=self.config.node_id, event="joined", ts=time.time())
         self._store.put_bytes(boot_key(record), record.to_json().encode(), "application/json")
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
+from petctl.io import controlfiles
 
 # --- outage reporter ----------------------------------------------------------------------------------------
 # One way for the agent's background services to fail loudly without flooding: the outage reporter.
@@ -210,7 +210,7 @@ class StoreHealth:
 # its workers, which did report steps this round, have reported none for longer than `stall_limit`.
 #
 # Fenced, the agent writes the fence control file (a worker never commits a checkpoint while it exists:
-# core/controlfiles.py), stops its workers, and rejoins once etcd answers. A script that reports no steps
+# io/controlfiles.py), stops its workers, and rejoins once etcd answers. A script that reports no steps
 # is never fenced on a stall (nothing tells a stall from a quiet phase); it is stopped when etcd answers and
 # shows the round has moved on, as before.
 

@@ -427,9 +427,9 @@ class EtcdRendezvous:
         `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.view`)."""
         self.watcher.take()  # this read holds every change they report so far
         t0 = time.monotonic()
-        snap = self.reader.view()
-        self.store.succeeded(time.monotonic() - t0, "snapshot")
-        return self._seen(snap)
+        view = self.reader.view()
+        self.store.succeeded(time.monotonic() - t0, "view")
+        return self._seen(view)
 
     def view_since(self, prev: StoreView) -> StoreView:
         """`prev` with what the watches reported since folded in: no read when they report every change

@@ -52,7 +52,7 @@ from petctl.core.mirrorchunks import chunk_name
 from petctl.core.records import Checkpoint, JobResult, NodeStatus
 from petctl.io.etcd import store_errors
 from petctl.io.files import atomic_write
-from petctl.io.objstore import ObjectNotFound, ObjectStore, open_store
+from petctl.io.objstore import ObjectNotFound, ObjectStore, open_object_store
 
 # --- mirror -------------------------------------------------------------------------------------------------
 
@@ -66,12 +66,12 @@ class Mirror:
     log: where the outage events go; the agent passes its own EventLog (which forwards them to etcd and,
         through `add_event`, to this mirror). By default a log of its own on stderr that also feeds
         this mirror, so the outage is on record once uploads work again.
-    store: the object store to write to (tests); default `open_store(url)`.
+    store: the object store to write to (tests); default `open_object_store(url)`.
     """
 
     def __init__(self, url: str, node_id: str, log_path: Path | None, interval: float = 10.0,
                  log: EventLog | None = None, store: ObjectStore | None = None) -> None:
-        self.store = store if store is not None else open_store(url)
+        self.store = store if store is not None else open_object_store(url)
         self.url = url
         self.node_id = node_id
         self.log_path = log_path

@@ -17,10 +17,10 @@ from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first
 from petctl.agent.workers import WorkerGroup
-from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.core.records import Preempt
 from petctl.core.spec import JobSpec
+from petctl.io import controlfiles
 
 
 class Notice(Protocol):
@@ -55,7 +55,7 @@ def save_done(workers: WorkerGroup | None, control_dir: Path, nproc: int, deadli
 # Three things ask every member's workers to save the same step and exit before the round re-forms: a
 # preemption notice of this instance, a graceful leave of this node, and this node admitting a waiting
 # node (agent/roundjudge.py decides the last two). All three travel as the round's `preempt` record and the
-# node-local `<control>/preempt` flag (core/controlfiles.py), which `petctl.elastic` reads at every step
+# node-local `<control>/preempt` flag (io/controlfiles.py), which `petctl.elastic` reads at every step
 # boundary. This section does the I/O around those decisions; the round runner (roundrunner.py) calls it.
 
 class SaveFirst:

@@ -131,8 +131,9 @@ def rank_env(spec: WorkerSpec, placement: RoundPlacement, local_rank: int,
 
 def round_env(spec: JobSpec, node_id: str, round_no: int, control_dir: Path, work_dir: Path,
               snapshot_dir: Path | None) -> dict[str, str]:
-    """What petctl adds to torchrun's environment for one round's workers (README's environment
-    contract): the job, this instance, the round, the shared checkpoint location and the node's dirs."""
+    """What petctl adds to torchrun's environment for one round's workers (the contract in
+    docs/ARCHITECTURE.md, "Worker environment"): the job, this instance, the round, the shared checkpoint
+    location, the node's dirs and the world sizes the job may take."""
     snapshots = {ENV_SNAPSHOT_DIR: str(snapshot_dir)} if snapshot_dir is not None else {}
     return {"PETCTL_JOB": spec.name, "PETCTL_NODE_ID": node_id, "PETCTL_ROUND": str(round_no),
             "PETCTL_CHECKPOINT_URL": spec.checkpoint_url, "PETCTL_CONTROL_DIR": str(control_dir),

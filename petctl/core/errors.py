@@ -35,7 +35,7 @@ class ProviderError(PetctlError):
     exit_code = 4
 
 
-class StoreError(OSError):
+class ObjectStoreError(OSError):
     """The object store (`petctl.io.objstore`) could not be read or written; `code` is the backend's
     error code when it has one (an AWS error code on S3). Here, beside the user-facing errors, so that
     the AWS error translation (`petctl.io.aws`) can judge it without importing the store."""

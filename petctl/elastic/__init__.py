@@ -21,8 +21,9 @@ from typing import Any
 
 # Name -> the module defining it (relative to petctl.elastic, or a full name for the object store the
 # checkpoint API shares with the agent: `CheckpointStore` is `petctl.io.objstore.ObjectStore`). Loaded on
-# first access (PEP 562), so `import petctl.elastic.manifest` or `from petctl.elastic import open_store`
-# never pays for torch; `from petctl.elastic import Checkpointer` loads what it needs.
+# first access (PEP 562), so `import petctl.elastic.manifest` or
+# `from petctl.elastic import open_object_store` never pays for torch; `from petctl.elastic import
+# Checkpointer` loads what it needs.
 _EXPORTS = {
     "ENV_CHECKPOINT_URL": "checkpointer",
     "BatchPlan": "sampler",
@@ -47,7 +48,7 @@ _EXPORTS = {
     "S3Options": "petctl.io.objstore",
     "S3Store": "petctl.io.objstore",
     "SnapshotOptions": "snapshots",
-    "open_store": "petctl.io.objstore",
+    "open_object_store": "petctl.io.objstore",
 }
 
 __all__ = sorted(_EXPORTS)

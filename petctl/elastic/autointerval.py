@@ -29,6 +29,7 @@ from pathlib import Path
 
 from petctl.core.eventlog import EventLog
 from petctl.core.tracegen import band_rate
+from petctl.io.files import atomic_write
 
 CORRELATED_SHARE = 0.05  # assumption: 1 loss in 20 takes every node at once (an AZ's capacity going)
 PRIOR_NODE_HOURS = 8.0  # the prior counts as this much observation
@@ -215,8 +216,6 @@ class AutoWire:
         if self.path is None:
             return
         try:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.ledger))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self.ledger))
         except OSError as e:
             self.log.emit("checkpoint.interval_ledger_unwritable", path=str(self.path), error=repr(e))

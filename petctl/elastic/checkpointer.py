@@ -36,7 +36,7 @@ from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_staged
 from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
-from petctl.io.objstore import ObjectStore, S3Options, open_store
+from petctl.io.objstore import ObjectStore, S3Options, open_object_store
 from petctl.io.objstore import ObjectStore as CheckpointStore
 
 # --- the base both checkpointers share ----------------------------------------------------------------------
@@ -104,7 +104,7 @@ class BaseCheckpointer:
     @property
     def store(self) -> ObjectStore:
         if self._store is None:
-            self._store = open_store(self.url, self._s3)
+            self._store = open_object_store(self.url, self._s3)
         return self._store
 
     # --- what the subclass provides ----------------------------------------------------------------
@@ -343,12 +343,12 @@ class Checkpointer(BaseCheckpointer):
         _kind, step, data, source = shared
         if self.comm.is_writer:
             assert found is not None
-            snapshot = found[2]
+            payload = found[2]
         else:
-            _step, snapshot = load_payload(data, self.weights_only)
+            _step, payload = load_payload(data, self.weights_only)
             self.log.emit("checkpoint.loaded", step=step, source="broadcast", bytes=len(data),
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
-        return _adopt(self, state, step, snapshot), source
+        return _adopt(self, state, step, payload), source
 
     def _step_snapshot(self, step: int, state: State) -> None:
         self.snapshots.take(step, state)
@@ -368,7 +368,7 @@ class Checkpointer(BaseCheckpointer):
                 continue
             path, source = found
             try:
-                loaded_step, snapshot = load_payload(path / _state_name(manifest), self.weights_only)
+                loaded_step, payload = load_payload(path / _state_name(manifest), self.weights_only)
             except Exception as e:  # verified bytes that torch cannot read: same as corrupt...
                 if self.weights_only and "weights_only" in str(e):  # ...unless it is our unpickler's choice
                     raise ValueError(
@@ -379,7 +379,7 @@ class Checkpointer(BaseCheckpointer):
                 continue
             self.log.emit("checkpoint.loaded", step=loaded_step, source=source, bytes=manifest.total_bytes,
                           seconds=round(time.monotonic() - t0, 3), url=self.url)
-            return loaded_step, path / _state_name(manifest), snapshot, source
+            return loaded_step, path / _state_name(manifest), payload, source
         return None
 
     def _fetch(self, manifest: mf.Manifest) -> tuple[Path, str] | None:
@@ -484,9 +484,10 @@ def _store_step(ckpt: Checkpointer) -> int | None:
         return None
 
 
-def _adopt(ckpt: Checkpointer, state: State, step: int, snapshot: dict[str, Any]) -> int:
-    """Load the snapshot of checkpoint `step` into `state` (never saved again); the next step to run."""
-    state.load_state_dict(snapshot)
+def _adopt(ckpt: Checkpointer, state: State, step: int, payload: dict[str, Any]) -> int:
+    """Load the payload of checkpoint `step` (a loaded state dict, from memory or the store) into `state`
+    (never saved again); the next step to run."""
+    state.load_state_dict(payload)
     ckpt._submitted_step = step
     return step + 1
 

@@ -21,7 +21,7 @@ from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.manifest import LocalCache
 from petctl.io.objstore import ObjectStore as CheckpointStore
-from petctl.io.objstore import open_store
+from petctl.io.objstore import open_object_store
 
 
 def prefetch(store: CheckpointStore, cache: LocalCache, log: EventLog) -> int | None:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     log = EventLog("prefetch", stream=sys.stdout)
     try:
-        prefetch(open_store(args.url), LocalCache(args.url, args.cache_dir), log)
+        prefetch(open_object_store(args.url), LocalCache(args.url, args.cache_dir), log)
     except (OSError, ValueError) as e:
         log.emit("checkpoint.prefetch_failed", error=f"{type(e).__name__}: {e}", url=args.url)
         return 1

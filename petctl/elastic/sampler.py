@@ -48,9 +48,9 @@ from torch.utils.data import Sampler
 
 STATE_VERSION = 1
 
-# The world sizes a job may take, exported by the petctl agent to every worker (README's environment
-# contract): so a fixed global batch that cannot split at some size in [min, max] is refused at start,
-# not at the first re-form that reaches that size.
+# The world sizes a job may take, exported by the petctl agent to every worker (docs/ARCHITECTURE.md,
+# "Worker environment"): so a fixed global batch that cannot split at some size in [min, max] is refused
+# at start, not at the first re-form that reaches that size.
 ENV_MIN_WORLD = "PETCTL_MIN_WORLD_SIZE"
 ENV_MAX_WORLD = "PETCTL_MAX_WORLD_SIZE"
 

@@ -1,7 +1,7 @@
 """`State`: what a training job needs to continue exactly where it stopped.
 
 The model, optimizer and LR scheduler, any other object with `state_dict`/`load_state_dict` (a GradScaler,
-a stateful sampler), and plain user extras (step, epoch, sampler position). `snapshot()` copies all of it
+a stateful sampler), and plain user extras (step, epoch, sampler position). `staged_copy()` copies all of it
 to CPU on the calling (training) thread, so the background uploader serialises a frozen copy while the
 training loop keeps mutating the live tensors.
 """
@@ -91,7 +91,7 @@ class State:
     stateful: dict[str, Stateful] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        """References to the live state (no copy); use `snapshot` to save it."""
+        """References to the live state (no copy); use `staged_copy` to save it."""
         out: dict[str, Any] = {"extra": self.extra}
         if self.model is not None:
             out["model"] = unwrap_model(self.model).state_dict()
@@ -190,7 +190,8 @@ def save_staged(staged: dict[str, Any], step: int,
 
 
 def load_payload(source: Path | bytes, weights_only: bool = True) -> tuple[int, dict[str, Any]]:
-    """(step, snapshot) from a saved file or its bytes, always onto CPU (load_state_dict moves it).
+    """(step, payload: the saved state dict) from a saved file or its bytes, always onto CPU
+    (load_state_dict moves it).
 
     `weights_only=True` (torch's safe unpickler) accepts tensors and plain containers/numbers/strings;
     pass False for extras holding arbitrary Python objects, only for checkpoints you trust.

@@ -3,7 +3,7 @@
 Worker side of the preemption protocol: "should every rank checkpoint now?" at a step boundary.
 
 The agent of every node writes `<PETCTL_CONTROL_DIR>/preempt` when any node of the job has a notice
-(`petctl.core.controlfiles`). A node learns of it at slightly different times, so each rank reads its
+(`petctl.io.controlfiles`). A node learns of it at slightly different times, so each rank reads its
 local flag and the ranks all-reduce it (MAX): every rank gets the same answer at the same step, and so
 all ranks save the same step. After the save each worker writes `saved.<LOCAL_RANK>` and exits 0.
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from petctl.core import controlfiles
 from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
+from petctl.io import controlfiles
 
 
 class Verdict(NamedTuple):
@@ -142,7 +142,7 @@ class PreemptionMonitor:
 # Worker side of fencing: no checkpoint is committed while the agent says this node may be cut off.
 #
 # An agent that lost etcd while its workers stalled cannot know whether the others re-formed without it.
-# It writes `<PETCTL_CONTROL_DIR>/fenced` (`petctl.core.controlfiles`); from then on a save of this node's
+# It writes `<PETCTL_CONTROL_DIR>/fenced` (`petctl.io.controlfiles`); from then on a save of this node's
 # workers must not become visible to a loader: the survivors may already be training on from an older
 # checkpoint, and a manifest from the cut-off node would put its stale lineage in front of theirs.
 #

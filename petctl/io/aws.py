@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.core.errors import NotSetUp, PetctlError, ProviderError, StoreError, ValidationError
+from petctl.core.errors import NotSetUp, ObjectStoreError, PetctlError, ProviderError, ValidationError
 
 THROTTLING = {"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
               "SlowDown", "RequestThrottled", "PriorRequestNotComplete"}
@@ -165,7 +165,7 @@ def aws_errors(action: str) -> Iterator[None]:
         raise ProviderError(f"cannot reach AWS to {action}: {exc}") from None
     except ClientError as exc:
         raise coded_error(action, error_code(exc), error_message(exc)) from None
-    except StoreError as exc:  # the object store's wrapping of one of the above: judged by its cause
+    except ObjectStoreError as exc:  # the object store's wrapping of one of the above: judged by its cause
         cause = exc.__cause__
         if isinstance(cause, (NoCredentialsError, PartialCredentialsError)):
             raise NotSetUp(f"no AWS credentials found while trying to {action}: "

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -53,6 +52,7 @@ from typing import Any, TypeVar
 from petctl.core.keys import ROOT as JOBS_ROOT
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary, parse_endpoints
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
+from petctl.io.files import atomic_write
 from petctl.io.store.v3 import import_etcd3aio
 
 ROOT_USER = "root"
@@ -314,11 +314,8 @@ class V3Admin:
 
 
 def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Atomic, and 0600 from the start (`atomic_write`'s temporary is created 0600 and renamed)."""
+    atomic_write(path, text)
 
 
 @dataclass(frozen=True)

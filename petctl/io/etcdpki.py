@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from petctl.io.files import atomic_write
+
 ROOT_USER = "root"  # etcd's built-in administrator, in v2 and v3 auth alike
 CA_DAYS = 3650
 LEAF_DAYS = 3650  # revocation is by deleting the etcd user (unique per job run), not by expiry
@@ -204,11 +206,7 @@ def write_credentials(path: str | Path, ca: str, cert: str, key: str) -> EtcdTls
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o700)
     for name, text in zip(FILES, (ca, cert, key), strict=True):
-        tmp = path / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path / name)
+        atomic_write(path / name, text)  # its temporary is created 0600: the key is never readable by others
     return EtcdTls.in_dir(path)
 
 

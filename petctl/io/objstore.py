@@ -6,7 +6,7 @@ backend. A store only moves bytes (put/get/list/delete); what makes a checkpoint
 layer above it, and what a key means is its caller's business.
 
 Every failure to reach the backend is an `OSError`: `ObjectNotFound` (also a `FileNotFoundError`) for a
-missing key, `StoreError` for the rest (on S3: credentials, access, throttling, the network, with the
+missing key, `ObjectStoreError` for the rest (on S3: credentials, access, throttling, the network, with the
 AWS error code in `code`). Callers catch `OSError` and need not know the backend; a key that is not a
 valid relative path, or an unsupported URL, is a `ValueError`.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from petctl.core.errors import StoreError
+from petctl.core.errors import ObjectStoreError
 from petctl.io.aws import client as aws_client
 from petctl.io.aws import error_code, error_message
 from petctl.io.files import atomic_copy, atomic_write, is_temporary
@@ -67,15 +67,15 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def get_file(self, key: str, path: Path) -> None:
-        """Download to a local path. Raises ObjectNotFound, or StoreError."""
+        """Download to a local path. Raises ObjectNotFound, or ObjectStoreError."""
 
     @abstractmethod
     def get_bytes(self, key: str) -> bytes:
-        """Raises ObjectNotFound, or StoreError."""
+        """Raises ObjectNotFound, or ObjectStoreError."""
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object whose key starts with `prefix`, sorted by key. Raises StoreError."""
+        """Every object whose key starts with `prefix`, sorted by key. Raises ObjectStoreError."""
 
     @abstractmethod
     def delete(self, keys: list[str]) -> None:
@@ -195,7 +195,7 @@ def local_path(url: str) -> Path | None:
     return None
 
 
-def open_store(url: str, s3: S3Options | None = None) -> ObjectStore:
+def open_object_store(url: str, s3: S3Options | None = None) -> ObjectStore:
     """The store for a URL: `s3://bucket/prefix`, `file:///abs/dir`, or a plain local path.
     Raises ValueError for any other scheme."""
     path = local_path(url)
@@ -225,7 +225,7 @@ def open_parent(url: str) -> tuple[ObjectStore, str]:
 
 def read_url(url: str) -> bytes:
     """The bytes of the object `url` names (a path, `file://` or `s3://`). Raises ObjectNotFound,
-    StoreError, or ValueError."""
+    ObjectStoreError, or ValueError."""
     store, key = open_parent(url)
     return store.get_bytes(key)
 
@@ -292,7 +292,8 @@ class S3Store(ObjectStore):
 
     @contextlib.contextmanager
     def _errors(self, action: str, key: str = "") -> Iterator[None]:
-        """botocore/boto3 failures as OSErrors: ObjectNotFound for a missing key, StoreError otherwise."""
+        """botocore/boto3 failures as OSErrors: ObjectNotFound for a missing key, ObjectStoreError
+        otherwise."""
         from boto3.exceptions import Boto3Error
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -302,9 +303,10 @@ class S3Store(ObjectStore):
             code = error_code(exc)
             if key and code in NOT_FOUND:
                 raise ObjectNotFound(key) from exc
-            raise StoreError(f"cannot {action} {self.url}/{key}: {code}: {error_message(exc)}", code) from exc
+            message = f"cannot {action} {self.url}/{key}: {code}: {error_message(exc)}"
+            raise ObjectStoreError(message, code) from exc
         except (BotoCoreError, Boto3Error) as exc:  # no credentials, no network, a failed multipart upload
-            raise StoreError(f"cannot {action} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
+            raise ObjectStoreError(f"cannot {action} {self.url}/{key}: {type(exc).__name__}: {exc}") from exc
 
     def put_file(self, key: str, path: Path) -> None:
         full = self._key(key)

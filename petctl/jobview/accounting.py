@@ -155,14 +155,13 @@ class Accounting:
         return ""
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON: kept and lost steps are null (n/a) when no step was reported, not 0; `restarts` is
-        kept for older readers and means `reforms`."""
+        """As JSON: kept and lost steps are null (n/a) when no step was reported, not 0. No `restarts` key:
+        in petctl that word means failure restarts only (`failure_restarts`); every round is a re-form."""
         d = asdict(self)
         d["goodput"] = self.goodput
         d["goodput_note"] = self.goodput_note
         d["steps_reported"] = self.steps_reported
         d["reform_lower_bound"] = self.reform_lower_bound
-        d["restarts"] = self.reforms
         if not self.steps_reported:
             d["steps_kept"] = d["steps_lost"] = None
         return d
@@ -170,7 +169,7 @@ class Accounting:
 
 # Shown wherever goodput or lost steps would be: where the step numbers come from, and how to get them.
 NO_STEPS = ("the script reports no training steps (Trainer/Lightning: callbacks=[PetctlCallback()]; "
-            "a loop of your own: print train.step lines, see README's progress events)")
+            "a loop of your own: print train.step lines, see docs/getting-started.md)")
 
 
 def account(events: Iterable[dict[str, Any]], now: float | None = None,

@@ -6,7 +6,8 @@ pip, and petctl's dependencies), so the script's `pip install` of the launching 
 install. Those packages are the test environment's, exactly: `venv --system-site-packages` would expose
 the *base* interpreter's when the tests run in a virtual environment (README's users do), so the venv
 has no system site-packages and a .pth file adds the site directories this interpreter has (issue 44.9).
-What only a machine has is faked on PATH: IMDSv2 (`curl`), `aws s3 cp` (read from the emulator's S3;
+What only a machine has is faked on PATH: IMDSv2 and the instance role's credentials (`curl`; the
+scripts' signed requests go to the emulator through the real curl), `aws s3 cp` (read from the emulator's S3;
 `aws --version` says v2), `systemctl`, `useradd`, `install -o`, `logger`, `shutdown` and `sleep`. Every
 faked call is one JSON line in calls.jsonl. The venv's own site-packages come before the interpreter's,
 and PYTHONPATH is cleared, so what imports petctl there gets the installed wheel, not this checkout.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,10 @@ case "$url" in
   */meta-data/instance-id) echo -n "$FAKE_INSTANCE" ;;
   */meta-data/local-ipv4) echo -n 127.0.0.1 ;;
   */meta-data/placement/region) echo -n "$FAKE_REGION" ;;
+  */meta-data/iam/security-credentials/) echo -n petctl-worker ;;
+  */meta-data/iam/security-credentials/petctl-worker)
+    echo -n '{"Code":"Success","AccessKeyId":"testing","SecretAccessKey":"testing","Token":"testing"}' ;;
+  "$PETCTL_AWS_ENDPOINT"/*) exec "$REAL_CURL" "$@" ;;  # the scripts' signed calls, to the emulator
   *) exit 22 ;;
 esac
 """
@@ -104,6 +110,9 @@ class FakeAmi:
         self.env = {**env, "PATH": f"{fakes}:{os.environ['PATH']}", "PETCTL_ROOT": str(self.root),
                     "FAKE_LOG": str(self.log), "FAKE_INSTANCE": instance_id, "FAKE_REGION": region,
                     "FAKE_S3": s3_endpoint, "AWS_DEFAULT_REGION": region, "HOME": str(directory),
+                    # the boot scripts' own signed requests (SigV4 with curl: the user data's fetch of the
+                    # boot script, the boot records) go to the emulator
+                    "PETCTL_AWS_ENDPOINT": s3_endpoint, "REAL_CURL": shutil.which("curl") or "curl",
                     # the instance's "internet": nothing beyond what is installed already
                     "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 

@@ -9,11 +9,13 @@ EC2 and the VPC for petctl's end-to-end test:
   the jobs' too, and each job's user kept equal to the job credentials' secrets (the script's
   `sync_users`, which tests/aws/test_etcd_host_auth.py runs itself against a real etcd). The fixed
   address the script advertises (`ETCD_IP`) is mapped to that server;
-* each worker: the job config is read from the instance's own user data (the heredoc the boot script
-  writes), the agent is started as `python -m petctl.agent.main --config ... --node-id <instance id>
+* each worker: the job config is read from the boot script its user data (a stub) fetches from the
+  job's prefix (the heredoc the boot script writes), checked against the stub's checksum; the agent is
+  started as `python -m petctl.agent.main --config ... --node-id <instance id>
   --host-addr 127.0.0.1` (what the boot script's `docker run` does) with AWS_ENDPOINT_URL pointing at moto,
   so code download, checkpoints and the status mirror all go to the emulated S3. A default-path worker
-  (no image: the Deep Learning AMI) first runs its real boot script against a fake AMI root
+  (no image: the Deep Learning AMI) first runs its real user data (the stub, which fetches and runs the
+  boot script) against a fake AMI root
   (tests/aws/fake_ami.py), which pip-installs the launching petctl's wheel from the job's S3 prefix; its
   agent is then the unit's ExecStart, run by that AMI's Python with the installed petctl, with the
   unit's HOME (inside the fake root) and its LimitNOFILE (capped at this machine's hard limit);
@@ -39,7 +41,7 @@ from pathlib import Path
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
 from petctl.io.etcdauth import USER_RE, V3Admin, bootstrap, grant_job, job_users, revoke_user
 from petctl.io.etcdpki import EtcdTls
-from petctl.providers.aws.boot import agent_config_from_user_data
+from petctl.providers.aws.boot import agent_config_from_script
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,14 +173,27 @@ class InstanceEmulator:
                 revoke_user(root, user)
 
     # --- workers -------------------------------------------------------------------------------------
+    def boot_script(self, stub: str) -> str:
+        """The boot script a worker's user data (a stub) fetches from the bucket, checked against the
+        checksum the stub pins, as the stub does."""
+        import hashlib
+
+        bucket = re.search(r"^BUCKET=(\S+)$", stub, re.M).group(1).strip("'")
+        key = re.search(r"^KEY=(\S+)$", stub, re.M).group(1).strip("'")
+        digest = re.search(r"^SHA256=(\S+)$", stub, re.M).group(1).strip("'")
+        script = self._client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+        assert hashlib.sha256(script).hexdigest() == digest, f"s3://{bucket}/{key} is not what the stub pins"
+        return script.decode()
+
     def boot_worker(self, instance_id: str, user_data: str | None = None) -> Booted:
         user_data = user_data if user_data is not None else self.user_data(instance_id)
-        config = agent_config_from_user_data(user_data)
-        stop_timeout = re.search(r"--stop-timeout (\d+)", user_data) or re.search(r"TimeoutStopSec=(\d+)",
-                                                                                   user_data)
+        script = self.boot_script(user_data)
+        config = agent_config_from_script(script)
+        stop_timeout = (re.search(r"--stop-timeout (\d+)", script)
+                        or re.search(r"TimeoutStopSec=(\d+)", script))
         python, pythonpath = sys.executable, [str(REPO)]
         unit: dict[str, str] = {}
-        if "docker run" not in user_data:  # the default boot: the Deep Learning AMI, no image
+        if "docker run" not in script:  # the default boot: the Deep Learning AMI, no image; its stub runs
             python, pythonpath = self.boot_on_ami(instance_id, user_data), []
             unit = self.amis[instance_id].unit()
         config.job.etcd_endpoint = self.address_map.get(config.job.etcd_endpoint, config.job.etcd_endpoint)
@@ -244,7 +259,7 @@ class InstanceEmulator:
             (bin_dir / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "$PETCTL_ROOT/calls"\n')
             (bin_dir / name).chmod(0o755)
         script = root / "user-data.sh"
-        script.write_text(self.user_data(instance_id))
+        script.write_text(self.boot_script(self.user_data(instance_id)))  # what the stub fetched
         creds = '{"AccessKeyId": "testing", "SecretAccessKey": "testing", "Token": "testing"}'
         steps = f"""
 . {script}

@@ -80,13 +80,30 @@ def job_spec(variant: str) -> JobSpec:
                    etcd_endpoint=OUTPUTS["EtcdEndpoint"])
 
 
+def _job_agent(variant: str) -> AgentConfig:
+    return AgentConfig(job=job_spec(variant), node_id="", host_addr="", work_dir="/work",
+                       imds_endpoint=WORKER_IMDS, asg_name=f"{STACK}-job-{variant}",
+                       lifecycle_hook=LIFECYCLE_HOOK, launch_hook=LAUNCH_HOOK, region="us-east-1",
+                       status_url=f"s3://{BUCKET}/jobs/{variant}/")
+
+
 def job_template(home: Path, variant: str) -> str:
-    spec = job_spec(variant)
-    agent = AgentConfig(job=spec, node_id="", host_addr="", work_dir="/work", imds_endpoint=WORKER_IMDS,
-                        asg_name=f"{STACK}-job-{variant}", lifecycle_hook=LIFECYCLE_HOOK,
-                        launch_hook=LAUNCH_HOOK, region="us-east-1",
-                        status_url=f"s3://{BUCKET}/jobs/{variant}/")
-    return provider(home).render_job_template(spec, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
+    agent = _job_agent(variant)
+    return provider(home).render_job_template(agent.job, agent, f"s3://{BUCKET}/jobs/{variant}/agent.json")
+
+
+def job_boot_script(home: Path, variant: str):
+    """The boot script the variant's user data fetches from its job's prefix (launch.job_boot_script)."""
+    from petctl.providers.aws.launch import job_boot_script as render_script
+
+    return render_script(provider(home), _job_agent(variant), f"s3://{BUCKET}/jobs/{variant}/agent.json")
+
+
+def seed_template(stack: str = STACK) -> str:
+    """The base stack's first template (the bucket alone), as `setup` sends it inline."""
+    from petctl.providers.aws.templates import render_seed
+
+    return render_seed(stack_name=stack, noncurrent_days=1)
 
 
 def ami_job_template(home: Path, name: str = "ami", stack: str = STACK) -> str:
@@ -141,7 +158,8 @@ LONG_JOB = "j" + "y" * 30 + "9"
 def write_all(directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = {name: directory / f"{name}.yaml" for name in ("base", "base-etcd3", "base-private", "base-long",
-                                                          "base-largest", "job-long", "job-ami")}
+                                                          "base-largest", "job-long", "job-ami", "seed")}
+    paths["seed"].write_text(seed_template())
     paths["base"].write_text(base_template())
     paths["base-etcd3"].write_text(base_template(etcd_nodes=3))
     paths["base-private"].write_text(base_template(etcd_nodes=3, private=True))

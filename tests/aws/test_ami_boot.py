@@ -15,18 +15,29 @@ import pytest
 
 from petctl.core.errors import ValidationError
 from petctl.providers.aws import boot
-from petctl.providers.aws.boot import MAX_USER_DATA, USER_DATA_ROOM, AmiBoot, worker_user_data
+from petctl.providers.aws.boot import (
+    MAX_USER_DATA,
+    USER_DATA_ROOM,
+    AmiBoot,
+    worker_boot_script,
+    worker_user_data,
+)
 from tests.support.aws.boot import SECRET_MARKERS, agent_config, bash_syntax_ok
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_URL = "s3://b/jobs/demo/wheelhouse/petctl-0.1.0+abcdef012345-py3-none-any.whl"
 
 
-def ami_worker(requirements: bool = True, **job) -> str:
+def ami_script(requirements: bool = True, **job):
+    """The default (Deep Learning AMI) worker's boot script, as shipped to the job's prefix."""
     boot = AmiBoot(wheel_url=WHEEL_URL,
                    requirements_url="s3://b/jobs/demo/wheelhouse/requirements.txt" if requirements else "")
-    return worker_user_data(agent_config(**job), image="", log_group="/petctl/petctl",
-                            config_url="s3://b/jobs/demo/agent.json", ami_boot=boot)
+    return worker_boot_script(agent_config(**job), image="", log_group="/petctl/petctl",
+                              config_url="s3://b/jobs/demo/agent.json", ami_boot=boot)
+
+
+def ami_worker(requirements: bool = True, **job) -> str:
+    return ami_script(requirements, **job).text
 
 
 def setup_keyword(name: str):
@@ -40,7 +51,6 @@ def test_ami_boot_installs_the_wheel_and_requirements_with_the_amis_torch_pinned
     text = ami_worker()
     bash_syntax_ok(text, tmp_path)
     assert not [m for m in SECRET_MARKERS if m in text]
-    assert len(text.encode()) < MAX_USER_DATA < 16 * 1024  # EC2's cap on user data
     assert "docker" not in text.replace("`docker stop`", "")  # no container, no daemon, no registry
     assert f"aws s3 cp --only-show-errors {WHEEL_URL} " in text
     assert "s3://b/jobs/demo/wheelhouse/requirements.txt" in text
@@ -52,17 +62,80 @@ def test_ami_boot_installs_the_wheel_and_requirements_with_the_amis_torch_pinned
     assert "retry 3 10 install_petctl || fatal" in text
 
 
-@pytest.mark.parametrize("how", ["ami", "image"])
-def test_the_boot_script_leaves_room_for_a_jobs_arguments_and_environment(how):
-    """Issue 44.8: what the boot script itself takes of EC2's 16 KB bounds every job's args and env. A
-    boot script that grows past this needs to move to the bucket, as the etcd hosts' did."""
-    from tests.support.aws.boot import worker
+# The longest bucket name S3 allows: what the stub embeds besides the key and checksum.
+LONGEST_BUCKET = "b" * 63
 
-    text = ami_worker() if how == "ami" else worker()
-    room = MAX_USER_DATA - len(text.encode())
-    assert room >= USER_DATA_ROOM, f"{room} bytes left for a job's arguments and environment"
-    env = {"PAYLOAD": "x" * (USER_DATA_ROOM - 200)}
-    assert len((ami_worker(env=env) if how == "ami" else worker(env=env)).encode()) <= MAX_USER_DATA
+
+@pytest.mark.parametrize("how", ["ami", "image"])
+def test_the_user_data_is_a_stub_that_leaves_most_of_ec2s_16_kb_whatever_the_job(how):
+    """Issue 44.8: the boot script (the job's config, arguments and environment in it) goes to the job's
+    prefix, and the user data only fetches it: at least USER_DATA_ROOM (10 KB) of EC2's 16 KB stays unused,
+    and a job's arguments and environment do not change the user data's size at all."""
+    from tests.support.aws.boot import IMAGE
+
+    def script(**job):
+        if how == "ami":
+            return ami_script(**job)
+        return worker_boot_script(agent_config(**job), image=IMAGE, log_group="/petctl/petctl",
+                                  config_url="s3://b/jobs/demo/agent.json")
+
+    small, big = script(), script(env={"PAYLOAD": "x" * 64 * 1024})
+    stub, stub_big = worker_user_data(small, LONGEST_BUCKET), worker_user_data(big, LONGEST_BUCKET)
+    room = MAX_USER_DATA - len(stub.encode())
+    assert USER_DATA_ROOM >= 10 * 1024
+    assert room >= USER_DATA_ROOM, (f"the user data stub leaves {room} bytes of EC2's 16 KB, under "
+                                    f"{USER_DATA_ROOM}: keep what grows in the boot script, not in the stub")
+    assert len(stub_big.encode()) == len(stub.encode())  # only the checksum and key differ
+    assert "PAYLOAD" not in stub_big and "PAYLOAD" in big.text and len(big.text) > 64 * 1024
+
+
+def test_the_stub_fetches_its_script_with_the_instance_role_and_runs_it_only_if_the_checksum_matches(
+        tmp_path):
+    """What the user data does: IMDSv2 for the region, a signed GET (no AWS CLI: the ECS GPU AMI has none)
+    of the script's key in the job's prefix, sha256sum -c against the checksum it pins, then exec. No
+    secret in it, and nothing that would print the role's credentials."""
+    script = ami_script()
+    stub = worker_user_data(script, "petctl-bucket-abc")
+    bash_syntax_ok(stub, tmp_path)
+    assert script.key.startswith("jobs/demo/boot-") and script.key.endswith(".sh")
+    assert f"KEY={script.key}\n" in stub and f"SHA256={script.sha256}\n" in stub
+    assert "BUCKET=petctl-bucket-abc\n" in stub
+    assert 's3_call GET "$KEY"' in stub and 'sha256sum -c --quiet -' in stub
+    assert stub.rstrip().endswith('exec bash "$SCRIPT"')
+    assert 'fatal "no verified boot script' in stub
+    assert "aws s3" not in stub and "set -x" not in stub
+    assert not [m for m in SECRET_MARKERS if m in stub]
+    assert "PETCTL_AGENT_CONFIG" not in stub  # the config is in the script, not the user data
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_the_stub_runs_the_script_it_fetched_only_when_its_checksum_matches(tmp_path, tampered):
+    """The stub run for real (tests/support/aws/boot_harness.py: IMDSv2, the role's credentials and the
+    bucket faked behind curl): it signs a GET of its key, runs what it got when the SHA-256 matches, and
+    otherwise never runs it: it retries, then `fatal` marks the instance Unhealthy for its group."""
+    from petctl.providers.aws.etcdbin import BootScript
+    from tests.support.aws.boot_harness import CREDS, Boot
+
+    boot = Boot(tmp_path)
+    script = BootScript('echo "ran the fetched script as $0"\n', prefix="jobs/demo")
+    stored = boot.s3 / script.key
+    stored.parent.mkdir(parents=True)
+    stored.write_text(script.text.replace("ran", "RAN") if tampered else script.text)
+    result = boot.run(worker_user_data(script, "petctl-bucket"), timeout=60)
+    gets = [c for c in boot.calls("curl") if c["url"].endswith("/" + script.key)]
+    host = "https://petctl-bucket.s3.us-west-2.amazonaws.com/"
+    assert gets and all(c["url"].startswith(host) for c in gets)
+    assert any(h.startswith("Authorization: AWS4-HMAC-SHA256 Credential=" + CREDS["AccessKeyId"])
+               for h in gets[0]["headers"])
+    output = result.stdout + result.stderr
+    assert CREDS["SecretAccessKey"] not in output and CREDS["Token"] not in output
+    if not tampered:
+        assert result.returncode == 0 and "ran the fetched script as " in result.stdout
+        assert len(gets) == 1 and not boot.unhealthy_calls()
+    else:
+        assert "ran the fetched script" not in output and "RAN" not in output
+        assert len(gets) == 8 and "no verified boot script at s3://petctl-bucket/" + script.key in output
+        assert boot.unhealthy_calls() and result.returncode == 1
 
 
 def test_ami_boot_without_requirements_installs_only_petctl():
@@ -86,7 +159,7 @@ def test_ami_agent_unit_keeps_the_restart_and_onfailure_contract_without_docker(
 
 def test_a_worker_boots_either_an_image_or_the_ami():
     with pytest.raises(ValueError, match="either an image"):
-        worker_user_data(agent_config(), image="", log_group="/l", config_url="s3://b/a.json")
+        worker_boot_script(agent_config(), image="", log_group="/l", config_url="s3://b/a.json")
 
 
 # --- the wheel ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from petctl.providers.aws.boot import PYTHON_FLOOR, AmiBoot, worker_user_data
+from petctl.providers.aws.boot import PYTHON_FLOOR, AmiBoot, worker_boot_script
 from tests.support.aws.boot import agent_config, unit_section
 from tests.support.aws.boot_harness import INSTANCE, Boot
 
@@ -38,8 +38,8 @@ CLI_V2 = ('#!/bin/bash\n[ "$1" = --version ] && { echo "aws-cli/2.31.0 Python/3.
 
 def ami_script() -> str:
     boot = AmiBoot(wheel_url=WHEEL_URL)
-    return worker_user_data(agent_config(), image="", log_group="/petctl/petctl",
-                            config_url="s3://b/jobs/demo/agent.json", ami_boot=boot)
+    return worker_boot_script(agent_config(), image="", log_group="/petctl/petctl",
+                              config_url="s3://b/jobs/demo/agent.json", ami_boot=boot).text
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from petctl.core.errors import ProviderError, ValidationError
 from petctl.providers.aws.boot import (
-    agent_config_from_user_data,
+    agent_config_from_script,
     etcd_user_data,
 )
 from petctl.providers.aws.capacity import validate_instance_types
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_worker_script_carries_the_job_config_and_no_secrets(tmp_path):
     text = worker()
     assert not [m for m in SECRET_MARKERS if m in text]
-    config = agent_config_from_user_data(text)
+    config = agent_config_from_script(text)
     assert config == agent_config()  # round-trips exactly, quotes and `$` included (quoted heredoc)
     bash_syntax_ok(text, tmp_path)
 
@@ -84,9 +84,11 @@ def test_cpu_jobs_do_not_ask_docker_for_gpus():
     assert "--gpus" not in worker(gpus=False)
 
 
-def test_worker_script_refuses_oversized_configs():
-    with pytest.raises(ValidationError, match="boot script is"):
-        worker(env={"BIG": "x" * 20000})
+def test_a_large_environment_goes_to_the_boot_script_not_the_user_data():
+    """Issue 44.8: a job's environment beyond EC2's 16 KB of user data boots, because it travels in the
+    boot script in the job's prefix (petctl refused it before: "boot script is ... bytes")."""
+    text = worker(env={"BIG": "x" * 20000})
+    assert agent_config_from_script(text).job.env["BIG"] == "x" * 20000
 
 
 # --- etcd host ----------------------------------------------------------------------------------------

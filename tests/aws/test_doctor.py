@@ -36,7 +36,7 @@ def doctor(ready):
 def test_doctor_on_a_ready_installation(ready, doctor, stack_name):
     checks = doctor()
     assert checks["credentials"].status == "OK" and REGION in checks["credentials"].reason
-    assert checks["base stack"].status == "OK" and "CREATE_COMPLETE" in checks["base stack"].reason
+    assert checks["base stack"].status == "OK" and "UPDATE_COMPLETE" in checks["base stack"].reason  # seed
     assert checks["worker image"].status == "OK" and "none" in checks["worker image"].reason  # the AMI's
     quota = checks["spot vCPU quota L-3819A6DF (All G and VT Spot Instance Requests)"]
     assert quota.status == "SKIP" and "does not report" in quota.reason  # moto: vpc quotas only

@@ -112,7 +112,8 @@ def test_each_job_gets_its_own_credentials_group_and_etcd_rule_and_kill_job_remo
                        StackName=f"{stack_name}-job-{job}")["TemplateBody"]),
                    **{key: s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(errors="replace")
                       for key in bucket_keys(s3, bucket, f"jobs/{job}/")}}
-        assert len(exposed) > 3 and arns[job] in exposed["user data"]
+        (boot_text,) = [text for where, text in exposed.items() if where.startswith(f"jobs/{job}/boot-")]
+        assert len(exposed) > 3 and arns[job] in boot_text  # the boot script its user data fetches
         key_body = doc["key"].split("-----")[2].strip()[:64]
         assert not [where for where, text in exposed.items() if key_body in text or "PRIVATE KEY" in text]
         groups[job] = job_group(moto, f"{stack_name}-job-{job}")

@@ -17,7 +17,7 @@ import pytest
 from petctl.agent.reporting import Mirror
 from petctl.core.eventlog import EventLog, parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
-from petctl.io.objstore import StoreError, open_store
+from petctl.io.objstore import ObjectStoreError, open_object_store
 from petctl.jobview.prefix import StorePrefix, follow_chunks, log_nodes, merge, mirror_events
 from petctl.providers.aws.storage import JobStore
 from tests.aws import rendered
@@ -125,7 +125,7 @@ def test_upload_failures_are_retried_without_loss_and_reported_once_each_way(tmp
     def flaky(key, data, content_type=""):
         if failing["left"]:
             failing["left"] -= 1
-            raise StoreError("cannot write: endpoint unreachable")
+            raise ObjectStoreError("cannot write: endpoint unreachable")
         real_put(key, data, content_type)
 
     mirror.store.put_bytes = flaky
@@ -137,7 +137,7 @@ def test_upload_failures_are_retried_without_loss_and_reported_once_each_way(tmp
     assert mirror.failures == 3  # every failed attempt counts, and the count stays (node status)
     reports = [e for e in parse_lines(stream.getvalue().splitlines()) if e["event"].startswith("mirror.")]
     assert [e["event"] for e in reports] == ["mirror.outage", "mirror.recovered"]
-    assert "StoreError: cannot write" in reports[0]["error"] and reports[1]["failed_attempts"] == 3
+    assert "ObjectStoreError: cannot write" in reports[0]["error"] and reports[1]["failed_attempts"] == 3
     mirrored = read_events("demo", mirror_url=f"file://{tmp_path / 'mirror'}")
     assert [e["step"] for e in mirrored] == [0, 1, 2, 3, 4]
 
@@ -224,4 +224,4 @@ def test_bucket_keeps_noncurrent_versions_one_day():
 
 def read_events(job: str, mirror_url: str) -> list[dict]:
     """The job's mirrored events as `petctl events` merges them (de-duplicated, in time order)."""
-    return merge(mirror_events(StorePrefix(open_store(mirror_url))))
+    return merge(mirror_events(StorePrefix(open_object_store(mirror_url))))

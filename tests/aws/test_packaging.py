@@ -84,8 +84,11 @@ for name in ("cfn", "worker_image"):
 from petctl.providers.aws.boot import etcd_user_data
 base = rendered.base_template()  # cfn/base.yaml.j2 with worker_image/etcd_member_stub.sh.j2 as user data
 etcd = etcd_user_data("petctl", "10.42.0.10", "dist/etcd/x/etcd", "ab" * 32)  # worker_image/etcd_boot.sh.j2
-job = rendered.job_template(Path(sys.argv[3]), "spot-mixed")  # job.yaml.j2 with worker_boot.sh.j2
-print(len(base), len(job), "--client-cert-auth" in etcd and "PETCTL_BUCKET" in base, "petctl-agent" in job)
+job = rendered.job_template(Path(sys.argv[3]), "spot-mixed")  # job.yaml.j2 with worker_stub.sh.j2
+worker = rendered.job_boot_script(Path(sys.argv[3]), "spot-mixed").text  # worker_boot.sh.j2
+seed = rendered.seed_template()  # seed.yaml.j2 with bucket.yaml.j2, which base.yaml.j2 includes too
+etcd_ok = "--client-cert-auth" in etcd and "PETCTL_BUCKET" in base and "BucketPolicy" in seed
+print(len(base), len(job), etcd_ok, "petctl-agent" in worker and "sha256sum -c" in job)
 """
 
 

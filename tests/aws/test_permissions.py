@@ -264,7 +264,7 @@ def test_worker_role_can_neither_delete_a_stack_nor_pass_a_role(base, job):
 
 
 def test_the_cli_creates_and_deletes_job_stacks_with_the_service_role():
-    from petctl.providers.aws.stacks import StackOps
+    from petctl.providers.aws.stacks import StackOps, Template
 
     calls: list[tuple[str, dict]] = []
 
@@ -289,7 +289,7 @@ def test_the_cli_creates_and_deletes_job_stacks_with_the_service_role():
             self.status = "DELETE_COMPLETE"
 
     ops = StackOps(Cfn(), poll=0, progress=lambda line: None)
-    ops.create("p-job-a", "{}", {}, "job a", role_arn="arn:aws:iam::1:role/p-JobStackRole")
+    ops.create("p-job-a", Template(body="{}"), {}, "job a", role_arn="arn:aws:iam::1:role/p-JobStackRole")
     ops.delete("p-job-a", "job a", role_arn="arn:aws:iam::1:role/p-JobStackRole")
     assert [(c[0], c[1]["RoleARN"]) for c in calls] == [("create", "arn:aws:iam::1:role/p-JobStackRole"),
                                                        ("delete", "arn:aws:iam::1:role/p-JobStackRole")]

@@ -64,6 +64,24 @@ def test_every_contract_has_a_row_in_order_and_all_hold_on_a_good_account():
     assert passed(rows)
 
 
+def test_a_template_url_cloudformation_cannot_read_breaks_its_contract_with_awss_error():
+    """Issue 44.8: job stacks go by TemplateURL from the private bucket, read with the caller's rights."""
+    error = "create stack probe: TemplateURL must reference a valid S3 object to which you have access."
+    rows = table(change(all_held(), "good", created=False, create_error=error))
+    assert rows["template by URL"] == (BROKEN, error)
+    assert table(all_held())["template by URL"][0] == HELD
+
+
+def test_an_instance_that_never_joined_and_recorded_no_failure_may_not_have_fetched_its_boot_script():
+    rows = table(change(all_held(), "good", joined=0, in_service=False, state="", last_step=-1,
+                        timed_out="no instance joined within 1800 s"))
+    status, detail = rows["boot script from the bucket"]
+    assert status == BROKEN and "console output" in detail
+    rows = table(change(all_held(), "good", joined=0, boot_error="cannot install petctl", state="failed"))
+    assert rows["boot script from the bucket"][0] == NOT_REACHED  # it ran: its own boot said why it failed
+    assert table(all_held())["boot script from the bucket"][0] == HELD
+
+
 def test_on_the_emulator_what_it_cannot_show_needs_aws_and_says_what_it_saw():
     rows = table(all_held(emulated=True))
     assert {name for name, (status, _) in rows.items() if status == NEEDS_AWS} == set(EMULATOR_BLIND)

@@ -44,6 +44,12 @@ def keys(moto: str, bucket: str, prefix: str) -> list[str]:
     return sorted(o["Key"] for o in listing.get("Contents", []))
 
 
+def shipped_script(moto: str, bucket: str, job: str = "demo") -> str:
+    """The workers' boot script run_job put in the job's prefix (what their user data fetches)."""
+    (key,) = [k for k in keys(moto, bucket, f"jobs/{job}/") if k.startswith(f"jobs/{job}/boot-")]
+    return boto(moto, "s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+
+
 def stack_names(moto: str, base: str) -> set[str]:
     """Live stacks of one base stack (other tests' stacks share the emulator)."""
     stacks = all_stacks(moto)
@@ -59,7 +65,7 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
     assert {"VpcId", "SubnetIds", "EtcdSecurityGroupId", "BucketName", "EtcdEndpoint", "LogGroupName",
             "RepositoryUri", "WorkerPolicyArn"} <= set(outputs)
     stack = boto(moto, "cloudformation").describe_stacks(StackName=stack_name)["Stacks"][0]
-    assert stack["StackStatus"] == "CREATE_COMPLETE"
+    assert stack["StackStatus"] == "UPDATE_COMPLETE"  # created from the seed, updated to the full template
     subnets = boto(moto, "ec2").describe_subnets(SubnetIds=outputs["SubnetIds"].split(","))["Subnets"]
     assert len({s["AvailabilityZone"] for s in subnets}) >= 2
     assert {s["VpcId"] for s in subnets} == {outputs["VpcId"]}
@@ -75,6 +81,53 @@ def test_setup_creates_base_stack_and_records_outputs(ready, moto, tmp_path, sta
     assert settings["image"] == "" and settings["worker_ami"] == ""  # the AMI is resolved by each run_job
     assert PetctlConfig.load(tmp_path / "home").provider == "aws"
     assert any("creating petctl base stack" in line for line in ready.lines)
+
+
+def test_setup_creates_the_bucket_from_a_seed_then_applies_the_full_template_from_it(ready, moto, stack_name):
+    """Issue 44.8: the base template goes by TemplateURL from the stack's own bucket, which the stack itself
+    creates: a new stack is created from the seed (the bucket alone, inline), etcd's files and the full
+    template are uploaded to that bucket, and the stack is updated from the template's URL."""
+    import hashlib
+    import re
+
+    bucket = ready.settings["outputs"]["BucketName"]
+    (key,) = keys(moto, bucket, "templates/")
+    assert re.fullmatch(r"templates/base-[0-9a-f]{16}\.yaml", key)
+    stored = boto(moto, "s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    assert key == f"templates/base-{hashlib.sha256(stored.encode()).hexdigest()[:16]}.yaml"
+    deployed = boto(moto, "cloudformation").get_template(StackName=stack_name)["TemplateBody"]
+    assert deployed == stored and "EtcdGroup" in stored
+    lines = ready.lines
+    seeded = next(i for i, line in enumerate(lines) if "creating petctl base stack's bucket" in line)
+    shipped = next(i for i, line in enumerate(lines) if line.startswith("uploaded etcd"))
+    updated = next(i for i, line in enumerate(lines) if line.startswith("updating petctl base stack"))
+    assert seeded < shipped < updated  # the etcd hosts find their files when they first boot
+
+
+def test_a_setup_whose_full_template_failed_keeps_the_seeds_bucket_and_retries_by_url(provider, moto,
+                                                                                     stack_name, monkeypatch,
+                                                                                     etcd_mirror):
+    """A full template that fails leaves the seed's stack (its update rolled back): the next setup finds
+    the bucket there, creates no second one, and applies the template again."""
+    from petctl.providers.aws.stacks import StackOps
+
+    real = StackOps.create_or_update
+
+    def full_template_fails(self, name, template, tags, what):  # as UPDATE_ROLLBACK_COMPLETE ends it
+        if template.url:
+            raise ProviderError(f"stack {name} ended UPDATE_ROLLBACK_COMPLETE: Vpc: (the test's failure)")
+        return real(self, name, template, tags, what)
+
+    monkeypatch.setattr(StackOps, "create_or_update", full_template_fails)
+    with pytest.raises(ProviderError, match="UPDATE_ROLLBACK_COMPLETE"):
+        provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name)
+    stack = boto(moto, "cloudformation").describe_stacks(StackName=stack_name)["Stacks"][0]
+    (bucket,) = [o["OutputValue"] for o in stack["Outputs"] if o["OutputKey"] == "BucketName"]
+    assert "EtcdEndpoint" not in {o["OutputKey"] for o in stack["Outputs"]}  # the seed alone
+    monkeypatch.setattr(StackOps, "create_or_update", real)
+    provider.setup()
+    assert provider.settings["outputs"]["BucketName"] == bucket and provider.settings["ready"] is True
+    assert sum(1 for line in provider.lines if "creating petctl base stack's bucket" in line) == 1
 
 
 def test_setup_again_updates_in_place(ready, moto, stack_name):
@@ -294,6 +347,9 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     ready.create_job(submit(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src")))
     bucket = ready.settings["outputs"]["BucketName"]
     listed = keys(moto, bucket, "jobs/demo/")
+    shipped = [k for k in listed if k.startswith(("jobs/demo/boot-", "jobs/demo/template-"))]
+    assert len(shipped) == 2  # the workers' boot script and the stack's template (issue 44.8)
+    listed = [k for k in listed if k not in shipped]
     assert listed[:4] == ["jobs/demo/agent.json", "jobs/demo/code/train.py", "jobs/demo/job.json",
                           "jobs/demo/placement.json"]
     (wheel,) = listed[4:]  # what the instances install (the default boot)
@@ -310,15 +366,34 @@ def test_run_job_uploads_code_and_job_records(ready, moto, tmp_path, stack_name)
     assert agent["imds_endpoint"] == "http://169.254.169.254"
 
 
-def test_instances_carry_the_boot_script_with_the_job_config(ready, moto, tmp_path, stack_name):
-    from petctl.providers.aws.boot import agent_config_from_user_data
+def test_instances_fetch_the_boot_script_with_the_job_config_from_the_jobs_prefix(ready, moto, tmp_path,
+                                                                                   stack_name):
+    """Issue 44.8: the user data is a stub pinning the checksum of the boot script run_job put in the
+    job's prefix; the script holds the job's config. The job's stack was created by TemplateURL from the
+    same prefix."""
+    import hashlib
+    import re
 
-    ready.create_job(submit(spec(), write_script(tmp_path / "src")))
+    from petctl.providers.aws.boot import MAX_USER_DATA, USER_DATA_ROOM, agent_config_from_script
+
+    ready.create_job(submit(spec(args=["--lr", "0.1"]), write_script(tmp_path / "src")))
     instance = ready.hosts("demo")[0].host_id
     data = boto(moto, "ec2").describe_instance_attribute(InstanceId=instance, Attribute="userData")
-    text = base64.b64decode(data["UserData"]["Value"]).decode()
-    config = agent_config_from_user_data(text)
+    stub = base64.b64decode(data["UserData"]["Value"]).decode()
+    assert len(stub.encode()) <= MAX_USER_DATA - USER_DATA_ROOM and "PETCTL_AGENT_CONFIG" not in stub
+    bucket = ready.settings["outputs"]["BucketName"]
+    key = re.search(r"^KEY=(\S+)$", stub, re.M).group(1)
+    digest = re.search(r"^SHA256=(\S+)$", stub, re.M).group(1)
+    assert f"BUCKET={bucket}\n" in stub and key.startswith("jobs/demo/boot-")
+    script = boto(moto, "s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert hashlib.sha256(script).hexdigest() == digest
+    config = agent_config_from_script(script.decode())
     assert config.job.name == "demo" and config.asg_name == f"{stack_name}-job-demo"
+    assert config.job.args == ["--lr", "0.1"]
+    (template_key,) = [k for k in keys(moto, bucket, "jobs/demo/") if "/template-" in k]
+    stored = boto(moto, "s3").get_object(Bucket=bucket, Key=template_key)["Body"].read().decode()
+    deployed = boto(moto, "cloudformation").get_template(StackName=f"{stack_name}-job-demo")["TemplateBody"]
+    assert deployed == stored
 
 
 def test_run_job_uploads_a_directory_as_an_archive(ready, moto, tmp_path):
@@ -379,7 +454,8 @@ def test_run_job_refuses_when_the_worker_image_was_never_pushed(ready, moto, tmp
     push_worker_image(moto, image)
     ready.create_job(submit(spec(), write_script(tmp_path / "src"), image=image))
     template = boto(moto, "cloudformation").get_template(StackName=f"{stack_name}-job-demo")["TemplateBody"]
-    assert "docker run" in template and image in template  # today's container path
+    script = shipped_script(moto, ready.settings["outputs"]["BucketName"])
+    assert "docker run" in script and image in script  # today's container path
     ecs_ami = boto(moto, "ssm").get_parameter(Name=CONTAINER_AMI_PARAM)["Parameter"]["Value"]
     assert ecs_ami in template  # on the ECS GPU AMI (Docker and the NVIDIA container toolkit)
 
@@ -388,10 +464,11 @@ def test_run_job_boots_the_deep_learning_ami_with_this_petctls_wheel(ready, moto
     dlami = publish_dlami(moto)
     ready.create_job(submit(spec(), write_script(tmp_path / "src")))
     template = boto(moto, "cloudformation").get_template(StackName=f"{stack_name}-job-demo")["TemplateBody"]
-    assert dlami in template and "docker pull" not in template and "docker run" not in template
     bucket = ready.settings["outputs"]["BucketName"]
+    script = shipped_script(moto, bucket)
+    assert dlami in template and "docker pull" not in script and "docker run" not in script
     (wheel,) = [k for k in keys(moto, bucket, "jobs/demo/wheelhouse/")]
-    assert f"s3://{bucket}/{wheel}" in template and "/opt/pytorch/bin/python -m petctl.agent.main" in template
+    assert f"s3://{bucket}/{wheel}" in script and "/opt/pytorch/bin/python -m petctl.agent.main" in script
     assert any("torch 2.13, CUDA 13.0" in line for line in ready.lines), ready.lines
 
 

@@ -10,7 +10,7 @@ from botocore.exceptions import ClientError
 
 from petctl.core.errors import JobExists, NotSetUp, ProviderError
 from petctl.io.aws import aws_errors
-from petctl.providers.aws.stacks import StackOps
+from petctl.providers.aws.stacks import StackOps, Template
 
 
 class StubCfn:
@@ -150,6 +150,7 @@ def test_setup_replaces_a_stack_that_failed_to_create():
 
     stub = Recreating(["ROLLBACK_COMPLETE"])
     lines: list[str] = []
-    StackOps(stub, poll=0, progress=lines.append).create_or_update("petctl", "{}", {}, "petctl base stack")
+    StackOps(stub, poll=0, progress=lines.append).create_or_update("petctl", Template(body="{}"), {},
+                                                                          "petctl base stack")
     assert stub.calls.count("delete_stack") == 1 and stub.calls.count("create_stack") == 1
     assert any("removing the failed earlier attempt" in line for line in lines)

@@ -10,6 +10,7 @@ launches instances from such user data must depend on the target, directly or tr
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -158,7 +159,10 @@ def test_etcd_group_waits_for_and_outlives_nothing_of_its_interface():
 
 @pytest.mark.parametrize("variant", sorted(rendered.JOB_VARIANTS))
 def test_job_stack_has_no_hidden_dependency(tmp_path, variant):
-    assert missing_dependencies(parse(rendered.job_template(tmp_path, variant))) == []
+    script = rendered.job_boot_script(tmp_path, variant)  # what the workers' user data fetches
+    template = parse(rendered.job_template(tmp_path, variant))
+    assert script.key in json.dumps(template)
+    assert missing_dependencies(template, {script.key: script.text}) == []
 
 
 def test_the_scan_catches_a_missing_depends_on():

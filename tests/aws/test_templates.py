@@ -121,7 +121,7 @@ def test_launches_wait_in_a_hook_that_abandons_a_boot_that_never_joins(templates
     the DefaultResult applies; ABANDON terminates it. The agent completes the hook of the name its config
     carries; the boot script abandons the same one; the role may complete its group's actions (any hook)."""
     from petctl.core.spec import Timeouts
-    from petctl.providers.aws.boot import agent_config_from_user_data
+    from petctl.providers.aws.boot import agent_config_from_script
 
     t = job(templates, variant)
     group = one(t, "AWS::AutoScaling::AutoScalingGroup")
@@ -130,8 +130,11 @@ def test_launches_wait_in_a_hook_that_abandons_a_boot_that_never_joins(templates
     assert launch["DefaultResult"] == "ABANDON"
     assert 30 <= launch["HeartbeatTimeout"] <= 7200
     assert launch["HeartbeatTimeout"] == Timeouts().boot_timeout == 900  # docs/aws.md says why 15 minutes
-    script = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
-    config = agent_config_from_user_data(script)
+    stub = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+    shipped = rendered.job_boot_script(templates[variant].parent, variant)
+    assert f"KEY={shipped.key}\n" in stub and f"SHA256={shipped.sha256}\n" in stub  # what the stub runs
+    script = shipped.text
+    config = agent_config_from_script(script)
     assert config.launch_hook == launch["LifecycleHookName"] == "petctl-boot"
     assert f"LifecycleHookName={launch['LifecycleHookName']}&" in script
     assert "LifecycleActionResult=$1" in script
@@ -179,8 +182,9 @@ def test_launch_template_requires_imdsv2_and_uses_the_job_profile(templates, var
     assert data["IamInstanceProfile"] == {"Arn": {"Fn::GetAtt": ["WorkerInstanceProfile", "Arn"]}}
     assert data["SecurityGroupIds"] == [{"Fn::GetAtt": ["JobSecurityGroup", "GroupId"]}]  # its own only
     assert all(m["Ebs"]["Encrypted"] is True for m in data["BlockDeviceMappings"])
-    script = data["UserData"]["Fn::Base64"]
-    assert script.startswith("#!/bin/bash") and f'"name": "{variant}"' in script
+    stub = data["UserData"]["Fn::Base64"]
+    assert stub.startswith("#!/bin/bash") and f"KEY=jobs/{variant}/boot-" in stub  # its own job's script
+    assert f'"name": "{variant}"' in rendered.job_boot_script(templates[variant].parent, variant).text
 
 
 def test_job_role_is_scoped_to_its_prefix_and_its_group(templates):
@@ -208,8 +212,19 @@ def test_job_role_is_scoped_to_its_prefix_and_its_group(templates):
     assert role["ManagedPolicyArns"] == [OUTPUTS["WorkerPolicyArn"]]
     # issue 17.1: the role and its profile live under the job's own IAM path
     assert role["Path"] == one(t, "AWS::IAM::InstanceProfile")["Path"] == "/petctl/petctl/spot-single/"
-    script = one(t, "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]["UserData"]["Fn::Base64"]
-    assert "--log-opt awslogs-stream=spot-single/${INSTANCE_ID}" in script
+    shipped = rendered.job_boot_script(templates["spot-single"].parent, "spot-single")
+    assert "--log-opt awslogs-stream=spot-single/${INSTANCE_ID}" in shipped.text
+    # issue 44.8: the boot script its user data fetches is its own to read, and not to write (the stub
+    # checks its checksum either way); another job's role reads none of it
+    from tests.aws.policy_eval import allowed, resolve
+
+    own = resolve(role["Policies"][0]["PolicyDocument"]["Statement"], rendered.NAMES)
+    other = resolve(one(job(templates, "ondemand"), "AWS::IAM::Role")["Policies"][0]["PolicyDocument"]
+                    ["Statement"], rendered.NAMES)
+    arn = f"arn:aws:s3:::{BUCKET}/{shipped.key}"
+    assert shipped.key.startswith("jobs/spot-single/boot-")
+    assert allowed(own, "s3:GetObject", arn) and not allowed(own, "s3:PutObject", arn)
+    assert not allowed(other, "s3:GetObject", arn)
 
 
 def _list(value) -> list:
@@ -432,14 +447,60 @@ def cluster(templates) -> dict:
     return parse(templates["base-etcd3"].read_text())
 
 
-def test_base_templates_fit_cloudformations_inline_body_limit(templates):
-    # The base stack creates the bucket, so its template goes as a TemplateBody (51,200 bytes at most).
-    # The largest one keeps a margin for what the next issue adds (issue 44.8).
-    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT
+def test_templates_go_by_url_and_only_the_seed_goes_inline(templates):
+    """Issue 44.8: the largest base template (the longest name, private subnets, 3 etcd members) was within
+    2 KB of CloudFormation's 51,200-byte TemplateBody. Every full template now goes by TemplateURL (1 MB at
+    most); only the seed, the bucket alone, goes inline, and it is far from the limit."""
+    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT, TEMPLATE_URL_LIMIT
 
-    for name in ("base", "base-etcd3", "base-private", "base-long", "base-largest"):
-        assert len(templates[name].read_bytes()) < TEMPLATE_BODY_LIMIT, name
-    assert len(templates["base-largest"].read_bytes()) < TEMPLATE_BODY_LIMIT - 4096
+    for name, path in templates.items():
+        assert len(path.read_bytes()) < TEMPLATE_URL_LIMIT // 4, name
+    assert len(templates["seed"].read_bytes()) < TEMPLATE_BODY_LIMIT // 8
+
+
+def test_the_seed_makes_the_very_bucket_and_policy_the_full_template_declares(templates):
+    """The update from the seed to the full template must leave the bucket alone: the same logical ids,
+    type, deletion policies and properties, in every variant of the base template; and nothing else."""
+    seed = parse(templates["seed"].read_text())
+    assert set(seed["Resources"]) == {"Bucket", "BucketPolicy"}
+    assert seed["Outputs"] == {"BucketName": {"Value": {"Ref": "Bucket"}}}
+    for name in ("base", "base-etcd3", "base-private"):  # the seed is rendered for the default stack name
+        full = parse(templates[name].read_text())
+        for logical in ("Bucket", "BucketPolicy"):
+            assert full["Resources"][logical] == seed["Resources"][logical], (name, logical)
+    seed_long = parse(rendered.seed_template(rendered.LONG_STACK))
+    full_long = parse(templates["base-largest"].read_text())
+    assert all(full_long["Resources"][k] == seed_long["Resources"][k] for k in ("Bucket", "BucketPolicy"))
+
+
+def test_a_template_over_the_inline_limit_is_refused_before_any_call():
+    from petctl.core.errors import ProviderError
+    from petctl.providers.aws.stacks import Template
+
+    with pytest.raises(ProviderError, match="cannot go inline"):
+        Template(body="x" * 51_201).args()
+    assert Template(body="{}").args() == {"TemplateBody": "{}"}
+    assert Template(body="x" * 60_000, url="https://b.s3.us-east-1.amazonaws.com/k").args() == {
+        "TemplateURL": "https://b.s3.us-east-1.amazonaws.com/k"}
+
+
+@pytest.mark.parametrize(("region", "url"), [
+    ("us-east-1", "https://petctl-bucket.s3.us-east-1.amazonaws.com/templates/base-0123.yaml"),
+    ("eu-central-1", "https://petctl-bucket.s3.eu-central-1.amazonaws.com/templates/base-0123.yaml"),
+    ("cn-north-1", "https://petctl-bucket.s3.cn-north-1.amazonaws.com.cn/templates/base-0123.yaml"),
+])
+def test_template_urls_are_the_buckets_regional_https_address(region, url):
+    """CloudFormation's TemplateURL contract (CreateStack API reference, the console's "Amazon S3 URL"):
+    an https:// S3 URL (no website endpoint), at most 1,024 characters, to an object of 1 MB at most."""
+    from petctl.core.errors import ProviderError
+    from petctl.providers.aws.stacks import template_key, template_url
+
+    assert template_url("petctl-bucket", region, "templates/base-0123.yaml") == url
+    key = template_key("templates", "base", "a: 1\n")
+    assert re.fullmatch(r"templates/base-[0-9a-f]{16}\.yaml", key)
+    assert key == template_key("templates", "base", "a: 1\n") != template_key("templates", "base", "a: 2\n")
+    with pytest.raises(ProviderError, match="1024"):
+        template_url("b" * 63, "us-east-1", "k" * 1000)
 
 
 def test_the_base_template_sheds_its_comments_and_nothing_else():
@@ -599,22 +660,15 @@ def test_the_longest_stack_and_job_names_fit_every_name_and_the_service_roles_sc
         f"/petctl/{rendered.LONG_STACK}/")
 
 
-def test_a_job_template_with_the_largest_user_data_fits_a_template_body(tmp_path):
-    """Job templates go as a TemplateBody too: the largest user data petctl accepts (escaped as JSON in the
-    template), the longest names and three instance types stay well under 51,200 bytes."""
-    from petctl.core.errors import ValidationError
-    from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT
-
+def test_a_jobs_arguments_and_environment_do_not_grow_its_template(tmp_path):
+    """Issue 44.8: the job's config travels in its boot script (the job's prefix), not in the template's
+    user data: a 64 KB environment, which EC2's 16 KB of user data could never hold, leaves the job
+    template's size as it is (only the checksum the stub pins differs)."""
     spec = rendered.job_spec("spot-mixed")
     spec.name = rendered.LONG_JOB
     agent = rendered.AgentConfig(job=spec, node_id="", host_addr="", asg_name=f"{rendered.LONG_STACK}-job-x")
-    size, biggest = 256, ""
-    while True:  # grow the environment until the user data is refused: the last accepted is the largest
-        spec.env = {"PAYLOAD": "\"\\n" * size}
-        try:
-            biggest = rendered.provider(tmp_path, rendered.LONG_STACK).render_job_template(
-                spec, agent, "s3://b/jobs/x/agent.json")
-        except ValidationError:
-            break
-        size += 256
-    assert size > 512 and len(biggest.encode()) < TEMPLATE_BODY_LIMIT - 8192
+    render = rendered.provider(tmp_path, rendered.LONG_STACK).render_job_template
+    small = render(spec, agent, "s3://b/jobs/x/agent.json")
+    spec.env = {"PAYLOAD": "\"\\n" * 64 * 1024}
+    big = render(spec, agent, "s3://b/jobs/x/agent.json")
+    assert len(big.encode()) == len(small.encode()) and "PAYLOAD" not in big

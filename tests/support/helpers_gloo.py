@@ -25,7 +25,7 @@ import datetime, json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from petctl.core import controlfiles
+from petctl.io import controlfiles
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 rank = int(os.environ["RANK"])

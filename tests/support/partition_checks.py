@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.elastic import manifest as mf
-from petctl.elastic import open_store
+from petctl.elastic import open_object_store
 from tests.support.agent_harness import WORKLOADS
 
 STEPS = 150
@@ -93,7 +93,7 @@ class Outcome:
         return final["node"]
 
     def manifests(self) -> list[mf.Manifest]:
-        store = open_store(self.ckpt_dir.as_uri())
+        store = open_object_store(self.ckpt_dir.as_uri())
         return [mf.read_manifest(store, step) for step in mf.manifest_steps(store)]
 
     def manifests_by(self, node: str, since: float) -> list[int]:

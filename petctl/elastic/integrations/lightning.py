@@ -30,12 +30,21 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
+from petctl.elastic.integrations.data import (
+    StepStream,
+    build_stream,
+    epoch_bounded_reason,
+    report_data_resumed,
+    resume_cursor,
+)
 from petctl.elastic.integrations.memory import FrameworkSnapshots
 from petctl.elastic.integrations.protocol import Action, ProtocolCallback
 from petctl.elastic.snapshots import SnapshotOptions
@@ -155,6 +164,128 @@ class LightningSnapshotMixin:
             self.memory = self.memory_io = None
 
 
+# --- Lightning's half of exactly-once data ------------------------------------------------------------------
+# How Lightning reads its data (2.x): `fit_loop.setup_data` hands the train loader to the data connector's
+# `_prepare_dataloader`, which, under DDP with `use_distributed_sampler` (the default), rebuilds it
+# (`_update_dataloader`) around a shuffled `DistributedSampler(rank, world_size)`: a per-rank cut of the
+# epoch. On a mid-epoch resume Lightning restores its loop counters but starts the loader at the epoch's
+# start (unless the loader is stateful): samples read again.
+#
+# What the callback changes, on this Trainer only, in `setup` (`wire_data`): the connector's
+# `_prepare_dataloader` rebuilds the train loader around a `StepStream` (data.py) instead: an
+# `ElasticSampler` of `batch_size * accumulate_grad_batches` per rank and step, shuffled and seeded as
+# Lightning's own (`PL_GLOBAL_SEED`, else 0), the loader's `drop_last`. It is built after Lightning restored
+# the checkpoint, so the cursor the callback's `state_dict` saved (in every checkpoint Lightning writes and
+# in the in-memory snapshot's dump) is loaded at once. The cursor moves at `on_train_batch_end` once per
+# optimizer step (`global_step` changed), never per accumulated micro-batch.
+# Refused in one line (ValueError from `fit`): a sampler or batch sampler of the user's own (its order cannot
+# be continued at another world size), `limit_train_batches` (a cut epoch may end inside an accumulation).
+# Warned, and left as it is: `use_distributed_sampler=False` (the script shards its data itself) and an
+# IterableDataset.
+
+
+def _lightning(name: str) -> Any:
+    """`name` from whichever Lightning package the script imported (as the callback's base class)."""
+    import importlib
+
+    standalone = "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules
+    base = "pytorch_lightning" if standalone else "lightning.pytorch"
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(f"{base}.{module}"), attr)
+
+
+def data_refusal(loader: Any, limit_train_batches: Any) -> str | None:
+    """Why this train loader cannot be read exactly, in one line (None: it can)."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    if limit_train_batches not in (None, 1.0) or isinstance(limit_train_batches, int):
+        return (f"PetctlCallback: limit_train_batches={limit_train_batches!r} cuts Lightning's epoch where "
+                "petctl's cursor does not; leave it unset, or pass PetctlCallback(data=False)")
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        return ("PetctlCallback: the train loader has a batch sampler of its own, whose order petctl cannot "
+                "continue at another world size; use batch_size=..., or pass PetctlCallback(data=False)")
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler, StepStream)):
+        return (f"PetctlCallback: the train loader's sampler ({type(loader.sampler).__name__}) has an order "
+                "of its own, which petctl cannot continue at another world size; use shuffle=True/False, or "
+                "pass PetctlCallback(data=False)")
+    return None
+
+
+class LightningDataMixin:
+    """The callback's exactly-once data (mixed into `lightning.PetctlCallback`; see above)."""
+
+    data: bool = True
+    stream: StepStream | None = None
+    saved_data: dict[str, Any] | None = None  # the cursor Lightning restored, until the stream exists
+    _original_prepare: Any = None
+
+    def wire_data(self, trainer: Any) -> None:
+        """Route the train loader through `elastic_loader` (at `setup`, before `fit` builds it)."""
+        connector = trainer._data_connector
+        self._original_prepare = original = connector._prepare_dataloader
+        training = _lightning("trainer.states.RunningStage").TRAINING
+
+        def prepare(dataloader: Any, shuffle: bool = True, mode: Any = None) -> Any:
+            if mode == training and isinstance(dataloader, DataLoader):
+                replaced = self.elastic_loader(trainer, dataloader)
+                if replaced is not None:
+                    return replaced
+            return original(dataloader, shuffle=shuffle, mode=mode)
+
+        connector._prepare_dataloader = prepare
+        if trainer.max_steps is None or trainer.max_steps < 0:
+            warnings.warn(epoch_bounded_reason("Lightning", f"max_epochs={trainer.max_epochs}"), stacklevel=2)
+
+    def unwire_data(self, trainer: Any) -> None:
+        if self._original_prepare is not None:
+            vars(trainer._data_connector).pop("_prepare_dataloader", None)
+            self._original_prepare = None
+        self.stream = None
+
+    def elastic_loader(self, trainer: Any, loader: Any) -> Any | None:
+        """The train loader rebuilt around the stream; None leaves it to Lightning (warned). Raises
+        ValueError (one line) for a loader that cannot be read exactly (`data_refusal`)."""
+        from torch.utils.data import IterableDataset
+
+        if not trainer._accelerator_connector.use_distributed_sampler:
+            warnings.warn("petctl: use_distributed_sampler=False: the script shards its data itself, so "
+                          "petctl cannot keep it exact across world changes", stacklevel=2)
+            return None
+        if isinstance(loader.dataset, IterableDataset):
+            warnings.warn("petctl: the train loader reads an IterableDataset, which petctl cannot keep exact "
+                          "across world changes; a map-style dataset can be", stacklevel=2)
+            return None
+        reason = data_refusal(loader, trainer.limit_train_batches)
+        if reason is not None:
+            raise ValueError(reason)
+        if self.stream is None or self.stream.sampler.size != len(loader.dataset):
+            self.stream = build_stream(loader.dataset, loader.batch_size, trainer.accumulate_grad_batches,
+                                       rank=trainer.global_rank, world_size=trainer.world_size, shuffle=True,
+                                       seed=int(os.environ.get("PL_GLOBAL_SEED", "0") or 0),
+                                       drop_last=loader.drop_last)
+            how = resume_cursor(self.stream, self.saved_data, trainer.global_step)
+            report_data_resumed(self.stream, trainer.global_step, how)
+        update = _lightning("utilities.data._update_dataloader")
+        return update(loader, self.stream, mode=_lightning("trainer.states.RunningStage").TRAINING)
+
+    def data_step_end(self, trainer: Any) -> None:
+        """At `on_train_batch_end`, before any save or snapshot: the cursor moves once per optimizer step
+        (`step_done` ignores the micro-batches that repeat the step)."""
+        if self.stream is not None and trainer.global_step > 0:
+            self.stream.step_done(trainer.global_step - 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor, in every checkpoint Lightning writes (and the in-memory snapshot's dump)."""
+        if self.stream is not None:
+            return {"data": self.stream.state_dict()}
+        return {"data": self.saved_data} if self.saved_data is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.saved_data = state_dict.get("data")
+        if self.stream is not None and self.saved_data is not None:
+            self.stream.load_state_dict(self.saved_data)
+
+
 # --- the Lightning callback ---------------------------------------------------------------------------------
 
 
@@ -191,7 +322,7 @@ def last_checkpoint(root: str | os.PathLike[str] | None = None, *,
     return str(found[-1]) if found else None
 
 
-class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
+class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixin, Callback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
     check_every: steps between save-now checks (each is one tiny all-reduce); 0 turns the protocol off.
@@ -204,12 +335,16 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
         never see the save and redo the steps.
     every: "auto" also saves `last.ckpt` every durable interval Young/Daly picks for the measured save
         time (protocol.py, autointerval.py); None leaves periodic saves to the user's ModelCheckpoint.
+    data: True puts petctl's `ElasticSampler` in place of Lightning's DistributedSampler for the train
+        loader (every sample once across world changes); False leaves Lightning's own. `fit` raises
+        ValueError (one line) for a train loader that cannot be read exactly (`data_refusal`).
     """
 
     def __init__(self, check_every: int = 1, dirpath: str | os.PathLike[str] | None = None,
-                 every: str | None = None) -> None:
+                 every: str | None = None, data: bool = True) -> None:
         super().__init__(check_every, every)
         self.dirpath = dirpath
+        self.data = data
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -219,6 +354,13 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
             self.dirpath = next((cb.dirpath for cb in getattr(trainer, "checkpoint_callbacks", [])
                                  if getattr(cb, "dirpath", None)), None)
         check_shared(self.base(trainer))
+        if stage == "fit" and self.data and self._original_prepare is None:
+            self.wire_data(trainer)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)  # the in-memory tier
+        if stage == "fit":
+            self.unwire_data(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning has restored `ckpt_path` by now: global_step is the resumed step.
@@ -234,6 +376,7 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self.data_step_end(trainer)  # the cursor moves before the step is snapshot or saved
         self.snapshot_step(trainer)  # the in-memory tier (lightning.py), before the save-now check
         if self.protocol is None:
             return

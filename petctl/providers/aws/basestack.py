@@ -6,6 +6,11 @@ The base stack holds what every job shares: the VPC and its subnets (one per AZ)
 bucket, the worker image repository, the log group, the workers' policy and the service role that
 creates and deletes job stacks.
 
+How the stack is made: a new stack is created from a seed template (the bucket alone, small enough to go
+inline); setup then uploads etcd's files and the full template to that bucket and updates the stack from
+the template's URL (it outgrows CloudFormation's 51,200-byte TemplateBody). An existing stack is updated
+from the URL directly (stacks.py says who reads it).
+
 Why an update may be refused: since issue 17 every job's IAM role and instance profile live under the
 job's own IAM path (`/petctl/<stack>/<job>/`, jobscope.py), and the base stack's CloudFormation service
 role, which creates and deletes job stacks, may touch only roles under `/petctl/<stack>/`. A job stack
@@ -25,19 +30,21 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from petctl.core.errors import JobExists, NotSetUp, ValidationError
+from petctl.core.errors import JobExists, NotSetUp, ProviderError, ValidationError
 from petctl.core.store import JOB_DEFAULT_BACKEND, Backend
 from petctl.io.aws import AwsSession, aws_errors
 from petctl.providers.aws import etcdbin, etcdsecrets, inventory, jobrecords
 from petctl.providers.aws.boot import BUCKET_PLACEHOLDER, etcd_hosts
 from petctl.providers.aws.network import DEFAULT_VPC_CIDR, ETCD_NODE_CHOICES, SUBNET_KINDS, plan_network
-from petctl.providers.aws.templates import render_base
+from petctl.providers.aws.stacks import StackOps, Template, publish, template_key
+from petctl.providers.aws.templates import render_base, render_seed
 
 if TYPE_CHECKING:
     from petctl.providers.aws.context import AwsContext
 
 STACK_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,23}$")
 ETCD_AMI_PARAM = "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+TEMPLATE_PREFIX = "templates"  # the base stack's templates in its bucket (job stacks': their job's prefix)
 NONCURRENT_DAYS = 1  # old object versions (status, checkpoints, mirror chunks) kept this long
 SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "region": "", "profile": "", "endpoint_url": "", "stack_name": "petctl", "vpc_cidr": DEFAULT_VPC_CIDR,
@@ -111,17 +118,42 @@ def setup(provider: AwsContext, options: dict[str, Any]) -> dict[str, Any]:
     if etcdsecrets.ensure_installation(session.client("secretsmanager"), stack,
                                        tuple(m.ip for m in plan.etcd_members)):
         provider.progress(f"created etcd's certificates (secrets {etcdsecrets.prefix(stack)}/...)")
-    stacks.create_or_update(stack, body, {"petctl:stack": stack, "petctl:kind": "base"}, "petctl base stack")
-    outputs = stacks.outputs(stack)
-    # The etcd hosts' boot waits for these objects (on a first setup they boot before they exist).
-    if etcdbin.upload(session.client("s3"), outputs["BucketName"], etcd, boot_script):
+    tags = {"petctl:stack": stack, "petctl:kind": "base"}
+    s3 = session.client("s3")
+    bucket = ensure_bucket(stacks, stack, Template(body=render_seed(stack_name=stack,
+                                                                    noncurrent_days=NONCURRENT_DAYS)), tags)
+    # etcd's files before the hosts that fetch them exist, then the full template, by URL from the bucket.
+    if etcdbin.upload(s3, bucket, etcd, boot_script):
         provider.progress(f"uploaded etcd ({etcd.version}, sha256 {etcd.sha256[:12]}...) to the bucket")
+    template = publish(s3, bucket, session.region, template_key(TEMPLATE_PREFIX, "base", body), body)
+    stacks.create_or_update(stack, template, tags, "petctl base stack")
+    outputs = stacks.outputs(stack)
     settings.update(outputs=outputs, worker_ami=merged["worker_ami"], etcd_ami=etcd_ami,
                     root_volume_gb=root_gb, image=merged["image"],
                     etcd_endpoint=outputs["EtcdEndpoint"], ready=True)
     provider.config.provider = provider.name
     provider.config.save()
     return dict(settings)
+
+
+def seed_needed(existing: dict[str, Any] | None) -> bool:
+    """Whether the base stack must first be created from its seed (the bucket alone): when there is no
+    stack, or only the empty remains of a first creation that failed (ROLLBACK_COMPLETE)."""
+    return existing is None or existing.get("StackStatus") == "ROLLBACK_COMPLETE"
+
+
+def ensure_bucket(stacks: StackOps, name: str, seed: Template, tags: dict[str, str]) -> str:
+    """The base stack's bucket, creating the stack from `seed` when it has none yet (seed_needed). A stack
+    that exists keeps its template until the full one replaces it. Raises ProviderError when the seed
+    fails, or the stack has no bucket to show (it is busy: wait and retry), JobExists when it is busy."""
+    if seed_needed(stacks.describe(name)):
+        stacks.create_or_update(name, seed, tags, "petctl base stack's bucket")
+    bucket = stacks.outputs(name).get("BucketName", "")
+    if not bucket:
+        status = (stacks.describe(name) or {}).get("StackStatus", "gone")
+        raise ProviderError(f"stack {name} ({status}) has no bucket yet: wait for it to settle and run setup "
+                            "again")
+    return bucket
 
 
 def network_plan(provider: AwsContext, session: AwsSession, vpc_cidr: str, max_azs: int,

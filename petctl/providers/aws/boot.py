@@ -24,11 +24,13 @@ instance the group starts). The platform is read the way a registry client does:
 manifest list (Docker) names each manifest's platform; a single manifest's platform is in its config
 blob, fetched through ECR's GetDownloadUrlForLayer. What cannot be read is refused, never guessed.
 
-The boot scripts are rendered from `worker_image/`. A worker's user data embeds the job's agent config;
-what only the instance knows (its id and private address) is read from IMDSv2 at boot and passed to the
-agent as `--node-id`/`--host-addr`. The same config is stored at the job's S3 prefix (`agent.json`), so
-the user data is never the only copy. The etcd hosts' boot script is shipped through the bucket (with
-etcd's TLS and auth it no longer fits EC2's 16 KB): their user data is a stub that fetches it.
+The boot scripts are rendered from `worker_image/` and shipped through the bucket; every instance's user
+data is a stub that fetches its script with the instance role and checks the SHA-256 the stub pins. The
+etcd hosts' script is in `dist/etcd/` (with etcd's TLS and auth it no longer fits EC2's 16 KB); a worker's
+is in its job's prefix (`jobs/<job>/boot-<sha256 prefix>.sh`), where only the job's role may read it. It
+embeds the job's agent config, so a job's arguments and environment are not bounded by user data; what
+only the instance knows (its id and private address) is read from IMDSv2 at boot and passed to the agent
+as `--node-id`/`--host-addr`. The same config is stored at the job's S3 prefix (`agent.json`).
 
 Facts (AWS DLAMI release notes, "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.13 (Amazon Linux 2023)",
 release of 2026-10-03, https://docs.aws.amazon.com/dlami/latest/devguide/ release notes for gpupt213oss
@@ -373,12 +375,12 @@ def read_requirements(path: Path | None) -> str:
 
 
 CONFIG_MARKER = "PETCTL_AGENT_CONFIG"
-# EC2 takes 16 KB of user data (raw, before base64). A boot script over MAX_USER_DATA is refused here with a
-# clear message rather than by a failed launch; the 256 bytes kept back are for nothing but rounding. What a
-# job's arguments and environment may use is what the boot script leaves: tests/aws/test_ami_boot.py keeps
-# that above USER_DATA_ROOM for both boots.
+# EC2 takes 16 KB of user data (raw, before base64). A worker's user data is a stub that fetches its boot
+# script from the bucket (worker_user_data), so a job's arguments and environment take none of it; a stub
+# over MAX_USER_DATA is refused here rather than by a failed launch (the 256 bytes kept back are for
+# rounding). USER_DATA_ROOM is what the stub must leave unused: tests/aws/test_ami_boot.py holds it.
 MAX_USER_DATA = 16 * 1024 - 256
-USER_DATA_ROOM = 2 * 1024
+USER_DATA_ROOM = 10 * 1024
 
 BUCKET_PLACEHOLDER = "@@PETCTL_BUCKET@@"
 WORKER_IMDS = "http://169.254.169.254"
@@ -394,14 +396,17 @@ class AmiBoot:
     python_bin: str = "/opt/pytorch/bin"
 
 
-def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url: str,
-                     gpus: bool = True, ami_boot: AmiBoot | None = None) -> str:
-    """The worker's boot script: with `image`, the agent runs in that container, which logs to
-    `log_group`, stream `<job>/<instance id>` (the job's role may write only its own streams); without,
-    `ami_boot` says what the instance installs and the agent runs on the AMI's Python under systemd.
-    Raises ValidationError when it is too big."""
+def worker_boot_script(config: AgentConfig, image: str, log_group: str, config_url: str,
+                       gpus: bool = True, ami_boot: AmiBoot | None = None) -> BootScript:
+    """The worker's boot script, shipped to the job's S3 prefix (its user data fetches it: worker_user_data):
+    with `image`, the agent runs in that container, which logs to `log_group`, stream `<job>/<instance id>`
+    (the job's role may write only its own streams); without, `ami_boot` says what the instance installs
+    and the agent runs on the AMI's Python under systemd. The job's config, arguments and environment are
+    in it, not in the user data: EC2's 16 KB does not bound them. Raises ValueError without either boot."""
+    from petctl.providers.aws.etcdbin import BootScript
     from petctl.providers.aws.inventory import boot_settings
     from petctl.providers.aws.jobscope import log_stream_prefix
+    from petctl.providers.aws.storage import job_prefix
     from petctl.providers.aws.templates import compact_shell, render_boot
 
     if not image and ami_boot is None:
@@ -413,9 +418,19 @@ def worker_user_data(config: AgentConfig, image: str, log_group: str, config_url
         log_stream_prefix=log_stream_prefix(config.job.name),
         wheel_url=ami.wheel_url, wheel_name=ami.wheel_url.rsplit("/", 1)[-1],
         requirements_url=ami.requirements_url, python_bin=ami.python_bin, python_floor=PYTHON_FLOOR))
+    return BootScript(text, prefix=job_prefix(config.job.name))
+
+
+def worker_user_data(script: BootScript, bucket: str) -> str:
+    """A worker's user data: a stub that fetches `script` from `bucket` with the instance role, checks
+    its SHA-256 (pinned here) and runs it (worker_image/worker_stub.sh.j2). Raises ValidationError when
+    it is over MAX_USER_DATA (a bucket or job name no real one has)."""
+    from petctl.providers.aws.templates import compact_shell, render_boot
+
+    text = compact_shell(render_boot("worker_stub.sh.j2", bucket=bucket, key=script.key,
+                                     sha256=script.sha256))
     if len(text.encode()) > MAX_USER_DATA:
-        raise ValidationError(f"the job's boot script is {len(text.encode())} bytes (limit {MAX_USER_DATA}): "
-                              "shorten the job's arguments or environment")
+        raise ValidationError(f"the worker's user data is {len(text.encode())} bytes (limit {MAX_USER_DATA})")
     return text
 
 
@@ -489,10 +504,11 @@ def etcd_member_stub(index: int, script: BootScript) -> str:
                        script_sha256=script.sha256, bucket=BUCKET_PLACEHOLDER)
 
 
-def agent_config_from_user_data(text: str) -> AgentConfig:
-    """The agent config a worker's boot script writes (identity left blank; for tests and emulators)."""
+def agent_config_from_script(text: str) -> AgentConfig:
+    """The agent config a worker's boot script writes (identity left blank; for tests and emulators).
+    Raises ValueError when the script holds none."""
     match = re.search(rf"<<'{CONFIG_MARKER}'\n(.*?)\n{CONFIG_MARKER}\n", text, re.S)
     if not match:
-        raise ValueError("no petctl agent config in this user data")
+        raise ValueError("no petctl agent config in this boot script")
     json.loads(match.group(1))  # must be one JSON document
     return AgentConfig.from_json(match.group(1))

@@ -95,9 +95,12 @@ class EtcdArtifact:
 
 @dataclass(frozen=True)
 class BootScript:
-    """The etcd members' boot script, shipped through the bucket (see the module docstring)."""
+    """A boot script shipped through the bucket, under `prefix`, named by its checksum: the etcd members'
+    (see the module docstring) and each job's workers' (`jobs/<job>`, boot.worker_user_data). The user
+    data that fetches it pins the same checksum."""
 
     text: str
+    prefix: str = "dist/etcd"
 
     @property
     def sha256(self) -> str:
@@ -105,7 +108,7 @@ class BootScript:
 
     @property
     def key(self) -> str:
-        return f"dist/etcd/boot-{self.sha256[:16]}.sh"
+        return f"{self.prefix}/boot-{self.sha256[:16]}.sh"
 
 
 def store_option(value: str) -> Backend:

@@ -3,8 +3,8 @@ from leaving anything behind.
 
 Input is validated first with no AWS call (the submission, the instance types, the requirements file);
 then what AWS must confirm (an --image's platform, the AMI, the job's name, the vCPU quota) is asked; only
-then are the code, petctl's wheel and the job's records uploaded, its stack created, and its group raised
-and watched until EC2 launched it.
+then are the code, petctl's wheel, the job's records, its workers' boot script and its stack's template
+uploaded, its stack created (by TemplateURL), and its group raised and watched until EC2 launched it.
 
 Two ways to boot (JobBoot): by default the Deep Learning AMI, whose Python gets the petctl that launched
 the job; with --image, that container on the ECS GPU AMI (both in boot.py).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from petctl.core.errors import JobExists, NotSetUp, PetctlError, ProviderError, ValidationError
 from petctl.core.spec import AgentConfig, JobSpec, JobSubmission
@@ -29,6 +29,7 @@ from petctl.providers.aws.boot import (
     check_image,
     read_requirements,
     resolve,
+    worker_boot_script,
     worker_user_data,
 )
 from petctl.providers.aws.capacity import (
@@ -37,7 +38,9 @@ from petctl.providers.aws.capacity import (
     is_gpu,
     validate_instance_types,
 )
+from petctl.providers.aws.etcdbin import BootScript
 from petctl.providers.aws.jobscope import template_scope
+from petctl.providers.aws.stacks import publish, template_key
 from petctl.providers.aws.storage import JobStore
 from petctl.providers.aws.templates import render_job
 
@@ -133,10 +136,16 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
         store.put_json("job.json", spec.to_dict())
         store.put_json("agent.json", json.loads(agent.to_json()))
         store.put_json("placement.json", json.loads(placement.to_json()))
-        body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids, boot)
+        # The workers' boot script and the stack's template go to the job's prefix first: the user data
+        # fetches the one, CloudFormation the other (a TemplateURL: no template outgrows a TemplateBody).
+        script = job_boot_script(provider, agent, store.url("agent.json"), boot)
+        upload_boot_script(s3, bucket, script)
+        body = render_job_template(provider, spec, agent, store.url("agent.json"), placement.subnet_ids, boot,
+                                   script)
+        template = publish(s3, bucket, session.region, template_key(store.prefix, "template", body), body)
         tags = {"petctl:stack": provider.base_stack, "petctl:kind": "job", "petctl:job": spec.name,
                 **basestack.layout_tags()}
-        stacks.create(stack, body, tags, f"job {spec.name}", role_arn=role)
+        stacks.create(stack, template, tags, f"job {spec.name}", role_arn=role)
     except PetctlError:
         if (stacks.describe(stack) or {}).get("StackStatus") == "ROLLBACK_COMPLETE":
             stacks.delete(stack, f"failed job {spec.name}", role)  # free the name for a corrected retry
@@ -187,19 +196,42 @@ def upload_wheelhouse(store: JobStore, requirements: str, progress) -> AmiBoot:
                    python_bin=AMI_PYTHON.rsplit("/", 1)[0])
 
 
+def job_boot_script(provider: AwsContext, agent: AgentConfig, config_url: str,
+                    boot: JobBoot | None = None) -> BootScript:
+    """The job's workers' boot script (boot.worker_boot_script), for the job's prefix. `boot`: how its
+    instances boot (by default the recorded `worker_ami` and `image` settings)."""
+    settings = provider.require_ready()
+    boot = boot or JobBoot(ami=settings["worker_ami"], image=settings["image"])
+    return worker_boot_script(agent, image=boot.image, log_group=settings["outputs"]["LogGroupName"],
+                              config_url=config_url, gpus=is_gpu(agent.job.instance_types[0]),
+                              ami_boot=boot.ami_boot)
+
+
+def upload_boot_script(s3: Any, bucket: str, script: BootScript) -> None:
+    """Put the workers' boot script at its key (its name carries its checksum). Raises ProviderError (one
+    line) when the upload fails."""
+    from petctl.io.aws import aws_errors
+
+    with aws_errors(f"upload the workers' boot script to s3://{bucket}/{script.key}"):
+        s3.put_object(Bucket=bucket, Key=script.key, Body=script.text.encode(),
+                      ContentType="text/x-shellscript", Metadata={"sha256": script.sha256})
+
+
 def render_job_template(provider: AwsContext, spec: JobSpec, agent: AgentConfig, config_url: str,
-                        subnet_ids: list[str] | None = None, boot: JobBoot | None = None) -> str:
+                        subnet_ids: list[str] | None = None, boot: JobBoot | None = None,
+                        script: BootScript | None = None) -> str:
     """The job stack's template. `subnet_ids`: where the group launches (create_job passes its
     placement's); by default the first subnet, or every subnet for a --multi-az job. `boot`: how its
-    instances boot (by default the recorded `worker_ami` and `image` settings)."""
+    instances boot (by default the recorded `worker_ami` and `image` settings). `script`: the boot script
+    its user data fetches (by default job_boot_script's)."""
     settings = provider.require_ready()
     boot = boot or JobBoot(ami=settings["worker_ami"], image=settings["image"])
     out = settings["outputs"]
     types = spec.instance_types
     spot = not spec.on_demand
     mixed = len(types) > 1 or (spot and spec.on_demand_base > 0)
-    user_data = worker_user_data(agent, image=boot.image, log_group=out["LogGroupName"],
-                                 config_url=config_url, gpus=is_gpu(types[0]), ami_boot=boot.ami_boot)
+    script = script or job_boot_script(provider, agent, config_url, boot)
+    user_data = worker_user_data(script, out["BucketName"])
     all_subnets = out["SubnetIds"].split(",")
     if subnet_ids is None:
         subnet_ids = all_subnets if spec.multi_az else all_subnets[:1]

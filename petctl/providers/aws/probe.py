@@ -58,8 +58,10 @@ POLL = 2.0
 # name, what it settles (the table's second column)
 CONTRACTS = (
     ("trust-policy key", "CloudFormation can assume the job stacks' service role"),
+    ("template by URL", "CloudFormation reads the job's template from the private bucket (TemplateURL)"),
     ("iam:PassedToService", "the service role adds the job role to its instance profile (PassRole to EC2)"),
     ("pip and the CLI on the DLAMI", "the boot installs petctl and one requirement; AWS CLI v2 on PATH"),
+    ("boot script from the bucket", "the user data fetches its boot script with the instance role"),
     ("HOME and the file limit", "the worker writes ~/.cache; its soft file limit is high"),
     ("launch hook CONTINUE", "a joined instance leaves Pending:Wait for InService"),
     ("abandon at size 0", "the boot breaker's group at 0 keeps no instance waiting"),
@@ -73,6 +75,8 @@ CONTRACTS = (
 # What an emulator (moto) cannot show: there a contract that held reads "needs AWS", and why.
 EMULATOR_BLIND = {
     "trust-policy key": "the emulator assumes no role",
+    "template by URL": "the emulator reads a TemplateURL without checking the caller's access",
+    "boot script from the bucket": "the emulator checks no instance role's access",
     "iam:PassedToService": "the emulator evaluates no IAM condition",
     "pip and the CLI on the DLAMI": "the emulator runs no Deep Learning AMI",
     "HOME and the file limit": "the emulator's workers are this machine's processes",
@@ -146,6 +150,7 @@ class Spend:
 _CREATED = re.compile(r"^stack \S+ ended ")  # StackOps.wait: the stack existed and its creation failed
 _ASSUME = re.compile(r"cannot be assumed|AssumeRole|not authorized to perform: sts", re.I)
 _PASS = re.compile(r"PassRole|PassedToService|AddRoleToInstanceProfile|InstanceProfile", re.I)
+_TEMPLATE_URL = re.compile(r"TemplateURL|valid S3 object|S3 error", re.I)
 
 
 def stack_was_created(error: str) -> bool:
@@ -164,6 +169,27 @@ def trust(o: Observations) -> tuple[str, str]:
         return BROKEN, job.create_error
     if job.created:
         return HELD, f"CloudFormation created job {job.name}'s stack as the service role"
+    return NOT_REACHED, _why_not(job, o.stopped)
+
+
+def template_by_url(o: Observations) -> tuple[str, str]:
+    job = o.good
+    if job.create_error and _TEMPLATE_URL.search(job.create_error):
+        return BROKEN, job.create_error
+    if job.created:
+        return HELD, f"job {job.name}'s stack was created from its template in the bucket"
+    return NOT_REACHED, _why_not(job, o.stopped)
+
+
+def boot_fetch(o: Observations) -> tuple[str, str]:
+    """An instance whose agent joined ran the boot script its user data fetched. One that never joined
+    and recorded no failed boot may not have fetched it (the stub's failure has no boot record)."""
+    job = o.good
+    if job.joined:
+        return HELD, "the instance fetched its boot script, checked its SHA-256 and ran it"
+    if job.timed_out and not job.boot_error:
+        return BROKEN, (f"{job.timed_out}, with no failed boot recorded: see the instance's console output "
+                        "for the user data's fetch of its boot script")
     return NOT_REACHED, _why_not(job, o.stopped)
 
 
@@ -293,8 +319,9 @@ def left_behind(o: Observations) -> tuple[str, str]:
 
 
 RULES: dict[str, Callable[[Observations], tuple[str, str]]] = {
-    "trust-policy key": trust, "iam:PassedToService": passed_to_service,
-    "pip and the CLI on the DLAMI": dlami, "HOME and the file limit": home,
+    "trust-policy key": trust, "template by URL": template_by_url, "iam:PassedToService": passed_to_service,
+    "pip and the CLI on the DLAMI": dlami, "boot script from the bucket": boot_fetch,
+    "HOME and the file limit": home,
     "launch hook CONTINUE": launch_hook, "abandon at size 0": abandon,
     "deletion under the service role": deletion, "spot notice detach": detach, "job role boundary": boundary,
     "probe job trains": trains, "boot breaker": breaker, "nothing left behind": left_behind,

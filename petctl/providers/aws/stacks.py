@@ -1,9 +1,16 @@
 """Create, update, wait for and delete CloudFormation stacks, reporting progress as CloudFormation works
 and failing with the stack's own reason (the first resource that failed), not a generic waiter error.
+
+A template reaches CloudFormation as a `Template`: inline (TemplateBody, 51,200 bytes at most: only the
+base stack's seed) or by URL (TemplateURL: every full template, uploaded first to the stack's own bucket by
+`publish`). CloudFormation reads a TemplateURL with the caller's credentials, so the bucket stays private:
+its policy grants CloudFormation nothing, and the caller needs s3:GetObject on the object (AWS's user guide:
+"stored in an S3 bucket that you have read permissions to"; docs/aws.md says what only an account shows).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Callable
@@ -12,12 +19,65 @@ from typing import Any
 
 from petctl.core.errors import JobExists, ProviderError
 from petctl.io.aws import aws_errors, error_message
+from petctl.providers.aws.templates import TEMPLATE_BODY_LIMIT, TEMPLATE_URL_LIMIT, TEMPLATE_URL_MAX_CHARS
 
 Progress = Callable[[str], None]
 
 IN_PROGRESS = "_IN_PROGRESS"
 DONE_OK = {"CREATE_COMPLETE", "UPDATE_COMPLETE", "DELETE_COMPLETE", "IMPORT_COMPLETE"}
 CAPABILITIES = ["CAPABILITY_IAM"]
+
+
+@dataclass(frozen=True)
+class Template:
+    """A template as CloudFormation is given it: `url` (TemplateURL) when set, else `body` inline."""
+
+    body: str = ""
+    url: str = ""
+
+    def args(self) -> dict[str, str]:
+        """The CreateStack/UpdateStack argument. Raises ProviderError for an inline body over
+        CloudFormation's limit (say so here, rather than as the API's ValidationError)."""
+        if self.url:
+            return {"TemplateURL": self.url}
+        size = len(self.body.encode())
+        if size > TEMPLATE_BODY_LIMIT:
+            raise ProviderError(f"a template of {size} bytes cannot go inline (CloudFormation's TemplateBody "
+                                f"limit is {TEMPLATE_BODY_LIMIT}): publish it to the bucket")
+        return {"TemplateBody": self.body}
+
+
+def template_key(prefix: str, name: str, body: str) -> str:
+    """Where a template is kept in the bucket: named by its content, so a stack's template never changes
+    under it and the same template is one object."""
+    return f"{prefix}/{name}-{hashlib.sha256(body.encode()).hexdigest()[:16]}.yaml"
+
+
+def template_url(bucket: str, region: str, key: str) -> str:
+    """The TemplateURL of an object: the bucket's regional virtual-hosted https address (CloudFormation
+    takes only https:// S3 URLs, not website ones; `.com.cn` in the China regions). Raises ProviderError
+    when it is longer than CloudFormation accepts."""
+    from urllib.parse import quote
+
+    suffix = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    url = f"https://{bucket}.s3.{region}.{suffix}/{quote(key)}"
+    if len(url) > TEMPLATE_URL_MAX_CHARS:
+        raise ProviderError(f"the template URL is {len(url)} characters (CloudFormation takes at most "
+                            f"{TEMPLATE_URL_MAX_CHARS}): {url[:80]}...")
+    return url
+
+
+def publish(s3: Any, bucket: str, region: str, key: str, body: str) -> Template:
+    """Upload a template to the stack's bucket and return it as a TemplateURL. Raises ProviderError for a
+    template over CloudFormation's 1 MB, or when the upload fails (one line, naming the object)."""
+    size = len(body.encode())
+    if size > TEMPLATE_URL_LIMIT:
+        raise ProviderError(f"the template is {size} bytes: over CloudFormation's {TEMPLATE_URL_LIMIT}-byte "
+                            "limit for a template in S3")
+    url = template_url(bucket, region, key)
+    with aws_errors(f"upload the template to s3://{bucket}/{key}"):
+        s3.put_object(Bucket=bucket, Key=key, Body=body.encode(), ContentType="text/yaml")
+    return Template(url=url)
 
 
 def _role(role_arn: str) -> dict[str, str]:
@@ -65,22 +125,25 @@ class StackOps:
                         stacks.append(stack)
         return stacks
 
-    def create(self, name: str, body: str, tags: dict[str, str], what: str,
+    def create(self, name: str, template: Template, tags: dict[str, str], what: str,
                role_arn: str = "") -> dict[str, Any]:
         """Create a stack that must not exist yet, and wait for it. `role_arn`: the CloudFormation service
-        role to create (and later update and delete) it with, instead of the caller's permissions."""
+        role to create (and later update and delete) it with, instead of the caller's permissions. Raises
+        JobExists when it exists, ProviderError when it fails (with the first resource's reason)."""
         existing = self.describe(name)
         if existing:
             raise JobExists(self._exists_message(name, existing["StackStatus"], what))
         with aws_errors(f"create stack {name}"):
-            self.cfn.create_stack(StackName=name, TemplateBody=body, Capabilities=CAPABILITIES,
+            self.cfn.create_stack(StackName=name, **template.args(), Capabilities=CAPABILITIES,
                                   Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
                                   OnFailure="ROLLBACK", **_role(role_arn))
         self.progress(f"creating {what} (stack {name})")
         return self.wait(name, "CREATE_COMPLETE")
 
-    def create_or_update(self, name: str, body: str, tags: dict[str, str], what: str) -> dict[str, Any]:
-        """setup is idempotent: create the stack, or update it in place when it is already healthy."""
+    def create_or_update(self, name: str, template: Template, tags: dict[str, str],
+                         what: str) -> dict[str, Any]:
+        """setup is idempotent: create the stack, or update it in place when it is already healthy. Raises
+        JobExists when it is busy or failed to delete, ProviderError when the operation fails."""
         from petctl.io.aws import ClientError
 
         existing = self.describe(name)
@@ -90,13 +153,13 @@ class StackOps:
             self.delete(name, what)
             existing = None
         if existing is None:
-            return self.create(name, body, tags, what)
+            return self.create(name, template, tags, what)
         status = existing["StackStatus"]
         if status.endswith(IN_PROGRESS) or status == "DELETE_FAILED":
             raise JobExists(self._exists_message(name, status, what))
         with aws_errors(f"update stack {name}"):
             try:
-                self.cfn.update_stack(StackName=name, TemplateBody=body, Capabilities=CAPABILITIES,
+                self.cfn.update_stack(StackName=name, **template.args(), Capabilities=CAPABILITIES,
                                       Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
             except ClientError as exc:
                 if "No updates are to be performed" in error_message(exc):

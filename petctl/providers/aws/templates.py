@@ -64,9 +64,19 @@ def render_base(**context: Any) -> str:
     return strip_comments(render(CFN_DIR, "base.yaml.j2", **base_scope(context["stack_name"]), **context))
 
 
-# CloudFormation's limit on a TemplateBody. The base stack creates the bucket, so its template cannot go by
-# TemplateURL: it must stay below this (tests/aws/test_templates.py renders the largest one).
+def render_seed(**context: Any) -> str:
+    """The base stack's first template: its bucket alone (cfn/seed.yaml.j2), small enough for a
+    TemplateBody. `setup` creates a new stack from it, then updates the stack from the full template in
+    that bucket (a TemplateURL must name an object that already exists)."""
+    return strip_comments(render(CFN_DIR, "seed.yaml.j2", **context))
+
+
+# CloudFormation's limits (CreateStack/UpdateStack API reference, "TemplateBody" and "TemplateURL"): 51,200
+# bytes sent inline; 1 MB fetched from S3, by a URL of at most 1,024 characters that starts with https://.
+# petctl sends every full template by URL (stacks.publish); only the seed goes inline.
 TEMPLATE_BODY_LIMIT = 51_200
+TEMPLATE_URL_LIMIT = 1024 * 1024
+TEMPLATE_URL_MAX_CHARS = 1024
 
 
 def strip_comments(template: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from petctl.core.spec import AgentConfig, JobSpec
-from petctl.providers.aws.boot import worker_user_data
+from petctl.providers.aws.boot import worker_boot_script
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/petctl-worker:0.1.0"
 SECRET_MARKERS = ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "aws_secret_access_key", "AKIA", "BEGIN RSA",
@@ -29,8 +29,9 @@ def agent_config(**job) -> AgentConfig:
 
 
 def worker(gpus: bool = True, **job) -> str:
-    return worker_user_data(agent_config(**job), image=IMAGE, log_group="/petctl/petctl",
-                            config_url="s3://b/jobs/demo/agent.json", gpus=gpus)
+    """The --image worker's boot script (what its user data fetches from the job's prefix)."""
+    return worker_boot_script(agent_config(**job), image=IMAGE, log_group="/petctl/petctl",
+                              config_url="s3://b/jobs/demo/agent.json", gpus=gpus).text
 
 
 def bash_syntax_ok(text: str, tmp_path: Path) -> None:

@@ -1,0 +1,74 @@
+"""Figures are claims (issue 48): every result file says what code it measured, every committed result is
+cited by a document, and README quotes only results tied to a commit, with the numbers in their files."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.support.paths import REPO
+
+RESULTS = REPO / "bench" / "results"
+
+
+def result_files() -> list:
+    return sorted(p for p in RESULTS.iterdir() if p.is_file())
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+def test_a_result_records_its_commit_or_says_it_cannot(path):
+    doc = json.loads(path.read_text())
+    assert "commit" in doc and "dirty" in doc, f"{path.name}: no commit/dirty (see bench/runmeta.py)"
+    if doc["commit"] is None:
+        assert doc.get("provenance"), f"{path.name}: commit unknown and no provenance note"
+
+
+def _cited(name: str) -> bool:
+    found = subprocess.run(["git", "grep", "-q", "-F", name, "--", ":!bench/results"], cwd=REPO)
+    return found.returncode == 0
+
+
+def test_every_committed_result_is_cited():
+    tracked = set(subprocess.run(["git", "ls-files", "bench/results"], cwd=REPO, capture_output=True,
+                                 text=True).stdout.split())
+    files = [p for p in result_files() if f"bench/results/{p.name}" in tracked]
+    cited_stems = {p.name.split(".")[0] for p in files if _cited(p.name)}
+    orphans = [p.name for p in files
+               if p.name.split(".")[0] not in cited_stems
+               and not any(p.name.startswith(stem + "-") for stem in cited_stems)]
+    assert not orphans, f"results no document cites (cite them or delete them): {orphans}"
+
+
+def readme_results() -> list[str]:
+    return re.findall(r"\(bench/results/([\w.-]+\.json)\)", (REPO / "README.md").read_text())
+
+
+def test_readme_quotes_only_results_tied_to_a_commit():
+    cited = readme_results()
+    assert cited, "README cites no result file"
+    for name in cited:
+        doc = json.loads((RESULTS / name).read_text())
+        assert doc["commit"] and doc["dirty"] is False, f"README quotes {name}, not tied to a clean commit"
+
+
+def test_readme_figures_are_generated_from_their_files():
+    """README's table is bench/headline.py's output: edit a figure by hand, or let a result change under
+    it, and this fails until `python -m bench.headline --write` is run."""
+    from bench import headline
+
+    readme = (REPO / "README.md").read_text()
+    assert headline.current(readme) == headline.block(), "README's figures differ from their result files"
+
+
+def test_a_headline_refuses_a_result_without_a_clean_commit(tmp_path, monkeypatch):
+    from bench import headline
+
+    (tmp_path / "old.json").write_text(json.dumps({"commit": None, "dirty": None, "provenance": "x"}))
+    (tmp_path / "dirty.json").write_text(json.dumps({"commit": "abc", "dirty": True}))
+    monkeypatch.setattr(headline, "RESULTS", tmp_path)
+    for name in ("old.json", "dirty.json"):
+        with pytest.raises(ValueError, match="not tied to a clean commit"):
+            headline.load(name)
