@@ -21,7 +21,6 @@ from petctl.core.snapshotrecord import (
     BLANK,
     HEADER_SIZE,
     SnapshotHeader,
-    read_header,
     snapshot_path,
     stale_reason,
 )
@@ -29,6 +28,7 @@ from petctl.elastic import Checkpointer, State
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.snapshots.resume import Offer, SnapshotReader, newest_common
 from petctl.elastic.snapshots.writer import Cadence, SnapshotWriter
+from petctl.io.snapshotfiles import read_header
 from tests.support.checkpointing import Recorder
 from tests.support.paths import REPO
 from tests.support.snapshot_states import assert_same, frozen, make_state, read_back, train

@@ -15,7 +15,7 @@ from typing import Any
 
 from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
-from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, read_header, stale_reason
+from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, stale_reason
 from petctl.elastic.snapshots.codec import (
     OWN,
     PEER,
@@ -27,6 +27,7 @@ from petctl.elastic.snapshots.codec import (
     shard_path,
     unpack,
 )
+from petctl.io.snapshotfiles import read_header
 
 # --- the replicated choice ----------------------------------------------------------------------------------
 # Which step a re-formed job resumes from, and from where: a pure function over what every rank offers.
