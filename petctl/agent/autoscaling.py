@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 from petctl.agent.health import describe
 from petctl.core.boots import boot_key
-from petctl.core.eventlog import EventLog
 from petctl.core.records import BootRecord
 from petctl.core.spec import AgentConfig
+from petctl.io.eventlog import EventLog
 
 # --- ASG lifecycle actions ----------------------------------------------------------------------------------
 # Finishing an Auto Scaling group's lifecycle actions from the instance itself: the termination hook's

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from petctl.agent.health import OutageReporter
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 
 TOKEN_PATH = "/latest/api/token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"

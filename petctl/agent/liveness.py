@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 from petctl.agent.decisions import RoundInfo
 from petctl.agent.health import OutageReporter, StoreHealth
-from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
 from petctl.core.store import Lease, LeaseExpired, Liveness, Store
 from petctl.io.etcd import store_errors
+from petctl.io.eventlog import EventLog
 
 # --- heartbeat ----------------------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import pytest
 
 from petctl.agent.forkserver import ForkedProc, ServerMessage
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, report_forking
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.io.procs import alive as pid_alive
 from petctl.io.procs import die_with_parent, wait_until
 from tests.support.paths import REPO

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from petctl.agent.imds import IMDSWatcher, Notice, parse_time
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
+from petctl.io.eventlog import EventLog
 from petctl.providers.local.metadata_server import LocalMetadataServer
 from tests.support.notices import write_notice
 

@@ -8,7 +8,8 @@ import threading
 from typing import Any
 
 from petctl.agent.autoscaling import LifecycleHeartbeat, complete_lifecycle_action, make_client
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
+from petctl.io.eventlog import EventLog
 
 
 class Recorder:

@@ -22,11 +22,12 @@ from petctl.agent.liveness import (
     successor,
     watching_enabled,
 )
-from petctl.core.eventlog import EventLog, parse_line
+from petctl.core.eventlog import parse_line
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
 from petctl.core.store import BACKENDS, Store
+from petctl.io.eventlog import EventLog
 from tests.support.agent_harness import wait_for
 from tests.support.store import FakeStore, store_for
 

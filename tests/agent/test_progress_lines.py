@@ -18,14 +18,15 @@ from pathlib import Path
 
 from petctl.agent.reporting import Progress
 from petctl.agent.workers import WorkerGroup, WorkerSpec
-from petctl.core.eventlog import EventLog, parse_line
+from petctl.core.eventlog import parse_line
+from petctl.io.eventlog import EventLog
 from petctl.jobview.accounting import account
 
 STEPS = 12
 WORKER = f'''
 import json, sys, time
 from tqdm import tqdm
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 events = EventLog("elastic", stream=sys.stdout)
 with open("ledger.jsonl", "w") as ledger:
     for step in tqdm(range(1, {STEPS} + 1), mininterval=0):  # stderr, redrawn with \\r at every step

@@ -15,8 +15,9 @@ import pytest
 from petctl.agent.imds import IMDSError, IMDSWatcher, Notice, Recommendation
 from petctl.agent.rebalance import RebalanceResponder
 from petctl.core.errors import PetctlError
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
 from petctl.io import controlfiles as cf
+from petctl.io.eventlog import EventLog
 from petctl.providers.local.chaos import choose_target
 from petctl.providers.local.metadata_server import LocalMetadataServer, iso8601
 from petctl.providers.local.rebalance import in_service, over_max_allowance, plan

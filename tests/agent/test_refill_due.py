@@ -29,7 +29,7 @@ from petctl.agent.workers import (
     refill,
     refill_due,
 )
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.io.procs import die_with_parent
 from tests.support.paths import REPO
 

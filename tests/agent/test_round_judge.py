@@ -236,9 +236,9 @@ def test_a_mixed_ending_is_succeeded_and_its_reason_names_the_failure():
 def test_the_done_record_carries_a_mixed_failure_through_etcd(etcd_server):
     """The failure a node stores with its `done` mark is what every other node's reader sees (real etcd)."""
     from petctl.agent.rendezvous import LiveReader, RequestStats
-    from petctl.core.eventlog import EventLog
     from petctl.core.keys import JobKeys
     from petctl.core.records import DoneRecord
+    from petctl.io.eventlog import EventLog
     from tests.support.store import store_for
 
     keys, client = JobKeys("mixed-done"), store_for(etcd_server.endpoint)
@@ -324,7 +324,7 @@ def test_rank_0_publishes_its_save_time_through_the_interval_that_follows():
     import io
 
     from petctl.agent.reporting import Progress
-    from petctl.core.eventlog import EventLog
+    from petctl.io.eventlog import EventLog
 
     progress = Progress(nproc=1, events=EventLog("agent", stream=io.StringIO()))
     progress.on_worker_event({"event": "checkpoint.saved", "rank": 0, "step": 9, "url": "file:///c",

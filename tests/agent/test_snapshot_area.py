@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 from petctl.agent.snapshots import PREFIX, SnapshotArea, owner_of, snapshot_root, sweep
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
 from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, snapshot_path
 from petctl.io import procs
+from petctl.io.eventlog import EventLog
 
 
 def recorder() -> tuple[EventLog, io.StringIO]:

@@ -196,7 +196,7 @@ def test_a_quiet_service_counts_its_own_failures_and_forwards_them():
 
 # --- the heartbeat re-asserts a vanished key ------------------------------------------------------------
 def test_the_heartbeat_writes_its_vanished_key_again_and_disturbs_the_store():
-    from petctl.core.eventlog import EventLog
+    from petctl.io.eventlog import EventLog
 
     client, rec = FakeStore(), Recorder()  # its `gone`: the next keep-alive finds the lease expired
     events = EventLog("agent", stream=None)
@@ -254,7 +254,7 @@ class FakeMirror:
 
 def test_a_wiped_store_gets_the_round_and_the_spec_back():
     rdzv, rec = FakeRendezvous(), Recorder()
-    from petctl.core.eventlog import EventLog
+    from petctl.io.eventlog import EventLog
 
     events = EventLog("agent", stream=None)
     events.add_sink(lambda record: rec(record["event"]))
@@ -268,7 +268,7 @@ def test_a_wiped_store_gets_the_round_and_the_spec_back():
 
 def test_a_wiped_store_of_an_ended_job_gets_its_result_back_not_its_round():
     rdzv = FakeRendezvous()
-    from petctl.core.eventlog import EventLog
+    from petctl.io.eventlog import EventLog
 
     result = JobResult(state="succeeded", reason="all workers exited 0", ts=WALL, round=4, job="j", node="a")
     rebuilder = StoreRebuilder(rdzv, FakeMirror(result), "{}", EventLog("agent", stream=None))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from petctl.agent.workers import _Readiness, _report_warm
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 
 
 @dataclass

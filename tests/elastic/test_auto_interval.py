@@ -59,8 +59,8 @@ def test_checkpointer_auto_measures_and_reports(tmp_path, monkeypatch) -> None:
     import json
 
     torch = pytest.importorskip("torch")
-    from petctl.core.eventlog import EventLog
     from petctl.elastic import Checkpointer, State
+    from petctl.io.eventlog import EventLog
 
     monkeypatch.setenv("PETCTL_LOSS_RATE", "360")  # silent losses per node-hour: MTBF short, 1 node
     out = io.StringIO()

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
 from petctl.elastic.integrations.paths import output_dir
 from petctl.elastic.integrations.protocol import Action, SaveNowProtocol
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 from petctl.jobview.failure import WorkerFailure
 from tests.support.paths import REPO
 

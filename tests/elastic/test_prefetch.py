@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from petctl.agent.workers import Prefetch
-from petctl.core.eventlog import EventLog
 from petctl.elastic import FileStore
 from petctl.elastic import manifest as mf
 from petctl.elastic.manifest import LocalCache
 from petctl.elastic.prefetch import prefetch
+from petctl.io.eventlog import EventLog
 
 
 def _checkpoint(store: FileStore, tmp: Path, step: int, payload: bytes) -> None:

@@ -149,10 +149,10 @@ def test_pieces_of_a_sharded_tensor_are_put_together_and_the_rest_comes_from_old
 def test_one_process_snapshots_every_step_and_resumes_from_its_newest(tmp_path: Path) -> None:
     """No torch.distributed: the tier keeps its own shard only (no peer), the newest step, and a later
     round resumes from it, tensors and plain values alike; a later round of another job does not."""
-    from petctl.core.eventlog import EventLog
     from petctl.elastic.dist import Comm
     from petctl.elastic.snapshots import SnapshotOptions
     from petctl.elastic.snapshots.ring import ShardSnapshotTier
+    from petctl.io.eventlog import EventLog
 
     env = {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"}
     opts = SnapshotOptions(every=1, directory=str(tmp_path))

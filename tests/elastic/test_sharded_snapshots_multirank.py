@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.elastic import ShardedCheckpointer, ShardedState
 from petctl.elastic.snapshots import SnapshotOptions
 

@@ -219,7 +219,7 @@ def test_a_torn_damaged_or_stale_snapshot_is_never_offered(tmp_path: Path) -> No
 WRITER_LOOP = r'''
 import os, sys, torch
 from pathlib import Path
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.elastic import State
 from petctl.elastic.snapshots.writer import SnapshotWriter
 

@@ -14,7 +14,7 @@ from petctl.core.snapshotrecord import HEADER_SIZE
 from tests.support.helpers_gloo import WORKER_PRELUDE, run_worker_pair
 
 WORKER = WORKER_PRELUDE + r'''
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.elastic import Checkpointer, State
 from petctl.elastic.snapshots import SnapshotOptions
 

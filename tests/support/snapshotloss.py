@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from petctl.agent.snapshots import sweep
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from tests.support.cli import Petctl
 from tests.support.matrix import FAST, wait_until
 from tests.support.userledger import UserLedger, end_padding

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
 from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, stale_reason
 from petctl.elastic.snapshots.codec import (
@@ -27,6 +26,7 @@ from petctl.elastic.snapshots.codec import (
     shard_path,
     unpack,
 )
+from petctl.io.eventlog import EventLog
 from petctl.io.snapshotfiles import read_header
 
 # --- the replicated choice ----------------------------------------------------------------------------------
