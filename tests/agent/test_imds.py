@@ -118,4 +118,4 @@ def test_stop_without_notice(metadata_server: LocalMetadataServer) -> None:
     watcher.start(lambda n: None)
     time.sleep(0.2)
     watcher.stop()
-    assert watcher._thread is None
+    assert not watcher._service.started and not watcher._service.running

@@ -75,7 +75,7 @@ def test_background_watch_reports_once_and_keeps_watching(metadata_server: Local
             time.sleep(0.05)
         time.sleep(0.3)  # several more polls answer the same recommendation
         assert [r.notice_time for r in got] == [1000.0]
-        assert not notices and watcher._thread is not None and watcher._thread.is_alive()
+        assert not notices and watcher._service.running
         # The real notice still ends the watch, and the same recommendation is not reported again.
         write_notice(metadata_server, "i-1", "spot", time.time() + 60)
         assert noticed.wait(5)
