@@ -40,7 +40,7 @@ setup(
         "tenacity>=8",
     ],
     # torch is imported only by petctl.elastic and by the user's workers: the CLI and the agent never
-    # import it (tests/test_layers.py enforces that), so `pip install petctl` stays small and a laptop
+    # import it (tests/project/test_layers.py enforces that), so `pip install petctl` stays small and a laptop
     # that only launches jobs on AWS does not download a multi-GB wheel. Training hosts and the local
     # provider (whose workers run here) install `petctl[elastic]`; the worker image has torch from its
     # base image and installs petctl alone, from worker_image/constraints.txt.

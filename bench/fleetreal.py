@@ -50,11 +50,11 @@ from petctl.agent.health import OutageReporter, StoreHealth  # noqa: E402
 from petctl.agent.leases import LeaseClasses  # noqa: E402
 from petctl.agent.liveness import GAP_BEATS, Heartbeat  # noqa: E402
 from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats  # noqa: E402
-from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.core.keys import JobKeys  # noqa: E402
 from petctl.core.records import NodeRecord  # noqa: E402
 from petctl.core.spec import JobSpec  # noqa: E402
 from petctl.core.store import JOB_DEFAULT_BACKEND, Store, StoreError  # noqa: E402
+from petctl.io.eventlog import EventLog  # noqa: E402
 from petctl.io.store import open_store  # noqa: E402
 
 STORE_MARGIN = 1.0  # as agent.py's: the store health's grace beyond one TTL and one refresh

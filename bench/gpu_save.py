@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_step import StepModel, die_with_parent
-from petctl.core.eventlog import EventLog
 from petctl.elastic import Checkpointer, State
 from petctl.elastic.manifest import readable_manifests
+from petctl.io.eventlog import EventLog
 from petctl.io.procs import free_port
 
 BASELINE_STEPS = 10

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from bench.gpu_step import Device, Skip, StepModel, host_available, shm_free
-from petctl.core.eventlog import EventLog
 from petctl.elastic import State
 from petctl.elastic.snapshots.codec import decode, flatten
 from petctl.elastic.snapshots.resume import SnapshotReader
 from petctl.elastic.snapshots.writer import DeviceCopy, SnapshotWriter
+from petctl.io.eventlog import EventLog
 
 JOB = "bench-gpu"
 

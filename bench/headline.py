@@ -4,7 +4,7 @@
     python -m bench.headline --write    # rewrite it in README.md, between its markers
 
 Each row names its result file, and a figure comes only from a result that records a clean commit
-(bench/runmeta.py). tests/test_bench_provenance.py fails when README's table differs from this output,
+(bench/runmeta.py). tests/bench/test_provenance.py fails when README's table differs from this output,
 so a figure in README cannot drift from its file.
 """
 

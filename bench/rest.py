@@ -25,7 +25,7 @@ etcd's /metrics before and after `--window` seconds:
     python bench/rest.py --nodes 3 --store v2          # the v2 backend: every heartbeat is a proposal
 
 The result records its commit, whether the tree was dirty, the machine and its load (bench/runmeta.py).
-tests/test_rest_proposals.py (slow) asserts the v3 figure: at most 1 proposal per node per minute.
+tests/bench/test_rest_proposals.py (slow) asserts the v3 figure: at most 1 proposal per node per minute.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Also timed alone, without a model: drawing one step's indices, and starting an e
 What it leaves out: a real dataset's reading and decoding (the same for both samplers), DataLoader
 workers (which move the sampler's work off the training thread), and a world of processes (the sampler
 only reads its rank and world size). A run that starts on a loaded machine (1-minute load average above
-half the cores) is marked INVALID and is not quoted.
+half the cores, read before the run starts) is marked INVALID and is not quoted.
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=200_000, help="samples in the dataset")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "sampler.json")
     args = parser.parse_args(argv)
+    meta = runmeta.start()  # the load before this run adds its own (torch's import included)
     import torch
 
     torch.set_num_threads(1)
-    meta = runmeta.start()
     data = make_data(args.size)
     reps: list[dict[str, float]] = []
     for rep in range(args.reps):

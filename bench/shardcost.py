@@ -35,11 +35,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.workload import build_model  # noqa: E402
-from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.elastic.dist import Comm  # noqa: E402
 from petctl.elastic.snapshots import SnapshotOptions  # noqa: E402
 from petctl.elastic.snapshots.ring import ShardSnapshotTier  # noqa: E402
 from petctl.elastic.state import ShardedState  # noqa: E402
+from petctl.io.eventlog import EventLog  # noqa: E402
 
 
 def run(rank: int, args: argparse.Namespace, port: int, base: str) -> None:

@@ -31,9 +31,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench.workload import build_model  # noqa: E402
-from petctl.core.eventlog import EventLog  # noqa: E402
 from petctl.elastic import State  # noqa: E402
 from petctl.elastic.snapshots.writer import SnapshotWriter  # noqa: E402
+from petctl.io.eventlog import EventLog  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ times too much there (a conservative figure). `goodput_scaled` brings the run to
 compressed duration stretches by S (K and B - K - F), each event's fixed cost stays once (F):
 billed' = S*(B - F) + F and kept' = S*K. With S = 1 the two figures agree.
 
-Worked example (tests/test_bench_traceaccount.py builds it step by step): S = 10, T = 1 s, 3 nodes, a
+Worked example (tests/bench/test_traceaccount.py builds it step by step): S = 10, T = 1 s, 3 nodes, a
 100 s window. A notice whose replacement boots 9 s (a 90 s boot) and hands off with a 1 s stall (3 nodes),
 the leaver billed 3 s after it left; a silent loss with 2 steps redone (world 3) and a 3 s stall (world
 2), its replacement booting 9 s and joining with a 1 s stall (3 nodes). B = 312, K = 273,

@@ -3,7 +3,7 @@
     python -m bench.traces.make        # writes bench/traces/*.json
 
 How each is derived, and which parts are assumptions, is in its `derivation` field and in
-petctl/core/tracegen.py. `smoke` is hand-written for tests/test_bench_trace.py (3 nodes, one notice, one
+petctl/core/tracegen.py. `smoke` is hand-written for tests/bench/test_trace.py (3 nodes, one notice, one
 loss without notice, in 40 s of replay).
 """
 

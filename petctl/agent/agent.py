@@ -48,12 +48,12 @@ from petctl.agent.roundjudge import RoundOutcome
 from petctl.agent.roundrunner import RoundParts, RoundRunner
 from petctl.agent.snapshots import open_area
 from petctl.agent.workers import OMP_THREADS, WorkerSpec, get_ready, torchrun_threads
-from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io.etcd import store_errors
 from petctl.io.etcdpki import load_credentials
+from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
 from petctl.io.store import open_store
 

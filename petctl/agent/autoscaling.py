@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +24,10 @@ from typing import Any, Protocol
 
 from petctl.agent.health import describe
 from petctl.core.boots import boot_key
-from petctl.core.eventlog import EventLog
 from petctl.core.records import BootRecord
 from petctl.core.spec import AgentConfig
+from petctl.io.eventlog import EventLog
+from petctl.io.threads import Service
 
 # --- ASG lifecycle actions ----------------------------------------------------------------------------------
 # Finishing an Auto Scaling group's lifecycle actions from the instance itself: the termination hook's
@@ -102,8 +102,8 @@ class LifecycleHeartbeat:
         self.interval = interval
         self.log = log or EventLog("agent")
         self._client = client
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("petctl-lifecycle-heartbeat", self._run)
+        self._stop = self._service.stopping
         self.beats = 0  # successful heartbeats
         self.failures = 0
 
@@ -128,17 +128,13 @@ class LifecycleHeartbeat:
                 return
 
     def start(self) -> LifecycleHeartbeat:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="petctl-lifecycle-heartbeat", daemon=True)
-            self._thread.start()
+        self._service.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=15)
+        if not self._service.stop(timeout=15):
+            self.log.emit("lifecycle.heartbeat_lingered", asg=self.args["AutoScalingGroupName"],
+                          instance_id=self.args["InstanceId"])
 
     def __enter__(self) -> LifecycleHeartbeat:
         return self.start()
@@ -165,8 +161,8 @@ class LaunchCompletion:
         self.delays = delays
         self.failures = 0  # failed calls, both kinds
         self.recorded = self.completed = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("petctl-launch-hook", self.run)
+        self._stop = self._service.stopping
 
     def _record(self) -> None:
         if self._store is None:
@@ -219,15 +215,12 @@ class LaunchCompletion:
         return done
 
     def start(self) -> LaunchCompletion:
-        self._thread = threading.Thread(target=self.run, name="petctl-launch-hook", daemon=True)
-        self._thread.start()
+        self._service.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=15)
+        if not self._service.stop(timeout=15):
+            self.log.emit("lifecycle.launch_lingered", hook=self.config.launch_hook)
 
 
 # --- the instance's place in its group: detached for a replacement, then ended ------------------------------

@@ -9,7 +9,7 @@ The rendezvous' decisions as one pure function: given what etcd holds, what this
 Split as torch's `dynamic_rendezvous.py` splits it: `decide(view, state, settings, now)` reads typed
 records and returns one `Action` and this node's updated `RendezvousState`; rendezvous.py performs the
 action (etcd compare-and-swap) and calls `decide` again on a fresh view. Nothing here does I/O, reads a
-clock or keeps state between calls, so every rule is a row in tests/test_round_decisions.py.
+clock or keeps state between calls, so every rule is a row in tests/agent/test_round_decisions.py.
 
 The rules (docs/ARCHITECTURE.md has the whole protocol):
 - No round yet: open round 1 (or, if this node saw a round before, the store was wiped: open the next

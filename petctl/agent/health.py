@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from petctl.core.eventlog import EventLog
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 # --- outage reporter ----------------------------------------------------------------------------------------
 # One way for the agent's background services to fail loudly without flooding: the outage reporter.

@@ -23,7 +23,6 @@ the agent calls Auto Scaling's DetachInstances instead.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +32,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from petctl.agent.health import OutageReporter
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
+from petctl.io.threads import Service
 
 TOKEN_PATH = "/latest/api/token"
 SPOT_PATH = "/latest/meta-data/spot/instance-action"
@@ -134,8 +134,8 @@ class IMDSWatcher:
         self._token_expires = 0.0
         self.outage = OutageReporter("imds", self.log.emit, down_event="imds.unreachable",
                                      up_event="imds.reachable")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("petctl-imds-watch", self._run)
+        self._stop = self._service.stopping
         self.rebalance_seen: float | None = None  # noticeTime of the last recommendation reported
 
     # --- HTTP ------------------------------------------------------------------------------------
@@ -243,12 +243,8 @@ class IMDSWatcher:
               on_rebalance: Callable[[Recommendation], None] | None = None) -> None:
         """Poll every `interval` seconds on a daemon thread: `callback` once at the first notice, then
         stop polling; `on_rebalance` (when given) once per rebalance recommendation, polling on."""
-        if self._thread is not None:
+        if not self._service.start(callback, on_rebalance):
             raise RuntimeError("watcher already started")
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(callback, on_rebalance),
-                                        name="petctl-imds-watch", daemon=True)
-        self._thread.start()
 
     def _run(self, callback: Callable[[Notice], None],
              on_rebalance: Callable[[Recommendation], None] | None) -> None:
@@ -278,7 +274,5 @@ class IMDSWatcher:
             self.log.emit("imds.callback_failed", callback=name, error=repr(e))
 
     def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=self.timeout * 3 + self.interval)
+        if not self._service.stop(timeout=self.timeout * 3 + self.interval):
+            self.log.emit("imds.watch_lingered")

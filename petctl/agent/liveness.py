@@ -39,12 +39,13 @@ from dataclasses import dataclass
 
 from petctl.agent.decisions import RoundInfo
 from petctl.agent.health import OutageReporter, StoreHealth
-from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
 from petctl.core.store import Lease, LeaseExpired, Liveness, Store
 from petctl.io.etcd import store_errors
+from petctl.io.eventlog import EventLog
+from petctl.io.threads import Service
 
 # --- heartbeat ----------------------------------------------------------------------------------------------
 
@@ -67,8 +68,8 @@ class Heartbeat:
         self.reasserted = 0  # times our key had vanished and was written again
         self.last_ok: float | None = None  # monotonic send time of our latest refresh etcd applied
         self.longest_gap = 0.0  # the longest time between the sends of two applied refreshes
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("heartbeat", self._run)
+        self._stop = self._service.stopping
         self._deleted = False
         self._written = 0  # the revision of our key's latest write
         self._errors: tuple[type[BaseException], ...] = ()  # store_errors(), resolved by start()
@@ -98,9 +99,7 @@ class Heartbeat:
         # loading it (io/etcdname.py)
         self._errors = store_errors()
         self.register()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._thread.start()
+        self._service.start()
 
     def _run(self) -> None:
         errors = self._errors
@@ -167,10 +166,8 @@ class Heartbeat:
 
     def stop(self, delete: bool) -> None:
         """Stop refreshing; `delete` = leaving (others see a `delete` event at once). Idempotent."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2 * self.interval + 6)
+        if not self._service.stop(timeout=2 * self.interval + 6) and self.events is not None:
+            self.events.emit("heartbeat.lingered")
         if delete and not self._deleted:
             self._deleted = True
             if self.lease is None:
@@ -331,8 +328,8 @@ class PeerWatch:
         self._lock = threading.Lock()
         self._target: tuple[int, str] | None = None  # (round, the member we watch)
         self._known: tuple[str, Liveness] | None = None  # the watched peer's last Store.liveness answer
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._service = Service("peer-watch", self._run)
+        self._stop = self._service.stopping
 
     def watch(self, info: RoundInfo) -> None:
         """Watch our successor in the round `info` describes (nobody when we are alone)."""
@@ -346,16 +343,12 @@ class PeerWatch:
             self._target = None
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
-        self._thread.start()
+        self._service.start()
 
     def stop(self) -> None:
         """Stop the thread and wait for it (bounded by one read's timeout). Idempotent."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=JOIN_TIMEOUT + self.poll)
+        if not self._service.stop(timeout=JOIN_TIMEOUT + self.poll):
+            self.events.emit("peer_watch.lingered")
 
     def _run(self) -> None:
         seen: Observation | None = None

@@ -18,8 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
+from petctl.io.eventlog import EventLog
 from petctl.io.objstore import read_url
 
 # EX_SOFTWARE: the agent itself failed (0 ok or killed, 1 job failed, 2 bad config). worker_boot.sh.j2

@@ -54,10 +54,10 @@ from petctl.agent.roundjudge import (
 )
 from petctl.agent.savefirst import save_done
 from petctl.agent.workers import WorkerGroup
-from petctl.core.eventlog import EventLog
 from petctl.core.records import NodeStatus, Preempt, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
 SHORT_NOTICE_SHARE = 0.25  # ... or, on a notice shorter than 4 x that, this share of the time left

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 REASON = "rebalance"
 

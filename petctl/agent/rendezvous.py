@@ -57,7 +57,6 @@ from petctl.agent.decisions import (
 )
 from petctl.agent.health import OutageReporter, StoreHealth
 from petctl.agent.leases import LeaseClasses
-from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import (
     DoneRecord,
@@ -71,6 +70,7 @@ from petctl.core.records import (
 )
 from petctl.core.store import Compacted, Event, Store, StoreError, Watch
 from petctl.io.etcd import free_port, store_errors
+from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
 
 # --- the live/ watch ----------------------------------------------------------------------------------------

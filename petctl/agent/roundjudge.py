@@ -5,7 +5,7 @@ Sections: the judges of `live/` and of the workers; planned membership changes (
 
 What a running round's events mean, as pure functions: the round runner (roundrunner.py) acts on them.
 
-Two judges, both tested by tables (tests/test_round_decisions.py):
+Two judges, both tested by tables (tests/agent/test_round_decisions.py):
 - `judge(view, info, settings)`: what `live/` says about the round (over, a member lost, a node
   waiting that can be admitted, every member done).
 - `judge_workers(watch, workers, now, timing)`: what this node's workers say (succeeded, failed, stuck

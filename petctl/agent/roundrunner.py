@@ -57,11 +57,11 @@ from petctl.agent.roundjudge import (
 )
 from petctl.agent.savefirst import SaveFirst
 from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, refill_due, round_env
-from petctl.core.eventlog import EventLog
 from petctl.core.records import Phase, Round
 from petctl.core.spec import JobSpec
 from petctl.io import controlfiles
 from petctl.io.etcd import store_errors
+from petctl.io.eventlog import EventLog
 
 # --- the round runner ---------------------------------------------------------------------------------------
 

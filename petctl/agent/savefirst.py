@@ -17,10 +17,10 @@ from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first
 from petctl.agent.workers import WorkerGroup
-from petctl.core.eventlog import EventLog
 from petctl.core.records import Preempt
 from petctl.core.spec import JobSpec
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 
 class Notice(Protocol):

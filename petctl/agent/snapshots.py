@@ -22,10 +22,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
-from petctl.core.snapshotrecord import SnapshotHeader, read_header, snapshot_files
+from petctl.core.snapshotrecord import SnapshotHeader
 from petctl.io import procs
+from petctl.io.eventlog import EventLog
+from petctl.io.snapshotfiles import read_header, snapshot_files
 
 ENV_SNAPSHOT_ROOT = "PETCTL_SNAPSHOT_ROOT"
 SHM = Path("/dev/shm")

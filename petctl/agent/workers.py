@@ -36,9 +36,10 @@ from typing import IO
 
 from petctl.agent.forkserver import ForkedProc, ForkServer
 from petctl.agent.warm_worker import ENV_WARM_NICE, EXITING, READY, raise_priority
-from petctl.core.eventlog import EventLog, parse_line
+from petctl.core.eventlog import parse_line
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
+from petctl.io.eventlog import EventLog
 from petctl.io.procs import die_with_parent, host_cores, wait_until
 
 # --- what workers run ---------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Why typed: agents of different ages share one etcd during a rolling upgrade, the CLI reads what agents
 wrote, and the docs describe the same fields; one definition keeps the three in step
-(tests/test_records.py checks docs/ARCHITECTURE.md's field lists against these classes).
+(tests/core/test_records.py checks docs/ARCHITECTURE.md's field lists against these classes).
 
 Rules every record follows:
 - `to_json()` writes every field, `from_json()` reads it back equal (a round trip is the identity).

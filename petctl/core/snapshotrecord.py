@@ -22,7 +22,6 @@ Stdlib only.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -114,23 +113,3 @@ def stale_reason(header: SnapshotHeader, job: str, current_round: int) -> str | 
 
 def snapshot_path(directory: Path | str, name: str) -> Path:
     return Path(directory) / f"{name}{SUFFIX}"
-
-
-def read_header(path: Path | str) -> SnapshotHeader:
-    """The committed header of the snapshot file at `path`. Raises OSError when it cannot be read,
-    WireFormatError when it holds no valid header or the file is shorter than the payload it names."""
-    with open(path, "rb") as f:
-        header = SnapshotHeader.unpack(f.read(HEADER_SIZE))
-        size = os.fstat(f.fileno()).st_size
-    if size < HEADER_SIZE + header.payload_length:
-        raise WireFormatError(f"snapshot file truncated ({size} bytes, header names "
-                              f"{HEADER_SIZE + header.payload_length})")
-    return header
-
-
-def snapshot_files(directory: Path | str) -> list[Path]:
-    """The snapshot files in `directory` (none when it does not exist)."""
-    try:
-        return sorted(p for p in Path(directory).iterdir() if p.name.endswith(SUFFIX))
-    except OSError:
-        return []

@@ -4,7 +4,7 @@ etcd 3.6 and 3.7 serve only the v3 API; etcd 3.5 serves v2 too, until its suppor
 The agent, the jobview and the providers talk to a `Store` and never know which backend runs:
 `petctl/io/store/v3.py` (the default: gRPC, leases, revisions, transactions) or `petctl/io/store/v2.py`
 (python-etcd on an etcd 3.5 with `--enable-v2`, kept until 3.5's end of support). Both pass the one
-contract suite in `tests/test_store_contract.py` against a real etcd.
+contract suite in `tests/io/test_store_contract.py` against a real etcd.
 
 The vocabulary is v3's, because v3 is where petctl is going:
 - a **revision** is the store's logical clock. Every write has one (`Entry.mod_revision`), and a read

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from petctl.core.eventlog import EventLog
 from petctl.core.tracegen import band_rate
+from petctl.io.eventlog import EventLog
 from petctl.io.files import atomic_write
 
 CORRELATED_SHARE = 0.05  # assumption: 1 loss in 20 takes every node at once (an AZ's capacity going)

@@ -27,7 +27,6 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.autointerval import AutoWire
 from petctl.elastic.background import BackgroundUploader
@@ -36,6 +35,7 @@ from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_staged
 from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
+from petctl.io.eventlog import EventLog
 from petctl.io.objstore import ObjectStore, S3Options, open_object_store
 from petctl.io.objstore import ObjectStore as CheckpointStore
 

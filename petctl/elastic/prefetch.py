@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.manifest import LocalCache
+from petctl.io.eventlog import EventLog
 from petctl.io.objstore import ObjectStore as CheckpointStore
 from petctl.io.objstore import open_object_store
 

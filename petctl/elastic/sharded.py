@@ -26,13 +26,13 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic import manifest as mf
 from petctl.elastic.checkpointer import BaseCheckpointer
 from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions
 from petctl.elastic.snapshots.resume import newest_reader
 from petctl.elastic.snapshots.ring import ShardSnapshotTier
+from petctl.io.eventlog import EventLog
 from petctl.io.objstore import ObjectNotFound
 from petctl.io.objstore import ObjectStore as CheckpointStore
 from petctl.io.procs import wait_until

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 
 class Verdict(NamedTuple):

@@ -20,7 +20,7 @@ API so that one certificate works with either store backend (petctl/io/store):
   v3 auth is on even where jobs use v2: without it any client certificate could write keys through v3,
   enable v3 auth under its own root user, or add and remove cluster members. What a v3 job user may and
   may not do beyond its prefix (leases, watches, transactions, admin calls) is etcd's, and
-  tests/test_etcd_auth_v3.py encodes it. One gap etcd leaves open: a lease keep-alive is checked against
+  tests/io/test_etcd_auth_v3.py encodes it. One gap etcd leaves open: a lease keep-alive is checked against
   nothing, so a job that learns another job's lease ID can keep that lease alive (docs/ARCHITECTURE.md,
   "v3 RBAC").
 Every function is idempotent (an "already exists" or "not found" answer is the state wanted), so a

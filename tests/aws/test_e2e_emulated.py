@@ -120,7 +120,7 @@ def test_run_job_on_emulated_instances_trains_and_checkpoints_to_s3(ready, moto,
 
     wait_for(all_reported, 60, "every node's final status in S3", emulator)
     # each agent, once registered, recorded its boot as joined (its launch hook's CONTINUE: below;
-    # tests/test_lifecycle.py checks that call against the service model)
+    # tests/agent/test_lifecycle_action.py checks that call against the service model)
     assert set(ready.boots("e2e").joined) == instance_ids
     listing = boto(moto, "s3").list_objects_v2(Bucket=outputs["BucketName"], Prefix="jobs/e2e/checkpoints/")
     assert listing.get("KeyCount", 0) > 0, "no checkpoint reached the job's S3 prefix"

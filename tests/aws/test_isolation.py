@@ -138,7 +138,7 @@ def release_contexts() -> list[tuple[str, dict[str, Any]]]:
     """The IAM action and condition keys of each call release_capacity (petctl/agent/autoscaling.py) makes,
     recorded live."""
     from petctl.agent.autoscaling import release_capacity
-    from petctl.core.eventlog import EventLog
+    from petctl.io.eventlog import EventLog
 
     calls: list[tuple[str, dict[str, Any]]] = []
 
@@ -166,8 +166,8 @@ def detach_contexts() -> list[tuple[str, dict[str, Any]]]:
     petctl/agent/autoscaling.py) makes, recorded live. DetachInstances has no condition key for its
     arguments: the context is empty."""
     from petctl.agent.autoscaling import AwsPlace
-    from petctl.core.eventlog import EventLog
     from petctl.core.spec import AgentConfig, JobSpec
+    from petctl.io.eventlog import EventLog
 
     calls: list[tuple[str, dict[str, Any]]] = []
 

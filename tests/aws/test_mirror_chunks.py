@@ -15,8 +15,9 @@ import uuid
 import pytest
 
 from petctl.agent.reporting import Mirror
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
 from petctl.core.mirrorchunks import ChunkKey, by_node, chunk_name
+from petctl.io.eventlog import EventLog
 from petctl.io.objstore import ObjectStoreError, open_object_store
 from petctl.jobview.prefix import StorePrefix, follow_chunks, log_nodes, merge, mirror_events
 from petctl.providers.aws.storage import JobStore

@@ -13,8 +13,8 @@ import io
 import json
 
 from petctl.agent.autoscaling import release_capacity
-from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig
+from petctl.io.eventlog import EventLog
 from petctl.providers.aws.launch import LIFECYCLE_HOOK
 from tests.aws.rendered import BUCKET, STACK, job_spec, parse, provider
 

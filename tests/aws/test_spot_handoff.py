@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from petctl.agent.autoscaling import END_REQUEST, AwsPlace, make_client
-from petctl.core.eventlog import EventLog
 from petctl.core.spec import AgentConfig, JobSpec
+from petctl.io.eventlog import EventLog
 from petctl.providers.aws.launch import WORK_DIRS
 from tests.aws.rendered import job_template, parse
 from tests.support.aws.account import REGION, boto, publish_dlami

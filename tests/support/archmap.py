@@ -2,7 +2,7 @@
 sentence of its docstring, one table per package.
 
 The index sits between two marker lines in the document; `python -m tests.support.archmap --write`
-regenerates it, and tests/test_layers.py fails when it differs from the tree (a module added, moved or
+regenerates it, and tests/project/test_layers.py fails when it differs from the tree (a module added, moved or
 removed, or a docstring's first sentence changed), so the map cannot rot.
 """
 

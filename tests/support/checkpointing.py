@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from petctl.core.eventlog import EventLog, parse_lines
+from petctl.core.eventlog import parse_lines
 from petctl.elastic import CheckpointStore, ObjectInfo, State
+from petctl.io.eventlog import EventLog
 
 
 class Recorder:

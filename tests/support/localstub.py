@@ -1,6 +1,7 @@
 """The local reconciler driven through the CLI with a stub agent (a process that only sleeps and leaves on
 SIGTERM), so capacity behaviour is checked fast and apart from the agent's: the stub and the readers that
-tests/test_local_reconciler.py and tests/test_local_detach.py share (the `stub` fixture is conftest's)."""
+tests/providers/local/test_reconciler.py and tests/providers/local/test_detach.py share (the `stub`
+fixture is conftest's)."""
 
 from __future__ import annotations
 

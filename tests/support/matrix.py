@@ -10,7 +10,7 @@ from typing import Any
 from tests.support.cli import Petctl
 from tests.support.ledger import WORKLOAD, Ledger
 
-# Fast failure detection (the defaults favour a LAN with real machines), as tests/test_local_elastic.py.
+# Fast failure detection (the defaults favour a LAN with real machines), as tests/e2e/test_local_jobs.py.
 FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5",
         "--timeout", "stop_grace=2", "--timeout", "imds_interval=0.5"]
 

@@ -5,7 +5,7 @@
 What counts as prose: paragraphs and list items. Code blocks, tables and headings are not prose; inline
 code counts as one word, a link as its text. A list item is a sentence of its own even without a full
 stop, and a sentence ends at ". ", "! " or "? " before the next one's first character.
-tests/test_docs_prose.py holds README and the guides to their limits.
+tests/project/test_docs_prose.py holds README and the guides to their limits.
 """
 
 from __future__ import annotations

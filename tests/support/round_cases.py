@@ -1,5 +1,5 @@
 """Builders shared by the round-decision tables: what etcd would hold, as typed records, and a fixed
-clock (tests/test_round_decisions.py, tests/test_round_judge.py)."""
+clock (tests/agent/test_round_decisions.py, tests/agent/test_round_judge.py)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, read_header
+from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader
 from petctl.elastic import State
 from petctl.elastic.snapshots.codec import decode
+from petctl.io.snapshotfiles import read_header
 
 
 def make_state(seed: int = 0, width: int = 64) -> State:

@@ -1,6 +1,6 @@
-"""The lost-node drill every snapshot-loss test runs (tests/test_snapshot_loss.py: DDP,
-tests/test_sharded_snapshot_loss.py: FSDP2, both tests/workloads/user_train.py;
-tests/test_framework_snapshot_loss.py: the HF Trainer and Lightning examples): a job of 3 local-provider
+"""The lost-node drill every snapshot-loss test runs (tests/e2e/test_node_loss.py: DDP,
+tests/e2e/test_sharded_node_loss.py: FSDP2, both tests/workloads/user_train.py;
+tests/e2e/test_framework_node_loss.py: the HF Trainer and Lightning examples): a job of 3 local-provider
 nodes, one node (a random rank) SIGKILLed with its agent at a random step, and the checks of what the
 script's ledger and the agents' snapshot directories show after."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from petctl.agent.snapshots import sweep
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from tests.support.cli import Petctl
 from tests.support.matrix import FAST, wait_until
 from tests.support.userledger import UserLedger, end_padding

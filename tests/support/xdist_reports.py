@@ -10,9 +10,9 @@ captured during a test is enough: pytest attaches captured logs to the report of
 failed. A warning is sent the same way, after its test's phases, and stops the run the same way.
 
 CI stopped with that signature on 2026-11-28 (exit 3 after 752 s, `assert not crashitem` for
-`tests/test_preemption_e2e.py`'s kill test on gw2). The part of CI's log on record does not hold the
+`tests/e2e/test_preemption.py`'s kill test on gw2). The part of CI's log on record does not hold the
 worker's own error, so which text it was is not known; this is the mechanism found that gives exactly that
-signature from inside a test, and `tests/test_suite_reports.py` reproduces it.
+signature from inside a test, and `tests/project/test_suite_reports.py` reproduces it.
 
 The fix is at the two places everything a worker sends passes: a report's serialized form, and a warning
 before xdist serializes it. Each unencodable string gets its surrogates written as `\\udcff` escapes, so

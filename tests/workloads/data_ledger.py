@@ -1,4 +1,4 @@
-"""The sample ledger of the framework data tests (tests/test_framework_data.py), shared by
+"""The sample ledger of the framework data tests (tests/e2e/test_framework_data_exactly_once.py), shared by
 tests/workloads/hf_data.py and lightning_data.py.
 
 Each sample carries its dataset index. Every rank notes the indices its micro-batches read; at each

@@ -1,6 +1,6 @@
 """A DDP job that reads its data through `ElasticSampler`, with a ledger of every sample each step read.
 
-tests/test_elastic_data_e2e.py runs it through `petctl run_job` on the local provider. Rank 0 gathers the
+tests/e2e/test_data_exactly_once.py runs it through `petctl run_job` on the local provider. Rank 0 gathers the
 indices every rank read in a step (all_gather_object) and appends one JSON line per step to
 `$LEDGER_DIR/data.jsonl`:
 

@@ -32,7 +32,6 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.sampler import (
     STATE_VERSION,
     Cursor,
@@ -42,6 +41,7 @@ from petctl.elastic.sampler import (
     rank_positions,
     step_starts,
 )
+from petctl.io.eventlog import EventLog
 
 
 def step_indices(sampler: ElasticSampler, start: Cursor) -> list[int]:

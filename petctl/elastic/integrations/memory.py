@@ -22,9 +22,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.dist import Comm
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
+from petctl.io.eventlog import EventLog
 
 NAME = "framework"  # the file in the node's snapshot directory: framework.snap
 # The default cost budget: the framework builds its checkpoint dict on the training thread (Lightning's

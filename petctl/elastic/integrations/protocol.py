@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.autointerval import AutoWire
 from petctl.elastic.checkpointer import report_resumed
 from petctl.elastic.dist import Comm
 from petctl.elastic.workerprotocol import PreemptionMonitor
 from petctl.io import controlfiles
+from petctl.io.eventlog import EventLog
 
 
 class Action(enum.Enum):

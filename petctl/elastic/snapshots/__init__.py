@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR, snapshot_path
 from petctl.elastic.snapshots.resume import SnapshotReader, resume_from_snapshot
 from petctl.elastic.snapshots.writer import SnapshotWriter
+from petctl.io.eventlog import EventLog
 
 ENV_SWITCH = "PETCTL_SNAPSHOTS"  # "0"/"off": no snapshots for this job (`petctl run_job --env`), as False
 ENV_JOB = "PETCTL_JOB"

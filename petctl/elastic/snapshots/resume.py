@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.core.records import WireFormatError
-from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, read_header, stale_reason
+from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, stale_reason
 from petctl.elastic.snapshots.codec import (
     OWN,
     PEER,
@@ -27,6 +26,8 @@ from petctl.elastic.snapshots.codec import (
     shard_path,
     unpack,
 )
+from petctl.io.eventlog import EventLog
+from petctl.io.snapshotfiles import read_header
 
 # --- the replicated choice ----------------------------------------------------------------------------------
 # Which step a re-formed job resumes from, and from where: a pure function over what every rank offers.
@@ -38,7 +39,7 @@ from petctl.elastic.snapshots.codec import (
 # holds all of it), so any one snapshot covers a step; a sharded state has one part per shard, and a step
 # is covered only when every shard is held by some rank (its own snapshot or a peer's copy of it).
 #
-# No torch, no I/O: `tests/test_snapshots.py` checks it as a table.
+# No torch, no I/O: `tests/elastic/test_snapshots.py` checks it as a table.
 
 
 WHOLE = frozenset({0})  # the one part of a replicated (DDP) state
@@ -123,7 +124,7 @@ def _why_no_snapshot(by_step: dict[int, dict[int, int]], parts: frozenset[int]) 
 # once: a shard and its only copy went together) the choice says which old ranks are missing, so the
 # fallback to the store is reported with its cause.
 #
-# No torch, no I/O: `tests/test_shard_snapshots.py` checks it as a table.
+# No torch, no I/O: `tests/elastic/test_sharded_snapshots.py` checks it as a table.
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from petctl.core.eventlog import EventLog
 from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.snapshots import ENV_JOB, ENV_ROUND, SnapshotOptions, resolve
 from petctl.elastic.snapshots.codec import (
@@ -60,6 +59,7 @@ from petctl.elastic.snapshots.codec import (
 from petctl.elastic.snapshots.resume import ShardReader, resume_sharded
 from petctl.elastic.snapshots.writer import Cadence
 from petctl.elastic.state import ShardedState, rebuild_dict
+from petctl.io.eventlog import EventLog
 
 Captured = tuple[bytearray | None, str | None]  # a sealed shard file, or why there is none
 INLINE_BYTES = 1 << 20  # a shard this small is cloned on the training thread and encoded by the ring thread

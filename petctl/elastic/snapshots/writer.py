@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from petctl.core.eventlog import EventLog
 from petctl.core.snapshotrecord import BLANK, HEADER_SIZE, SnapshotHeader
 from petctl.elastic.background import yield_cpu_to_training
 from petctl.elastic.snapshots.codec import Layout, encode_meta, flatten, payload_checksum, tensor_view
+from petctl.io.eventlog import EventLog
 
 INLINE_BYTES = 1 << 20  # a state this small is committed on the training thread: cheaper than a handoff
 META_ROOM = 64 * 1024  # the skeleton's bytes vary from step to step: room to grow without a remap

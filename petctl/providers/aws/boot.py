@@ -64,7 +64,7 @@ DLAMI_PARAM = (f"/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pyto
                "-amazon-linux-2023/latest/ami-id")
 CONTAINER_AMI_PARAM = "/aws/service/ecs/optimized-ami/amazon-linux-2023/gpu/recommended/image_id"
 AMI_PYTHON = "/opt/pytorch/bin/python"  # the DLAMI's Python, with its CUDA torch
-# The torch petctl supports: setup.py's extras declare the same range (tests/test_torch_range.py).
+# The torch petctl supports: setup.py's extras declare the same range (tests/aws/test_ami_boot.py).
 TORCH_FLOOR = (2, 5)
 TORCH_CEILING = (3, 0)  # exclusive
 TORCH_RANGE = ">=2.5,<3"

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from petctl.core.eventlog import EventLog
 from petctl.core.spec import JobSpec
+from petctl.io.eventlog import EventLog
 from petctl.io.procs import wait_until
 from petctl.providers.local import instances as inst_mod
 from petctl.providers.local.instances import Instance

@@ -8,10 +8,10 @@ answered "not ended, no ranks", and the outage is reported once when it starts a
 
 from __future__ import annotations
 
-from petctl.core.eventlog import EventLog
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult
 from petctl.core.store import Store, StoreError
+from petctl.io.eventlog import EventLog
 from petctl.jobview.live import ranks_of, read_result, read_round
 
 

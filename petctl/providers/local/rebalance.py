@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.core.eventlog import EventLog
+from petctl.io.eventlog import EventLog
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
 

@@ -34,9 +34,9 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from petctl.core.eventlog import EventLog
 from petctl.core.records import JobResult
 from petctl.core.spec import JobSpec
+from petctl.io.eventlog import EventLog
 from petctl.providers.local import instances as inst_mod
 from petctl.providers.local.fleet import Fleet
 from petctl.providers.local.instances import Instance

@@ -1,0 +1,67 @@
+"""Issue 25, defect 1: a worker's progress bar must not hide its step reports from the agent.
+
+The Hugging Face Trainer draws a tqdm bar on stderr by default (`\\r` and no newline), which the agent
+reads merged with stdout: the next `train.step` line was glued behind the bar and not parsed, so a
+round's summary lagged the steps the worker printed, and `status` counted fewer kept and lost steps than
+the ledger. Here a real worker process does what the Trainer does (tqdm on stderr, the callback's
+`train.step` lines on stdout) and writes its own ledger; the agent's view of the round (Progress span ->
+round.summary -> accounting) must match the ledger. Real processes, no torch: fast.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+from petctl.agent.reporting import Progress
+from petctl.agent.workers import WorkerGroup, WorkerSpec
+from petctl.core.eventlog import parse_line
+from petctl.io.eventlog import EventLog
+from petctl.jobview.accounting import account
+
+STEPS = 12
+WORKER = f'''
+import json, sys, time
+from tqdm import tqdm
+from petctl.io.eventlog import EventLog
+events = EventLog("elastic", stream=sys.stdout)
+with open("ledger.jsonl", "w") as ledger:
+    for step in tqdm(range(1, {STEPS} + 1), mininterval=0):  # stderr, redrawn with \\r at every step
+        time.sleep(0.01)
+        events.emit("train.step", step=step, rank=0, world_size=1)
+        ledger.write(json.dumps({{"step": step}}) + "\\n")
+'''
+
+
+def test_a_step_line_glued_behind_a_progress_bar_is_still_an_event():
+    line = '\r 17%|\u2588\u258b    | 2/12 [00:00<00:04, 2.05it/s]{"ts":1.5,"event":"train.step","step":3}'
+    assert parse_line(line) == {"ts": 1.5, "event": "train.step", "step": 3}
+    nested = '{"ts":2,"event":"x","inner":{"ts":3,"event":"y"}}'
+    assert parse_line("\r bar " + nested) == json.loads(nested)  # the first event start is the line's
+    assert parse_line("\r 50%|#####     | 6/12") is None
+
+
+def test_the_round_summary_and_accounting_match_the_ledger_under_a_progress_bar(tmp_path: Path):
+    (tmp_path / "w.py").write_text(WORKER)
+    spec = WorkerSpec(cmd=[sys.executable, "-u", "w.py"], cwd=str(tmp_path), nproc=1,
+                      base_env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    progress = Progress(nproc=1, events=EventLog("agent", stream=io.StringIO()))
+    group = WorkerGroup(spec, io.StringIO(), on_event=progress.on_worker_event)
+    group.start(node_rank=0, num_nodes=1, master_addr="127.0.0.1", master_port=1, restart_count=0,
+                max_restarts=0, run_id="t", extra_env={})
+    assert group.wait_exit(60), "the worker did not finish"
+    group.stop(1.0)  # joins the output readers: every line is read
+    assert group.poll() is not None and group.poll().succeeded
+    ledger = [json.loads(line)["step"] for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert ledger == list(range(1, STEPS + 1))
+    span = progress.span
+    assert (span.get("first"), span.get("last")) == (ledger[0], ledger[-1]), span
+    summary = {"ts": time.time(), "event": "round.summary", "node": "n1", "round": 1, "rank": 0,
+               "world_size": 1, "started": group.started_at, "ended": time.time(),
+               "first_step": span["first"], "last_step": span["last"],
+               "first_step_ts": span["first_ts"], "last_step_ts": span["last_ts"]}
+    acc = account([summary])
+    assert (acc.steps_kept, acc.steps_lost) == (len(ledger), 0)

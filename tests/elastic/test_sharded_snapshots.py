@@ -1,0 +1,174 @@
+"""Sharded in-memory snapshots, the fast parts: which save a resume takes (a table over the offers), and
+a shard file as a reader sees it (committed whole or not at all; stale, damaged or torn never loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from petctl.core.records import WireFormatError
+from petctl.core.snapshotrecord import HEADER_SIZE
+from petctl.elastic.snapshots.codec import (
+    assemble,
+    commit,
+    encode,
+    pack,
+    read_verified,
+    stage,
+    unpack,
+    verify,
+)
+from petctl.elastic.snapshots.resume import ShardOffer, choose_shards
+from petctl.elastic.snapshots.ring import detach_for_capture
+
+
+def held(rank: int, old: int, step: int = 10, round_no: int = 1, world: int = 3,
+         kind: str = "own") -> ShardOffer:
+    return ShardOffer(rank, old, step, round_no, world, 100 + old, kind)
+
+
+def ring(world: int, lost: set[int], step: int = 10, round_no: int = 1) -> list[ShardOffer]:
+    """What the survivors offer after a save of `world` ranks (one per node) when nodes `lost` are gone:
+    each survivor its own shard and the previous node's copy. New ranks: the survivors in order."""
+    alive = [n for n in range(world) if n not in lost]
+    offers = []
+    for new, node in enumerate(alive):
+        offers += [held(new, node, step, round_no, world),
+                   held(new, (node - 1) % world, step, round_no, world, "peer")]
+    return offers
+
+
+@pytest.mark.parametrize("lost", [set(), {0}, {1}, {2}])
+def test_any_one_node_lost_is_covered(lost: set[int]) -> None:
+    choice = choose_shards(ring(3, lost), store_step=5)
+    assert (choice.source, choice.save, choice.missing) == ("snapshot", (1, 10, 3), ())
+    assert [old for old, _rank, _size in choice.holders] == [0, 1, 2]
+    assert {old: size for old, _rank, size in choice.holders} == {0: 100, 1: 101, 2: 102}
+
+
+@pytest.mark.parametrize(("lost", "missing"), [({0, 1}, (0,)), ({1, 2}, (1,)), ({2, 0}, (2,)),
+                                               ({0, 1, 2}, None)])
+def test_two_neighbours_lost_at_once_fall_back_to_the_store_naming_the_missing(lost, missing) -> None:
+    choice = choose_shards(ring(3, lost), store_step=5)
+    assert choice.source == "store"
+    if missing is None:  # nobody left to offer anything
+        assert choice.reason == "no rank offered a shard snapshot"
+    else:
+        assert choice.missing == missing and "lost at once" in choice.reason
+
+
+def test_two_losses_apart_are_covered_on_a_ring_of_four() -> None:
+    assert choose_shards(ring(4, {0, 2}), store_step=None).source == "snapshot"
+    assert choose_shards(ring(4, {1, 2}), store_step=None).missing == (1,)
+
+
+def test_the_store_wins_when_newer_a_tie_goes_to_memory_and_nothing_anywhere_is_none() -> None:
+    assert choose_shards(ring(3, {1}, step=10), store_step=11).source == "store"
+    assert choose_shards(ring(3, {1}, step=10), store_step=10).source == "snapshot"
+    assert choose_shards([], store_step=None).source == "none"
+    assert choose_shards(ring(3, {0, 1}), store_step=None).source == "none"
+
+
+def test_a_kill_mid_commit_leaves_the_older_save_whole() -> None:
+    """Ranks 0 and 1 committed step 11 (own and peer), rank 2 was killed before its commit: it still
+    held step 10, and its step-11 shard is on node 0 (received before anyone committed)."""
+    offers = [held(0, 0, 11), held(0, 2, 11, kind="peer"), held(1, 1, 11), held(1, 0, 11, kind="peer")]
+    choice = choose_shards(offers, store_step=0)
+    assert (choice.source, choice.step) == ("snapshot", 11)
+    mixed = [held(0, 0, 11), held(0, 2, 10, kind="peer"), held(1, 1, 10), held(1, 0, 10, kind="peer"),
+             held(1, 2, 11, kind="peer")]  # step 11: old ranks 0 and 2 only; step 10 whole
+    choice = choose_shards(mixed, store_step=0)
+    assert (choice.step, choice.missing) == (10, (1,)) and "lacks old ranks [1]" in choice.reason
+
+
+def test_saves_of_another_round_or_world_never_mix() -> None:
+    offers = [held(0, 0, 10, round_no=1, world=3), held(0, 1, 10, round_no=2, world=2),
+              held(1, 1, 10, round_no=1, world=3), held(1, 0, 10, round_no=2, world=2)]
+    choice = choose_shards(offers, store_step=None)
+    assert (choice.source, choice.save) == ("snapshot", (2, 10, 2))  # round 1's lacks old rank 2
+    assert choose_shards([held(0, 3, world=3)], None).source == "none"  # an old rank outside its world
+
+
+def shard_bytes(step: int = 7, round_no: int = 1) -> bytearray:
+    state = {"w": torch.arange(250, dtype=torch.float32), "extra": {"step": step}}
+    return pack(*encode(detach_for_capture(state, overlap=False)), job="job", round_no=round_no, step=step,
+                rank=2, world_size=3)
+
+
+def test_a_shard_file_round_trips_and_names_its_save(tmp_path: Path) -> None:
+    path = tmp_path / "shard-own-0.snap"
+    commit(stage(path, shard_bytes()), path)
+    header, buf = read_verified(path, "job", 2)
+    assert (header.step, header.round, header.rank, header.world_size) == (7, 1, 2, 3)
+    assert header.data_length == 1024  # 1000 bytes, aligned
+    state = unpack(buf)
+    assert torch.equal(state["w"], torch.arange(250, dtype=torch.float32)) and state["extra"] == {"step": 7}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_staged_file_is_not_a_snapshot_until_committed(tmp_path: Path) -> None:
+    path = tmp_path / "shard-own-0.snap"
+    commit(stage(path, shard_bytes(step=7)), path)
+    stage(path, shard_bytes(step=8))  # a writer killed before its commit
+    assert read_verified(path, "job", 2)[0].step == 7
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (lambda b: b.__setitem__(HEADER_SIZE + 5, b[HEADER_SIZE + 5] ^ 1), "checksum mismatch"),
+    (lambda b: b.__delitem__(slice(len(b) - 10, None)), "header names"),
+    (lambda b: b.__setitem__(slice(0, HEADER_SIZE), bytes(HEADER_SIZE)), "no committed snapshot"),
+    (lambda b: b.__setitem__(40, b[40] ^ 1), "damaged"),
+])
+def test_damaged_or_torn_shards_are_refused(damage, why) -> None:
+    buf = shard_bytes()
+    damage(buf)
+    with pytest.raises(WireFormatError, match=why):
+        verify(buf, "job", 2)
+
+
+def test_stale_shards_are_refused() -> None:
+    with pytest.raises(WireFormatError, match="stale: written in round 2"):
+        verify(shard_bytes(round_no=2), "job", 2)
+    with pytest.raises(WireFormatError, match="stale: written by job"):
+        verify(shard_bytes(), "other", 2)
+
+
+def test_pieces_of_a_sharded_tensor_are_put_together_and_the_rest_comes_from_old_rank_0() -> None:
+    """What each old rank's shard holds: its piece of each DTensor, and where that sits."""
+    key = "__petctl_dtensor__"
+    pieces = [{"w": {key: [torch.tensor([[1.0, 2.0]]), [3, 2], [0, 0]]}, "lr": 0.1},
+              {"w": {key: [torch.tensor([[3.0, 4.0], [5.0, 6.0]]), [3, 2], [1, 0]]}, "lr": 0.1}]
+    full = assemble(pieces)
+    assert torch.equal(full["w"], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])) and full["lr"] == 0.1
+    with pytest.raises(ValueError, match="different keys"):
+        assemble([{"a": 1}, {"b": 1}])
+
+
+def test_one_process_snapshots_every_step_and_resumes_from_its_newest(tmp_path: Path) -> None:
+    """No torch.distributed: the tier keeps its own shard only (no peer), the newest step, and a later
+    round resumes from it, tensors and plain values alike; a later round of another job does not."""
+    from petctl.elastic.dist import Comm
+    from petctl.elastic.snapshots import SnapshotOptions
+    from petctl.elastic.snapshots.ring import ShardSnapshotTier
+    from petctl.io.eventlog import EventLog
+
+    env = {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"}
+    opts = SnapshotOptions(every=1, directory=str(tmp_path))
+    state = {"w": torch.zeros(3), "extra": {"step": -1}}
+    tier = ShardSnapshotTier(Comm(), EventLog("test"), opts, env)
+    for step in range(4):
+        state["w"] += 1
+        state["extra"]["step"] = step
+        assert tier.take(step, state)
+    tier.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-own-0.snap"]
+    assert tier.report()["snapshots"] == 4 and tier.disabled is None
+
+    back = {"w": torch.zeros(3), "extra": {"step": -1}}
+    later = ShardSnapshotTier(Comm(), EventLog("test"), opts, {**env, "PETCTL_ROUND": "2"})
+    assert later.resume(back, store_step=lambda: 1) == 3
+    assert torch.equal(back["w"], torch.full((3,), 4.0)) and back["extra"] == {"step": 3}
+    other = ShardSnapshotTier(Comm(), EventLog("test"), opts, {"PETCTL_JOB": "other", "PETCTL_ROUND": "2"})
+    assert other.resume(back, store_step=lambda: None) is None  # another job's: stale
