@@ -53,6 +53,7 @@ from petctl.io.etcd import store_errors
 from petctl.io.eventlog import EventLog
 from petctl.io.files import atomic_write
 from petctl.io.objstore import ObjectNotFound, ObjectStore, open_object_store
+from petctl.io.threads import Service
 
 # --- mirror -------------------------------------------------------------------------------------------------
 
@@ -90,15 +91,15 @@ class Mirror:
         self._result: dict[str, Any] | None = None  # the job's result until it is stored
         self._lock = threading.Lock()  # the pending data above, shared with add_event/set_status
         self._flush_lock = threading.Lock()  # one flush at a time: the only path that writes
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mirror", daemon=True)
+        self._service = Service("mirror", self._run)
+        self._stop = self._service.stopping
         self.failures = 0  # failed flushes since start (published in the node status)
         self.dropped_events = 0  # events dropped over MAX_PENDING_EVENTS, not yet reported
         self._outage_failures = 0  # consecutive failed flushes (0: no outage)
         self._outage_since = 0.0
 
     def start(self) -> None:
-        self._thread.start()
+        self._service.start()
 
     def add_event(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -232,8 +233,8 @@ class Mirror:
             atomic_write(marker, str(offset))
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval + 5)
+        if not self._service.stop(timeout=self.interval + 5):
+            self.log.emit("mirror.lingered")  # the final flush below still runs, under its lock
         self.flush()
 
 
