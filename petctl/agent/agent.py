@@ -241,10 +241,10 @@ class Agent:
             return
         self.heartbeat.stop(delete=False)
         try:
-            snap = self.rdzv.view()
-            rnd = snap.round
+            view = self.rdzv.view()
+            rnd = view.round
             if rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks:
-                self.rdzv.start_round(snap, cause=f"{cause} of {self.node_id}", leaving=self.node_id)
+                self.rdzv.start_round(view, cause=f"{cause} of {self.node_id}", leaving=self.node_id)
         except store_errors() as e:  # the others see our heartbeat expire instead
             self.store.failed(e, "leave")
         self.heartbeat.stop(delete=True)

@@ -273,51 +273,51 @@ Action = OpenFirstRound | Join | ReadMembers | Freeze | StartNextRound | EndJob 
 
 
 # --- the decision ----------------------------------------------------------------------------------
-def decide(snap: StoreView, state: RendezvousState, s: Settings,
+def decide(view: StoreView, state: RendezvousState, s: Settings,
            now: Now) -> tuple[Action, RendezvousState]:
     """What to do next, and the state to pass to the next call once it is done."""
-    rnd = snap.round
+    rnd = view.round
     if rnd is None:
         return OpenFirstRound(), state
     if rnd.phase is Phase.FINAL:
         return Ended(rnd.state or "unknown", rnd.reason), state
     round_no = rnd.round or 0
-    if len(snap.alive) < s.min_nodes:
+    if len(view.alive) < s.min_nodes:
         since = state.below_min_since if state.below_min_since is not None else now.mono
         state = dataclasses.replace(state, below_min_since=since)
-        if now.mono - since > s.join_timeout and snap.settled:
+        if now.mono - since > s.join_timeout and view.settled:
             return EndJob("failed", f"fewer than min={s.min_nodes} nodes for {s.join_timeout:.0f}s",
                           round_no), state
     elif state.below_min_since is not None:
         state = dataclasses.replace(state, below_min_since=None)
     if rnd.phase is Phase.JOINING:
-        return _joining(snap, rnd, round_no, state, s, now)
-    return _frozen(snap, rnd, state, s)
+        return _joining(view, rnd, round_no, state, s, now)
+    return _frozen(view, rnd, state, s)
 
 
-def _joining(snap: StoreView, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
+def _joining(view: StoreView, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
              now: Now) -> tuple[Action, RendezvousState]:
     if state.joined_round != round_no:
         prev_rank = None if rnd.prev_ranks and s.node_id not in rnd.prev_ranks else state.prev_rank
         return Join(round_no, prev_rank), dataclasses.replace(
             state, prev_rank=prev_rank, joined_round=round_no, joined_at=now.mono, min_reached_at=None,
             members=None, ahead=frozenset())
-    known = state.ahead and state.ahead <= snap.alive
+    known = state.ahead and state.ahead <= view.alive
     if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
-        return Wait(safety_period(IDLE, len(snap.alive), s.node_id), watch_membership=False), state
+        return Wait(safety_period(IDLE, len(view.alive), s.node_id), watch_membership=False), state
     members = state.members
-    if members is None or members.round != round_no or members.read_at != snap.etcd_index:
+    if members is None or members.round != round_no or members.read_at != view.etcd_index:
         return ReadMembers(round_no), state
-    if s.node_id not in snap.alive:  # our heartbeat expired (a store outage): wait until it is re-asserted
+    if s.node_id not in view.alive:  # our heartbeat expired (a store outage): wait until it is re-asserted
         return Wait(POLL_SLOW), state
-    live = {n: m for n, m in members.records.items() if n in snap.alive}
+    live = {n: m for n, m in members.records.items() if n in view.alive}
     if s.node_id not in live:  # our record vanished (should not happen): write it again
         return Join(round_no, state.prev_rank), dataclasses.replace(state, members=None, ahead=frozenset())
     order = closing_order(live, rnd.prev_ranks)
     state = dataclasses.replace(state, ahead=frozenset(order[: order.index(s.node_id)]))
     if state.ahead:
-        return Wait(safety_period(IDLE, len(snap.alive), s.node_id), watch_membership=False), state
-    return _close(snap, rnd, live, order, state, s, now)
+        return Wait(safety_period(IDLE, len(view.alive), s.node_id), watch_membership=False), state
+    return _close(view, rnd, live, order, state, s, now)
 
 
 def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None = None) -> list[str]:
@@ -335,20 +335,20 @@ def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None 
     return sorted(live, key=key)
 
 
-def _close(snap: StoreView, rnd: Round, live: dict[str, Member], order: list[str],
+def _close(view: StoreView, rnd: Round, live: dict[str, Member], order: list[str],
            state: RendezvousState, s: Settings, now: Now) -> tuple[Action, RendezvousState]:
     """The closer's turn: freeze the round if it is ready, else wait (polling only while a live node
     has not joined: its join write follows its heartbeat within milliseconds, and join records are not
     watched; otherwise until the next arrival or the end of a wait)."""
     admitted = order[: s.max_nodes]
-    pending = snap.alive - live.keys()
+    pending = view.alive - live.keys()
     poll = POLL_FAST if pending else IDLE
     if len(admitted) < s.min_nodes:
         return Wait(poll), state
     if state.min_reached_at is None:
         state = dataclasses.replace(state, min_reached_at=now.mono)
     waited = now.mono - (state.min_reached_at or now.mono)
-    expected = expected_members(rnd, snap.alive, live)
+    expected = expected_members(rnd, view.alive, live)
     if expected:
         joined_for = now.mono - (state.joined_at if state.joined_at is not None else now.mono)
         rank0 = previous_rank0(rnd)
@@ -362,11 +362,11 @@ def _close(snap: StoreView, rnd: Round, live: dict[str, Member], order: list[str
             return Wait(POLL_FAST if pending else min(IDLE, left)), state
     elif pending and len(live) < s.max_nodes and waited < s.last_call:
         return Wait(min(POLL_FAST, s.last_call - waited)), state
-    if snap.round_index is None:
+    if view.round_index is None:
         return Wait(POLL_FAST), state
-    if not snap.settled:  # live nodes may not have re-asserted their heartbeats yet: don't leave them out
+    if not view.settled:  # live nodes may not have re-asserted their heartbeats yet: don't leave them out
         return Wait(POLL_SLOW), state
-    return Freeze(frozen(rnd, admitted, live, now.wall), snap.round_index), state
+    return Freeze(frozen(rnd, admitted, live, now.wall), view.round_index), state
 
 
 def expected_members(rnd: Round, alive: frozenset[str], live: dict[str, Member]) -> set[str]:
@@ -386,13 +386,13 @@ def frozen(rnd: Round, admitted: list[str], live: dict[str, Member], wall: float
                                master_addr=master.addr, master_port=int(master.port), frozen_ts=wall)
 
 
-def _frozen(snap: StoreView, rnd: Round, state: RendezvousState,
+def _frozen(view: StoreView, rnd: Round, state: RendezvousState,
             s: Settings) -> tuple[Action, RendezvousState]:
     if (info := admitted_by(rnd, s.node_id)) is not None:
         return Admitted(info), state
     # A round formed without us: our old rank now belongs to someone else, so we come back as new.
     state = dataclasses.replace(state, prev_rank=None)
-    if not any(n in snap.alive for n in rnd.ranks):  # nobody else will open the next round
+    if not any(n in view.alive for n in rnd.ranks):  # nobody else will open the next round
         return StartNextRound("all members of the previous round lost"), state
     if state.waiting_reported:
         return Wait(IDLE), state

@@ -141,16 +141,16 @@ class PreemptionHandler:
         if notice.kind == SPOT and self.place is not None:
             self.detached = self.place.detach_for_replacement()  # the replacement is launched now
 
-    def handoff_step(self, snap: StoreView, info: RoundInfo, now: float, save_seconds: Sequence[float],
+    def handoff_step(self, view: StoreView, info: RoundInfo, now: float, save_seconds: Sequence[float],
                      step_s: float) -> HandoffStep:
         """What to do about our notice on this pass (roundjudge.handoff), from the round as last seen
         and our measured save (`save_seconds`) and step (`step_s`) times."""
-        rnd = snap.round
+        rnd = view.round
         measured = [*save_seconds, *([self.writer_save_s] if self.writer_save_s is not None else [])]
         save_s = self.save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
         look = HandoffLook(kind=self.notice.kind, now=now,
                            handoff_at=handoff_at(self.save_deadline, save_s, step_s),
-                           waiting=bool(snap.alive - info.ranks.keys()),
+                           waiting=bool(view.alive - info.ranks.keys()),
                            marked=self._marked_round == info.round
                            or (rnd is not None and self.config.node_id in rnd.handoffs))
         return handoff(look)

@@ -441,19 +441,19 @@ class EtcdRendezvous:
         if stale or not events or prev.etcd_index == 0:
             return self.view()
         revision = max(e.revision for e in events)
-        snap = self.reader.fold(prev, [(e.key, e.value, e.revision) for e in events], revision)
-        if snap is None:
+        view = self.reader.fold(prev, [(e.key, e.value, e.revision) for e in events], revision)
+        if view is None:
             return self.view()
-        return self._seen(snap)
+        return self._seen(view)
 
-    def _seen(self, snap: StoreView) -> StoreView:
+    def _seen(self, view: StoreView) -> StoreView:
         """What every view tells this node: the newest round (rebuilt from it if etcd loses it), its own
         heartbeat key missing, and whether the store is settled."""
-        if snap.round is not None and snap.round.phase is not Phase.FINAL:
-            self.last_round = snap.round
-        if self.node_id not in snap.alive and self.on_own_key_missing is not None:
-            self.on_own_key_missing(snap.etcd_index)  # before `settled` is read: a re-assertion unsettles it
-        return dataclasses.replace(snap, settled=self.store.settled())
+        if view.round is not None and view.round.phase is not Phase.FINAL:
+            self.last_round = view.round
+        if self.node_id not in view.alive and self.on_own_key_missing is not None:
+            self.on_own_key_missing(view.etcd_index)  # before `settled` is read: a re-assertion unsettles it
+        return dataclasses.replace(view, settled=self.store.settled())
 
     # --- writing -----------------------------------------------------------------------------------
     def _cas_round(self, value: Round, prev_index: int) -> bool:
@@ -473,36 +473,36 @@ class EtcdRendezvous:
         self.stats.writes += 1
         return self.kv.create(self.keys.round, value.to_json())
 
-    def start_round(self, snap: StoreView, cause: str, failure: bool = False, leaving: str = "") -> bool:
+    def start_round(self, view: StoreView, cause: str, failure: bool = False, leaving: str = "") -> bool:
         """Replace the current round with round n+1 (joining). False if someone else moved it first.
 
         A worker failure counts against max_restarts; past it the job ends failed instead. `leaving` is
         this node when it opens the round on its way out (nobody waits for it then).
         """
-        current = snap.round
-        if current is None or snap.round_index is None or current.phase is Phase.FINAL:
+        current = view.round
+        if current is None or view.round_index is None or current.phase is Phase.FINAL:
             return False
         value = next_round(current, cause, failure, self.settings.max_restarts, time.time(), leaving)
         if isinstance(value, EndJob):
             self.end_job(value.state, value.reason, value.round)
             return True
-        ok = self._cas_round(value, snap.round_index)
+        ok = self._cas_round(value, view.round_index)
         if ok:
             self.events.emit("rendezvous.restart", round=value.round, cause=cause, failure=failure,
                              restarts=value.restarts)
         return ok
 
-    def set_preempt(self, snap: StoreView, request: Preempt) -> bool:
+    def set_preempt(self, view: StoreView, request: Preempt) -> bool:
         """Put a save-now request on our running round (CAS); False if the round moved meanwhile."""
-        rnd, index = snap.round, snap.round_index
+        rnd, index = view.round, view.round_index
         ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
         return ours and index is not None and self._cas_round(dataclasses.replace(rnd, preempt=request),
                                                               index)
 
-    def set_handoff(self, snap: StoreView, deadline: float) -> bool:
+    def set_handoff(self, view: StoreView, deadline: float) -> bool:
         """Put us on our running round's `handoffs`, a spot-noticed member that trains on until it hands
         off (roundjudge.handoff), reclaimed at `deadline` (CAS); False if the round moved meanwhile."""
-        rnd, index = snap.round, snap.round_index
+        rnd, index = view.round, view.round_index
         ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
         return ours and index is not None and self._cas_round(
             dataclasses.replace(rnd, handoffs={**rnd.handoffs, self.node_id: deadline}), index)
@@ -599,11 +599,11 @@ class EtcdRendezvous:
             if (info := admitted_by(rnd, self.node_id)) is not None:
                 self.last_round = rnd
                 return self._complete(info, index, state), state
-        snap = self.view()
+        view = self.view()
         while True:  # Join and ReadMembers act on this view; every other action needs a new one
-            action, state = decide(snap, state, self.settings, Now(time.monotonic(), time.time()))
+            action, state = decide(view, state, self.settings, Now(time.monotonic(), time.time()))
             if isinstance(action, ReadMembers):
-                members = Members(action.round, self.reader.members(action.round), snap.etcd_index)
+                members = Members(action.round, self.reader.members(action.round), view.etcd_index)
                 state = dataclasses.replace(state, members=members)
             elif isinstance(action, Join):
                 self.join(action.round, action.prev_rank)
@@ -611,7 +611,7 @@ class EtcdRendezvous:
             else:
                 break
         if isinstance(action, Admitted):
-            return self._complete(action.info, snap.etcd_index, state), state
+            return self._complete(action.info, view.etcd_index, state), state
         if isinstance(action, Ended):
             raise JobEnded(action.state, action.reason)
         if isinstance(action, OpenFirstRound):
@@ -619,11 +619,11 @@ class EtcdRendezvous:
         elif isinstance(action, Freeze):
             self._freeze(action)
         elif isinstance(action, StartNextRound):
-            self.start_round(snap, action.cause, action.failure)
+            self.start_round(view, action.cause, action.failure)
         elif isinstance(action, EndJob):
             self.end_job(action.state, action.reason, action.round)
         elif isinstance(action, Wait):
-            self._wait(action, snap, on_state)
+            self._wait(action, view, on_state)
         return None, state
 
     def _round_now(self, joined: int) -> tuple[Round | None, int | None]:
@@ -655,13 +655,13 @@ class EtcdRendezvous:
                          cpu_s=round(cpu, 3), rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
         return info
 
-    def _wait(self, action: Wait, snap: StoreView, on_state: Callable[[str], None]) -> None:
+    def _wait(self, action: Wait, view: StoreView, on_state: Callable[[str], None]) -> None:
         if action.watch_membership:
             self.watcher.resume()
         else:
             self.watcher.pause()
-        if action.waiting_for_world is not None and snap.round is not None:
-            self.events.emit("rendezvous.waiting", round=snap.round.round,
+        if action.waiting_for_world is not None and view.round is not None:
+            self.events.emit("rendezvous.waiting", round=view.round.round,
                              world_size=action.waiting_for_world)
             on_state("waiting")
         self.watcher.wait(action.timeout)

@@ -80,7 +80,7 @@ class Rebuild:
 Verdict = Continue | Over | MembershipChange | EndJob | Rebuild
 
 
-def judge(snap: StoreView, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
+def judge(view: StoreView, info: RoundInfo, s: Settings, finishing: bool = False) -> Verdict:
     """What the view means for the round `info` describes.
 
     A member whose heartbeat is gone is lost unless it is done (finished the round with every worker
@@ -97,39 +97,39 @@ def judge(snap: StoreView, info: RoundInfo, s: Settings, finishing: bool = False
     nobody is judged lost or admitted: absences then are the outage's expiries.
     A view with no round at all, while we run one, means the store was wiped: rebuild it.
     """
-    rnd = snap.round
+    rnd = view.round
     if rnd is not None and rnd.phase is Phase.FINAL:
         return Over(RoundOutcome.JOB_ENDED)
     if rnd is None and info.record is not None:
         return Rebuild(info.record)
     if rnd is None or rnd.round != info.round:
         return Over(RoundOutcome.NEXT_ROUND)
-    done = snap.done_in(info.round)
+    done = view.done_in(info.round)
     all_done = done >= info.ranks.keys()
-    if not snap.settled or s.node_id not in snap.alive:  # our own key gone too: the store's doing
-        return EndJob("succeeded", finished(snap, info.round), info.round) if all_done else Continue()
-    lost = tuple(sorted(n for n in info.ranks if n not in snap.alive and n not in done))
+    if not view.settled or s.node_id not in view.alive:  # our own key gone too: the store's doing
+        return EndJob("succeeded", finished(view, info.round), info.round) if all_done else Continue()
+    lost = tuple(sorted(n for n in info.ranks if n not in view.alive and n not in done))
     if done or finishing:
         if done and not all_done and set(lost) | done >= info.ranks.keys():
-            return EndJob("succeeded", finished(snap, info.round, lost), info.round)
-        return EndJob("succeeded", finished(snap, info.round), info.round) if all_done else Continue()
+            return EndJob("succeeded", finished(view, info.round, lost), info.round)
+        return EndJob("succeeded", finished(view, info.round), info.round) if all_done else Continue()
     if lost:
         return MembershipChange("membership.lost", lost, f"node lost: {','.join(lost)}")
-    waiting = tuple(sorted(snap.alive - info.ranks.keys()))
-    handing_off = bool(rnd.handoffs.keys() & snap.alive & info.ranks.keys())  # theirs to admit: `handoff`
+    waiting = tuple(sorted(view.alive - info.ranks.keys()))
+    handing_off = bool(rnd.handoffs.keys() & view.alive & info.ranks.keys())  # theirs to admit: `handoff`
     if (waiting and not handing_off and len(info.ranks) < s.max_nodes
-            and is_lowest_live_rank(info, snap.alive)):
+            and is_lowest_live_rank(info, view.alive)):
         return MembershipChange("membership.waiting", waiting, f"scale-up: {','.join(waiting)}")
     if all_done:
-        return EndJob("succeeded", finished(snap, info.round), info.round)
+        return EndJob("succeeded", finished(view, info.round), info.round)
     return Continue()
 
 
-def finished(snap: StoreView, round_no: int, lost: tuple[str, ...] = ()) -> str:
+def finished(view: StoreView, round_no: int, lost: tuple[str, ...] = ()) -> str:
     """The reason of a job that finished in `round_no`: clean, or a mixed ending (a node's workers failed
     after a rank had exited 0: docs/reliability.md), whose failures the reason names so a user sees them."""
     reason = "all workers exited 0"
-    if mixed := snap.mixed.get(round_no):
+    if mixed := view.mixed.get(round_no):
         failed = "; ".join(f"{node}: {failure}" for node, failure in sorted(mixed.items()))
         reason = f"finished: a rank exited 0, then workers failed after it (not restarted) ({failed})"
     return f"{reason} ({','.join(lost)} lost after the others finished)" if lost else reason

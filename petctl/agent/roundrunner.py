@@ -130,31 +130,31 @@ class RoundRunner:
         self._fenced, self._done_pending = False, None
         started = last_publish = self._started = time.monotonic()
         next_view = started + first_look_after(info.rank)
-        snap = StoreView(round=info.record, alive=frozenset(info.ranks))  # until the first look
+        view = StoreView(round=info.record, alive=frozenset(info.ranks))  # until the first look
         while True:
-            if p.leave.is_set() and not self.saves.defer_leave(snap):
+            if p.leave.is_set() and not self.saves.defer_leave(view):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
             if p.preemption.notice is not None and not p.preemption.announced:
-                self._hand_off(snap, info)
+                self._hand_off(view, info)
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
             due = now >= next_view or self.saves.admission_saved()
             if woke or due:
                 if due:  # a whole read; on a watch's events alone, they are folded into our view
-                    next_view = now + safety_period(VIEW_EVERY, len(snap.alive), p.node_id)
-                looked = self._look(info, None if due else snap)
+                    next_view = now + safety_period(VIEW_EVERY, len(view.alive), p.node_id)
+                looked = self._look(info, None if due else view)
                 if looked is not None:
-                    snap, outcome = looked
+                    view, outcome = looked
                     if outcome is not None:
-                        return self._end(workers, info, snap, outcome)
-                    self.saves.flag(snap, info)
+                        return self._end(workers, info, view, outcome)
+                    self.saves.flag(view, info)
             if p.preemption.announced and p.preemption.save_finished(workers, p.control_dir):
                 left = RoundOutcome.LEAVE if p.preemption.leaving else RoundOutcome.PREEMPTED
                 p.depart("leave" if left is RoundOutcome.LEAVE else "preemption")  # before they exit
                 return self._stop(workers, info, left)
             if not self._fenced:
                 self._fence_if_cut_off(workers, info, watch, now)
-                watch = self._watch_workers(watch, workers, snap, info, now)
+                watch = self._watch_workers(watch, workers, view, info, now)
             if self._done_pending is not None:
                 self._store_call(self._mark_done)
             if now - last_publish > PUBLISH_EVERY:
@@ -164,17 +164,17 @@ class RoundRunner:
                 look = p.pool.refill_look(now - started, bool(p.progress.round_step_seen))
                 refill(p.pool, refill_due(look), info.round, p.events)
 
-    def _hand_off(self, snap: StoreView, info: RoundInfo) -> None:
+    def _hand_off(self, view: StoreView, info: RoundInfo) -> None:
         """Our instance has a notice: train on, or hand off now (roundjudge.handoff)."""
         p = self.p
         self._store_call(p.preemption.writer_save, p.rdzv, info)  # once per round; unknown: hand off now
-        step = p.preemption.handoff_step(snap, info, time.time(), p.progress.save_seconds,
+        step = p.preemption.handoff_step(view, info, time.time(), p.progress.save_seconds,
                                          p.progress.step_time())
         if isinstance(step, HandOff):
             if p.preemption.handoff_why != step.why:  # once per reason, not once per pass
                 p.preemption.handoff_why = step.why
                 p.events.emit("preemption.handoff", round=info.round, why=step.why,
-                              waiting=sorted(snap.alive - info.ranks.keys()), step=p.progress.step,
+                              waiting=sorted(view.alive - info.ranks.keys()), step=p.progress.step,
                               save_estimate_s=round(p.preemption.save_s, 3))
             self._store_call(p.preemption.announce, self.saves.announce)
         elif isinstance(step, MarkHandoff):
@@ -196,17 +196,17 @@ class RoundRunner:
         `since`, the view it follows with the watches' events folded in, when they hold every change
         (`EtcdRendezvous.view_since`), else a whole read."""
         try:
-            snap = self.p.rdzv.view() if since is None else self.p.rdzv.view_since(since)
-            outcome = self._act(snap, info)
+            view = self.p.rdzv.view() if since is None else self.p.rdzv.view_since(since)
+            outcome = self._act(view, info)
             if outcome is None and self._fenced:
                 # Our workers are stopped but the round is still ours: etcd answers again; open the next.
-                self.p.rdzv.start_round(snap, cause=f"{self.p.node_id} fenced while cut off from etcd")
+                self.p.rdzv.start_round(view, cause=f"{self.p.node_id} fenced while cut off from etcd")
                 outcome = RoundOutcome.FENCED
         except self.errors as e:
             self.outage.failed(e)
             return None
         self.outage.succeeded()
-        return snap, outcome
+        return view, outcome
 
     def _fence_if_cut_off(self, workers: WorkerGroup, info: RoundInfo, watch: WorkerWatch,
                           now: float) -> None:
@@ -221,9 +221,9 @@ class RoundRunner:
 
     def _ask_restart(self, info: RoundInfo, cause: str) -> None:
         """Replace our round after a worker failure; one already replaced covers ours (left alone)."""
-        snap = self.p.rdzv.view()
-        if snap.round is not None and snap.round.round == info.round:
-            self.p.rdzv.start_round(snap, cause, failure=True)
+        view = self.p.rdzv.view()
+        if view.round is not None and view.round.round == info.round:
+            self.p.rdzv.start_round(view, cause, failure=True)
 
     def _mark_done(self) -> None:
         if self._done_pending is not None:
@@ -231,19 +231,19 @@ class RoundRunner:
         self._done_pending = None
 
     # --- live/ ---------------------------------------------------------------------------------------
-    def _act(self, snap: StoreView, info: RoundInfo) -> RoundOutcome | None:
+    def _act(self, view: StoreView, info: RoundInfo) -> RoundOutcome | None:
         """Act on what the view means; the outcome if the round is over for us."""
         p = self.p
-        verdict = judge(snap, info, p.settings, finishing=self.saves.finished())
+        verdict = judge(view, info, p.settings, finishing=self.saves.finished())
         if isinstance(verdict, Over):
             return verdict.outcome
         if isinstance(verdict, MembershipChange) and verdict.event == "membership.waiting":
-            self.saves.admit(snap, info, verdict.cause, verdict.nodes)  # planned: save first
+            self.saves.admit(view, info, verdict.cause, verdict.nodes)  # planned: save first
         elif isinstance(verdict, MembershipChange):
             p.events.emit(verdict.event, round=info.round, nodes=list(verdict.nodes))
-            p.rdzv.start_round(snap, cause=verdict.cause)
+            p.rdzv.start_round(view, cause=verdict.cause)
         elif isinstance(verdict, Continue):
-            self.saves.admit(snap, info, None, ())  # our admission's save may be done
+            self.saves.admit(view, info, None, ())  # our admission's save may be done
         elif isinstance(verdict, EndJob):
             p.rdzv.end_job(verdict.state, verdict.reason, verdict.round)
         elif isinstance(verdict, Rebuild):
@@ -251,16 +251,16 @@ class RoundRunner:
         return None
 
     # --- the workers ---------------------------------------------------------------------------------
-    def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, snap: StoreView, info: RoundInfo,
+    def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, view: StoreView, info: RoundInfo,
                        now: float) -> WorkerWatch:
         p = self.p
-        preempting = snap.round is not None and snap.round.preempt is not None
+        preempting = view.round is not None and view.round.preempt is not None
         result = None if watch.finished or preempting else workers.poll()
         seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),
                        first_failure=result.first_failure() if result else None,
                        some_succeeded=workers.some_succeeded(), running=workers.running,
-                       round_done_elsewhere=bool(snap.done_in(info.round)), preempting=preempting,
+                       round_done_elsewhere=bool(view.done_in(info.round)), preempting=preempting,
                        idle=now - max(self._started, seen or 0.0), exiting_since=workers.exiting_since())
         hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting, seen is not None)
         step, new = judge_workers(watch, look, now, replace(self.timing, hang=hang), p.node_id)
@@ -286,20 +286,20 @@ class RoundRunner:
         elif isinstance(step, AskRestart):
             # Only once a settled view was judged: a peer lost during a store outage (which made our
             # workers fail) is then a membership change, not a failure counted against max_restarts.
-            settled = snap.settled and p.rdzv.store.settled()
+            settled = view.settled and p.rdzv.store.settled()
             if not settled or not self._store_call(self._ask_restart, info, step.cause):
                 return watch  # not asked yet: the next pass asks again
         return new
 
-    def _end(self, workers: WorkerGroup, info: RoundInfo, snap: StoreView,
+    def _end(self, workers: WorkerGroup, info: RoundInfo, view: StoreView,
              outcome: RoundOutcome) -> RoundOutcome:
         """The round was replaced: join the new one before our workers stop (they may take seconds to
         handle SIGTERM), so its closer, which waits for the members of this round, is not kept waiting.
         Not a node on its way out (asked to leave, or preempted): the closer should not count on it."""
-        p, rnd = self.p, snap.round
+        p, rnd = self.p, view.round
         staying = not p.leave.is_set() and p.preemption.notice is None
         if (outcome in (RoundOutcome.NEXT_ROUND, RoundOutcome.FENCED) and staying and rnd is not None
-                and rnd.phase is Phase.JOINING and rnd.round is not None and p.node_id in snap.alive):
+                and rnd.phase is Phase.JOINING and rnd.round is not None and p.node_id in view.alive):
             self._store_call(p.rdzv.prejoin, rnd.round, info.rank)  # else the rendezvous joins
         return self._stop(workers, info, outcome)
 

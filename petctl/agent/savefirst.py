@@ -92,18 +92,18 @@ class SaveFirst:
         """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
         return self.workers is not None and not self.flagged and self.workers.some_succeeded()
 
-    def _look(self, snap: StoreView) -> SaveLook:
-        request = snap.round.preempt if snap.round is not None else None
+    def _look(self, view: StoreView) -> SaveLook:
+        request = view.round.preempt if view.round is not None else None
         return SaveLook(node_id=self.node_id, request=request,
                         running=self.workers is not None and self.workers.running, saved=self._saved(request),
                         protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
                         finished=request is None and self.finished())
 
     # --- a request on the round: flag our workers ---------------------------------------------------
-    def flag(self, snap: StoreView, info: RoundInfo) -> None:
+    def flag(self, view: StoreView, info: RoundInfo) -> None:
         """Tell our workers the round carries a save-now request (every rank then saves the same step);
         once per round."""
-        request = snap.round.preempt if snap.round is not None else None
+        request = view.round.preempt if view.round is not None else None
         self.admitting, self._request = self._ours(request), request
         if self.flagged or request is None:
             return
@@ -120,31 +120,31 @@ class SaveFirst:
         """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
         return self.rdzv.set_preempt(self.rdzv.view(), self.preemption.request(self.node_id))
 
-    def defer_leave(self, snap: StoreView) -> bool:
+    def defer_leave(self, view: StoreView) -> bool:
         """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
         already under way), False when it is time to stop them and go (nothing to save, or too late)."""
         if self.preemption.notice is None:
-            if not leave_saves_first(self._look(snap)):
+            if not leave_saves_first(self._look(view)):
                 return False
             self.preemption.plan_leave(self.spec.timeouts.stop_grace)
         return time.time() < self.preemption.save_deadline
 
     # --- admitting a waiting node -------------------------------------------------------------------
-    def admit(self, snap: StoreView, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
+    def admit(self, view: StoreView, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
         """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
         is done. Raises what the etcd calls raise (the round runner counts and retries)."""
-        request = snap.round.preempt if snap.round is not None else None
+        request = view.round.preempt if view.round is not None else None
         if cause is None and not self._ours(request):
             return  # nobody waiting and no admission of ours under way (the usual look): no file I/O
-        step = admission(self._look(snap), cause, time.time(), self.spec.timeouts.preempt_deadline)
+        step = admission(self._look(view), cause, time.time(), self.spec.timeouts.preempt_deadline)
         if cause is not None and request is None and isinstance(step, RequestSave | Reform):
             self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
         if isinstance(step, RequestSave):
-            if self.rdzv.set_preempt(snap, step.request):
+            if self.rdzv.set_preempt(view, step.request):
                 self.events.emit("save.requested", round=info.round, reason=step.request.reason,
                                  deadline=round(step.request.deadline, 3))
         elif isinstance(step, Reform):
-            self.rdzv.start_round(snap, cause=request.reason if request is not None else (cause or ""))
+            self.rdzv.start_round(view, cause=request.reason if request is not None else (cause or ""))
 
     def admission_saved(self) -> bool:
         """Our own admission's save looks done: the round runner takes a fresh look at once (and re-forms).
