@@ -63,6 +63,14 @@ def test_readme_figures_are_generated_from_their_files():
     assert headline.current(readme) == headline.block(), "README's figures differ from their result files"
 
 
+def test_bench_readme_lists_every_result_tied_to_a_commit():
+    from bench import headline
+
+    text = (REPO / "bench" / "README.md").read_text()
+    assert headline.current(text, headline.TIED_BEGIN, headline.TIED_END) == headline.tied_block(), \
+        "bench/README.md's list of tied results is stale: run python -m bench.headline --write"
+
+
 def test_a_headline_refuses_a_result_without_a_clean_commit(tmp_path, monkeypatch):
     from bench import headline
 
