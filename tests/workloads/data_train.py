@@ -22,7 +22,8 @@ An open end (END_FILE=1, for bench/soak.py, which does not know how many steps i
 STEPS is only a ceiling; once `$LEDGER_DIR/end` holds a step count, every rank stops there (each step the
 ranks agree on the smallest count any of them read, so they stop together), and final.json says how many.
 Each rank also writes `$LEDGER_DIR/pids/<round>-<rank>` ({"pid", "node", "round", "rank"}) when it
-starts, so a soak can crash one worker process of a node.
+starts, so a soak can crash one worker process of a node, and prints a `train.step` line a step (what
+`petctl status` accounts from).
 
 Env: DATA_SIZE, BATCH (per rank) or GLOBAL_BATCH (+ MICRO), STEPS, STEP_TIME, CKPT_EVERY, HOLD_AT
 (comma-separated steps), HOLD_LIMIT (seconds a hold waits at most), SEED, LEDGER_DIR, END_FILE.
@@ -189,6 +190,9 @@ def main() -> int:
         dist.all_gather_object(shares, mine)
         stream = [share[i] for i in range(len(mine)) for share in shares]  # position r + i * world
         write("step", step=step, indices=stream)
+        if open_end:  # what `petctl status` counts steps from (its accounting, checked by the soak)
+            print(json.dumps({"ts": time.time(), "event": "train.step", "step": step, "rank": rank,
+                              "world_size": world}), flush=True)
         if step_time:
             time.sleep(step_time)
         if ckpt.step_end(step, state):
