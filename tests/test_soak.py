@@ -16,7 +16,7 @@ from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
 
-SEED = 46
+SEED = 98  # its 20 faults draw every one of the 13 local kinds (bench/soakplan.py), 8 of them overlapping
 FAULTS = 20
 
 

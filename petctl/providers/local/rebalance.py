@@ -105,8 +105,9 @@ class CapacityRebalancer:
         replacement = self.launch(iid)
         if replacement is None:  # the job ended meanwhile
             return
-        self.job.write_notice(iid, "rebalance", float(notice["time"]), **_carry(notice),
-                              replacement=replacement.id)
+        # A relaunch (the earlier replacement died) names the new one in place of the old: one key each.
+        self.job.write_notice(iid, "rebalance", float(notice["time"]),
+                              **{**_carry(notice), "replacement": replacement.id})
         self.events.emit("rebalance.replacing", instance=iid, replacement=replacement.id)
 
     def _retire(self, iid: str, notice: dict[str, Any], now: float) -> None:
