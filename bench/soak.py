@@ -230,7 +230,8 @@ class Soak:
             self.desired += 1 if up else -1
             self.mark()
             cli.run("scale", JOB, "--size", str(self.desired))
-            return f"size {self.desired}", ""
+            turned = "" if up == (k == "scale_up") else f" ({'up' if up else 'down'}: at the edge)"
+            return f"size {self.desired}{turned}", ""
         if k == "burst":
             up = self.desired < self.nodes and (p.pick % 2 == 0 or self.desired <= 2)
             d = 1 if up else -1
@@ -441,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"--max-minutes {args.max_minutes} passed at fault {p.index}")
             if p.after is None:
                 soak.wait_recovered(600)
+                state = next(j for j in cli.json("jobs") if j["name"] == JOB)["state"]
+                if state != "running":  # ended under the faults: nothing left to inject into
+                    log(f"the job is {state}: no more faults")
+                    break
                 soak.pump(time.time() + p.settle)
             else:
                 soak.pump(soak.faults[-1].injected + p.after)
