@@ -20,7 +20,13 @@ from petctl.core.eventlog import EventLog, parse_lines
 from petctl.providers.local.chaos import choose_target
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.metadata_server import LocalMetadataServer, iso8601
-from petctl.providers.local.rebalance import CapacityRebalancer, in_service, over_max_allowance, plan
+from petctl.providers.local.rebalance import (
+    CapacityRebalancer,
+    in_service,
+    over_max_allowance,
+    plan,
+    with_replaced,
+)
 from tests.support.hosts import host
 from tests.support.notices import write_notice
 
@@ -329,3 +335,11 @@ def test_a_replacement_that_died_is_launched_again_and_named_in_the_notice(tmp_p
     live = [SimpleNamespace(id="i-a"), SimpleNamespace(id="i-b")]
     rebalancer.tick(live, desired=2, now=10.0)
     assert job.read_notice("i-b") == {"kind": "rebalance", "time": 1.0, "grace": 4.0, "replacement": "i-d"}
+
+
+def test_a_scale_in_that_takes_a_replacement_takes_its_at_risk_instance_too() -> None:
+    """Else the at-risk instance waits for a replacement again: launched, scaled in, every tick (the soak
+    saw 240 launches in a minute, issue 46). Replacements of others, and other victims, stay as chosen."""
+    assert with_replaced(["i-c"], {"i-b": "i-c"}) == ["i-c", "i-b"]
+    assert with_replaced(["i-a"], {"i-b": "i-c"}) == ["i-a"]
+    assert with_replaced([], {"i-b": "i-c"}) == []
