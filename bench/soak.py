@@ -138,6 +138,7 @@ class Soak:
     faults: list[Fault] = field(default_factory=list)
     clears: list[Clear] = field(default_factory=list)
     _marked: tuple[float, int] = (0.0, 0)
+    etcd_busy: int | None = None  # the etcd fault under way: another one waits for it to clear
     desired: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -160,6 +161,8 @@ class Soak:
                 os.kill(int(c.arg), signal.SIGCONT)
         elif c.what == "etcd_start":
             restart_etcd(self.cli, c.arg)
+        if c.what in ("etcd_thaw", "etcd_start"):
+            self.etcd_busy = None
         f = self.faults[c.index]
         self.faults[c.index] = Fault(**{**asdict(f), "cleared": time.time()})
         log(f"fault {c.index} cleared: {c.what} {c.arg}")
@@ -202,6 +205,8 @@ class Soak:
         t0, round_at = self._marked
         base = {"index": p.index, "kind": p.kind, "injected": t0, "cleared": t0, "round_at": round_at,
                 "grace": p.grace}
+        if p.kind in ("etcd_stall", "etcd_down") and not skipped:
+            self.etcd_busy = p.index
         if p.kind in ("freeze", "etcd_stall", "etcd_down") and not skipped:
             self.clears.append(Clear(t0 + p.hold, p.index, {"freeze": "unfreeze", "etcd_stall": "etcd_thaw",
                                                             "etcd_down": "etcd_start"}[p.kind], target))
@@ -243,6 +248,8 @@ class Soak:
                     time.sleep((p.pick >> (4 * i)) % 8 / 8.0)
             self.desired = sizes[-1]
             return "sizes " + ",".join(map(str, sizes)), ""
+        if k in ("etcd_stall", "etcd_down") and self.etcd_busy is not None:
+            return "", f"etcd is stalled or down already (fault {self.etcd_busy})"
         if k == "etcd_stall":
             pid = int(cli.settings()["etcd_pid"])
             os.kill(pid, signal.SIGSTOP)

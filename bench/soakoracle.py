@@ -157,13 +157,15 @@ def recoveries(faults: Sequence[Fault], steps: Sequence[Step], now: float,
                end: JobEnd | None = None) -> tuple[list[Outcome], list[Violation]]:
     """Each fault's outcome, and a violation for each that neither trained again nor saw the job end by
     its deadline. Deadline: cleared + the kind's bound, extended to a later fault's own deadline when that
-    fault landed before this one recovered (it may hold the job up as long). `steps` in time order."""
+    fault landed before this one recovered and before its deadline (it may hold the job up as long; one
+    that lands after the deadline rescues nothing). `steps` in time order."""
     live = [f for f in faults if not f.skipped]
     found = {f.index: _recovered_at(f, steps) for f in live}
     deadline = {f.index: f.cleared + f.bound for f in live}
-    for i, f in enumerate(live):  # later faults first pass their deadlines back to the earlier ones
+    for i, f in enumerate(live):  # a later fault that landed while this one was still within its bound
         for g in live[i + 1:]:
-            until = found[f.index] if found[f.index] is not None else deadline[f.index]
+            at = found[f.index]
+            until = deadline[f.index] if at is None else min(at, deadline[f.index])
             if g.injected <= until:
                 deadline[f.index] = max(deadline[f.index], g.cleared + g.bound)
     outcomes, violations = [], []

@@ -65,6 +65,9 @@ def test_a_later_fault_that_lands_before_recovery_extends_the_bound():
     assert violations == [] and [x.state for x in outcomes] == ["recovered", "recovered"]
     alone, violations = o.recoveries([first], history, now=200)
     assert [v.invariant for v in violations] == ["recovery"]
+    late = kill(70.0, index=1)  # after the first one's deadline (60 s): it rescues nothing
+    outcomes, violations = o.recoveries([first, late], history, now=200)
+    assert [x.state for x in outcomes] == ["hung", "recovered"] and len(violations) == 1
 
 
 def test_a_job_that_ended_for_a_stated_reason_is_not_a_hang():
