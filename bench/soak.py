@@ -413,12 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                                   "f<faults>)")
     ap.add_argument("--results", type=Path, default=BENCH / "results")
     ap.add_argument("--max-minutes", type=float, default=600.0)
+    ap.add_argument("--workdir", type=Path, help="where the job's home and ledger go (default: a new temp "
+                                                 "dir); removed after a run with no violation")
     args = ap.parse_args(argv)
     meta = runmeta.start()
     rates = soakplan.parse_rates(args.rate)
     planned = soakplan.plan(args.faults, args.seed, rates, args.overlap)
     name = args.out or f"soak-{args.store}-{args.nodes}n-s{args.seed}-f{args.faults}"
-    work = Path(tempfile.mkdtemp(prefix="petctl-soak-"))
+    work = Path(tempfile.mkdtemp(prefix="petctl-soak-", dir=args.workdir))
     home, ledger, shm = work / "home", work / "ledger", work / "shm"
     ledger.mkdir(parents=True)
     shm.mkdir()

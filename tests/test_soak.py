@@ -22,9 +22,11 @@ FAULTS = 20
 
 @pytest.mark.timeout(420)
 def test_a_short_seeded_soak_ends_with_no_violation(tmp_path: Path):
+    # The job's home under pytest's temp root: the session's net kills whatever a timeout leaves running.
     run = subprocess.run(
         [sys.executable, str(REPO / "bench" / "soak.py"), "--faults", str(FAULTS), "--seed", str(SEED),
-         "--nodes", "3", "--results", str(tmp_path), "--out", "ci", "--max-minutes", "5"],
+         "--nodes", "3", "--results", str(tmp_path), "--out", "ci", "--max-minutes", "5",
+         "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=400)
     report = tmp_path / "ci.json"
     assert report.exists(), f"no report (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
