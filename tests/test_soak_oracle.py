@@ -156,6 +156,18 @@ def test_a_resume_past_every_step_run_is_a_skipped_step():
     assert [v.invariant for v in o.redo_violations([], history)] == ["redone"]
 
 
+def test_one_line_lost_with_a_killed_rank_0_is_not_a_skip_but_two_are():
+    """Rank 0 killed after step 2's collective, before its line: the survivor resumes at 3 (seen in the
+    v2 soak, seed 11). Next to a kill that is one lost line; two missing steps, or none nearby, a skip."""
+    history = steps([(1, 0, 1), (2, 1, 1), (6, 3, 2)])
+    near_kill = [o.Redo(2, 5.0, 3, 0, 1, "kill#0")]
+    assert o.redo_violations(near_kill, history) == []
+    planned = [o.Redo(2, 5.0, 3, 0, 0, "scale_up#0")]
+    assert [v.invariant for v in o.redo_violations(planned, history)] == ["redone"]
+    two = steps([(1, 0, 1), (6, 3, 2)])
+    assert [v.invariant for v in o.redo_violations(near_kill, two)] == ["redone"]
+
+
 # --- the end -------------------------------------------------------------------------------------------
 def test_final_weights_within_tolerance_and_a_lost_update_is_caught():
     assert o.weights([1.0, 2.0], [1.0 + 1e-12, 2.0]) == []
