@@ -393,6 +393,8 @@ def _frozen(view: StoreView, rnd: Round, state: RendezvousState,
     # A round formed without us: our old rank now belongs to someone else, so we come back as new.
     state = dataclasses.replace(state, prev_rank=None)
     if not any(n in view.alive for n in rnd.ranks):  # nobody else will open the next round
+        if not view.settled:  # every heartbeat may have expired in an outage: its members re-assert
+            return Wait(POLL_SLOW), state
         return StartNextRound("all members of the previous round lost"), state
     if state.waiting_reported:
         return Wait(IDLE), state

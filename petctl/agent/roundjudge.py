@@ -349,11 +349,14 @@ def admission(look: SaveLook, cause: str | None, wall: float, budget: float) -> 
     step: the save's broadcast is its barrier), then re-form, even if the waiting node has gone since
     (our workers exited after the save: only a new round trains again). Someone else's request (a notice,
     a leave): hold; the round they re-form admits the waiting node too. Workers that finished (exited 0
-    with no save asked) are never re-formed for a waiting node: hold, and the job ends.
+    with no save asked, even with a request on the round that came too late for them) are never
+    re-formed for a waiting node: hold, and the job ends.
     """
+    if look.finished:  # finished workers: re-forming would only restart them
+        return Hold()
     request = look.request
     if request is None:
-        if cause is None or look.finished:  # finished workers: re-forming would only restart them
+        if cause is None:
             return Hold()
         if look.protocol and look.running:
             return RequestSave(Preempt(node_id=look.node_id, deadline=wall + budget, reason=cause,

@@ -134,8 +134,8 @@ class RoundRunner:
         while True:
             if p.leave.is_set() and not self.saves.defer_leave(view):
                 return self._stop(workers, info, RoundOutcome.LEAVE)
-            if p.preemption.notice is not None and not p.preemption.announced:
-                self._hand_off(view, info)
+            if p.preemption.notice is not None and not p.preemption.announced and not self.saves.finished():
+                self._hand_off(view, info)  # once our workers finished unasked there is nothing to save
             woke = p.watcher.wait(SAVING_PASS if self.saves.flagged else PASS)
             now = time.monotonic()
             due = now >= next_view or self.saves.admission_saved()
@@ -254,7 +254,11 @@ class RoundRunner:
     def _watch_workers(self, watch: WorkerWatch, workers: WorkerGroup, view: StoreView, info: RoundInfo,
                        now: float) -> WorkerWatch:
         p = self.p
-        preempting = view.round is not None and view.round.preempt is not None
+        # A save-now request on the round makes our workers' exits a save's, unless they exited 0 before
+        # any save was asked of them (`SaveFirst.finished`): then they finished the training, and the node
+        # must say so, or it waits on a re-form that a finished job never gets.
+        preempting = (view.round is not None and view.round.preempt is not None
+                      and not self.saves.finished())
         result = None if watch.finished or preempting else workers.poll()
         seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),

@@ -73,11 +73,12 @@ class SaveFirst:
         self.flagged = False
         self.admitting = False  # the round carries our own admission's request (seen in `flag`)
         self._request: Preempt | None = None  # the round's request, as last seen
+        self._late: Preempt | None = None  # a request that came after our workers finished (reported)
 
     def begin(self, workers: WorkerGroup) -> None:
         self.workers = workers
         self.flagged = self.admitting = False
-        self._request = None
+        self._request = self._late = None
 
     def _ours(self, request: Preempt | None) -> bool:
         """`request` is our own admission's (nobody leaves)."""
@@ -97,7 +98,7 @@ class SaveFirst:
         return SaveLook(node_id=self.node_id, request=request,
                         running=self.workers is not None and self.workers.running, saved=self._saved(request),
                         protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
-                        finished=request is None and self.finished())
+                        finished=self.finished())
 
     # --- a request on the round: flag our workers ---------------------------------------------------
     def flag(self, view: StoreView, info: RoundInfo) -> None:
@@ -106,6 +107,16 @@ class SaveFirst:
         request = view.round.preempt if view.round is not None else None
         self.admitting, self._request = self._ours(request), request
         if self.flagged or request is None:
+            return
+        if self.finished():
+            # Our workers exited 0 before any save was asked of them: they finished the job's training.
+            # Flagging now would make their exits a save's (neither success nor failure), the node would
+            # never report them done, and a round that cannot re-form (no capacity to meet --min) would
+            # wait for ever with its training over. Once per round.
+            if self._late is not request:
+                self._late = request
+                self.events.emit("save.after_finish", round=info.round, noticed=request.node_id,
+                                 reason=request.reason)
             return
         controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
         self.flagged = True

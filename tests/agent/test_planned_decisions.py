@@ -37,6 +37,8 @@ def look(request=None, protocol=True, running=True, saved=False, finished=False)
      look(running=False, finished=True), CAUSE, Hold()),
     ("one of our workers finished, another still exits: hold", look(finished=True), CAUSE, Hold()),
     ("plain script finished: hold", look(protocol=False, running=False, finished=True), CAUSE, Hold()),
+    ("our workers finished before our own request reached them: hold, the job ends (issue 46)",
+     look(OURS, running=False, saved=True, finished=True), CAUSE, Hold()),
 ])
 def test_admission(case, seen, cause, expected):
     assert admission(seen, cause, WALL, BUDGET) == expected, case

@@ -19,8 +19,15 @@ from petctl.core.eventlog import parse_lines
 from petctl.io import controlfiles as cf
 from petctl.io.eventlog import EventLog
 from petctl.providers.local.chaos import choose_target
+from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.metadata_server import LocalMetadataServer, iso8601
-from petctl.providers.local.rebalance import in_service, over_max_allowance, plan
+from petctl.providers.local.rebalance import (
+    CapacityRebalancer,
+    in_service,
+    over_max_allowance,
+    plan,
+    with_replaced,
+)
 from tests.support.hosts import host
 from tests.support.notices import write_notice
 
@@ -311,3 +318,29 @@ def test_plan_at_the_jobs_max() -> None:
     both = {"i-a": {**issued, "time": 0.5}, "i-b": issued}
     assert plan(both, {"i-a", "i-b"}, ranks, set(), max_size=2, desired=2).launch == ["i-a"]
     assert in_service("i-c", {"i-c": 0}, set(), 5) and not in_service("i-c", {}, {"i-c"}, 5)
+
+
+def test_a_replacement_that_died_is_launched_again_and_named_in_the_notice(tmp_path: Path) -> None:
+    """The relaunch path of `plan` (`lost` above), carried out: it once crashed the reconciler (the notice's
+    old `replacement` and the new one passed twice to write_notice: TypeError), and the job failed. Found
+    by the soak (issue 46) when the replacement of a rebalanced node was lost."""
+    from types import SimpleNamespace
+
+    job = JobDir.of(tmp_path, "j")
+    job.notices.mkdir(parents=True, exist_ok=True)
+    job.write_notice("i-b", "rebalance", 1.0, grace=4.0, replacement="i-c")  # i-c has died since
+    launched = iter(["i-d", "i-e"])
+    rebalancer = CapacityRebalancer(job, EventLog(io.StringIO()), max_size=3,
+                                    launch=lambda _: SimpleNamespace(id=next(launched)),
+                                    ranks=lambda: {"i-a": 0, "i-b": 1}, alive=set)
+    live = [SimpleNamespace(id="i-a"), SimpleNamespace(id="i-b")]
+    rebalancer.tick(live, desired=2, now=10.0)
+    assert job.read_notice("i-b") == {"kind": "rebalance", "time": 1.0, "grace": 4.0, "replacement": "i-d"}
+
+
+def test_a_scale_in_that_takes_a_replacement_takes_its_at_risk_instance_too() -> None:
+    """Else the at-risk instance waits for a replacement again: launched, scaled in, every tick (the soak
+    saw 240 launches in a minute, issue 46). Replacements of others, and other victims, stay as chosen."""
+    assert with_replaced(["i-c"], {"i-b": "i-c"}) == ["i-c", "i-b"]
+    assert with_replaced(["i-a"], {"i-b": "i-c"}) == ["i-a"]
+    assert with_replaced([], {"i-b": "i-c"}) == []

@@ -8,6 +8,7 @@ A running round's judges are in tests/agent/test_round_judge.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -432,6 +433,14 @@ def test_a_node_left_out_of_a_frozen_round_joins_the_next_one_as_new():
 def test_a_waiting_node_opens_the_next_round_when_every_member_is_gone():
     action = act(snapshot({"me"}, frozen_round(3, {"a": 0, "b": 1})), RendezvousState(started=T0), settings())
     assert action == StartNextRound("all members of the previous round lost")
+
+
+def test_a_waiting_node_trusts_no_absence_until_the_view_settles():
+    """etcd stalled past the TTL: every heartbeat expired at once, the members are re-asserting theirs. A
+    node waiting beside the round took their absence for a loss and restarted a round that was training
+    (the soak, seed 7: one step redone after an etcd stall, issue 46)."""
+    view = dataclasses.replace(snapshot({"me"}, frozen_round(3, {"a": 0, "b": 1})), settled=False)
+    assert act(view, RendezvousState(started=T0), settings()) == Wait(0.5)
 
 
 # --- the next round ---------------------------------------------------------------------------------

@@ -21,20 +21,6 @@ HERE = Path(__file__).resolve().parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def known_agent_hang(emulator: InstanceEmulator) -> str:
-    """The issue seen on this shared 2-core machine (reported): a node whose workers printed `train.done`
-    never reports `workers.succeeded` (a worker that does not finish exiting, or an agent that does not
-    notice), so the job never ends. Only that exact state is tolerated (xfail); any other failure fails."""
-    stuck = []
-    for instance_id, booted in emulator.booted.items():
-        text = booted.log.read_text(errors="replace") if booted.log.exists() else ""
-        done_at = text.rfind('"event": "train.done"')
-        noticed = '"event":"workers.succeeded"' in text[done_at:]
-        if booted.proc.poll() is None and done_at >= 0 and not noticed:
-            stuck.append(instance_id)
-    return ", ".join(stuck)
-
-
 def wait_for(predicate, timeout: float, what: str, emulator: InstanceEmulator, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -42,9 +28,6 @@ def wait_for(predicate, timeout: float, what: str, emulator: InstanceEmulator, i
         if value:
             return value
         time.sleep(interval)
-    stuck = known_agent_hang(emulator)
-    if stuck and "finish" in what:
-        pytest.xfail(f"known hang after train.done on {stuck}: workers.succeeded never reported")
     raise AssertionError(
         f"timed out waiting for {what}\nemulator errors: {emulator.errors}\n{emulator.console()}"
     )

@@ -18,8 +18,15 @@ Holds: at each step in HOLD_AT (after `step_end`) every rank waits, in lockstep,
 `$LEDGER_DIR/go-<step>` or petctl asks for a save (a planned change or a notice's hand-off: the hold ends,
 the next step saves and leaves). So a test can act at a known step without racing the training.
 
+An open end (END_FILE=1, for bench/soak.py, which does not know how many steps its faults will take):
+STEPS is only a ceiling; once `$LEDGER_DIR/end` holds a step count, every rank stops there (each step the
+ranks agree on the smallest count any of them read, so they stop together), and final.json says how many.
+Each rank also writes `$LEDGER_DIR/pids/<round>-<rank>` ({"pid", "node", "round", "rank"}) when it
+starts, so a soak can crash one worker process of a node, and prints a `train.step` line a step (what
+`petctl status` accounts from).
+
 Env: DATA_SIZE, BATCH (per rank) or GLOBAL_BATCH (+ MICRO), STEPS, STEP_TIME, CKPT_EVERY, HOLD_AT
-(comma-separated steps), HOLD_LIMIT (seconds a hold waits at most), SEED, LEDGER_DIR.
+(comma-separated steps), HOLD_LIMIT (seconds a hold waits at most), SEED, LEDGER_DIR, END_FILE.
 """
 
 from __future__ import annotations
@@ -112,6 +119,31 @@ def hold(step: int, ledger_dir: Path, ckpt, limit: float) -> None:
         time.sleep(0.1)
 
 
+def end_step(ledger_dir: Path, steps: int) -> int:
+    """The step count to stop at, agreed by every rank: the smallest of STEPS and the counts they read in
+    `end` (written once, atomically, by the soak)."""
+    import torch.distributed as dist
+
+    try:
+        wanted = min(steps, int((ledger_dir / "end").read_text()))
+    except (OSError, ValueError):  # not written yet: train on
+        wanted = steps
+    agreed = torch.tensor([wanted])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
+def record_pid(ledger_dir: Path, rank: int) -> None:
+    """Where this rank's process is, for a soak that crashes one (`pids/<round>-<rank>`)."""
+    pids = ledger_dir / "pids"
+    pids.mkdir(exist_ok=True)
+    rnd = int(os.environ.get("PETCTL_ROUND", "0"))
+    tmp = pids / f".{rnd}-{rank}.tmp"
+    tmp.write_text(json.dumps({"pid": os.getpid(), "node": os.environ.get("PETCTL_NODE_ID", "local"),
+                               "round": rnd, "rank": rank}))
+    os.replace(tmp, pids / f"{rnd}-{rank}")
+
+
 def main() -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -143,10 +175,14 @@ def main() -> int:
                                   "round": int(env.get("PETCTL_ROUND", "0")),
                                   "node": env.get("PETCTL_NODE_ID", "local"), **fields}) + "\n")
 
+    open_end = env.get("END_FILE") == "1"
+    if open_end:
+        record_pid(ledger_dir, rank)
     write("resumed", start=start, cursor=[sampler.cursor.epoch, sampler.cursor.offset])
     batches = endless(loader)
     left = False
-    for step in range(start, steps):
+    step = start
+    while step < (end_step(ledger_dir, steps) if open_end else steps):
         micro = [next(batches) for _ in range(plan.accumulation)]
         train_step(model, opt, micro, plan.accumulation, xs, ys, ddp)
         mine = [i for b in micro for i in b.tolist()]
@@ -154,6 +190,9 @@ def main() -> int:
         dist.all_gather_object(shares, mine)
         stream = [share[i] for i in range(len(mine)) for share in shares]  # position r + i * world
         write("step", step=step, indices=stream)
+        if open_end:  # what `petctl status` counts steps from (its accounting, checked by the soak)
+            print(json.dumps({"ts": time.time(), "event": "train.step", "step": step, "rank": rank,
+                              "world_size": world}), flush=True)
         if step_time:
             time.sleep(step_time)
         if ckpt.step_end(step, state):
@@ -162,12 +201,13 @@ def main() -> int:
             break
         if step in holds:
             hold(step, ledger_dir, ckpt, limit)
+        step += 1
     ckpt.close()
     if not left:
         if rank == 0:
             final = ledger_dir / "final.json"
             tmp = final.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"steps": steps, "weights": weights(model)}))
+            tmp.write_text(json.dumps({"steps": max(step, start), "weights": weights(model)}))
             os.replace(tmp, final)
         dist.barrier()
     dist.destroy_process_group()

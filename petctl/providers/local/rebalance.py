@@ -50,6 +50,18 @@ class Plan:
     retire: list[str] = field(default_factory=list)  # at-risk instances whose replacement is in service
 
 
+def with_replaced(victims: list[str], replaced_by: dict[str, str]) -> list[str]:
+    """Scale-in victims, each rebalance replacement among them with the at-risk instance it replaces.
+
+    The at-risk instance no longer counts toward desired (its replacement does), so a scale-in that picks
+    the replacement alone leaves the at-risk one waiting for a replacement: the rebalancer launches
+    another, the next scale-in takes it, and so on every tick (the soak saw 240 launches in a minute).
+    Both go: the at-risk instance was leaving anyway, and the group lands on its desired size."""
+    out = list(victims)
+    out += [at_risk for at_risk, replacement in sorted(replaced_by.items()) if replacement in victims]
+    return out
+
+
 def plan(at_risk: dict[str, dict[str, Any]], live: set[str], ranks: dict[str, int], alive: set[str],
          max_size: int, desired: int) -> Plan:
     """What to do this tick about the instances with a rebalance recommendation (`at_risk`: their
@@ -86,6 +98,15 @@ class CapacityRebalancer:
         """Instances a replacement was launched for: the group's size counts the replacement instead."""
         return {i.id for i in live if "replacement" in (self.job.read_notice(i.id) or {})}
 
+    def replaced_by(self, live: list[Instance]) -> dict[str, str]:
+        """At-risk instance -> the replacement launched for it, for those that have one."""
+        out = {}
+        for i in live:
+            replacement = (self.job.read_notice(i.id) or {}).get("replacement")
+            if replacement:
+                out[i.id] = str(replacement)
+        return out
+
     def tick(self, live: list[Instance], desired: int, now: float) -> None:
         notices = {i.id: n for i in live if (n := self.job.read_notice(i.id)) is not None}
         at_risk = {iid: n for iid, n in notices.items() if n.get("kind") == "rebalance"}
@@ -105,8 +126,9 @@ class CapacityRebalancer:
         replacement = self.launch(iid)
         if replacement is None:  # the job ended meanwhile
             return
-        self.job.write_notice(iid, "rebalance", float(notice["time"]), **_carry(notice),
-                              replacement=replacement.id)
+        # A relaunch (the earlier replacement died) names the new one in place of the old: one key each.
+        self.job.write_notice(iid, "rebalance", float(notice["time"]),
+                              **{**_carry(notice), "replacement": replacement.id})
         self.events.emit("rebalance.replacing", instance=iid, replacement=replacement.id)
 
     def _retire(self, iid: str, notice: dict[str, Any], now: float) -> None:

@@ -42,7 +42,7 @@ from petctl.providers.local.fleet import Fleet
 from petctl.providers.local.instances import Instance
 from petctl.providers.local.jobdir import JobDir
 from petctl.providers.local.joblink import JobLink
-from petctl.providers.local.rebalance import CapacityRebalancer, over_max_allowance
+from petctl.providers.local.rebalance import CapacityRebalancer, over_max_allowance, with_replaced
 
 QUICK_EXIT_S = 10.0  # an instance that fails faster than this after launch is crash-looping
 MAX_QUICK_FAILURES = 5  # ... and this many in a row end the job (a broken agent, not bad luck)
@@ -250,8 +250,10 @@ class Reconciler:
         live = [i for i in every if i.id not in leaving and not i.detached]
         if len(live) > desired:
             self.owed.clear()
-            for victim in self._victims(live, len(live) - desired):
-                self.fleet.terminate(victim, "scale-in", now)
+            chosen = [i.id for i in self._victims(live, len(live) - desired)]
+            by_id = {i.id: i for i in every}
+            for victim in with_replaced(chosen, self.rebalancer.replaced_by(every)):
+                self.fleet.terminate(by_id[victim], "scale-in", now)
             return
         todo = plan_launches(len(live), desired, self.owed, len(every), self.spec.max_size)
         if now < self.job.capacity_hold():

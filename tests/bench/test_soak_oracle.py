@@ -1,0 +1,195 @@
+"""The soak's oracle (bench/soakoracle.py) and plan (bench/soakplan.py) on hand-made histories: each
+invariant holds on a good one and is judged broken on one made to break it (a test that cannot fail
+would be a defect of the soak)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import soakoracle as o
+from bench import soakplan
+from bench.soakoracle import Fault, JobEnd, Join, Leftovers, Resume, Step
+
+
+def steps(spec: list[tuple[float, int, int]], world: int = 3, node: str = "a") -> list[Step]:
+    """(ts, step, round) triples as rank 0's ledger, written by `node`."""
+    return [Step(ts, step, rnd, world, node) for ts, step, rnd in spec]
+
+
+def joins(rounds: dict[int, dict[str, int]], world: int = 3) -> list[Join]:
+    return [Join(float(n), node, n, rank, world)
+            for n, ranks in rounds.items() for node, rank in ranks.items()]
+
+
+def kill(at: float, round_at: int = 1, index: int = 0, kind: str = "kill") -> Fault:
+    return Fault(index=index, kind=kind, injected=at, cleared=at, round_at=round_at, target="b")
+
+
+# --- the plan ---------------------------------------------------------------------------------------------
+def test_the_same_seed_replays_the_same_history_and_another_seed_does_not():
+    assert soakplan.plan(50, 3) == soakplan.plan(50, 3)
+    assert soakplan.plan(50, 3) != soakplan.plan(50, 4)
+
+
+def test_overlapping_faults_land_within_five_seconds_and_rates_leave_kinds_out():
+    plan = soakplan.plan(300, 1, soakplan.parse_rates(["etcd_down=0", "kill=5"]), overlap=0.7)
+    assert {p.kind for p in plan} <= set(soakplan.KINDS) - {"etcd_down"}
+    close = [p.after for p in plan if p.after is not None]
+    assert close and all(0.0 <= a <= soakplan.OVERLAP_WINDOW for a in close)
+    assert plan[0].after is None  # the first fault waits for a job that trains
+    with pytest.raises(ValueError):
+        soakplan.parse_rates(["partition=1"])  # not a local kind: refused, not faked
+
+
+# --- recovery and stalls ------------------------------------------------------------------------------
+def test_a_kill_is_recovered_by_the_first_step_of_a_newer_round():
+    history = steps([(1, 0, 1), (2, 1, 1), (3.5, 2, 1), (8, 2, 2), (9, 3, 2)])
+    (out,), violations = o.recoveries([kill(3.0)], history, now=20)
+    assert violations == [] and out.state == "recovered" and out.seconds == 5.0
+
+
+def test_a_kill_whose_job_never_trains_again_is_a_hang_once_its_bound_passed():
+    history = steps([(1, 0, 1), (2, 1, 1), (3.5, 2, 1)])  # round 1 went on printing: no re-form
+    f = kill(3.0)
+    (out,), _ = o.recoveries([f], history, now=3.0 + f.bound - 1)
+    assert out.state == "pending"
+    (out,), violations = o.recoveries([f], history, now=3.0 + f.bound + 1)
+    assert out.state == "hung" and [v.invariant for v in violations] == ["recovery"]
+    assert "not training again" in violations[0].message
+
+
+def test_a_later_fault_that_lands_before_recovery_extends_the_bound():
+    first, second = kill(0.0, index=0), kill(50.0, index=1)
+    history = steps([(0.0, 0, 1), (100.0, 1, 2)])  # trained again 100 s after the first kill
+    outcomes, violations = o.recoveries([first, second], history, now=200)
+    assert violations == [] and [x.state for x in outcomes] == ["recovered", "recovered"]
+    alone, violations = o.recoveries([first], history, now=200)
+    assert [v.invariant for v in violations] == ["recovery"]
+    late = kill(70.0, index=1)  # after the first one's deadline (60 s): it rescues nothing
+    outcomes, violations = o.recoveries([first, late], history, now=200)
+    assert [x.state for x in outcomes] == ["hung", "recovered"] and len(violations) == 1
+
+
+def test_a_job_that_ended_for_a_stated_reason_is_not_a_hang():
+    f = kill(3.0)
+    (out,), violations = o.recoveries([f], steps([(1, 0, 1)]), now=500, end=JobEnd(10.0, "failed", "x"))
+    assert violations == [] and out.state == "ended"
+    (out,), violations = o.recoveries([f], steps([(1, 0, 1)]), now=500, end=JobEnd(10.0, "failed", ""))
+    assert out.state == "hung" and violations  # ended without a reason: not good enough
+
+
+def test_a_gap_without_a_fault_is_a_stall_and_one_within_a_fault_is_not():
+    history = steps([(0, 0, 1), (1, 1, 1), (100, 2, 1), (101, 3, 1)])
+    assert [v.invariant for v in o.stalls(history, [], [], now=102)] == ["stall"]
+    f = kill(0.5)  # its window ends at its deadline (60.5 s): the 40 s after it are a stall
+    outcomes, _ = o.recoveries([f], history, now=102)
+    (v,) = o.stalls(history, [f], outcomes, now=102)
+    assert (v.context["from"], v.context["to"]) == (f.injected + f.bound, 100)
+    long = Fault(0, "etcd_stall", 0.5, 60.0, 1)
+    outcomes, _ = o.recoveries([long], history, now=102)
+    assert o.stalls(history, [long], outcomes, now=102) == []
+    assert [v.invariant for v in o.stalls(history[:2], [], [], now=200)] == ["stall"]  # the tail too
+
+
+# --- agreement ---------------------------------------------------------------------------------------------
+def test_one_node_per_rank_and_one_world_per_round_hold():
+    good = joins({1: {"a": 0, "b": 1, "c": 2}, 2: {"a": 0, "c": 1}})
+    assert o.agreement(good, steps([(1, 0, 1), (2, 1, 2)])) == []
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ([Join(1, "a", 1, 0, 3), Join(1, "b", 1, 0, 3)], "a rank held by two nodes"),
+    ([Join(1, "a", 1, 0, 3), Join(1, "a", 1, 1, 3)], "a node told two ranks"),
+    ([Join(1, "a", 1, 0, 3), Join(1, "b", 1, 1, 2)], "disagree on the world size"),
+    ([Join(1, "a", 1, 0, 2), Join(1, "b", 1, 2, 2)], "a rank outside its world"),
+])
+def test_a_split_round_is_judged_broken(bad, needle):
+    violations = o.agreement(bad, [])
+    assert any(needle in v.message for v in violations), violations
+
+
+def test_steps_written_by_a_node_that_was_not_rank_0_break_agreement():
+    violations = o.agreement(joins({1: {"a": 0, "b": 1}}), steps([(1, 0, 1)], node="b"))
+    assert [v.invariant for v in violations] == ["agreement"]
+
+
+# --- steps redone -----------------------------------------------------------------------------------------
+def redo_of(history, resumes, faults, rounds):
+    outcomes, _ = o.recoveries(faults, history, now=1e9)
+    found = o.redos(history, resumes, faults, outcomes, joins(rounds), durable_every=10)
+    return found, o.redo_violations(found, history)
+
+
+def test_an_unannounced_loss_may_redo_one_step_and_not_two():
+    rounds = {1: {"a": 0, "b": 1, "c": 2}, 2: {"a": 0, "b": 1}}
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (6, 2, 2), (7, 3, 2)])
+    found, violations = redo_of(history, [Resume(0.5, 0, 1, 3, "a"), Resume(5, 2, 2, 2, "a")],
+                                [kill(3.2)], rounds)
+    assert [(r.redone, r.allowed) for r in found] == [(1, 1)] and violations == []
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (6, 1, 2), (7, 2, 2)])
+    found, violations = redo_of(history, [Resume(0.5, 0, 1, 3, "a"), Resume(5, 1, 2, 2, "a")],
+                                [kill(3.2)], rounds)
+    assert [(r.redone, r.allowed) for r in found] == [(2, 1)]
+    assert [v.invariant for v in violations] == ["redone"]
+
+
+def test_a_planned_change_may_redo_nothing():
+    rounds = {1: {"a": 0, "b": 1}, 2: {"a": 0, "b": 1, "c": 2}}
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (6, 2, 2)])
+    scale = Fault(0, "scale_up", 2.5, 2.5, 1)
+    found, violations = redo_of(history, [Resume(5, 2, 2, 3, "a")], [scale], rounds)
+    assert [(r.redone, r.allowed) for r in found] == [(1, 0)] and len(violations) == 1
+
+
+def test_a_redo_nobody_caused_is_a_violation_and_all_lost_allows_the_durable_interval():
+    rounds = {1: {"a": 0, "b": 1}, 2: {"c": 0, "d": 1}}
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (3.5, 3, 1), (6, 0, 2, )])
+    found, violations = redo_of(history, [Resume(5, 0, 2, 2, "c")], [], rounds)
+    assert found[0].allowed == 0 and violations
+    both = [kill(3.6, index=0), kill(3.7, index=1)]
+    found, violations = redo_of(history, [Resume(5, 0, 2, 2, "c")], both, rounds)
+    assert (found[0].redone, found[0].allowed) == (4, 10) and violations == []
+
+
+def test_a_resume_past_every_step_run_is_a_skipped_step():
+    history = steps([(1, 0, 1), (2, 1, 1), (6, 3, 2)])
+    assert [v.invariant for v in o.redo_violations([], history)] == ["redone"]
+
+
+def test_one_line_lost_with_a_killed_rank_0_is_not_a_skip_but_two_are():
+    """Rank 0 killed after step 2's collective, before its line: the survivor resumes at 3 (seen in the
+    v2 soak, seed 11). Next to a kill that is one lost line; two missing steps, or none nearby, a skip."""
+    history = steps([(1, 0, 1), (2, 1, 1), (6, 3, 2)])
+    near_kill = [o.Redo(2, 5.0, 3, 0, 1, "kill#0")]
+    assert o.redo_violations(near_kill, history) == []
+    planned = [o.Redo(2, 5.0, 3, 0, 0, "scale_up#0")]
+    assert [v.invariant for v in o.redo_violations(planned, history)] == ["redone"]
+    two = steps([(1, 0, 1), (6, 3, 2)])
+    assert [v.invariant for v in o.redo_violations(near_kill, two)] == ["redone"]
+
+
+# --- the end -------------------------------------------------------------------------------------------
+def test_final_weights_within_tolerance_and_a_lost_update_is_caught():
+    assert o.weights([1.0, 2.0], [1.0 + 1e-12, 2.0]) == []
+    assert [v.invariant for v in o.weights([1.0, 2.0], [1.0, 2.001])] == ["weights"]
+    assert o.weights([1.0], None) and o.weights([1.0], [1.0, 2.0]) and o.weights([1.0], [float("nan")])
+
+
+def test_status_accounting_must_equal_the_ledger():
+    assert o.accounting({"steps_kept": 40, "steps_lost": 2}, {"steps_kept": 40, "steps_lost": 2}) == []
+    assert o.accounting({"steps_kept": 40, "steps_lost": 1}, {"steps_kept": 40, "steps_lost": 2})
+    assert o.accounting(None, {"steps_kept": 40, "steps_lost": 2})
+
+
+def test_anything_left_after_kill_job_is_a_violation():
+    assert o.leftovers(Leftovers()) == []
+    found = o.leftovers(Leftovers(processes=["123 python -m petctl.agent"], files=["/dev/shm/petctl-snap.x"]))
+    assert [v.invariant for v in found] == ["leftovers", "leftovers"]
+
+
+def test_the_summary_line_has_faults_violations_and_percentiles_per_kind():
+    outcomes = [o.Outcome(0, "kill", "recovered", 2.0, 60), o.Outcome(1, "kill", "recovered", 4.0, 60),
+                o.Outcome(2, "freeze", "skipped", None, None)]
+    line = o.summary_line(7, outcomes, [])
+    assert line.startswith("soak seed=7: 2 faults, 0 violations") and "kill=2.0/4.0" in line
+    assert o.percentile([1, 2, 3, 4], 50) == 2 and o.percentile([1, 2, 3, 4], 99) == 4
