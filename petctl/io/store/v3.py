@@ -210,8 +210,11 @@ class V3Store:
         from etcd3aio.kv import prefix_range_end
 
         prefix = _prefix(directory)
-        return self.run(f"delete_dir {directory}", self._kv.delete(prefix, range_end=prefix_range_end(prefix),
-                                                                   timeout=self._timeout)).deleted
+        # Retried like a read: deleting a range twice leaves the same store, so a connection that failed
+        # its handshake (seen under load: UNAVAILABLE, "Handshake read failed") costs a retry, not the call.
+        deleting = self._kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self._timeout,
+                                   max_attempts=READ_ATTEMPTS)
+        return self.run(f"delete_dir {directory}", deleting).deleted
 
     def grant(self, ttl: float) -> Lease:
         if self._client.lease is None:
