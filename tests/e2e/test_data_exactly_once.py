@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.cli import Petctl
+from tests.support.ledger import read_jsonl
 from tests.support.matrix import FAST, wait_until
 from tests.support.paths import WORKLOADS
 
@@ -28,10 +29,7 @@ SCRIPT = WORKLOADS / "data_train.py"
 
 
 def ledger(directory: Path) -> list[dict[str, Any]]:
-    path = directory / "data.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    return read_jsonl(directory / "data.jsonl")
 
 
 def steps_of(directory: Path) -> list[dict[str, Any]]:

@@ -10,10 +10,11 @@ dataset's size and what the script saw.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.support.ledger import read_jsonl
 
 
 def positions(record: dict[str, Any]) -> list[int]:
@@ -31,9 +32,8 @@ class DataLedger:
 
     @classmethod
     def read(cls, directory: Path) -> DataLedger:
-        path = directory / "ledger.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return cls([json.loads(line) for line in lines if line.strip()])
+        """Every line rank 0 wrote; one a kill cut short is skipped (as every ledger reader does)."""
+        return cls(read_jsonl(directory / "ledger.jsonl"))
 
     def of(self, event: str) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["event"] == event]

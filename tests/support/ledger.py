@@ -22,6 +22,21 @@ from tests.support.paths import WORKLOADS
 WORKLOAD = WORKLOADS / "ledger_train.py"
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every JSON line of `path` in order (none when it does not exist); a line a killed writer cut short
+    (no newline yet, or not JSON) is skipped."""
+    text = path.read_text() if path.exists() else ""
+    entries = []
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            continue
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
+
+
 @functools.cache
 def _workload() -> Any:
     spec = importlib.util.spec_from_file_location("ledger_train", WORKLOAD)
@@ -66,13 +81,7 @@ class Ledger:
     @classmethod
     def read(cls, directory: Path) -> Ledger:
         """Every ledger line of every rank, oldest first; a line cut by a SIGKILL is skipped."""
-        entries = []
-        for path in sorted(directory.glob("*.jsonl")):
-            for line in path.read_text().splitlines():
-                try:
-                    entries.append(json.loads(line))
-                except ValueError:
-                    continue
+        entries = [e for path in sorted(directory.glob("*.jsonl")) for e in read_jsonl(path)]
         return cls(sorted(entries, key=lambda e: e["ts"]))
 
     def of(self, event: str) -> list[dict[str, Any]]:

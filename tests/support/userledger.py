@@ -8,7 +8,6 @@ so it shows what a user would see.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support.ledger import read_jsonl
 from tests.support.paths import REPO, WORKLOADS
 from tests.workloads.padding import SLOWED, UNPADDED
 
@@ -70,15 +70,7 @@ class UserLedger:
     @classmethod
     def read(cls, directory: Path) -> UserLedger:
         """Every line of `directory/ledger.jsonl` in order; a line cut short by a killed writer is skipped."""
-        path = directory / "ledger.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        entries = []
-        for line in lines:
-            try:
-                entries.append(json.loads(line))
-            except ValueError:
-                continue
-        return cls(entries)
+        return cls(read_jsonl(directory / "ledger.jsonl"))
 
     def of(self, event: str) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["event"] == event]
