@@ -21,7 +21,10 @@ EC2 and the VPC for petctl's end-to-end test:
   unit's HOME (inside the fake root) and its LimitNOFILE (capped at this machine's hard limit);
 * an instance EC2 reports terminated (or that left its group) shuts down as EC2 does it: the agent gets
   SIGTERM (`docker stop`), then everything on the machine is killed after the container's stop timeout
-  (`--stop-timeout` in the user data).
+  (`--stop-timeout` in the user data). moto ends an instance at once, before its machine here has shut
+  down; in AWS its stack's deletion completes only after that (its group waits for its instances). So
+  DeleteStack is answered only once every machine moto ended is down (`settle`, called by the moto
+  server: tests/support/moto_server.py): no agent's last flush lands after a deletion that followed it.
 
 The only translation is the network: addresses inside the VPC (etcd's, the instances') become loopback.
 """
@@ -35,6 +38,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +47,7 @@ from petctl.io.etcdauth import USER_RE, V3Admin, bootstrap, grant_job, job_users
 from petctl.io.etcdpki import EtcdTls
 from petctl.providers.aws.boot import agent_config_from_script
 from petctl.providers.aws.etcdsecrets import USERS_INDEX, index_key
+from tests.support.moto_server import STACK_DELETIONS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,13 +78,27 @@ class InstanceEmulator:
     _boots: list[threading.Thread] = field(default_factory=list)
     amis: dict = field(default_factory=dict)  # instance id -> its FakeAmi (default-path workers)
     stopping: set[str] = field(default_factory=set)
+    _shutdowns: dict[str, threading.Thread] = field(default_factory=dict)  # instance -> its shutdown
+    _shutdown_lock: threading.Lock = field(default_factory=threading.Lock)
+    _clients: dict = field(default_factory=dict)  # service -> its client ("" -> their session)
+    _clients_lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
+    def __post_init__(self) -> None:
+        STACK_DELETIONS.register(self.settle)  # until `stop`
+
     def _client(self, service: str):
+        """One client per service, made under a lock from a session of the emulator's own: its threads and
+        the moto server's (`settle`) ask at once, and making clients is not thread-safe (calling them is)."""
         import boto3
 
-        return boto3.client(service, region_name=self.region, endpoint_url=self.moto_url)
+        with self._clients_lock:
+            if service not in self._clients:
+                session = self._clients.setdefault("", boto3.session.Session())
+                self._clients[service] = session.client(service, region_name=self.region,
+                                                        endpoint_url=self.moto_url)
+            return self._clients[service]
 
     def user_data(self, instance_id: str) -> str:
         value = self._client("ec2").describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
@@ -309,11 +328,9 @@ fatal "$PETCTL_TEST_ERROR"
         self.sync_etcd_users()
         members = self.group_instances(asg_name)
         alive = self.running(members)
-        gone = [i for i in self.booted if i not in alive and i not in self.stopping
-                and self.booted[i].proc.poll() is None]
+        gone = [i for i in list(self.booted) if i not in alive and self.booted[i].proc.poll() is None]
         for instance_id in gone:  # shut down in the background, as EC2 does, while the loop goes on
-            self.stopping.add(instance_id)
-            threading.Thread(target=self.shutdown, args=(instance_id,), daemon=True).start()
+            self._shut_down(instance_id)
         for instance_id in members:
             if instance_id in alive and instance_id not in self.booted and instance_id not in self.booting:
                 self.booting.add(instance_id)
@@ -321,6 +338,39 @@ fatal "$PETCTL_TEST_ERROR"
                 thread = threading.Thread(target=self._boot, args=(instance_id, user_data), daemon=True)
                 self._boots.append(thread)
                 thread.start()
+
+    def _shut_down(self, instance_id: str) -> threading.Thread:
+        """Start the instance's shutdown in the background, once however many callers notice it ended;
+        returns the thread doing it."""
+        with self._shutdown_lock:
+            if instance_id not in self._shutdowns:
+                self.stopping.add(instance_id)
+                thread = threading.Thread(target=self.shutdown, args=(instance_id,),
+                                          name=f"shutdown-{instance_id}", daemon=True)
+                self._shutdowns[instance_id] = thread
+                thread.start()
+            return self._shutdowns[instance_id]
+
+    def settle(self, timeout: float = 45.0) -> None:
+        """Return once every machine whose instance moto no longer runs has shut down: its agent's last
+        writes are in. The moto server calls it before it answers a DeleteStack (its thread, not holding
+        moto's lock), as AWS completes a stack's deletion only after its instances are terminated.
+        `timeout` bounds the wait below botocore's 60 s read timeout, past which the CLI would send
+        DeleteStack again; a machine still running then is the emulator's error, not a reason to hang."""
+        machines = [i for i, booted in list(self.booted.items()) if booted.proc.poll() is None]
+        if not machines:
+            return
+        try:
+            alive = self.running(machines)
+        except Exception as exc:  # noqa: BLE001 DeleteStack is still answered; the test reports this
+            self.errors.append(f"settle: {exc!r}")
+            return
+        ended = [i for i in machines if i not in alive]
+        deadline = time.monotonic() + timeout
+        for instance_id in ended:
+            self._shut_down(instance_id).join(max(0.0, deadline - time.monotonic()))
+            if self.booted[instance_id].proc.poll() is None:
+                self.errors.append(f"{instance_id}: still running {timeout:g}s after its stack's deletion")
 
     def _boot(self, instance_id: str, user_data: str) -> None:
         try:
@@ -378,6 +428,7 @@ fatal "$PETCTL_TEST_ERROR"
             self._thread = None
 
     def stop(self) -> None:
+        STACK_DELETIONS.unregister(self.settle)
         self.stop_following()
         for thread in self._boots:  # a boot still installing starts nothing once stopped (_Stopped)
             thread.join(timeout=300)

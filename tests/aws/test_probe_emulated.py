@@ -148,7 +148,8 @@ def test_the_probe_runs_both_jobs_prints_every_contract_and_leaves_nothing(ready
             if g["AutoScalingGroupName"].startswith(f"{stack_name}-job-probe-")] == []
     s3 = boto(moto, "s3")
     for prefix in ("jobs/probe-", "etcd-users/probe-"):
-        assert s3.list_objects_v2(Bucket=outputs["BucketName"], Prefix=prefix).get("KeyCount", 0) == 0, prefix
+        left = s3.list_objects_v2(Bucket=outputs["BucketName"], Prefix=prefix).get("Contents", [])
+        assert left == [], (prefix, [o["Key"] for o in left])  # which writer outlived the clean-up
     assert emulator.errors == [] and ec2.errors == [], (emulator.errors, ec2.errors)
 
 

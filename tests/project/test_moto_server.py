@@ -67,3 +67,34 @@ def test_the_price_list_api_answers_no_price_and_prints_nothing(capfd):
         answer = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=1)
     assert answer["PriceList"] == [] and answer["FormatVersion"] == "aws_v1"
     assert "backend" not in capfd.readouterr().out
+
+
+def test_delete_stack_is_answered_after_the_registered_waits_which_moto_answers_meanwhile():
+    """A stack's deletion waits for the emulated machines moto ended (tests/aws/instance_emulator.py):
+    only DeleteStack waits, and it waits outside the one-at-a-time lock, so a machine's last requests
+    (here the wait's own DescribeStacks) are answered instead of deadlocking."""
+    import boto3
+
+    from tests.support.moto_server import STACK_DELETIONS
+
+    with serve_moto() as url:
+        cfn = boto3.client("cloudformation", endpoint_url=url, region_name="us-east-1",
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        seen: list[list[str]] = []
+
+        def wait() -> None:  # runs on the server's thread, inside DeleteStack's request
+            seen.append([s["StackStatus"] for s in cfn.describe_stacks(StackName=stack_id)["Stacks"]])
+
+        STACK_DELETIONS.register(wait)
+        try:
+            stack_id = cfn.create_stack(StackName="s1", TemplateBody='{"Resources": {"T": {"Type": '
+                                                                    '"AWS::SNS::Topic"}}}')["StackId"]
+            cfn.describe_stacks(StackName="s1")
+            assert seen == []  # no other CloudFormation call waits
+            cfn.delete_stack(StackName="s1")
+            assert seen == [["DELETE_COMPLETE"]]  # waited for before DeleteStack answered
+        finally:
+            STACK_DELETIONS.unregister(wait)
+        cfn.create_stack(StackName="s2", TemplateBody='{"Resources": {"T": {"Type": "AWS::SNS::Topic"}}}')
+        cfn.delete_stack(StackName="s2")
+    assert len(seen) == 1  # unregistered: not asked again
