@@ -11,7 +11,7 @@ from tests.support.paths import REPO
 from tests.support.prose import longest_sentences, measure
 
 GUIDES = ["docs/getting-started.md", "docs/how-it-works.md", "docs/operations.md", "docs/development.md",
-          "docs/elastic.md", "docs/aws.md", "docs/ARCHITECTURE.md"]
+          "docs/elastic.md", "docs/aws.md", "docs/ARCHITECTURE.md", "docs/reliability.md"]
 
 
 def test_readme_sentences_are_short():
