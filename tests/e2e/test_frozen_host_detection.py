@@ -1,12 +1,15 @@
-"""A frozen host is dropped by the member watching it, not by etcd's TTL, with the default timeouts.
+"""A frozen host is dropped by the member watching it, not by etcd's TTL.
 
 Three real agents and gloo workers against a real etcd; one node's process group is SIGSTOPped (its
 sockets stay open, its heartbeat simply stops). What is timed is the issue's detection: the freeze ->
 the moment every survivor knows (its own `membership.lost`, or the next round it joined because another
-survivor declared the loss). The member watching the frozen one (agent/liveness.py) drops it: etcd's
-TTL (3 s) plays no part. The time itself (issue 16's goal: 1.5 s) is measured by bench P2, beside the
-TTL-only detection, not asserted here: a timed assertion on a loaded 2-core CI box is a flake; what this
-test pins is the mechanism (the watch drops exactly the frozen node, and every survivor learns of it).
+survivor declared the loss). The member watching the frozen one (agent/liveness.py) drops it.
+
+The watch runs with the default refresh interval and silence limit (1 s), but etcd's TTL is 10 s, not 3. With the default TTL (3 s) both mechanisms are armed, and on a starved 2-core box the
+watcher rightly holds back while its own refreshes lag (`observe`: it might be the frozen one), so the TTL
+can win that race: a test of "the watch drops it" would then be a coin toss. The time itself (issue 16's
+goal: 1.5 s, default TTL) is measured by bench P2, beside the TTL-only detection, not asserted here; what
+this test pins is the mechanism (the watch drops exactly the frozen node, and every survivor learns of it).
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ _names = itertools.count()
 KNOWN = ("membership.lost", "rendezvous.restart", "rendezvous.joined")  # a survivor has learnt of the loss
 
 
+# A watch 9 s late is not load, it is a bug; the TTL still bounds what waits on it (a worker failure's
+# grace is TTL + a refresh: the survivors' re-form at 2 must come inside the test's 30 s).
+TTL = 10.0
+
+
 def defaults() -> dict[str, float]:
-    """The heartbeat timing every job gets by default (the harness shortens the TTL for other tests)."""
+    """The watch's timing every job gets by default, with a TTL that cannot win the race (see above)."""
     t = Timeouts()
-    return {"heartbeat_interval": t.heartbeat_interval, "heartbeat_ttl": t.heartbeat_ttl,
-            "peer_silence": t.peer_silence}
+    return {"heartbeat_interval": t.heartbeat_interval, "heartbeat_ttl": TTL, "peer_silence": t.peer_silence}
 
 
 def knew_at(agent, after: float) -> float | None:
@@ -57,7 +64,8 @@ def test_the_member_watching_a_frozen_host_drops_it_and_every_survivor_knows(etc
                  what="every survivor knows")
         known = max(knew_at(n, t_freeze) for n in survivors) - t_freeze
         print(f"frozen rank {frozen_rank}: every survivor knew after {known:.3f} s")  # shown with -rP
-        watcher = next(n for n in survivors if n.events("peer.silent"))  # dropped by its watch, not the TTL
+        watcher = next((n for n in survivors if n.events("peer.silent")), None)
+        assert watcher is not None, f"no survivor's watch dropped the frozen node (known after {known:.3f} s)"
         assert [e["nodes"] for e in watcher.events("peer.silent")] == [[frozen.node_id]]
         lost = [e for n in survivors for e in n.events("membership.lost") if e["ts"] > t_freeze]
         assert lost and all(e["nodes"] == [frozen.node_id] for e in lost)
