@@ -76,7 +76,9 @@ def test_every_sample_once_per_epoch_across_world_changes(local: Petctl, tmp_pat
     local.run("chaos", job, "--node", node_of(local, job, 2), "--kill")
     wait_until(lambda: steps_at(ledger_dir, 2, after_round=killed_round) >= 3, 120,
                "3 steps at world 2 again", every=0.05)
-    local.run("chaos", job, "--node", node_of(local, job, 1), "--notice", "--grace", "30")
+    # 10 s of grace: the noticed node trains on until ~6.5 s in, then hands off (agent/notices.py); with
+    # 30 s, the job's last padded steps could end at world 2 before the hand-off.
+    local.run("chaos", job, "--node", node_of(local, job, 1), "--notice", "--grace", "10")
     wait_until(lambda: steps_at(ledger_dir, 1) >= 1, 120, "a step at world 1", every=0.05)
     end_padding(ledger_dir)
     info = local.wait_finished(job, timeout=120)
