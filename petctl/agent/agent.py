@@ -115,6 +115,7 @@ class Agent:
         if self.mirror is not None:
             self.events.add_sink(self.mirror.add_event)
         self.progress = Progress(spec.nproc_per_node, self.events)
+        self.preemption.progress = self.progress  # what a notice's hand-off plans with
         self.status = StatusPublisher(self.leases, self.keys, self.node_id, config.host_addr, self.stats,
                                       self.progress, OutageReporter("status", emit, parent=store),
                                       self.failures, self.mirror)

@@ -18,6 +18,13 @@ save the same step; we wait for the local workers' save with a deadline well ins
 the rendezvous so the others re-form at once (admitting the replacement in the same re-form, when it is
 there), and end our own instance (`place.end_instance`), so the rest of the window is not billed.
 
+The save itself does not wait on etcd. At the hand-off the node first flags its own workers
+(`SaveFirst.flag_own`); the ranks all-reduce that flag at the next step boundary, so every rank of the job
+saves the same step even when no other agent has read the announcement yet. A backstop thread does the
+same just after the last moment (`last_moment`) when the round runner has not handed off by then, as when
+an etcd call holds it through a stalled etcd (`preemption.backstop`). The announcement then only tells
+the agents.
+
 An ASG scale-in notice is announced at once, and the node completes the ASG lifecycle action so the
 instance can go: the group wants it gone, and nothing replaces it. A notice seen too late for a save is
 announced at once too.
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +65,15 @@ from petctl.core.records import NodeStatus, Preempt, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io import controlfiles
 from petctl.io.eventlog import EventLog
+from petctl.io.threads import Service
 
 SAFETY_MARGIN = 15.0  # leave this long before the instance is reclaimed ...
 SHORT_NOTICE_SHARE = 0.25  # ... or, on a notice shorter than 4 x that, this share of the time left
 LEAVE = "leave"  # the kind of a planned leave's notice (spot and asg come from the metadata service)
+BACKSTOP_POLL = 0.1  # seconds between the backstop's looks at the clock (it reads no etcd, no file)
+# The backstop acts once the round runner is this late for the last moment. It passes every 0.1 s when
+# etcd answers, so that late it is held (in an etcd call); the save's estimate keeps a second of slack.
+BACKSTOP_LATE = 0.5
 
 
 def save_budget(left: float, preempt_deadline: float) -> float:
@@ -94,6 +106,11 @@ class PreemptionHandler:
         self.wake: Callable[[], None] | None = None  # the round runner's wake-up (LiveWatcher.nudge)
         self.on_rebalance: Callable[[Any], None] | None = None  # set by the agent (`RebalanceResponder`)
         self.launch: Any = None  # lifecycle.LaunchCompletion, once registered (AWS)
+        self.progress: Any = None  # reporting.Progress (set by the agent): our measured save and step times
+        # Flags this node's workers for the save, once per round (SaveFirst.flag_own, set by the round
+        # runner); called by the backstop at the last moment. True when it flagged them just now.
+        self.flag_own: Callable[[str], bool] | None = None
+        self._backstop = Service("notice-backstop", self._backstop_loop)
 
     def start(self) -> None:
         if not self.config.imds_endpoint:
@@ -105,6 +122,8 @@ class PreemptionHandler:
         self._watcher.start(self._on_notice, on_rebalance=self.on_rebalance)
 
     def stop(self) -> None:
+        if not self._backstop.stop(timeout=1.0):
+            self.events.emit("notice_backstop.lingered")
         if self._watcher is not None:
             self._watcher.stop()
         if self.launch is not None:
@@ -138,22 +157,41 @@ class PreemptionHandler:
                          deadline=notice.deadline, save_deadline=round(self.save_deadline, 3))
         if self.wake is not None:
             self.wake()  # the round runner weighs it now, not at its next pass
+        self._backstop.start()
         if notice.kind == SPOT and self.place is not None:
             self.detached = self.place.detach_for_replacement()  # the replacement is launched now
 
-    def handoff_step(self, view: StoreView, info: RoundInfo, now: float, save_seconds: Sequence[float],
-                     step_s: float) -> HandoffStep:
-        """What to do about our notice on this pass (roundjudge.handoff), from the round as last seen
-        and our measured save (`save_seconds`) and step (`step_s`) times."""
+    def last_moment(self) -> float:
+        """The last moment to ask for the save (roundjudge.handoff_at): our measured save and step times
+        (`progress`), and rank 0's published save time. Also keeps the save's estimate (`save_s`) for
+        the hand-off's events. Safe from any thread."""
+        saves, step_s = self.progress.plan_times() if self.progress is not None else ((), 0.0)
+        writer = self.writer_save_s
+        measured = [*saves, *([writer] if writer is not None else [])]
+        self.save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
+        return handoff_at(self.save_deadline, self.save_s, step_s)
+
+    def handoff_step(self, view: StoreView, info: RoundInfo, now: float) -> HandoffStep:
+        """What to do about our notice on this pass (roundjudge.handoff), from the round as last seen."""
         rnd = view.round
-        measured = [*save_seconds, *([self.writer_save_s] if self.writer_save_s is not None else [])]
-        save_s = self.save_s = save_estimate(measured, self.save_deadline - self.noticed_at)
-        look = HandoffLook(kind=self.notice.kind, now=now,
-                           handoff_at=handoff_at(self.save_deadline, save_s, step_s),
+        look = HandoffLook(kind=self.notice.kind, now=now, handoff_at=self.last_moment(),
                            waiting=bool(view.alive - info.ranks.keys()),
                            marked=self._marked_round == info.round
                            or (rnd is not None and self.config.node_id in rnd.handoffs))
         return handoff(look)
+
+    def _backstop_loop(self) -> None:
+        """From the notice until the agent stops: just after the last moment, flag our own workers if the
+        round runner has not (`flag_own` is a no-op then). It reads only the clock and our measurements, so a
+        round runner held in an etcd call that a stalled etcd never answers cannot make the save late:
+        the workers' all-reduce carries the flag to every rank. Said once per round it acted in."""
+        while not self._backstop.stopping.wait(BACKSTOP_POLL):
+            if self.notice is None or self.leaving or time.time() < self.last_moment() + BACKSTOP_LATE:
+                continue
+            flag = self.flag_own
+            if flag is not None and flag("backstop"):
+                self.events.emit("preemption.backstop", save_deadline=round(self.save_deadline, 3),
+                                 save_estimate_s=round(self.save_s, 3))
 
     def writer_save(self, rdzv: EtcdRendezvous, info: RoundInfo) -> None:
         """How long rank 0's latest save took, from its published status (`Checkpoint.save_s`): under DDP

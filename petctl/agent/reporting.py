@@ -401,6 +401,9 @@ class Progress:
         # latest saves' durations and steps' gaps, in seconds.
         self.save_seconds: deque[float] = deque(maxlen=5)
         self.step_gaps: deque[float] = deque(maxlen=20)
+        # The workers' output thread appends to both; the round runner and the notice's backstop thread
+        # (agent/notices.py) read them: `plan_times` copies them under this lock.
+        self._plan_lock = threading.Lock()
 
     def begin_round(self) -> None:
         self.span = {}
@@ -411,7 +414,16 @@ class Progress:
 
     def step_time(self) -> float:
         """The median of the latest gaps between two steps (0.0 before two steps were seen)."""
-        return statistics.median(self.step_gaps) if self.step_gaps else 0.0
+        with self._plan_lock:
+            gaps = tuple(self.step_gaps)
+        return statistics.median(gaps) if gaps else 0.0
+
+    def plan_times(self) -> tuple[tuple[float, ...], float]:
+        """(the latest saves' durations, the step time): what a notice's hand-off plans with, safe to call
+        from any thread."""
+        with self._plan_lock:
+            saves = tuple(self.save_seconds)
+        return saves, self.step_time()
 
     def stalled_for(self, now: float) -> float | None:
         """Seconds since the round's latest step; None when the workers reported none this round."""
@@ -429,7 +441,8 @@ class Progress:
             now = time.monotonic()
             if self.last_step_at is not None:
                 self.longest_gap = max(self.longest_gap, now - self.last_step_at)
-                self.step_gaps.append(now - self.last_step_at)
+                with self._plan_lock:
+                    self.step_gaps.append(now - self.last_step_at)
             self.last_step_at = now
             if "first" not in self.span:
                 self.span.update(first=step, first_ts=ts)
@@ -439,7 +452,8 @@ class Progress:
             if event == "checkpoint.saved":
                 seconds = record.get("seconds")
                 if isinstance(seconds, int | float) and seconds >= 0:
-                    self.save_seconds.append(float(seconds))
+                    with self._plan_lock:
+                        self.save_seconds.append(float(seconds))
                 self.last_checkpoint = Checkpoint(step=record.get("step"), url=record.get("url"),
                                                   interval_s=last.interval_s,
                                                   interval_reason=last.interval_reason,

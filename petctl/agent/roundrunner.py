@@ -108,6 +108,7 @@ class RoundRunner:
         self._fenced = False
         self.saves = SaveFirst(parts.spec, parts.node_id, parts.rdzv, parts.preemption, parts.events,
                                parts.control_dir)
+        parts.preemption.flag_own = self.saves.flag_own  # the notice's backstop flags our workers with it
 
     def run(self, info: RoundInfo) -> RoundOutcome:
         p = self.p
@@ -125,7 +126,7 @@ class RoundRunner:
         p.status.set_state("running")
         if p.peers is not None:
             p.peers.watch(info)
-        self.saves.begin(workers)
+        self.saves.begin(workers, info.round)
         watch = WorkerWatch()
         self._fenced, self._done_pending = False, None
         started = last_publish = self._started = time.monotonic()
@@ -168,14 +169,14 @@ class RoundRunner:
         """Our instance has a notice: train on, or hand off now (roundjudge.handoff)."""
         p = self.p
         self._store_call(p.preemption.writer_save, p.rdzv, info)  # once per round; unknown: hand off now
-        step = p.preemption.handoff_step(view, info, time.time(), p.progress.save_seconds,
-                                         p.progress.step_time())
+        step = p.preemption.handoff_step(view, info, time.time())
         if isinstance(step, HandOff):
             if p.preemption.handoff_why != step.why:  # once per reason, not once per pass
                 p.preemption.handoff_why = step.why
                 p.events.emit("preemption.handoff", round=info.round, why=step.why,
                               waiting=sorted(view.alive - info.ranks.keys()), step=p.progress.step,
                               save_estimate_s=round(p.preemption.save_s, 3))
+            self.saves.flag_own("handoff")  # the save first, through the workers: it needs no etcd
             self._store_call(p.preemption.announce, self.saves.announce)
         elif isinstance(step, MarkHandoff):
             self._store_call(p.preemption.mark_handoff, p.rdzv, info)
@@ -256,9 +257,12 @@ class RoundRunner:
         p = self.p
         # A save-now request on the round makes our workers' exits a save's, unless they exited 0 before
         # any save was asked of them (`SaveFirst.finished`): then they finished the training, and the node
-        # must say so, or it waits on a re-form that a finished job never gets.
-        preempting = (view.round is not None and view.round.preempt is not None
-                      and not self.saves.finished())
+        # must say so, or it waits on a re-form that a finished job never gets. Workers that reported a
+        # save exited for one even before the request reached us (`SaveFirst.workers_saved`; read only
+        # once a worker exited 0, so a running round reads no file for it).
+        requested = view.round is not None and view.round.preempt is not None
+        preempting = ((requested and not self.saves.finished())
+                      or (workers.some_succeeded() and self.saves.workers_saved()))
         result = None if watch.finished or preempting else workers.poll()
         seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),

@@ -9,6 +9,7 @@ for a notice's save and a planned change's.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,15 +71,19 @@ class SaveFirst:
         self.events = events
         self.control_dir = control_dir
         self.workers: WorkerGroup | None = None
+        self.round_no: int | None = None
         self.flagged = False
         self.admitting = False  # the round carries our own admission's request (seen in `flag`)
         self._request: Preempt | None = None  # the round's request, as last seen
         self._late: Preempt | None = None  # a request that came after our workers finished (reported)
+        # `flag` runs on the round runner's thread, `flag_own` also on the notice's backstop thread
+        self._flag_lock = threading.Lock()
 
-    def begin(self, workers: WorkerGroup) -> None:
-        self.workers = workers
-        self.flagged = self.admitting = False
-        self._request = self._late = None
+    def begin(self, workers: WorkerGroup, round_no: int) -> None:
+        with self._flag_lock:
+            self.workers, self.round_no = workers, round_no
+            self.flagged = self.admitting = False
+            self._request = self._late = None
 
     def _ours(self, request: Preempt | None) -> bool:
         """`request` is our own admission's (nobody leaves)."""
@@ -90,8 +95,17 @@ class SaveFirst:
         return bool(save_done(self.workers, self.control_dir, self.spec.nproc_per_node, deadline))
 
     def finished(self) -> bool:
-        """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25)."""
-        return self.workers is not None and not self.flagged and self.workers.some_succeeded()
+        """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25).
+        Workers that report a save (`saved.<rank>`) exited for a save, whoever flagged it (see
+        `saved_unannounced`)."""
+        return (self.workers is not None and not self.flagged and self.workers.some_succeeded()
+                and not self.workers_saved())
+
+    def workers_saved(self) -> bool:
+        """Some worker of ours reported a save-now save (`saved.<rank>`) this round. That can come before
+        the round's request reaches this agent: a noticed node flags its own workers first (`flag_own`), and
+        the ranks' all-reduce carries that flag to every rank while etcd may be unreachable."""
+        return bool(controlfiles.read_saved(self.control_dir))
 
     def _look(self, view: StoreView) -> SaveLook:
         request = view.round.preempt if view.round is not None else None
@@ -106,6 +120,10 @@ class SaveFirst:
         once per round."""
         request = view.round.preempt if view.round is not None else None
         self.admitting, self._request = self._ours(request), request
+        with self._flag_lock:
+            self._flag(request, info)
+
+    def _flag(self, request: Preempt | None, info: RoundInfo) -> None:
         if self.flagged or request is None:
             return
         if self.finished():
@@ -125,6 +143,26 @@ class SaveFirst:
         if (request.node_id == self.node_id and request.leaves and self.workers is not None
                 and not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
             self.workers.signal_all(signal.SIGTERM)  # a plain torchrun script: do what torchrun does
+
+    def flag_own(self, source: str) -> bool:
+        """Our instance's notice is handing off: flag our own workers now, before (or without) the round's
+        request. The ranks all-reduce the flag at the next step boundary, so every rank of the job saves
+        the same step and exits, whether or not etcd carries the announcement to the other agents.
+        `source`: who asked (handoff: the round runner; backstop: notices.py's thread at the last moment).
+        True when it flagged them now; False when flagged already this round, when no worker runs, or
+        when they do not speak the protocol (a plain script gets SIGTERM once the request is on the
+        round, as torchrun sends)."""
+        with self._flag_lock:
+            workers = self.workers
+            if (self.flagged or workers is None or not workers.running or self.finished()
+                    or not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
+                return False
+            deadline = self.preemption.save_deadline
+            controlfiles.write_preempt(self.control_dir, self.node_id, deadline)
+            self.flagged = True
+        self.events.emit("preemption.flagged", round=self.round_no, noticed=self.node_id, reason="preemption",
+                         source=source)
+        return True
 
     # --- our notice or leave ------------------------------------------------------------------------
     def announce(self) -> bool:
