@@ -55,21 +55,23 @@ def owner_of(path: Path) -> tuple[int, int | None] | None:
     return int(parts[1]), int(parts[2]) if parts[2].isdigit() else None
 
 
-def sweep(root: Path, events: EventLog) -> list[Path]:
-    """Remove the snapshot directories under `root` whose agent is gone (killed without cleaning up);
-    reported once per sweep that removed any (`snapshot.swept`)."""
+def sweep(root: Path, events: EventLog | None, job: str | None = None) -> list[Path]:
+    """Remove the snapshot directories under `root` whose agent is gone (killed without cleaning up),
+    of job `job` only when given; reported once per sweep that removed any (`snapshot.swept`, when
+    `events`)."""
     removed = []
     try:
         candidates = list(root.iterdir())
     except OSError:
         return removed
+    mine = f"{PREFIX}{_label(job)}." if job is not None else PREFIX
     for path in candidates:
-        owner = owner_of(path)
+        owner = owner_of(path) if path.name.startswith(mine) else None
         if owner is None or procs.alive(*owner):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
-    if removed:
+    if removed and events is not None:
         events.emit("snapshot.swept", root=str(root), dirs=[p.name for p in removed])
     return removed
 

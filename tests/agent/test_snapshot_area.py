@@ -78,3 +78,15 @@ def test_the_root_is_memory_unless_told_otherwise(tmp_path: Path) -> None:
     assert snapshot_root({"PETCTL_SNAPSHOT_ROOT": str(tmp_path)}) == tmp_path
     default = snapshot_root({})
     assert default == Path("/dev/shm") or not Path("/dev/shm").is_dir()
+
+
+def test_kill_job_sweeps_its_own_gone_agents_directories_only(tmp_path: Path) -> None:
+    """The local provider's kill_job sweeps job by job: a local "instance" ended by a reclaim leaves its
+    /dev/shm directory behind (an EC2 instance's memory goes with it); another job's is not its to remove."""
+    mine = tmp_path / f"{PREFIX}soak.i-1.{dead_pid()}.123"
+    prefixed = tmp_path / f"{PREFIX}soak_2.i-1.{dead_pid()}.123"  # another job whose name starts the same
+    theirs = tmp_path / f"{PREFIX}other.i-1.{dead_pid()}.123"
+    for path in (mine, prefixed, theirs):
+        path.mkdir()
+    assert sweep(tmp_path, None, job="soak") == [mine]
+    assert prefixed.exists() and theirs.exists()

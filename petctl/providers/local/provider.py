@@ -219,6 +219,12 @@ class LocalProvider(Provider):
             except StoreError:
                 pass  # etcd is down: stopping the processes below still ends the job, recorded in job.json
         jobstart.stop_processes(job, grace=JobSpec.from_dict(meta["spec"]).timeouts.stop_grace + 5.0)
+        # An EC2 instance's memory goes with it; a local "instance" the chaos reclaim or a kill ended
+        # leaves its snapshot directory in this machine's /dev/shm: removed now that no agent of the job
+        # runs (a later agent would sweep it too, but nothing may wait for one).
+        from petctl.agent.snapshots import snapshot_root, sweep
+
+        sweep(snapshot_root(), None, job=name)
         if job.read_meta().get("state") not in FINAL_STATES:
             job.update_meta(state="killed", reason=reason, finished_at=time.time())
         try:
