@@ -13,7 +13,8 @@ one-process replay, `petctl status`'s accounting against the ledger, and what `k
 
 Writes bench/results/<out>.json (the seed, the plan, every fault with its recovery, every invariant,
 runmeta) and <out>.md (the table), prints one line: faults, violations, recovery p50/p99. With a
-violation the job's node logs are kept beside the report (<out>-logs/). Exit status 1 on a violation.
+violation (or --keep-logs) the job's node logs are kept beside the report (<out>-logs/). Exit status 1
+on a violation.
 """
 
 from __future__ import annotations
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "f<faults>)")
     ap.add_argument("--results", type=Path, default=BENCH / "results")
     ap.add_argument("--max-minutes", type=float, default=600.0)
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the node logs beside the report even with no violation (to study a run)")
     ap.add_argument("--workdir", type=Path, help="where the job's home and ledger go (default: a new temp "
                                                  "dir); removed after a run with no violation")
     args = ap.parse_args(argv)
@@ -520,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     first_per_invariant(seen, violations, "at the end")
     line = soakoracle.summary_line(args.seed, outcomes, violations)
     kept_logs = ""
-    if violations:
+    if violations or args.keep_logs:
         dest = args.results / f"{name}-logs"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(saved, dest)
