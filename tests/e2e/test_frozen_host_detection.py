@@ -5,9 +5,10 @@ sockets stay open, its heartbeat simply stops). What is timed is the issue's det
 the moment every survivor knows (its own `membership.lost`, or the next round it joined because another
 survivor declared the loss). The member watching the frozen one (agent/liveness.py) drops it.
 
-The watch runs with the default refresh interval and silence limit (1 s), but etcd's TTL is 10 s, not 3. With the default TTL (3 s) both mechanisms are armed, and on a starved 2-core box the
-watcher rightly holds back while its own refreshes lag (`observe`: it might be the frozen one), so the TTL
-can win that race: a test of "the watch drops it" would then be a coin toss. The time itself (issue 16's
+The watch runs with the default refresh interval and silence limit (1 s), but etcd's TTL is 10 s, not 3.
+With the default TTL both mechanisms are armed, and on a starved 2-core box the watcher rightly holds back
+while its own refreshes lag (`observe`: it might be the frozen one), so the TTL can win that race: a test
+of "the watch drops it" would then be a coin toss. The time itself (issue 16's
 goal: 1.5 s, default TTL) is measured by bench P2, beside the TTL-only detection, not asserted here; what
 this test pins is the mechanism (the watch drops exactly the frozen node, and every survivor learns of it).
 """
