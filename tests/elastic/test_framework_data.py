@@ -1,7 +1,8 @@
 """Issue 45, the framework callbacks' data tier in pieces, in one process: the step stream the callbacks
 give a framework, the rules that pick the checkpoint a Trainer resumes from and refuse what cannot be
-exact, and a Trainer and a Lightning fit with gradient accumulation resumed mid-epoch from their own
-checkpoints. The multi-node runs are tests/e2e/test_framework_data_exactly_once.py."""
+exact, a Trainer and a Lightning fit with gradient accumulation resumed mid-epoch from their own
+checkpoints, and a Lightning fit lost or noticed between a step's two micro-batches. The multi-node runs
+are tests/e2e/test_framework_data_exactly_once.py."""
 
 from __future__ import annotations
 
@@ -185,6 +186,145 @@ def test_lightning_with_accumulation_resumed_mid_epoch_reads_each_sample_once(tm
     first = fit(tmp_path / "cut", 3)
     assert first == whole[:12]
     assert fit(tmp_path / "cut", 8) == whole[12:]
+
+
+def test_a_step_ends_at_the_batch_that_moves_global_step():
+    from petctl.elastic.integrations.lightning import optimizer_step_ended
+
+    assert not optimizer_step_ended(5, None)  # training has not started
+    assert not optimizer_step_ended(3, 3)  # resumed at 3, the first micro-batch only accumulated
+    assert optimizer_step_ended(4, 3) and optimizer_step_ended(6, 4)  # manual optimization may step twice
+
+
+def _lightning_module(seen: list[int], fail_at: int | None = None):
+    """The module of the Lightning tests below: it notes the indices of every micro-batch, and raises at
+    training_step call `fail_at` (0-based), as a node lost mid-step makes the survivors' next collective
+    raise."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.calls = nn.Linear(4, 1), 0
+
+        def training_step(self, batch, batch_idx):
+            if self.calls == fail_at:
+                raise RuntimeError("a peer is gone (the survivors' all-reduce fails)")
+            self.calls += 1
+            seen.extend(batch["idx"].tolist())
+            return nn.functional.mse_loss(self.lin(batch["x"]), batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Module()
+
+
+def _lightning_fit(root: Path, steps: int, seen: list[int], fail_at: int | None = None,
+                   callbacks: list | None = None) -> None:
+    import lightning.pytorch as pl
+
+    from petctl.elastic.integrations.lightning import PetctlCallback
+
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, default_root_dir=str(root),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, accumulate_grad_batches=2,
+                         callbacks=[*(callbacks or []), PetctlCallback()])
+    loader = torch.utils.data.DataLoader(_data(), batch_size=2)
+    last = root / "checkpoints" / "last.ckpt"
+    trainer.fit(_lightning_module(seen, fail_at), loader, ckpt_path=str(last) if last.is_file() else None)
+
+
+class _NodeMemory:
+    """`FrameworkSnapshots` as local rank 0 of a node under the agent sees it, kept in this process: every
+    snapshot the callback takes is serialised as the tier does, and the next fit resumes from the newest."""
+
+    writing = True
+
+    def __init__(self) -> None:
+        self.newest: tuple[int, bytes] | None = None
+        self.taken: list[int] = []
+        self.resumed: int | None = None
+
+    def create(self, options=None) -> _NodeMemory:
+        self.resumed = None
+        return self
+
+    def take(self, step: int, build, optimizer=None) -> None:
+        import io
+
+        buf = io.BytesIO()
+        torch.save(build(), buf)
+        self.newest = (step, buf.getvalue())
+        self.taken.append(step)
+
+    def resume(self, newest_on_disk):
+        import io
+
+        if self.newest is None:
+            return None
+        step, raw = self.newest
+        self.resumed = step
+        return step, torch.load(io.BytesIO(raw), weights_only=False)
+
+    def close(self) -> None:
+        pass
+
+
+def test_lightning_lost_between_two_micro_batches_resumes_from_the_step_boundary(tmp_path: Path, monkeypatch):
+    """The e2e failure (test_framework_data_exactly_once[lightning], round 3): a node SIGKILLed after the
+    first micro-batch of step 3; the survivors fail in the second one's backward (DDP's all-reduce). The
+    newest in-memory snapshot must be the end of step 2, not the half-accumulated step 3: resumed from
+    that, Lightning counts an odd batch of its epoch, steps its optimizer after one micro-batch, and reads
+    the stream half a step behind the cursor until its epoch ends (two samples never read, here)."""
+    import petctl.elastic.integrations.lightning as lightning
+
+    whole: list[int] = []
+    _lightning_fit(tmp_path / "whole", 8, whole)
+    memory = _NodeMemory()
+    monkeypatch.setattr(lightning, "FrameworkSnapshots", memory)
+    first: list[int] = []
+    with pytest.raises(RuntimeError, match="a peer is gone"):
+        _lightning_fit(tmp_path / "cut", 8, first, fail_at=7)  # steps 0-2, then step 3's first micro-batch
+    assert first == whole[:14]
+    again: list[int] = []
+    _lightning_fit(tmp_path / "cut", 8, again)
+    assert memory.resumed == 3
+    assert again == whole[12:]  # step 3 again, whole, and on as one run would
+    assert memory.taken[:3] == [1, 2, 3]  # one snapshot per completed step, none inside an accumulation
+
+
+def test_lightning_notice_during_an_accumulation_saves_at_the_step_end(tmp_path: Path, monkeypatch):
+    """The save-now flag seen after a step's first micro-batch: every rank saves at that step's end (its
+    second micro-batch), never inside the accumulation, and the next round reads on as one run would."""
+    import lightning.pytorch as pl
+
+    from petctl.io import controlfiles
+
+    control = tmp_path / "control"
+    control.mkdir()
+    monkeypatch.setenv(controlfiles.ENV_CONTROL_DIR, str(control))
+
+    class NoticeAt(pl.Callback):
+        def __init__(self, calls: int) -> None:
+            self.calls, self.seen = calls, 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen += 1
+            if self.seen == self.calls:
+                controlfiles.write_preempt(control, "n1", deadline=0.0)
+
+    whole: list[int] = []
+    _lightning_fit(tmp_path / "whole", 8, whole)
+    first: list[int] = []
+    _lightning_fit(tmp_path / "cut", 8, first, callbacks=[NoticeAt(7)])  # step 3's first micro-batch
+    saved = controlfiles.read_saved(control)
+    controlfiles.preempt_path(control).unlink()
+    again: list[int] = []
+    _lightning_fit(tmp_path / "cut", 8, again)
+    assert first + again == whole
+    assert saved == {0: 4} and first == whole[:16]
 
 
 def test_lightning_refuses_a_sampler_of_its_own_in_one_line(tmp_path: Path):

@@ -52,7 +52,8 @@ from petctl.elastic.snapshots import SnapshotOptions
 # --- Lightning's half of the in-memory tier -----------------------------------------------------------------
 # Lightning's half of the in-memory snapshot tier (`memory.py`).
 #
-# What is kept, at each step end (`on_train_batch_end`, the moment `ModelCheckpoint` saves at): the
+# What is kept, at each step end (the `on_train_batch_end` of the batch that stepped the optimizer, the
+# moment `ModelCheckpoint` saves at; never a micro-batch that only accumulated, `optimizer_step_ended`): the
 # checkpoint dict `trainer.save_checkpoint` would write (model, optimizers, schedulers, loop progress,
 # callbacks' states, precision plugin), built by the Trainer's own checkpoint connector. Its hooks run as
 # for any save (`on_save_checkpoint` of the module and the callbacks); the petctl callback does not report
@@ -322,6 +323,22 @@ def last_checkpoint(root: str | os.PathLike[str] | None = None, *,
     return str(found[-1]) if found else None
 
 
+def optimizer_step_ended(global_step: int, seen: int | None) -> bool:
+    """Whether the batch whose `on_train_batch_end` sees `global_step` stepped the optimizer: `seen` is the
+    `global_step` of the previous step end this fit saw (the resumed step at `on_train_start`; None: training
+    has not started, so no step has ended).
+
+    Why: Lightning calls `on_train_batch_end` after every batch, and with `accumulate_grad_batches=N` only
+    every N-th steps the optimizer (`global_step` moves then); the others leave gradients half accumulated.
+    A snapshot or save there records a step that is half done (the gradients are not in the checkpoint) and
+    an odd batch count of Lightning's epoch: resumed from it, Lightning steps its optimizer after the first
+    micro-batch, and every later step of that epoch reads half of one step of the stream and half of the
+    next, behind the cursor, whose samples at the epoch's end are never read. So the callback reports,
+    snapshots and saves at step ends only (the save-now all-reduce runs there too, the same batch on every
+    rank, since every rank steps together)."""
+    return seen is not None and global_step != seen
+
+
 class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixin, Callback):
     """Reports steps and checkpoints to petctl's agent and saves at its save-now flag (see the module).
 
@@ -346,6 +363,7 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
         self.dirpath = dirpath
         self.data = data
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
+        self._step_seen: int | None = None  # global_step at the last step end (optimizer_step_ended)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # the in-memory tier's checkpoint IO (lightning.py)
@@ -364,6 +382,7 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning has restored `ckpt_path` by now: global_step is the resumed step.
+        self._step_seen = trainer.global_step
         self.start(trainer.global_step)
 
     def base(self, trainer: Any) -> Path:
@@ -376,11 +395,14 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        step = trainer.global_step  # completed optimizer steps, as the checkpoint will record
+        if not optimizer_step_ended(step, self._step_seen):
+            return  # a micro-batch that only accumulated: no step to report, snapshot or save
+        self._step_seen = step
         self.data_step_end(trainer)  # the cursor moves before the step is snapshot or saved
         self.snapshot_step(trainer)  # the in-memory tier (lightning.py), before the save-now check
         if self.protocol is None:
             return
-        step = trainer.global_step  # completed optimizer steps, as the checkpoint will record
         action = self.protocol.step_end(step, epoch=trainer.current_epoch)
         if action is Action.NONE:
             return
