@@ -1,7 +1,8 @@
 """README reads in one breath, and the guides close to it (issue 48): words per sentence, measured by
 tests/support/prose.py. README: at most 18 on average and none over 45. A guide: at most 22 on average.
 
-The guides listed are those rewritten to the limit; a guide joins the list when it is rewritten."""
+The guides listed are those rewritten to the limit; a guide joins the list when it is rewritten.
+bench/README.md is held as a guide: its tables hold the figures, its prose says how to read them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tests.support.paths import REPO
 from tests.support.prose import longest_sentences, measure
 
 GUIDES = ["docs/getting-started.md", "docs/how-it-works.md", "docs/operations.md", "docs/development.md",
-          "docs/elastic.md", "docs/aws.md", "docs/ARCHITECTURE.md", "docs/reliability.md"]
+          "docs/elastic.md", "docs/aws.md", "docs/ARCHITECTURE.md", "docs/reliability.md",
+          "bench/README.md"]
 
 
 def test_readme_sentences_are_short():
