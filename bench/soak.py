@@ -173,7 +173,8 @@ class Soak:
         deadline = time.time() + timeout
         while time.time() < deadline:
             steps, _ = read_ledger(self.ledger)
-            outcomes, _ = soakoracle.recoveries(self.faults, steps, time.time())
+            outcomes, _ = soakoracle.recoveries(self.faults, steps, time.time(),
+                                                joins=read_joins(self.cli.job_dir))
             if not self.clears and all(o.state != "pending" for o in outcomes):
                 return
             self.pump(time.time() + 0.5)
@@ -211,7 +212,8 @@ class Soak:
         if p.kind in ("freeze", "etcd_stall", "etcd_down") and not skipped:
             self.clears.append(Clear(t0 + p.hold, p.index, {"freeze": "unfreeze", "etcd_stall": "etcd_thaw",
                                                             "etcd_down": "etcd_start"}[p.kind], target))
-        fault = Fault(**base, target=target, skipped=skipped)
+        size = self.desired if p.kind in soakoracle.SCALES and not skipped else None
+        fault = Fault(**base, target=target, skipped=skipped, size=size)
         if p.kind == "notice_in_reform" and not skipped:  # cleared at its second half, the notice
             fault = Fault(**{**base, "cleared": time.time()}, target=target)
         log(f"fault {p.index} {p.kind} {target} {skipped}".rstrip())
@@ -389,7 +391,7 @@ def judge(soak: Soak, now: float, end: JobEnd | None = None) -> tuple[list, list
     """The oracle over the history so far: outcomes, violations, resumes judged."""
     steps, resumes = read_ledger(soak.ledger)
     joins = read_joins(soak.cli.job_dir)
-    outcomes, violations = soakoracle.recoveries(soak.faults, steps, now, end)
+    outcomes, violations = soakoracle.recoveries(soak.faults, steps, now, end, joins)
     violations += soakoracle.stalls(steps, soak.faults, outcomes, now, end=end)
     violations += soakoracle.agreement(joins, steps)
     found = soakoracle.redos(steps, resumes, soak.faults, outcomes, joins, CKPT_EVERY)

@@ -35,9 +35,12 @@ BOUND = {"kill": 60.0, "freeze": 60.0, "term": 45.0, "notice": 60.0, "rebalance"
          "worker_crash": 60.0, "scale_up": 60.0, "scale_down": 45.0, "burst": 60.0, "etcd_stall": 45.0,
          "etcd_down": 60.0, "joiner_lost": 60.0, "notice_in_reform": 60.0}
 
-# Kinds that must re-form the job (training again means a step of a newer round).
+# Kinds that must re-form the job (training again means a step of a newer round), unless the fault asked
+# for nothing the round lacks (`needs_reform`): a scale to the world size the job has, a freeze of every
+# member at once (nobody is left to drop anyone: thawed, they train on in the same round).
 REFORMS = frozenset({"kill", "freeze", "term", "notice", "worker_crash", "scale_up", "scale_down", "burst",
                      "joiner_lost", "notice_in_reform"})
+SCALES = frozenset({"scale_up", "scale_down", "burst"})
 
 # Steps a resume may redo because of a fault of this kind: announced and planned changes save first (0),
 # an unannounced loss resumes from the in-memory snapshot of the newest step (at most 1).
@@ -96,6 +99,7 @@ class Fault:
     target: str = ""
     grace: float = 0.0
     skipped: str = ""
+    size: int | None = None  # a scale fault's desired size, once carried out
 
     @property
     def reforms(self) -> bool:
@@ -146,21 +150,48 @@ class JobEnd:
 
 
 # --- recovery and stalls ----------------------------------------------------------------------------------
-def _recovered_at(fault: Fault, steps: Sequence[Step]) -> float | None:
+def _all_frozen_at_once(f: Fault, members: set[str], faults: Sequence[Fault]) -> bool:
+    """Some moment of freeze `f` had every one of `members` frozen (by `f` or overlapping freezes)."""
+    freezes = [g for g in faults if g.kind == "freeze" and not g.skipped and g.target in members]
+    for t in sorted({f.injected, *(g.injected for g in freezes)}):
+        if f.injected <= t <= f.cleared and members <= {g.target for g in freezes
+                                                          if g.injected <= t <= g.cleared}:
+            return True
+    return False
+
+
+def needs_reform(f: Fault, faults: Sequence[Fault], steps: Sequence[Step], joins: Sequence[Join]) -> bool:
+    """Whether training again after `f` must be a step of a newer round (REFORMS). Not when the fault asked
+    for nothing the round lacks: a scale to the world size the job trained at when it was injected, or a
+    freeze while every member of the round was frozen (no one could drop anyone; thawed, the round goes
+    on). Without the round's members (`joins`) or the scale's size, a re-form is required."""
+    if not f.reforms:
+        return False
+    if f.kind in SCALES and f.size is not None:
+        world = next((s.world for s in reversed(steps) if s.ts <= f.injected), None)
+        return world != f.size
+    if f.kind == "freeze":
+        members = {j.node for j in joins if j.round == f.round_at}
+        return not (members and _all_frozen_at_once(f, members, faults))
+    return True
+
+
+def _recovered_at(fault: Fault, steps: Sequence[Step], reform: bool) -> float | None:
     for s in steps:
-        if s.ts > fault.cleared and (not fault.reforms or s.round > fault.round_at):
+        if s.ts > fault.cleared and (not reform or s.round > fault.round_at):
             return s.ts
     return None
 
 
-def recoveries(faults: Sequence[Fault], steps: Sequence[Step], now: float,
-               end: JobEnd | None = None) -> tuple[list[Outcome], list[Violation]]:
+def recoveries(faults: Sequence[Fault], steps: Sequence[Step], now: float, end: JobEnd | None = None,
+               joins: Sequence[Join] = ()) -> tuple[list[Outcome], list[Violation]]:
     """Each fault's outcome, and a violation for each that neither trained again nor saw the job end by
     its deadline. Deadline: cleared + the kind's bound, extended to a later fault's own deadline when that
     fault landed before this one recovered and before its deadline (it may hold the job up as long; one
-    that lands after the deadline rescues nothing). `steps` in time order."""
+    that lands after the deadline rescues nothing). Training again is a step after the fault cleared, in
+    a newer round when the fault needs one (`needs_reform`, from `joins`). `steps` in time order."""
     live = [f for f in faults if not f.skipped]
-    found = {f.index: _recovered_at(f, steps) for f in live}
+    found = {f.index: _recovered_at(f, steps, needs_reform(f, faults, steps, joins)) for f in live}
     deadline = {f.index: f.cleared + f.bound for f in live}
     for i, f in enumerate(live):  # a later fault that landed while this one was still within its bound
         for g in live[i + 1:]:

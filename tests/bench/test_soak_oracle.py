@@ -70,6 +70,38 @@ def test_a_later_fault_that_lands_before_recovery_extends_the_bound():
     assert [x.state for x in outcomes] == ["hung", "recovered"] and len(violations) == 1
 
 
+def freeze(at: float, until: float, node: str, index: int = 0, round_at: int = 1) -> Fault:
+    return Fault(index=index, kind="freeze", injected=at, cleared=until, round_at=round_at, target=node)
+
+
+def test_a_freeze_of_every_member_at_once_is_recovered_in_the_same_round():
+    """Nobody is left to drop anyone: thawed, the round trains on. Seed 7's 200 faults judged three such
+    freezes hung (every member frozen, the job training on in its round) until a later change re-formed."""
+    history = steps([(1, 0, 1), (2, 1, 1), (9, 2, 1), (10, 3, 1)], world=2)
+    members = joins({1: {"a": 0, "b": 1}}, world=2)
+    both = [freeze(3.0, 8.0, "a", 0), freeze(4.0, 8.5, "b", 1)]
+    outcomes, violations = o.recoveries(both, history, now=200, joins=members)
+    assert violations == [] and [x.seconds for x in outcomes] == [6.0, 5.0]
+    one = [freeze(3.0, 8.0, "a", 0)]  # b trained on alone: a must be dropped, a newer round must come
+    (out,), violations = o.recoveries(one, history, now=200, joins=members)
+    assert out.state == "hung" and [v.invariant for v in violations] == ["recovery"]
+    apart = [freeze(3.0, 5.0, "a", 0), freeze(6.0, 8.0, "b", 1)]  # never both at once
+    _, violations = o.recoveries(apart, history, now=200, joins=members)
+    assert len(violations) == 2
+    _, violations = o.recoveries(both, history, now=200)  # members unknown: a re-form is required
+    assert len(violations) == 2
+
+
+def test_a_scale_to_the_world_the_job_has_needs_no_re_form_and_one_to_another_does():
+    history = steps([(1, 0, 1), (2, 1, 1), (9, 2, 1), (10, 3, 1)], world=2)
+    same = Fault(index=0, kind="scale_down", injected=3.0, cleared=3.0, round_at=1, target="size 2", size=2)
+    (out,), violations = o.recoveries([same], history, now=200)
+    assert violations == [] and out.seconds == 6.0
+    other = Fault(index=0, kind="scale_up", injected=3.0, cleared=3.0, round_at=1, target="size 3", size=3)
+    (out,), violations = o.recoveries([other], history, now=200)
+    assert out.state == "hung" and violations
+
+
 def test_a_job_that_ended_for_a_stated_reason_is_not_a_hang():
     f = kill(3.0)
     (out,), violations = o.recoveries([f], steps([(1, 0, 1)]), now=500, end=JobEnd(10.0, "failed", "x"))
