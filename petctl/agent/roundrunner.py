@@ -261,8 +261,8 @@ class RoundRunner:
         # save exited for one even before the request reached us (`SaveFirst.workers_saved`; read only
         # once a worker exited 0, so a running round reads no file for it).
         requested = view.round is not None and view.round.preempt is not None
-        preempting = ((requested and not self.saves.finished())
-                      or (workers.some_succeeded() and self.saves.workers_saved()))
+        saved = workers.some_succeeded() and self.saves.workers_saved()  # then never `finished`
+        preempting = saved or (requested and not self.saves.finished())
         result = None if watch.finished or preempting else workers.poll()
         seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),

@@ -97,7 +97,7 @@ class SaveFirst:
     def finished(self) -> bool:
         """A worker of ours exited 0 with no save asked of it: the job's training is over (issue 25).
         Workers that report a save (`saved.<rank>`) exited for a save, whoever flagged it (see
-        `saved_unannounced`)."""
+        `workers_saved`)."""
         return (self.workers is not None and not self.flagged and self.workers.some_succeeded()
                 and not self.workers_saved())
 
