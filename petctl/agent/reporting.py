@@ -390,6 +390,7 @@ class Progress:
         self.nproc = nproc
         self.events = events
         self.step: int | None = None
+        self.round: int | None = None  # the round whose workers speak now: stamped on what they forward
         self.last_checkpoint: Checkpoint | None = None
         self.round_step_seen = False  # a step was logged in the current round
         self.span: dict[str, Any] = {}  # first/last step of the current round (goodput)
@@ -405,7 +406,11 @@ class Progress:
         # (agent/notices.py) read them: `plan_times` copies them under this lock.
         self._plan_lock = threading.Lock()
 
-    def begin_round(self) -> None:
+    def begin_round(self, round_no: int | None = None) -> None:
+        """A new round's workers start: its span starts empty, and what they forward carries `round_no`
+        (a round whose every member dies writes no `round.summary`; its workers' loads and saves still
+        say where it started and how far it got, jobview/accounting.py)."""
+        self.round = round_no
         self.span = {}
         self.round_step_seen = False
         self.last_step_at = None
@@ -461,7 +466,8 @@ class Progress:
             elif event == "checkpoint.interval":  # every="auto" chose (or changed) the durable interval
                 self.last_checkpoint = dataclasses.replace(last, interval_s=record.get("interval_s"),
                                                            interval_reason=str(record.get("reason", "")))
-            self.events.forward(record)
+            self.events.forward(record if self.round is None or "round" in record
+                                else {**record, "round": self.round})
 
 
 class StatusPublisher:

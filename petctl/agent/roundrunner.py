@@ -113,7 +113,7 @@ class RoundRunner:
     def run(self, info: RoundInfo) -> RoundOutcome:
         p = self.p
         p.status.round = info
-        p.progress.begin_round()
+        p.progress.begin_round(info.round)
         controlfiles.clear(p.control_dir, markers=True)
         workers = WorkerGroup(p.worker_spec, p.out, on_event=p.progress.on_worker_event, pool=p.pool)
         workers.start(node_rank=info.rank, num_nodes=info.world_size, master_addr=info.master_addr,

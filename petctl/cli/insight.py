@@ -71,7 +71,8 @@ def report_rows(acc) -> list[tuple[str, Any]]:
                  else f"{acc.reform_seconds:.1f}s (disruption to training again)")
     return [
         ("goodput (kept node-time / instance node-time)", goodput),
-        ("steps kept / lost", f"{acc.steps_kept} / {acc.steps_lost}" if acc.steps_reported else "n/a"),
+        ("steps kept / lost", f"{acc.steps_kept} / {'>= ' if acc.steps_lost_lower_bound else ''}"
+                              f"{acc.steps_lost}" if acc.steps_reported else "n/a"),
         ("re-forms (membership changes and failure restarts)", acc.reforms),
         ("failure restarts (counted against --max-restarts)", acc.failure_restarts),
         ("preemption notices", acc.preemption_notices),

@@ -50,6 +50,10 @@ class RoundStats:
     steps_lost: int = 0
     kept_steps: int = 0
     kept_node_seconds: float = 0.0
+    # No member wrote its summary (each was killed or lost with its instance): where it started and how
+    # far it got come from its workers' loads and saves (`_unseen_span`), and its steps lost beyond the
+    # last one known are unknown.
+    unseen: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class Accounting:
     kept_node_seconds: float = 0.0
     steps_kept: int = 0
     steps_lost: int = 0
+    # Some round ended with no summary from any member: its steps lost past its last known step are not
+    # counted, so `steps_lost` is a floor (shown as ">= N").
+    steps_lost_lower_bound: bool = False
     reforms: int = 0  # rounds opened after the first, any cause
     failure_restarts: int = 0  # ... of which after a worker failure (bounded by --max-restarts)
     preemption_notices: int = 0
@@ -180,6 +187,7 @@ def account(events: Iterable[dict[str, Any]], now: float | None = None,
     acc = Accounting()
     acc.rounds = _rounds(records)
     _attribute_losses(acc.rounds)
+    acc.steps_lost_lower_bound = any(r.unseen for r in acc.rounds[:-1])
     for r in acc.rounds:
         acc.steps_lost += r.steps_lost
         acc.steps_kept += r.kept_steps
@@ -214,19 +222,22 @@ def _lowest_rank(records: list[dict[str, Any]], event: str) -> dict[int, dict[st
 def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
     """One RoundStats per round whose workers started: from the summary of its lowest rank (every node ran
     the same steps), or, for a round without one (still running, or every member killed), from its
-    lowest rank's `workers.started`: no end, no steps."""
+    lowest rank's `workers.started`: no end, and its steps only as far as its workers' loads and saves
+    tell (`_unseen_span`), when the job reports steps at all."""
     best = _lowest_rank(records, "round.summary")
     begun = _lowest_rank(records, "workers.started")
     causes = {int(e["round"]): str(e.get("cause", ""))
               for e in records if e.get("event") == "rendezvous.restart"}
+    reports_steps = any(e.get("first_step") is not None for e in best.values())
     rounds = []
     for n in sorted(best.keys() | begun.keys()):
         cause = causes.get(n, "job start" if n == 1 else "")
         if n not in best:
             e = begun[n]
+            first, last = _unseen_span(records, n) if reports_steps else (None, None)
             rounds.append(RoundStats(round=n, world_size=int(e.get("world_size") or 0),
-                                     started=float(e["ts"]), ended=None, first_step=None, last_step=None,
-                                     first_step_ts=None, last_step_ts=None, cause=cause))
+                                     started=float(e["ts"]), ended=None, first_step=first, last_step=last,
+                                     first_step_ts=None, last_step_ts=None, cause=cause, unseen=True))
             continue
         e = best[n]
         rounds.append(RoundStats(
@@ -234,6 +245,21 @@ def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
             ended=_f(e.get("ended")), first_step=_i(e.get("first_step")), last_step=_i(e.get("last_step")),
             first_step_ts=_f(e.get("first_step_ts")), last_step_ts=_f(e.get("last_step_ts")), cause=cause))
     return rounds
+
+
+def _unseen_span(records: list[dict[str, Any]], n: int) -> tuple[int | None, int | None]:
+    """(first step, last step known) of round `n` from its workers' events, which their agents stamp with
+    the round: it resumed after the step it loaded (`checkpoint.loaded`), and got at least as far as its
+    newest save (`checkpoint.saved`), else to the step before its first. (None, None) when no load says
+    where it started."""
+    loaded = [int(e["step"]) for e in records
+              if e.get("event") == "checkpoint.loaded" and e.get("round") == n and e.get("step") is not None]
+    if not loaded:
+        return None, None
+    first = min(loaded) + 1
+    saved = [int(e["step"]) for e in records
+             if e.get("event") == "checkpoint.saved" and e.get("round") == n and e.get("step") is not None]
+    return first, max([first - 1, *saved])
 
 
 def _reform_by_steps(rounds: list[RoundStats]) -> float:
@@ -265,10 +291,21 @@ def _reform_by_rounds(rounds: list[RoundStats], records: list[dict[str, Any]]) -
 
 
 def _attribute_losses(rounds: list[RoundStats]) -> None:
+    """Each round's kept and lost steps: a round keeps its steps up to the one before the next round's
+    first (that round resumed there). An unseen round (no summary) got at least that far too, when the
+    next round resumed inside its span; its step time is its world size's in the rounds that were seen."""
+    step_times: dict[int, list[float]] = {}
+    for r in rounds:
+        if r.first_step is not None and r.last_step is not None and r.last_step > r.first_step \
+                and r.first_step_ts is not None and r.last_step_ts is not None:
+            step_times.setdefault(r.world_size, []).append(
+                (r.last_step_ts - r.first_step_ts) / (r.last_step - r.first_step))
     for i, r in enumerate(rounds):
         if r.first_step is None or r.last_step is None:
             continue
         nxt = next((x for x in rounds[i + 1:] if x.first_step is not None), None)
+        if nxt is not None and r.unseen and nxt.first_step - 1 >= r.first_step:  # type: ignore[operator]
+            r.last_step = max(r.last_step, nxt.first_step - 1)  # type: ignore[operator]
         if nxt is not None:
             kept_last = min(r.last_step, nxt.first_step - 1)  # type: ignore[operator]
         else:
@@ -278,6 +315,8 @@ def _attribute_losses(rounds: list[RoundStats]) -> None:
         span = r.last_step - r.first_step
         if span > 0 and r.first_step_ts is not None and r.last_step_ts is not None:
             step_time = (r.last_step_ts - r.first_step_ts) / span
+        elif r.unseen and step_times.get(r.world_size):
+            step_time = sorted(step_times[r.world_size])[len(step_times[r.world_size]) // 2]
         else:
             step_time = 0.0
         r.kept_node_seconds = r.kept_steps * step_time * r.world_size

@@ -25,7 +25,8 @@ MARKED = {  # event -> (legend label, colour)
 def headline(job: str, acc: Accounting) -> str:
     """The chart's title: the same measures as `petctl status`'s line, n/a where no step was reported."""
     goodput = f"{acc.goodput:.0%}" if acc.goodput is not None else "n/a"
-    lost = f"{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
+    floor = ">= " if acc.steps_lost_lower_bound else ""
+    lost = f"{floor}{acc.steps_lost} steps lost" if acc.steps_reported else "steps lost n/a (no step events)"
     return (f"{job}: goodput {goodput}, {lost}, {reforms_text(acc.reforms, acc.failure_restarts)}, "
             f"{reforming_text(acc.reform_seconds, acc.reform_lower_bound)}")
 

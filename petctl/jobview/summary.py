@@ -39,6 +39,7 @@ def summarize(view: JobView, running: bool, live_steps: bool = False) -> dict[st
     return {"goodput": acc.goodput, "goodput_note": note, "steps_reported": reported,
             "steps_kept": acc.steps_kept if reported else None,
             "steps_lost": acc.steps_lost if reported else None,
+            "steps_lost_lower_bound": acc.steps_lost_lower_bound,
             "reforms": acc.reforms, "failure_restarts": acc.failure_restarts,
             "preemption_notices": acc.preemption_notices, "reform_seconds": acc.reform_seconds,
             "reform_basis": acc.reform_basis, "reform_lower_bound": acc.reform_lower_bound,
@@ -52,7 +53,8 @@ def one_line(summary: dict[str, Any]) -> str:
     note = summary.get("goodput_note") or ""
     parts = [f"goodput {goodput:.0%}" if goodput is not None else
              f"goodput n/a ({note})" if note else "goodput n/a",
-             f"{summary['steps_lost']} steps lost" if summary.get("steps_lost") is not None else
+             f"{'>= ' if summary.get('steps_lost_lower_bound') else ''}{summary['steps_lost']} steps lost"
+             if summary.get("steps_lost") is not None else
              "steps lost n/a", reforms_text(summary.get("reforms", 0),
                                            summary.get("failure_restarts", 0)),
              reforming_text(summary['reform_seconds'], summary.get("reform_basis") == "rounds"),

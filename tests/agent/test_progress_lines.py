@@ -65,3 +65,18 @@ def test_the_round_summary_and_accounting_match_the_ledger_under_a_progress_bar(
                "first_step_ts": span["first_ts"], "last_step_ts": span["last_ts"]}
     acc = account([summary])
     assert (acc.steps_kept, acc.steps_lost) == (len(ledger), 0)
+
+
+def test_the_workers_loads_and_saves_reach_the_sinks_stamped_with_their_round():
+    """A round whose every member dies writes no summary; `status` then learns its span from these
+    (jobview/accounting.py `_unseen_span`), so they must say which round they belong to."""
+    sunk: list[dict] = []
+    events = EventLog("agent", stream=io.StringIO())
+    events.add_sink(sunk.append)
+    progress = Progress(nproc=1, events=events)
+    progress.begin_round(7)
+    progress.on_worker_event({"event": "checkpoint.loaded", "step": 40, "rank": 0})
+    progress.on_worker_event({"event": "checkpoint.saved", "step": 49, "rank": 0, "seconds": 0.1})
+    progress.on_worker_event({"event": "checkpoint.saved", "step": 59, "rank": 0, "round": 3})  # its own
+    assert [(e["event"], e["step"], e["round"]) for e in sunk] == [
+        ("checkpoint.loaded", 40, 7), ("checkpoint.saved", 49, 7), ("checkpoint.saved", 59, 3)]

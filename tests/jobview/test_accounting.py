@@ -86,3 +86,42 @@ def test_a_script_that_reports_no_steps_has_no_goodput_rather_than_zero():
     assert "steps lost n/a" in line and "0 steps lost" not in line
     # As soon as any round reports a step, goodput is a number again.
     assert account(timeline()).goodput is not None and account(timeline()).goodput_note == ""
+
+
+def unseen_round_timeline(resume_at: int) -> list[dict]:
+    """Round 1 (a, b) trains 0..10; b is lost and round 2 (a alone) resumes at 8 from a save at 7, saves 19,
+    and a dies with it, writing no summary; round 3 (c, a replacement) resumes at `resume_at`."""
+    events = timeline()[:5]  # round 1, b's loss, the restart that opened round 2
+    events += [ev(12.5, "workers.started", "a", round=2, rank=0, world_size=1),
+               ev(12.8, "checkpoint.loaded", "a", round=2, step=7, rank=0),
+               ev(24.0, "checkpoint.saved", "a", round=2, step=19, rank=0),
+               ev(40, "agent.started", "c"),
+               ev(41, "rendezvous.restart", "c", round=3, cause="node lost: a", failure=False),
+               ev(42, "workers.started", "c", round=3, rank=0, world_size=1),
+               summary(60, "c", 3, 0, 1, resume_at, 40, 43.0, 60.0)]
+    return events
+
+
+def test_a_round_that_died_with_every_member_keeps_the_steps_the_next_round_resumed_after():
+    """Seed 7's soak: status counted 293 kept steps fewer than the ledger, every one in rounds whose
+    members all died before their summary. Their workers' loads and saves (stamped with the round by the
+    agent) say where they started and how far they got at least."""
+    acc = account(unseen_round_timeline(resume_at=23))
+    r1, r2, r3 = acc.rounds
+    assert r2.unseen and (r2.first_step, r2.last_step) == (8, 22)  # it ran at least to 22: 23 resumed
+    assert (r1.kept_steps, r1.steps_lost) == (8, 3)
+    assert (r2.kept_steps, r2.steps_lost) == (15, 0)  # 8..22
+    assert (r3.kept_steps, r3.steps_lost) == (18, 0)  # 23..40
+    assert acc.steps_kept == 41 and acc.steps_lost == 3  # steps 0..40, each kept once
+    assert acc.steps_lost_lower_bound  # what round 2 ran past 22 is not known
+    assert r2.kept_node_seconds == 15 * 1.0 * 1  # its world size's step time in the rounds seen
+    # The next round resumed from the durable save at 19: the steps past it that round 2 ran are lost, of
+    # which status knows none (no step after 19 was seen); steps 0..40 are still each kept once.
+    acc = account(unseen_round_timeline(resume_at=20))
+    assert (acc.steps_kept, acc.steps_lost, acc.rounds[1].last_step) == (41, 3, 19)
+    assert acc.steps_lost_lower_bound
+    assert "steps_lost_lower_bound" in acc.to_dict()
+
+
+def test_no_floor_when_every_round_that_ended_wrote_its_summary():
+    assert not account(timeline()).steps_lost_lower_bound
