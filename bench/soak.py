@@ -43,8 +43,9 @@ from petctl.core.eventlog import parse_line  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "data_train.py"
 JOB = "soak"
-FAST = ["--timeout", "heartbeat_ttl=2", "--timeout", "last_call=0.5", "--timeout", "stop_grace=2",
-        "--timeout", "imds_interval=0.5"]
+HEARTBEAT_TTL = 2.0  # the job's liveness lease: the oracle lets a round ride out a freeze about this short
+FAST = ["--timeout", f"heartbeat_ttl={HEARTBEAT_TTL:g}", "--timeout", "last_call=0.5",
+        "--timeout", "stop_grace=2", "--timeout", "imds_interval=0.5"]
 DATA = {"DATA_SIZE": 100, "GLOBAL_BATCH": 24, "MICRO": 4, "SEED": 7}
 CKPT_EVERY = 10  # the durable interval: what a resume may redo when no node of the round before survived
 TAIL_STEPS = 15  # steps trained after the last fault, before the job is told to end
@@ -174,7 +175,7 @@ class Soak:
         while time.time() < deadline:
             steps, _ = read_ledger(self.ledger)
             outcomes, _ = soakoracle.recoveries(self.faults, steps, time.time(),
-                                                joins=read_joins(self.cli.job_dir))
+                                                joins=read_joins(self.cli.job_dir), lease=HEARTBEAT_TTL)
             if not self.clears and all(o.state != "pending" for o in outcomes):
                 return
             self.pump(time.time() + 0.5)
@@ -391,7 +392,7 @@ def judge(soak: Soak, now: float, end: JobEnd | None = None) -> tuple[list, list
     """The oracle over the history so far: outcomes, violations, resumes judged."""
     steps, resumes = read_ledger(soak.ledger)
     joins = read_joins(soak.cli.job_dir)
-    outcomes, violations = soakoracle.recoveries(soak.faults, steps, now, end, joins)
+    outcomes, violations = soakoracle.recoveries(soak.faults, steps, now, end, joins, lease=HEARTBEAT_TTL)
     violations += soakoracle.stalls(steps, soak.faults, outcomes, now, end=end)
     violations += soakoracle.agreement(joins, steps)
     found = soakoracle.redos(steps, resumes, soak.faults, outcomes, joins, CKPT_EVERY)

@@ -92,6 +92,25 @@ def test_a_freeze_of_every_member_at_once_is_recovered_in_the_same_round():
     assert len(violations) == 2
 
 
+def test_a_freeze_within_the_lease_may_be_ridden_out_and_a_longer_one_must_re_form():
+    """Seed 11's 200 faults judged a 2 s freeze hung at a 2 s TTL: the round trained on in the same round,
+    which is right when the lease has not expired. A freeze past TTL + slack must drop the node."""
+    history = steps([(1, 0, 1), (2, 1, 1), (6, 2, 1), (7, 3, 1)], world=2)
+    members = joins({1: {"a": 0, "b": 1}}, world=2)
+    short = freeze(3.0, 5.0, "b")
+    (out,), violations = o.recoveries([short], history, now=200, joins=members, lease=2.0)
+    assert violations == [] and out.seconds == 3.0
+    (out,), violations = o.recoveries([short], history, now=200, joins=members)  # lease unknown: re-form
+    assert out.state == "hung" and violations
+    long = freeze(3.0, 3.0 + 2.0 + o.LEASE_SLACK + 0.5, "b")
+    history = steps([(1, 0, 1), (2, 1, 1), (9, 2, 1), (10, 3, 1)], world=2)
+    (out,), violations = o.recoveries([long], history, now=200, joins=members, lease=2.0)
+    assert out.state == "hung" and [v.invariant for v in violations] == ["recovery"]
+    (out,), violations = o.recoveries([long], history + steps([(11, 4, 2)], world=1), now=200,
+                                      joins=members, lease=2.0)
+    assert violations == [] and out.seconds == 8.0
+
+
 def test_a_scale_to_the_world_the_job_has_needs_no_re_form_and_one_to_another_does():
     history = steps([(1, 0, 1), (2, 1, 1), (9, 2, 1), (10, 3, 1)], world=2)
     same = Fault(index=0, kind="scale_down", injected=3.0, cleared=3.0, round_at=1, target="size 2", size=2)
@@ -100,6 +119,21 @@ def test_a_scale_to_the_world_the_job_has_needs_no_re_form_and_one_to_another_do
     other = Fault(index=0, kind="scale_up", injected=3.0, cleared=3.0, round_at=1, target="size 3", size=3)
     (out,), violations = o.recoveries([other], history, now=200)
     assert out.state == "hung" and violations
+
+
+def test_a_scale_superseded_before_it_was_reached_is_owed_nothing_and_the_later_one_is_judged():
+    """Seed 11's 200 faults: a burst to 3 at world 2, then 7 s later a scale to 2; the job rightly stayed
+    at 2, and the oracle judged the burst hung for want of a world of 3."""
+    history = steps([(1, 0, 1), (2, 1, 1), (9, 2, 1), (10, 3, 1), (70, 4, 1)], world=2)
+    burst = Fault(index=0, kind="burst", injected=3.0, cleared=3.0, round_at=1, target="sizes 3,2,3", size=3)
+    back = Fault(index=1, kind="scale_down", injected=8.0, cleared=8.0, round_at=1, target="size 2", size=2)
+    outcomes, violations = o.recoveries([burst, back], history, now=200)
+    assert violations == [] and [x.seconds for x in outcomes] == [6.0, 1.0]
+    (out,), violations = o.recoveries([burst], history, now=200)  # alone, it is owed a world of 3
+    assert out.state == "hung" and violations
+    onward = Fault(index=1, kind="scale_up", injected=8.0, cleared=8.0, round_at=1, target="size 4", size=4)
+    _, violations = o.recoveries([burst, onward], history, now=200)  # the later one is owed its size
+    assert [v.context["fault"]["index"] for v in violations] == [1]
 
 
 def test_a_job_that_ended_for_a_stated_reason_is_not_a_hang():
@@ -211,6 +245,16 @@ def test_status_accounting_must_equal_the_ledger():
     assert o.accounting({"steps_kept": 40, "steps_lost": 2}, {"steps_kept": 40, "steps_lost": 2}) == []
     assert o.accounting({"steps_kept": 40, "steps_lost": 1}, {"steps_kept": 40, "steps_lost": 2})
     assert o.accounting(None, {"steps_kept": 40, "steps_lost": 2})
+
+
+def test_a_floor_of_lost_steps_must_stay_under_the_ledger_and_kept_steps_must_still_match():
+    """Seed 7's 200 faults: status counted 293 fewer kept steps than the ledger, from rounds whose every
+    member died with its summary. Status now infers their span and says its lost figure is a floor."""
+    truth = {"steps_kept": 40, "steps_lost": 3}
+    assert o.accounting({"steps_kept": 40, "steps_lost": 2, "steps_lost_lower_bound": True}, truth) == []
+    assert o.accounting({"steps_kept": 40, "steps_lost": 4, "steps_lost_lower_bound": True}, truth)
+    assert o.accounting({"steps_kept": 39, "steps_lost": 3, "steps_lost_lower_bound": True}, truth)
+    assert o.accounting({"steps_kept": 40, "steps_lost": 2}, truth)  # not said to be a floor
 
 
 def test_anything_left_after_kill_job_is_a_violation():
