@@ -32,7 +32,7 @@ import pytest
 from petctl.io import controlfiles
 from tests.support.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
 from tests.support.netns import NetLab, Slot, netns_available
-from tests.support.partition_checks import CKPT_EVERY, FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
+from tests.support.partition_checks import CKPT_EVERY, STEPS, Outcome, workload_env
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -167,8 +167,6 @@ def test_partitioned_node_is_dropped_and_fences_itself(job: PartitionJob) -> Non
     job.outcome.measure(job.outcome.results.parent / "measured.json", t_cut, t_lost - t_cut, resumed)
     job.outcome.assert_survivors_own_the_store(ns_node.node_id, {a.node_id, b.node_id}, t_lost)
 
-    if not FENCING:
-        pytest.xfail(NEEDS_FENCING)
     # The cut-off agent fenced itself: the fence event, its workers stopped, no crash.
     fenced = wait_for(lambda: ns_node.events("agent.fenced"), 30, what="agent.fenced on the cut node")
     assert fenced[0]["ts"] > t_cut

@@ -30,7 +30,7 @@ from petctl.io.etcdauth import SecureEtcdDir
 from tests.support.agent_harness import WORKLOADS
 from tests.support.cli import Petctl
 from tests.support.netns import NetLab, TcpForwarder, netns_available
-from tests.support.partition_checks import FENCING, NEEDS_FENCING, STEPS, Outcome, workload_env
+from tests.support.partition_checks import STEPS, Outcome, workload_env
 from tests.support.paths import SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def test_local_provider_partition_of_rank0(lab_cli: tuple[Petctl, NetLab, Path])
         assert time.monotonic() < deadline, "the survivors did not train at world size 2"
         time.sleep(0.5)
     deadline = time.monotonic() + 30  # the agent fences itself while cut off: the heal waits for that
-    while FENCING and not [e for e in cli.events(JOB, "agent.fenced") if e["node"] == victim]:
+    while not [e for e in cli.events(JOB, "agent.fenced") if e["node"] == victim]:
         assert time.monotonic() < deadline, "the cut-off agent did not fence itself within 30 s"
         time.sleep(0.5)
     t_heal = time.time()
@@ -139,8 +139,6 @@ def test_local_provider_partition_of_rank0(lab_cli: tuple[Petctl, NetLab, Path])
     outcome.measure(labdir / "measured.json", t_cut, t_lost - t_cut, resumed)
     outcome.assert_survivors_own_the_store(victim, {a, b}, t_lost)
 
-    if not FENCING:
-        pytest.xfail(NEEDS_FENCING)
     mine = [e for e in cli.events(JOB) if e["node"] == victim]
     fenced = [e for e in mine if e["event"] == "agent.fenced"]
     assert fenced and t_cut < fenced[0]["ts"] < t_heal, "the cut-off agent did not fence itself while cut"

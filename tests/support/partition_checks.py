@@ -18,8 +18,6 @@ from tests.support.agent_harness import WORKLOADS
 STEPS = 150
 CKPT_EVERY = 5
 STEP_TIME = 0.08
-FENCING = importlib.util.find_spec("petctl.agent.health") is not None
-NEEDS_FENCING = "needs the agent's fencing (lead): petctl/agent/health.py is not there yet"
 
 Events = Callable[[str], list[dict[str, Any]]]  # name -> that event of every node, "node" set, oldest first
 
