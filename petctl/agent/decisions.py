@@ -423,4 +423,4 @@ def next_round(current: Round, cause: str, failure: bool, max_restarts: int, wal
         return EndJob("failed", f"{cause}; max_restarts={max_restarts} exhausted", current.round)
     prev = current.ranks if current.phase is Phase.FROZEN else current.prev_ranks
     return Round(round=(current.round or 0) + 1, phase=Phase.JOINING, ts=wall, restarts=restarts,
-                 cause=cause, preempt=None, prev_ranks={n: r for n, r in prev.items() if n != leaving})
+                 cause=cause, save_now=None, prev_ranks={n: r for n, r in prev.items() if n != leaving})

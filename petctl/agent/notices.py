@@ -61,7 +61,7 @@ from petctl.agent.roundjudge import (
 )
 from petctl.agent.savefirst import save_done
 from petctl.agent.workers import WorkerGroup
-from petctl.core.records import NodeStatus, Preempt, WireFormatError
+from petctl.core.records import NodeStatus, SaveNow, WireFormatError
 from petctl.core.spec import AgentConfig
 from petctl.io import controlfiles
 from petctl.io.eventlog import EventLog
@@ -76,12 +76,12 @@ BACKSTOP_POLL = 0.1  # seconds between the backstop's looks at the clock (it rea
 BACKSTOP_LATE = 0.5
 
 
-def save_budget(left: float, preempt_deadline: float) -> float:
+def save_budget(left: float, save_deadline: float) -> float:
     """Seconds the workers get to save, out of `left` before the reclaim. A 2-minute spot notice keeps
     the full margin; a short one (a local `chaos notice --grace 6`, a late-seen notice) keeps a quarter of
     what is left, rather than cutting an upload that would have finished at 1 s."""
     margin = min(SAFETY_MARGIN, max(left, 0.0) * SHORT_NOTICE_SHARE)
-    return max(1.0, min(left - margin, preempt_deadline))
+    return max(1.0, min(left - margin, save_deadline))
 
 
 class PreemptionHandler:
@@ -149,7 +149,7 @@ class PreemptionHandler:
         with self._lock:
             if self.notice is not None:
                 return
-            now, most = time.time(), self.config.job.timeouts.preempt_deadline
+            now, most = time.time(), self.config.job.timeouts.save_deadline
             self.save_deadline = now + save_budget(notice.deadline - now, most)
             self.noticed_at = now
             self.notice = notice
@@ -242,13 +242,14 @@ class PreemptionHandler:
         """The pending notice is our own graceful leave (not a reclaim of the instance)."""
         return self.notice is not None and self.notice.kind == LEAVE
 
-    def request(self, node_id: str) -> Preempt:
+    def request(self, node_id: str) -> SaveNow:
         """The save-now request this notice puts on the round."""
-        return Preempt(node_id=node_id, deadline=self.notice.deadline,
+        return SaveNow(node_id=node_id, deadline=self.notice.deadline,
                        reason=LEAVE if self.leaving else "preemption", leaves=True)
 
     def announce(self, cas: Callable[[], bool]) -> None:
-        """Put the preemption into the current round (retried by the caller's loop until it sticks).
+        """Put this notice's save-now request on the current round (retried by the caller's loop until it
+        sticks).
 
         On AWS the ASG holds the instance in its termination hook meanwhile; we heartbeat the hook so a
         slow save is not cut off at the hook's timeout.

@@ -3,7 +3,7 @@
 A recommendation (imds.py) says this instance is at elevated risk of interruption. It is not a notice:
 nothing is announced in the round and training goes on. The agent writes `<control>/checkpoint`
 (io/controlfiles.py) with the next sequence number; every rank of the job learns of it in the
-preemption check's all-reduce and saves the same step at once (elastic/preemption.py). Whatever comes
+save-now check's all-reduce and saves the same step at once (elastic/workerprotocol.py). Whatever comes
 next (the two-minute notice, a late one, none at all before the ASG's Capacity Rebalancing scales this
 instance in) then starts from a checkpoint taken when the risk was announced.
 """

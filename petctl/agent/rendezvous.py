@@ -64,8 +64,8 @@ from petctl.core.records import (
     JoinRecord,
     NodeRecord,
     Phase,
-    Preempt,
     Round,
+    SaveNow,
     WireFormatError,
 )
 from petctl.core.store import Compacted, Event, Store, StoreError, Watch
@@ -492,11 +492,11 @@ class EtcdRendezvous:
                              restarts=value.restarts)
         return ok
 
-    def set_preempt(self, view: StoreView, request: Preempt) -> bool:
+    def set_save_now(self, view: StoreView, request: SaveNow) -> bool:
         """Put a save-now request on our running round (CAS); False if the round moved meanwhile."""
         rnd, index = view.round, view.round_index
         ours = rnd is not None and rnd.phase is Phase.FROZEN and self.node_id in rnd.ranks
-        return ours and index is not None and self._cas_round(dataclasses.replace(rnd, preempt=request),
+        return ours and index is not None and self._cas_round(dataclasses.replace(rnd, save_now=request),
                                                               index)
 
     def set_handoff(self, view: StoreView, deadline: float) -> bool:

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from petctl.agent.decisions import EndJob, RoundInfo, Settings, StoreView
-from petctl.core.records import Phase, Preempt, Round
+from petctl.core.records import Phase, Round, SaveNow
 
 # --- judging a running round --------------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class Workers:
     some_succeeded: bool  # at least one exited 0 (others may run)
     running: bool
     round_done_elsewhere: bool  # another member of the round is done
-    preempting: bool  # the round carries a preemption notice: exits are neither success nor failure
+    saving_now: bool  # the round carries a save-now request: exits are neither success nor failure
     idle: float = 0.0  # seconds since the workers last showed progress (or started, if they never did)
     # Monotonic: when the last of the running workers said its script had finished (`worker.exiting`), if
     # every running one has; None otherwise. They are only exiting now (agent/warm_worker.py).
@@ -263,7 +263,7 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
     here, or a member done) is a mixed ending: FailedAfterFinish, never a restart. Running workers idle
     past `t.hang` are hung: ReportHang, then AskRestart.
     """
-    if watch.finished or w.preempting:
+    if watch.finished or w.saving_now:
         return Idle(), watch
     if watch.finishing_since is None and (w.some_succeeded or w.round_done_elsewhere):
         watch = dataclasses.replace(watch, finishing_since=now)
@@ -300,8 +300,8 @@ def judge_workers(watch: WorkerWatch, w: Workers, now: float, t: Timing,
 # A membership change we choose (admitting a waiting node, a graceful leave such as `petctl scale` down or a
 # SIGTERM of the agent) need not throw away the steps since the last periodic checkpoint. Before the old
 # round's workers are stopped, the node that causes the change puts a save-now request on the round
-# (`Round.preempt`, the same record a spot notice uses); every member flags its workers through
-# `<control>/preempt`, the ranks agree on one step in the all-reduce `petctl.elastic` already runs, save it
+# (`Round.save_now`, the same record a spot notice uses); every member flags its workers through
+# `<control>/save_now`, the ranks agree on one step in the all-reduce `petctl.elastic` already runs, save it
 # and exit 0. Only then does the round re-form, and everyone resumes from that step: nothing is redone.
 #
 # Unplanned changes (a node lost, a worker failure) cannot save first: a lost peer blocks every collective.
@@ -313,7 +313,7 @@ class SaveLook:
     """What the node sees when it wants a planned change."""
 
     node_id: str
-    request: Preempt | None  # the round's save-now request, if any
+    request: SaveNow | None  # the round's save-now request, if any
     protocol: bool  # every local worker speaks the save-now protocol (petctl.elastic)
     running: bool  # our workers still run (nothing to save once they exited)
     saved: bool  # our workers reported the requested save, exited, or its deadline passed
@@ -324,7 +324,7 @@ class SaveLook:
 class RequestSave:
     """CAS this request onto the round; the workers save, then the round re-forms."""
 
-    request: Preempt
+    request: SaveNow
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,7 @@ def admission(look: SaveLook, cause: str | None, wall: float, budget: float) -> 
         if cause is None:
             return Hold()
         if look.protocol and look.running:
-            return RequestSave(Preempt(node_id=look.node_id, deadline=wall + budget, reason=cause,
+            return RequestSave(SaveNow(node_id=look.node_id, deadline=wall + budget, reason=cause,
                                        leaves=False))
         return Reform()
     if request.node_id == look.node_id and not request.leaves:

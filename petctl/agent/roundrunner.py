@@ -260,15 +260,15 @@ class RoundRunner:
         # must say so, or it waits on a re-form that a finished job never gets. Workers that reported a
         # save exited for one even before the request reached us (`SaveFirst.workers_saved`; read only
         # once a worker exited 0, so a running round reads no file for it).
-        requested = view.round is not None and view.round.preempt is not None
+        requested = view.round is not None and view.round.save_now is not None
         saved = workers.some_succeeded() and self.saves.workers_saved()  # then never `finished`
-        preempting = saved or (requested and not self.saves.finished())
-        result = None if watch.finished or preempting else workers.poll()
+        saving_now = saved or (requested and not self.saves.finished())
+        result = None if watch.finished or saving_now else workers.poll()
         seen = p.progress.progress_at if p.progress.reporting else workers.output_at  # see hang_limit
         look = Workers(exited=result is not None, succeeded=bool(result and result.succeeded),
                        first_failure=result.first_failure() if result else None,
                        some_succeeded=workers.some_succeeded(), running=workers.running,
-                       round_done_elsewhere=bool(view.done_in(info.round)), preempting=preempting,
+                       round_done_elsewhere=bool(view.done_in(info.round)), saving_now=saving_now,
                        idle=now - max(self._started, seen or 0.0), exiting_since=workers.exiting_since())
         hang = hang_limit(p.spec.timeouts.hang, p.progress.reporting, seen is not None)
         step, new = judge_workers(watch, look, now, replace(self.timing, hang=hang), p.node_id)

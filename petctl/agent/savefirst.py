@@ -18,7 +18,7 @@ from petctl.agent.decisions import RoundInfo, StoreView
 from petctl.agent.rendezvous import EtcdRendezvous
 from petctl.agent.roundjudge import Reform, RequestSave, SaveLook, admission, leave_saves_first
 from petctl.agent.workers import WorkerGroup
-from petctl.core.records import Preempt
+from petctl.core.records import SaveNow
 from petctl.core.spec import JobSpec
 from petctl.io import controlfiles
 from petctl.io.eventlog import EventLog
@@ -32,7 +32,7 @@ class Notice(Protocol):
 
     def plan_leave(self, budget: float) -> None: ...
 
-    def request(self, node_id: str) -> Preempt: ...
+    def request(self, node_id: str) -> SaveNow: ...
 
 
 def save_done(workers: WorkerGroup | None, control_dir: Path, nproc: int, deadline: float | None) -> str:
@@ -55,8 +55,8 @@ def save_done(workers: WorkerGroup | None, control_dir: Path, nproc: int, deadli
 #
 # Three things ask every member's workers to save the same step and exit before the round re-forms: a
 # preemption notice of this instance, a graceful leave of this node, and this node admitting a waiting
-# node (agent/roundjudge.py decides the last two). All three travel as the round's `preempt` record and the
-# node-local `<control>/preempt` flag (io/controlfiles.py), which `petctl.elastic` reads at every step
+# node (agent/roundjudge.py decides the last two). All three travel as the round's `save_now` record and
+# the node-local `<control>/save_now` flag (io/controlfiles.py), which `petctl.elastic` reads at every step
 # boundary. This section does the I/O around those decisions; the round runner (roundrunner.py) calls it.
 
 class SaveFirst:
@@ -74,8 +74,8 @@ class SaveFirst:
         self.round_no: int | None = None
         self.flagged = False
         self.admitting = False  # the round carries our own admission's request (seen in `flag`)
-        self._request: Preempt | None = None  # the round's request, as last seen
-        self._late: Preempt | None = None  # a request that came after our workers finished (reported)
+        self._request: SaveNow | None = None  # the round's request, as last seen
+        self._late: SaveNow | None = None  # a request that came after our workers finished (reported)
         # `flag` runs on the round runner's thread, `flag_own` also on the notice's backstop thread
         self._flag_lock = threading.Lock()
 
@@ -85,11 +85,11 @@ class SaveFirst:
             self.flagged = self.admitting = False
             self._request = self._late = None
 
-    def _ours(self, request: Preempt | None) -> bool:
+    def _ours(self, request: SaveNow | None) -> bool:
         """`request` is our own admission's (nobody leaves)."""
         return request is not None and request.node_id == self.node_id and not request.leaves
 
-    def _saved(self, request: Preempt | None) -> bool:
+    def _saved(self, request: SaveNow | None) -> bool:
         """Our workers are done with the requested save: all reported it, exited, or its deadline passed."""
         deadline = request.deadline if request is not None else None
         return bool(save_done(self.workers, self.control_dir, self.spec.nproc_per_node, deadline))
@@ -108,7 +108,7 @@ class SaveFirst:
         return bool(controlfiles.read_saved(self.control_dir))
 
     def _look(self, view: StoreView) -> SaveLook:
-        request = view.round.preempt if view.round is not None else None
+        request = view.round.save_now if view.round is not None else None
         return SaveLook(node_id=self.node_id, request=request,
                         running=self.workers is not None and self.workers.running, saved=self._saved(request),
                         protocol=controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node),
@@ -118,12 +118,12 @@ class SaveFirst:
     def flag(self, view: StoreView, info: RoundInfo) -> None:
         """Tell our workers the round carries a save-now request (every rank then saves the same step);
         once per round."""
-        request = view.round.preempt if view.round is not None else None
+        request = view.round.save_now if view.round is not None else None
         self.admitting, self._request = self._ours(request), request
         with self._flag_lock:
             self._flag(request, info)
 
-    def _flag(self, request: Preempt | None, info: RoundInfo) -> None:
+    def _flag(self, request: SaveNow | None, info: RoundInfo) -> None:
         if self.flagged or request is None:
             return
         if self.finished():
@@ -136,7 +136,7 @@ class SaveFirst:
                 self.events.emit("save.after_finish", round=info.round, noticed=request.node_id,
                                  reason=request.reason)
             return
-        controlfiles.write_preempt(self.control_dir, request.node_id, request.deadline)
+        controlfiles.write_save_now(self.control_dir, request.node_id, request.deadline)
         self.flagged = True
         event = "preemption.flagged" if request.reason == "preemption" else "save.flagged"
         self.events.emit(event, round=info.round, noticed=request.node_id, reason=request.reason)
@@ -158,7 +158,7 @@ class SaveFirst:
                     or not controlfiles.speaks_protocol(self.control_dir, self.spec.nproc_per_node)):
                 return False
             deadline = self.preemption.save_deadline
-            controlfiles.write_preempt(self.control_dir, self.node_id, deadline)
+            controlfiles.write_save_now(self.control_dir, self.node_id, deadline)
             self.flagged = True
         self.events.emit("preemption.flagged", round=self.round_no, noticed=self.node_id, reason="preemption",
                          source=source)
@@ -167,7 +167,7 @@ class SaveFirst:
     # --- our notice or leave ------------------------------------------------------------------------
     def announce(self) -> bool:
         """CAS our notice's request onto the round (retried by the round runner until it sticks)."""
-        return self.rdzv.set_preempt(self.rdzv.view(), self.preemption.request(self.node_id))
+        return self.rdzv.set_save_now(self.rdzv.view(), self.preemption.request(self.node_id))
 
     def defer_leave(self, view: StoreView) -> bool:
         """The agent was asked to leave: True while our workers save first (a planned leave, or a notice
@@ -182,14 +182,14 @@ class SaveFirst:
     def admit(self, view: StoreView, info: RoundInfo, cause: str | None, nodes: tuple[str, ...]) -> None:
         """Admit waiting `nodes` (when `cause`), saving first; or re-form once our earlier request's save
         is done. Raises what the etcd calls raise (the round runner counts and retries)."""
-        request = view.round.preempt if view.round is not None else None
+        request = view.round.save_now if view.round is not None else None
         if cause is None and not self._ours(request):
             return  # nobody waiting and no admission of ours under way (the usual look): no file I/O
-        step = admission(self._look(view), cause, time.time(), self.spec.timeouts.preempt_deadline)
+        step = admission(self._look(view), cause, time.time(), self.spec.timeouts.save_deadline)
         if cause is not None and request is None and isinstance(step, RequestSave | Reform):
             self.events.emit("membership.waiting", round=info.round, nodes=list(nodes))
         if isinstance(step, RequestSave):
-            if self.rdzv.set_preempt(view, step.request):
+            if self.rdzv.set_save_now(view, step.request):
                 self.events.emit("save.requested", round=info.round, reason=step.request.reason,
                                  deadline=round(step.request.deadline, 3))
         elif isinstance(step, Reform):

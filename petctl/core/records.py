@@ -90,10 +90,10 @@ class WireRecord:
 
 
 @dataclass(frozen=True)
-class Preempt(WireRecord):
-    """A save-now request carried on the running round, so every member's workers save the same step
-    and exit before the round re-forms: a spot or scale-in notice, a graceful leave, or a planned
-    admission of a waiting node (agent/roundjudge.py). The wire key stays `preempt`."""
+class SaveNow(WireRecord):
+    """A save-now request carried on the running round (`Round.save_now`), so every member's workers save
+    the same step and exit before the round re-forms: an instance's spot or ASG notice (a preemption), a
+    graceful leave, or a planned admission of a waiting node (agent/roundjudge.py). `reason` says which."""
 
     node_id: str  # the node that asked
     deadline: float  # epoch seconds: the save must be done by then (a noticed instance is taken)
@@ -105,14 +105,14 @@ class Preempt(WireRecord):
 class Round(WireRecord):
     """`live/round`: the one value every agent watches, changed only by compare-and-swap."""
 
-    _nested: ClassVar[dict[str, type[WireRecord]]] = {"preempt": Preempt}
+    _nested: ClassVar[dict[str, type[WireRecord]]] = {"save_now": SaveNow}
 
     round: int | None  # None only on a `final` record written before any round opened
     phase: Phase
     ts: float  # when this round was opened (recovery time is measured from it)
     restarts: int = 0  # worker failures so far (max_restarts bounds it)
     cause: str = ""  # why this round was opened
-    preempt: Preempt | None = None
+    save_now: SaveNow | None = None  # a save-now request every member's workers act on
     # Members under a spot notice that train on until they hand their place over (agent/roundjudge.py,
     # `handoff`): node_id -> when its instance is reclaimed. While one is alive, a waiting node is theirs
     # to admit, in the one re-form of their hand-off, not the lowest rank's.

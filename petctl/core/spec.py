@@ -55,7 +55,9 @@ class Timeouts:
     initial_wait: float = 30.0  # the first round waits up to this long for `size` nodes (job start)
     join_timeout: float = 600.0  # fewer than `min` nodes for this long -> the job fails
     stop_grace: float = 5.0  # SIGTERM -> SIGKILL grace when stopping workers
-    preempt_deadline: float = 90.0  # how long a noticed node waits for its workers' checkpoint
+    # The longest a save-now request gives the workers to save: a notice's (less a margin before the reclaim,
+    # agent/notices.py `save_budget`) and a planned admission's (agent/roundjudge.py `admission`).
+    save_deadline: float = 90.0
     # Once any rank of the job exited 0, the others get this long to exit too; stragglers (seen stuck in
     # destroy_process_group after their peers left) are then stopped and the job still succeeds.
     finish_grace: float = 60.0

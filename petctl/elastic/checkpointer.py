@@ -1,21 +1,21 @@
 """The durable checkpointers: the base both share (`BaseCheckpointer`) and the replicated `Checkpointer`.
 
-`Checkpointer`: resume in one call, periodic saves in the background, a clean exit on preemption.
+`Checkpointer`: resume in one call, periodic saves in the background, a clean exit on a save-now request.
 
     state = State(model=model, optimizer=opt, scheduler=sched, extra={"step": 0})
     ckpt = Checkpointer(keep=3, every=50)            # URL from $PETCTL_CHECKPOINT_URL
     start = ckpt.resume(state)                       # next step to run (0 on a fresh start)
     for step in range(start, total):
         train_step()
-        if ckpt.step_end(step, state):               # preemption saved: leave the loop, exit 0
+        if ckpt.step_end(step, state):               # saved for a save-now: leave the loop, exit 0
             break
     ckpt.close()
 
 Who does what under DDP: every rank holds the same state, so rank 0 alone reads and writes the store;
 the loaded checkpoint is broadcast to the other ranks (S3 is read once per job, not once per rank), and
-the preemption flag is all-reduced so every rank saves (rank 0) and exits at the same step. Under the
-petctl agent, local rank 0 of every node also keeps the newest step in node memory (snapshots/), and a
-resume takes the newest snapshot any rank holds when the store has nothing newer.
+the save-now flag (a notice, a leave, an admission) is all-reduced so every rank saves (rank 0) and exits at
+the same step. Under the petctl agent, local rank 0 of every node also keeps the newest step in node memory
+(snapshots/), and a resume takes the newest snapshot any rank holds when the store has nothing newer.
 """
 
 from __future__ import annotations
@@ -34,23 +34,23 @@ from petctl.elastic.dist import Comm
 from petctl.elastic.manifest import LocalCache
 from petctl.elastic.snapshots import SnapshotOptions, SnapshotTier
 from petctl.elastic.state import STATE_FILE, State, load_payload, save_staged
-from petctl.elastic.workerprotocol import CommitFence, PreemptionMonitor, worker_started_at
+from petctl.elastic.workerprotocol import CommitFence, SaveNowMonitor, worker_started_at
 from petctl.io.eventlog import EventLog
 from petctl.io.objstore import ObjectStore, S3Options, open_object_store
 from petctl.io.objstore import ObjectStore as CheckpointStore
 
 # --- the base both checkpointers share ----------------------------------------------------------------------
 # What `Checkpointer` and `ShardedCheckpointer` share: the URL and store, when to save (every N steps,
-# every T seconds, at a preemption, at the agent's request), the preemption save's protocol and events, and
-# a clean end.
+# every T seconds, at a save-now request, at the agent's checkpoint request), the save-now protocol and its
+# events, and a clean end.
 #
-# A subclass says how a state is saved and loaded (`save`, `resume`, `_save_for_preemption`); the skeleton
+# A subclass says how a state is saved and loaded (`save`, `resume`, `_save_for_save_now`); the skeleton
 # around them is written once here, so the two checkpointers cannot drift apart (the sharded one once
 # lacked `every_seconds` that way).
 #
 # Who decides a time-based save: the one-writer `Checkpointer` saves on rank 0 only, so rank 0's clock
 # alone decides (`AGREE_ON_TIME = False`, no collective). A sharded save is collective, so every rank must
-# save at the same step: the ranks agree on "is a time-based save due" in the all-reduce the preemption
+# save at the same step: the ranks agree on "is a time-based save due" in the all-reduce the save-now
 # check already runs (one collective, two flags), hence on the check steps (every `check_every` steps).
 
 
@@ -78,7 +78,7 @@ class BaseCheckpointer:
             raise ValueError(f"every must be a number of steps >= 0 or 'auto' (got {every!r})")
         if (every_seconds > 0 or auto) and self.AGREE_ON_TIME and check_every <= 0:
             raise ValueError("every_seconds needs check_every >= 1 here: the ranks agree on a time-based "
-                             "save in the preemption check's all-reduce")
+                             "save in the save-now check's all-reduce")
         self.url = url
         self.keep = keep
         self.every = 0 if auto else int(every)
@@ -90,15 +90,15 @@ class BaseCheckpointer:
         self._last_save_at = time.monotonic()
         self.comm = Comm.create()  # collective when dist uses NCCL: every rank constructs it
         self.log = log or EventLog("elastic", rank=self.comm.rank, node_id=os.environ.get("PETCTL_NODE_ID"))
-        self.preemption = PreemptionMonitor(comm=self.comm, check_every=check_every,
-                                            **({"control_dir": Path(control_dir)} if control_dir else {}))
-        self.preemption.announce()
-        self.fence = CommitFence(self.preemption.control_dir, self.log, self.url)  # see workerprotocol.py
+        self.monitor = SaveNowMonitor(comm=self.comm, check_every=check_every,
+                                      **({"control_dir": Path(control_dir)} if control_dir else {}))
+        self.monitor.announce()
+        self.fence = CommitFence(self.monitor.control_dir, self.log, self.url)  # see workerprotocol.py
         self._store = store
         self._s3 = s3
         self._uploader = BackgroundUploader(on_error=self._on_save_error)
         self._submitted_step: int | None = None  # the newest step handed to a save (never saved twice)
-        self.preempted_at: int | None = None  # the step of the preemption save, once made
+        self.stopped_at: int | None = None  # the step saved for a save-now request, once made
 
     # --- the store (opened on first use: ranks that never read or write need no credentials) -----
     @property
@@ -112,7 +112,7 @@ class BaseCheckpointer:
         """Save `state` as checkpoint `step` (see the subclass)."""
         raise NotImplementedError
 
-    def _save_for_preemption(self, step: int, state: Any) -> bool:
+    def _save_for_save_now(self, step: int, state: Any) -> bool:
         """A synchronous save of `step`; True on every rank when it is complete everywhere (collective)."""
         raise NotImplementedError
 
@@ -121,24 +121,24 @@ class BaseCheckpointer:
 
     # --- when to save --------------------------------------------------------------------------------
     def should_checkpoint(self, step: int) -> bool:
-        """True on every rank at the same step when any node of the job has a preemption pending."""
-        return self.preemption.should_checkpoint(step)
+        """True on every rank at the same step when the job's running round carries a save-now request."""
+        return self.monitor.should_checkpoint(step)
 
     def step_end(self, step: int, state: Any) -> bool:
-        """Call after each completed step (on every rank). True: the preemption save of `step` is
+        """Call after each completed step (on every rank). True: the save-now save of `step` is
         done and this worker should leave its training loop and exit 0.
 
         It first tells the state's step-counting parts (an `ElasticSampler`'s `step_done`) that `step` is
         done, so whatever it saves holds the data position after `step`."""
-        if self.preempted_at is not None:  # saved already: the loop should have ended, don't save again
+        if self.stopped_at is not None:  # saved already: the loop should have ended, don't save again
             return True
         count_step(state, step)
         self._step_snapshot(step, state)
-        preempt, time_due, requested = self._poll(step)
-        if preempt:
-            self._preemption_save(step, state)
-            self.preempted_at = step
-            self._answered(step)  # the preemption save answers a request too
+        save_now, time_due, requested = self._poll(step)
+        if save_now:
+            self._answer_save_now(step, state)
+            self.stopped_at = step
+            self._answered(step)  # the save-now save answers a checkpoint request too
             return True
         if requested:
             self._requested_save(step, state)
@@ -154,7 +154,7 @@ class BaseCheckpointer:
     def _setup_auto(self, tier: str) -> None:
         """Called by the subclass once it knows its snapshot tier (none | replicated | sharded)."""
         if self._auto_requested:
-            self.auto = AutoWire(self.comm.world_size, tier, self.log, self.preemption.control_dir,
+            self.auto = AutoWire(self.comm.world_size, tier, self.log, self.monitor.control_dir,
                                  report=self.comm.is_writer)
             self.every_seconds = self.auto.seconds
 
@@ -174,13 +174,13 @@ class BaseCheckpointer:
             self.every_seconds = self.auto.seconds
 
     def _poll(self, step: int) -> tuple[bool, bool, bool]:
-        """(preemption pending, a time-based save due, a checkpoint requested), the same on every rank
+        """(save-now pending, a time-based save due, a checkpoint requested), the same on every rank
         where that matters; the request always is (the ranks save it together, whoever writes)."""
         time_due = self.every_seconds > 0 and time.monotonic() - self._last_save_at >= self.every_seconds
-        verdict = self.preemption.check(step, also=time_due and self.AGREE_ON_TIME)
+        verdict = self.monitor.check(step, also=time_due and self.AGREE_ON_TIME)
         if self.AGREE_ON_TIME:
             return verdict
-        return verdict.preempt, time_due and self.comm.is_writer, verdict.checkpoint
+        return verdict.save_now, time_due and self.comm.is_writer, verdict.checkpoint
 
     # --- a checkpoint asked for by the agent (a rebalance recommendation) ------------------------------
     def _requested_save(self, step: int, state: Any) -> None:
@@ -194,15 +194,15 @@ class BaseCheckpointer:
         """Record the request this node had pending (if any) as answered by `step`. Said once by rank 0
         (`checkpoint.request_answered`, the step saved) and once by each node that asked (its seq and
         reason). An unwritable control dir is reported: the request would be answered again next round."""
-        seq, reason = self.preemption.asked, self.preemption.request()[1]
+        seq, reason = self.monitor.asked, self.monitor.request()[1]
         try:
-            answered = self.preemption.report_checkpointed(step)
+            answered = self.monitor.report_checkpointed(step)
         except OSError as e:
             self.log.emit("checkpoint.request_unrecorded", step=step, seq=seq, error=repr(e))
             answered = None
         mine = answered is not None and self.comm.local_rank == 0
         if mine or (requested and self.comm.is_writer):
-            self.log.emit("checkpoint.request_answered", step=step, preempted=not requested,
+            self.log.emit("checkpoint.request_answered", step=step, save_now=not requested,
                           **({"seq": seq, "reason": reason} if mine else {}))
 
     def _saved_now(self, step: int) -> None:
@@ -210,15 +210,15 @@ class BaseCheckpointer:
         self._submitted_step = step
         self._last_save_at = time.monotonic()
 
-    # --- the preemption protocol -------------------------------------------------------------------
-    def _preemption_save(self, step: int, state: Any) -> None:
+    # --- the save-now protocol ---------------------------------------------------------------------
+    def _answer_save_now(self, step: int, state: Any) -> None:
         """Save `step` synchronously, then (when it is complete everywhere) tell the agent, which lets
         this worker exit; the events say which it was."""
-        self.log.emit("preempt.detected", step=step, deadline=self.preemption.deadline())
-        ok = self._save_for_preemption(step, state)
+        self.log.emit("save_now.detected", step=step, deadline=self.monitor.deadline())
+        ok = self._save_for_save_now(step, state)
         if ok:
-            self.preemption.report_saved(step)
-        self.log.emit("preempt.saved" if ok else "preempt.save_failed", step=step)
+            self.monitor.report_saved(step)
+        self.log.emit("save_now.saved" if ok else "save_now.save_failed", step=step)
 
     # --- events ----------------------------------------------------------------------------------
     def _on_save_error(self, error: BaseException) -> None:
@@ -271,8 +271,8 @@ class Checkpointer(BaseCheckpointer):
         Young/Daly interval for the measured save cost (autointerval.py; event `checkpoint.interval`).
     every_seconds: also save when this long has passed since the last save (or the start); 0: never.
         Only rank 0 decides (it alone writes), so ranks need not agree on the time.
-    check_every: steps between preemption checks (each is one tiny all-reduce); 0 disables them.
-    background: False makes every periodic save synchronous (preemption saves always are).
+    check_every: steps between save-now checks (each is one tiny all-reduce); 0 disables them.
+    background: False makes every periodic save synchronous (save-now saves always are).
     cache_dir: node-local cache root (default `$PETCTL_CACHE_DIR` or <tmp>/petctl-cache); use_cache=False
         to always read the store.
     weights_only: passed to torch.load; set False only if `extra` holds arbitrary Python objects.
@@ -432,7 +432,7 @@ class Checkpointer(BaseCheckpointer):
             cache.discard(staging)
             return None
         # The checkpoint is complete and visible now; what follows is housekeeping whose failure must
-        # not turn a good save (say, the preemption save) into a reported failure.
+        # not turn a good save (say, the save-now save) into a reported failure.
         try:
             if self.cache is not None:
                 self.cache.commit(staging, step)
@@ -449,7 +449,7 @@ class Checkpointer(BaseCheckpointer):
         self._auto_upload(upload_s)
         return manifest
 
-    def _save_for_preemption(self, step: int, state: State) -> bool:
+    def _save_for_save_now(self, step: int, state: State) -> bool:
         """Synchronous save of `step` on rank 0; its outcome is broadcast, which is also the barrier:
         no rank reports the save before rank 0 made it."""
         ok = True

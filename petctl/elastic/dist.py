@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 # Why a finished collective can still crash the process at exit (seen as `terminate called without an
-# active exception` from a worker that had just saved its preemption checkpoint; confirmed in core dumps):
+# active exception` from a worker that had just made its save-now save; confirmed in core dumps):
 # gloo runs each collective on a worker thread ("pt_gloo_runloop"), which marks the work complete and only
 # then, a moment later, destroys its work object and the tensors in it. If Python has dropped its own
 # references by then, torch has handed the tensors' Python objects to C++, so that last release takes the

@@ -52,7 +52,7 @@ class ShardedCheckpointer(BaseCheckpointer):
     takes: a dict of tensors/DTensors or `Stateful` objects, e.g. `{"app": ShardedState(model, opt)}`.
 
     Every call is collective: create it, `resume`, `step_end` and `save` on every rank. `every_seconds`
-    saves are agreed on in the preemption check (so at most `check_every - 1` steps late, and it needs
+    saves are agreed on in the save-now check (so at most `check_every - 1` steps late, and it needs
     `check_every >= 1`); the other arguments are `Checkpointer`'s, plus `local_dir` (where DCP writes
     before the upload), `entries_timeout` (how long rank 0 waits for every rank's part) and `snapshots`
     (in-memory shard snapshots, each also kept by the next node: on by default under the petctl agent,
@@ -155,7 +155,7 @@ class ShardedCheckpointer(BaseCheckpointer):
         self.snapshots.close()
         super().close()
 
-    def _save_for_preemption(self, step: int, app_state: dict[str, Any]) -> bool:
+    def _save_for_save_now(self, step: int, app_state: dict[str, Any]) -> bool:
         """Every rank saves its part synchronously; True once every part (rank 0: and the manifest) is
         up, on every rank."""
         ok = self.save(step, app_state, block=True)
@@ -218,9 +218,9 @@ class ShardedCheckpointer(BaseCheckpointer):
         """Rank 0's uploader: wait for every rank's entries, then make the checkpoint visible (None:
         fenced at the last moment, nothing visible). Raises TimeoutError when a rank's part is missing."""
         timeout = self.entries_timeout
-        preempt_deadline = self.preemption.deadline() if self.preemption.fired_at is not None else None
-        if preempt_deadline is not None:  # past the notice's deadline the instance is gone anyway
-            timeout = max(1.0, min(timeout, preempt_deadline - time.time()))
+        save_deadline = self.monitor.deadline() if self.monitor.fired_at is not None else None
+        if save_deadline is not None:  # past it the round re-forms, or the instance is gone
+            timeout = max(1.0, min(timeout, save_deadline - time.time()))
         prefix = entries_prefix(step)
         world = self.comm.world_size
         keys = wait_until(lambda: _all_entries(self.store, prefix, world), timeout, ENTRIES_POLL)

@@ -1,11 +1,12 @@
-"""The worker side of the agent protocol: the preemption flag, the commit fence, the start-up time.
+"""The worker side of the agent protocol: the save-now flag, the commit fence, the start-up time.
 
-Worker side of the preemption protocol: "should every rank checkpoint now?" at a step boundary.
+Worker side of the save-now protocol: "should every rank checkpoint now and exit?" at a step boundary.
 
-The agent of every node writes `<PETCTL_CONTROL_DIR>/preempt` when any node of the job has a notice
-(`petctl.io.controlfiles`). A node learns of it at slightly different times, so each rank reads its
-local flag and the ranks all-reduce it (MAX): every rank gets the same answer at the same step, and so
-all ranks save the same step. After the save each worker writes `saved.<LOCAL_RANK>` and exits 0.
+The agent of every node writes `<PETCTL_CONTROL_DIR>/save_now` when the running round carries a save-now
+request (`petctl.io.controlfiles`): a node's spot or ASG notice, a graceful leave, or a planned admission of
+a waiting node. The nodes learn of it at slightly different times, so each rank reads its local flag and
+the ranks all-reduce it (MAX): every rank gets the same answer at the same step, and so all ranks save the
+same step. After the save each worker writes `saved.<LOCAL_RANK>` and exits 0.
 
 The same all-reduce carries a second question: "has any node's agent asked for a checkpoint now?"
 (`<control>/checkpoint`, written on a rebalance recommendation). Every rank learns the answer at the same
@@ -31,14 +32,15 @@ from petctl.io.eventlog import EventLog
 class Verdict(NamedTuple):
     """What the ranks agreed on at one check step."""
 
-    preempt: bool  # a preemption is pending: save this step and exit
+    save_now: bool  # a save-now request is pending: save this step and exit
     also: bool  # the caller's extra flag, true on some rank
     checkpoint: bool  # some node's agent asked for a checkpoint now: save this step, train on
 
 
 @dataclass
-class PreemptionMonitor:
-    """Checks the control flag every `check_every` steps (0 disables); sticky once it has fired.
+class SaveNowMonitor:
+    """Checks the save-now flag (and a checkpoint request) every `check_every` steps (0 disables); sticky
+    once the save-now has fired.
 
     `check_every` must be the same on every rank and steps must advance in lockstep (they do under
     DDP), since the check is a collective call.
@@ -54,7 +56,7 @@ class PreemptionMonitor:
     _request: tuple[int, str] = field(default=(0, ""), repr=False)
 
     def local_flag(self) -> bool:
-        return controlfiles.preempt_pending(self.control_dir)
+        return controlfiles.save_now_pending(self.control_dir)
 
     def should_checkpoint(self, step: int) -> bool:
         """True on every rank at the same step once any node's agent has raised the flag."""
@@ -65,11 +67,11 @@ class PreemptionMonitor:
         return self.fired_at is None and self.check_every > 0 and step % self.check_every == 0
 
     def poll(self, step: int, also: bool = False) -> tuple[bool, bool]:
-        """(preemption pending, `also` true on any rank): the preemption question, plus one more flag
+        """(save-now pending, `also` true on any rank): the save-now question, plus one more flag
         the ranks must agree on, in the same all-reduce. Off the check steps: (False, False), or
         (True, False) once fired."""
         verdict = self.check(step, also)
-        return verdict.preempt, verdict.also
+        return verdict.save_now, verdict.also
 
     def check(self, step: int, also: bool = False) -> Verdict:
         """`poll`, plus whether a checkpoint was requested on any node: all three in one all-reduce."""
@@ -85,7 +87,7 @@ class PreemptionMonitor:
 
     def request(self) -> tuple[int, str]:
         """(seq, reason) of this node's newest checkpoint request; re-read only when the file changed
-        (a stat per check step, like the preemption flag)."""
+        (a stat per check step, like the save-now flag)."""
         if self.control_dir is None:
             return 0, ""
         try:
@@ -118,7 +120,7 @@ class PreemptionMonitor:
         """The agent's deadline for the save, when this node has the flag (for events and logs)."""
         if self.control_dir is None:
             return None
-        data = controlfiles.read_preempt(self.control_dir)
+        data = controlfiles.read_save_now(self.control_dir)
         value = (data or {}).get("deadline")
         return float(value) if isinstance(value, (int, float)) else None
 
@@ -132,10 +134,15 @@ class PreemptionMonitor:
             return None
 
     def report_saved(self, step: int) -> Path | None:
-        """Tell the agent this worker's preemption save of `step` is done (it exits next)."""
+        """Tell the agent this worker's save-now save of `step` is done (it exits next)."""
         if self.control_dir is None:
             return None
         return controlfiles.write_saved(self.control_dir, self.comm.local_rank, step)
+
+
+# The name `SaveNowMonitor` had before a save-now request was told apart from a preemption (issue 48): a
+# preemption is one of the reasons for a save-now. Kept because petctl.elastic exports it to scripts.
+PreemptionMonitor = SaveNowMonitor
 
 
 # --- the commit fence ---------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""The files through which an agent and its workers talk about a preemption or a checkpoint request
+"""The files through which an agent and its workers talk about a save-now request or a checkpoint request
 (`PETCTL_CONTROL_DIR`).
 
 One definition shared by the agent (which never imports torch) and `petctl.elastic` (which runs inside the
 workers), so the two sides cannot drift apart. The directory is local to the node:
 
-    <control>/preempt          written by the agent: {"node_id": ..., "deadline": <unix ts>}
-    <control>/saved.<LOCAL_RANK>  written by each worker after its preemption save: {"step": n}
+    <control>/save_now         written by the agent on a save-now request (a spot or ASG notice, a
+                               graceful leave, an admission; `Round.save_now`): {"node_id": ...,
+                               "deadline": <unix ts>}: save the next step and exit
+    <control>/saved.<LOCAL_RANK>  written by each worker after its save-now save: {"step": n}
     <control>/elastic.<LOCAL_RANK>  written by each worker using petctl.elastic when it starts: {"pid": n};
                                workers without it get SIGTERM at a notice instead (torchrun's way)
     <control>/fenced           written by the agent when this node may no longer belong to the running
@@ -33,7 +35,7 @@ from typing import Any
 from petctl.io.files import atomic_write
 
 ENV_CONTROL_DIR = "PETCTL_CONTROL_DIR"
-PREEMPT_FILE = "preempt"
+SAVE_NOW_FILE = "save_now"
 SAVED_PREFIX = "saved."
 ELASTIC_PREFIX = "elastic."
 FENCE_FILE = "fenced"
@@ -60,8 +62,8 @@ def control_dir_from_env(environ: dict[str, str] | None = None) -> Path | None:
     return Path(value) if value else None
 
 
-def preempt_path(control_dir: Path | str) -> Path:
-    return Path(control_dir) / PREEMPT_FILE
+def save_now_path(control_dir: Path | str) -> Path:
+    return Path(control_dir) / SAVE_NOW_FILE
 
 
 def saved_path(control_dir: Path | str, local_rank: int) -> Path:
@@ -73,7 +75,7 @@ def elastic_marker_path(control_dir: Path | str, local_rank: int) -> Path:
 
 
 def mark_elastic(control_dir: Path | str, local_rank: int) -> Path:
-    """Worker side, at start: this worker checkpoints on the preempt flag, so don't SIGTERM it."""
+    """Worker side, at start: this worker checkpoints on the save-now flag, so don't SIGTERM it."""
     path = elastic_marker_path(control_dir, local_rank)
     _write_json(path, {"pid": os.getpid()})
     return path
@@ -84,31 +86,31 @@ def speaks_protocol(control_dir: Path | str, local_world_size: int) -> bool:
     return all(elastic_marker_path(control_dir, r).exists() for r in range(local_world_size))
 
 
-def write_preempt(control_dir: Path | str, node_id: str, deadline: float) -> Path:
+def write_save_now(control_dir: Path | str, node_id: str, deadline: float) -> Path:
     """Agent side: ask every local worker to checkpoint at its next step boundary and exit."""
-    path = preempt_path(control_dir)
+    path = save_now_path(control_dir)
     _write_json(path, {"node_id": node_id, "deadline": float(deadline)})
     return path
 
 
-def preempt_pending(control_dir: Path | str | None) -> bool:
+def save_now_pending(control_dir: Path | str | None) -> bool:
     """Worker side, called every few steps: a stat, no parsing, so it costs next to nothing."""
-    return control_dir is not None and preempt_path(control_dir).exists()
+    return control_dir is not None and save_now_path(control_dir).exists()
 
 
-def read_preempt(control_dir: Path | str) -> dict[str, Any] | None:
-    return _read_json(preempt_path(control_dir))
+def read_save_now(control_dir: Path | str) -> dict[str, Any] | None:
+    return _read_json(save_now_path(control_dir))
 
 
 def write_saved(control_dir: Path | str, local_rank: int, step: int) -> Path:
-    """Worker side: this rank's preemption save of `step` is complete (it exits 0 next)."""
+    """Worker side: this rank's save-now save of `step` is complete (it exits 0 next)."""
     path = saved_path(control_dir, local_rank)
     _write_json(path, {"step": int(step)})
     return path
 
 
 def read_saved(control_dir: Path | str) -> dict[int, int]:
-    """Agent side: {local_rank: step} of the workers that reported their preemption save."""
+    """Agent side: {local_rank: step} of the workers that reported their save-now save."""
     out: dict[int, int] = {}
     directory = Path(control_dir)
     if not directory.is_dir():
@@ -200,7 +202,7 @@ def clear(control_dir: Path | str, markers: bool = False) -> None:
     directory = Path(control_dir)
     if not directory.is_dir():
         return
-    paths = [preempt_path(directory), fence_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]
+    paths = [save_now_path(directory), fence_path(directory), *directory.glob(f"{SAVED_PREFIX}*")]
     if markers:
         paths += list(directory.glob(f"{ELASTIC_PREFIX}*"))
     for path in paths:

@@ -35,7 +35,7 @@ NO_WATCHDOG = Timing(finish_grace=60.0, fail_grace=3.0)
 
 def workers(**kw) -> Workers:
     base = dict(exited=False, succeeded=False, first_failure=None, some_succeeded=False, running=True,
-                round_done_elsewhere=False, preempting=False, idle=0.0)
+                round_done_elsewhere=False, saving_now=False, idle=0.0)
     base.update(kw)
     return Workers(**base)
 
@@ -62,7 +62,7 @@ def test_who_gets_the_watchdog(timeout, reporting, limit):
     ("no watchdog: never hung", workers(idle=10**6), WorkerWatch(), HANG, NO_WATCHDOG, Idle()),
     ("a rank finished: the finish grace, not the watchdog", workers(idle=99.0, some_succeeded=True),
      WorkerWatch(), HANG, HANG, Idle()),
-    ("saving for a notice: not judged", workers(idle=99.0, preempting=True), WorkerWatch(), HANG, HANG,
+    ("saving for a notice: not judged", workers(idle=99.0, saving_now=True), WorkerWatch(), HANG, HANG,
      Idle()),
     ("a failure with no rank finished: reported", workers(**FAILED), WorkerWatch(), HANG, HANG,
      ReportFailure(1, 7)),

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from petctl.agent.roundjudge import Hold, Reform, RequestSave, SaveLook, admission, leave_saves_first
-from petctl.core.records import Preempt
+from petctl.core.records import SaveNow
 
 ME, OTHER, WALL, BUDGET = "a", "b", 1000.0, 90.0
 CAUSE = "scale-up: c"
-OURS = Preempt(node_id=ME, deadline=WALL + BUDGET, reason=CAUSE, leaves=False)
-NOTICE = Preempt(node_id=OTHER, deadline=WALL + 100, reason="preemption", leaves=True)
-THEIR_ADMISSION = Preempt(node_id=OTHER, deadline=WALL + 50, reason="scale-up: d", leaves=False)
-LEAVING_ME = Preempt(node_id=ME, deadline=WALL + 5, reason="leave", leaves=True)
+OURS = SaveNow(node_id=ME, deadline=WALL + BUDGET, reason=CAUSE, leaves=False)
+NOTICE = SaveNow(node_id=OTHER, deadline=WALL + 100, reason="preemption", leaves=True)
+THEIR_ADMISSION = SaveNow(node_id=OTHER, deadline=WALL + 50, reason="scale-up: d", leaves=False)
+LEAVING_ME = SaveNow(node_id=ME, deadline=WALL + 5, reason="leave", leaves=True)
 
 
 def look(request=None, protocol=True, running=True, saved=False, finished=False) -> SaveLook:

@@ -155,9 +155,9 @@ def test_checkpoint_request_round_trip(tmp_path: Path) -> None:
     cf.write_checkpointed(control, 0, 2, 41)
     assert cf.answered_checkpoint(control, 0) == 2 and cf.answered_checkpoint(control, 1) == 0
     assert json.loads((control / "checkpointed.0").read_text()) == {"seq": 2, "step": 41}
-    cf.write_preempt(control, "n", 0)
+    cf.write_save_now(control, "n", 0)
     cf.clear(control, markers=True)  # a new round: the request and its answers stay
-    assert not cf.preempt_pending(control)
+    assert not cf.save_now_pending(control)
     assert cf.read_checkpoint_request(control) == (2, "rebalance") and cf.answered_checkpoint(control, 0) == 2
     (control / "checkpoint").write_text("{torn")
     assert cf.read_checkpoint_request(control) == (0, "")
@@ -215,7 +215,7 @@ def test_a_request_saves_the_step_at_once_and_training_goes_on(tmp_path: Path, m
             if step in ask_at:
                 cf.request_checkpoint(control, ask_at[step])
             state.extra["step"] = step
-            assert not ckpt.step_end(step, state)  # never leaves the loop: not a preemption
+            assert not ckpt.step_end(step, state)  # never leaves the loop: not a save-now request
         ckpt.wait()
         return saves.steps
 
@@ -257,7 +257,7 @@ def test_check_every_zero_disables_requests(tmp_path: Path, monkeypatch) -> None
     assert saves.steps == [] and cf.answered_checkpoint(control, 0) == 0
 
 
-def test_a_preemption_save_answers_a_pending_request(tmp_path: Path, monkeypatch) -> None:
+def test_a_save_now_save_answers_a_pending_request(tmp_path: Path, monkeypatch) -> None:
     import torch
 
     from petctl.elastic import Checkpointer, State
@@ -269,8 +269,8 @@ def test_a_preemption_save_answers_a_pending_request(tmp_path: Path, monkeypatch
                       cache_dir=tmp_path / "cache") as ckpt:
         assert not ckpt.step_end(0, state)
         cf.request_checkpoint(control, "rebalance")
-        cf.write_preempt(control, "n", time.time() + 60)
-        assert ckpt.step_end(1, state)  # the preemption wins: save and leave
+        cf.write_save_now(control, "n", time.time() + 60)
+        assert ckpt.step_end(1, state)  # the save-now wins: save and leave
     assert cf.read_saved(control) == {0: 1}
     assert json.loads((control / "checkpointed.0").read_text()) == {"seq": 1, "step": 1}
 

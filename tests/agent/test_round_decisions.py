@@ -38,7 +38,7 @@ from petctl.agent.decisions import (
     read_spread,
     safety_period,
 )
-from petctl.core.records import Phase, Preempt, Round
+from petctl.core.records import Phase, Round, SaveNow
 from tests.support.round_cases import (
     INDEX,
     T0,
@@ -448,7 +448,7 @@ def test_a_waiting_node_trusts_no_absence_until_the_view_settles():
                                                                                   [0, 1, 3])))
 def test_next_round_counts_failures_against_max_restarts(restarts, failure, max_restarts):
     current = frozen_round(7, {"a": 0, "b": 1}, restarts=restarts,
-                           preempt=Preempt(node_id="a", deadline=1.0))
+                           save_now=SaveNow(node_id="a", deadline=1.0))
     nxt = next_round(current, "why", failure, max_restarts, WALL + 3)
     if failure and restarts + 1 > max_restarts:
         assert nxt == EndJob("failed", f"why; max_restarts={max_restarts} exhausted", 7)

@@ -37,7 +37,7 @@ from petctl.agent.roundjudge import (
     preempted_why,
     save_estimate,
 )
-from petctl.core.records import Phase, Preempt, Round
+from petctl.core.records import Phase, Round, SaveNow
 from tests.support.round_cases import (
     T0,
     WALL,
@@ -110,7 +110,7 @@ def test_a_replaced_or_final_round_is_over(rnd, outcome):
 
 
 def test_a_preempted_round_goes_on_until_the_noticed_node_leaves():
-    rnd = frozen_round(4, RANKS, preempt=Preempt(node_id="c", deadline=WALL + 100))
+    rnd = frozen_round(4, RANKS, save_now=SaveNow(node_id="c", deadline=WALL + 100))
     assert judge(snapshot(set(RANKS), rnd), info_of(RANKS, "a"), settings(me="a")) == Continue()
 
 
@@ -120,7 +120,7 @@ TIMING = Timing(finish_grace=60.0, fail_grace=3.0)
 
 def workers(**kw) -> Workers:
     base = dict(exited=False, succeeded=False, first_failure=None, some_succeeded=False, running=True,
-                round_done_elsewhere=False, preempting=False)
+                round_done_elsewhere=False, saving_now=False)
     base.update(kw)
     return Workers(**base)
 
@@ -147,11 +147,11 @@ FAILED = dict(exited=True, first_failure=(1, 7), running=False)
      StopLingering(10.0, "stuck at exit after the script finished")),
     (workers(some_succeeded=True, exiting_since=T0), WorkerWatch(finishing_since=T0), 10.1,
      StopLingering(10.0, "stuck at exit after the script finished")),
-    (workers(exiting_since=T0, preempting=True), WorkerWatch(), 99.0, Idle()),  # a leave is not an exit
+    (workers(exiting_since=T0, saving_now=True), WorkerWatch(), 99.0, Idle()),  # a leave is not an exit
     (workers(**EXITED_OK), WorkerWatch(finished=True), 0.0, Idle()),
-    (workers(**FAILED, preempting=True), WorkerWatch(), 0.0, Idle()),
-    (workers(**EXITED_OK, preempting=True), WorkerWatch(), 0.0, Idle()),
-    (workers(some_succeeded=True, preempting=True), WorkerWatch(finishing_since=T0), 99.0, Idle()),
+    (workers(**FAILED, saving_now=True), WorkerWatch(), 0.0, Idle()),
+    (workers(**EXITED_OK, saving_now=True), WorkerWatch(), 0.0, Idle()),
+    (workers(some_succeeded=True, saving_now=True), WorkerWatch(finishing_since=T0), 99.0, Idle()),
 ])
 def test_worker_steps(look, watch, t, step):
     got, _ = judge_workers(watch, look, T0 + t, TIMING, "n1")

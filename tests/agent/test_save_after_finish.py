@@ -18,11 +18,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from petctl.agent.savefirst import SaveFirst
-from petctl.core.records import Preempt
+from petctl.core.records import SaveNow
 from petctl.core.spec import JobSpec
 from petctl.io import controlfiles
 
-NOTICE = Preempt(node_id="b", deadline=2e9, reason="preemption", leaves=True)
+NOTICE = SaveNow(node_id="b", deadline=2e9, reason="preemption", leaves=True)
 
 
 class Workers:
@@ -54,8 +54,8 @@ def saves(tmp_path: Path, workers: Workers) -> tuple[SaveFirst, Events]:
     return first, events
 
 
-def on_round(request: Preempt | None) -> SimpleNamespace:
-    return SimpleNamespace(round=SimpleNamespace(preempt=request))
+def on_round(request: SaveNow | None) -> SimpleNamespace:
+    return SimpleNamespace(round=SimpleNamespace(save_now=request))
 
 
 def test_a_request_after_the_workers_finished_is_not_flagged_and_they_stay_finished(tmp_path: Path):
@@ -63,7 +63,7 @@ def test_a_request_after_the_workers_finished_is_not_flagged_and_they_stay_finis
     assert first.finished()
     for _ in range(3):  # every pass sees the request: reported once, never flagged
         first.flag(on_round(NOTICE), SimpleNamespace(round=4))
-    assert not controlfiles.preempt_path(tmp_path).exists() and not first.flagged
+    assert not controlfiles.save_now_path(tmp_path).exists() and not first.flagged
     assert first.finished(), "the round runner would read the workers' exit 0 as a save's"
     assert [e for e, _ in events.seen] == ["save.after_finish"]
     assert events.seen[0][1] == {"round": 4, "noticed": "b", "reason": "preemption"}
@@ -72,7 +72,7 @@ def test_a_request_after_the_workers_finished_is_not_flagged_and_they_stay_finis
 def test_a_request_while_the_workers_run_is_flagged_as_before(tmp_path: Path):
     first, events = saves(tmp_path, Workers(succeeded=False, running=True))
     first.flag(on_round(NOTICE), SimpleNamespace(round=4))
-    assert controlfiles.preempt_path(tmp_path).exists() and first.flagged and not first.finished()
+    assert controlfiles.save_now_path(tmp_path).exists() and first.flagged and not first.finished()
     assert [e for e, _ in events.seen] == ["preemption.flagged"]
 
 
@@ -95,7 +95,7 @@ def noticed(tmp_path: Path, workers: Workers, protocol: bool = True) -> tuple[Sa
 
 def test_a_noticed_node_flags_its_own_workers_once_a_round_with_no_etcd(tmp_path: Path):
     first, events = noticed(tmp_path, Workers(succeeded=False, running=True))
-    assert first.flag_own("backstop") and controlfiles.read_preempt(tmp_path) == {"node_id": "a",
+    assert first.flag_own("backstop") and controlfiles.read_save_now(tmp_path) == {"node_id": "a",
                                                                                    "deadline": 2e9}
     assert not first.flag_own("handoff"), "flagged once a round"
     first.flag(on_round(NOTICE), SimpleNamespace(round=4))  # the round's request, read later: no second flag
@@ -112,4 +112,4 @@ def test_flag_own_leaves_alone_workers_it_cannot_or_need_not_flag(tmp_path: Path
     assert not gone.flag_own("backstop")  # between rounds: nobody to flag
     done, _ = noticed(tmp_path / "done", Workers(succeeded=True, running=False))
     assert not done.flag_own("backstop")  # the training is over
-    assert events.seen == [] and not controlfiles.preempt_path(tmp_path / "gone").exists()
+    assert events.seen == [] and not controlfiles.save_now_path(tmp_path / "gone").exists()

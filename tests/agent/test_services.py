@@ -529,7 +529,7 @@ def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
 
 
 @pytest.mark.parametrize("left,budget", [
-    (120.0, 100.0),  # a spot notice: the full 15 s margin, capped by preempt_deadline (100 s here)
+    (120.0, 100.0),  # a spot notice: the full 15 s margin, capped by save_deadline (100 s here)
     (60.0, 45.0),
     (30.0, 22.5),  # from here on a quarter of the time left is the margin
     (6.0, 4.5),  # a short local notice: the save gets 4.5 s, not 1 s
@@ -538,7 +538,7 @@ def test_a_crash_in_the_rendezvous_stops_the_heartbeat_at_once(cluster):
 def test_a_short_notice_keeps_most_of_its_time_for_the_save(left, budget):
     from petctl.agent.notices import save_budget
 
-    assert save_budget(left, preempt_deadline=100.0) == pytest.approx(budget)
+    assert save_budget(left, save_deadline=100.0) == pytest.approx(budget)
 
 
 # --- the lease classes --------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_job_group_sizes_subnets_hook_and_tags(templates, variant):
     hook, _launch = group["LifecycleHookSpecificationList"]
     assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
     assert hook["LifecycleHookName"] == "petctl-drain" and hook["DefaultResult"] == "CONTINUE"
-    assert hook["HeartbeatTimeout"] >= 90  # at least the agent's preemption deadline
+    assert hook["HeartbeatTimeout"] >= 90  # at least the agent's save deadline (timeouts.save_deadline)
     tags = {tag["Key"]: tag for tag in group["Tags"]}
     assert tags["petctl:job"]["Value"] == variant and tags["petctl:job"]["PropagateAtLaunch"] is True
 

@@ -22,8 +22,8 @@ from petctl.core.records import (
     NodeRecord,
     NodeStatus,
     Phase,
-    Preempt,
     Round,
+    SaveNow,
     WireFormatError,
     WireRecord,
 )
@@ -32,9 +32,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
 
 # One instance of each record with every field set away from its default.
 SAMPLES: dict[type[WireRecord], WireRecord] = {
-    Preempt: Preempt(node_id="n2", deadline=1700000100.5, reason="scale-up: n3", leaves=False),
+    SaveNow: SaveNow(node_id="n2", deadline=1700000100.5, reason="scale-up: n3", leaves=False),
     Round: Round(round=7, phase=Phase.FROZEN, ts=1700000000.25, restarts=2, cause="scale-up: n4",
-                 preempt=Preempt(node_id="n2", deadline=1700000100.5), prev_ranks={"n1": 0, "n2": 1},
+                 save_now=SaveNow(node_id="n2", deadline=1700000100.5), prev_ranks={"n1": 0, "n2": 1},
                  ranks={"n1": 0, "n2": 1, "n4": 2}, world_size=3, master_addr="10.0.0.5", master_port=29500,
                  frozen_ts=1700000001.0, state="x", reason="y"),
     JoinRecord: JoinRecord(node_id="n4", addr="10.0.0.9", port=40123, ts=1700000000.5, prev_rank=3),

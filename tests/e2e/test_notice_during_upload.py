@@ -13,13 +13,13 @@ the save has UPLOAD + 1.5 s:
     -> the notice lands (`petctl chaos --notice`) while that upload is in flight
     -> no save was measured before the notice (the first one is still uploading), so nothing says the
        window is long enough: the noticed node hands off at once (agent/roundjudge.py, `handoff`)
-    -> every rank sees the preemption flag at the same step j; rank 0's preemption save of j waits for
+    -> every rank sees the save-now flag at the same step j; rank 0's preemption save of j waits for
        the upload of 49 to finish, then uploads j (another UPLOAD s)
     -> UPLOAD + 1.5 s after the notice the agent's save deadline passes: it stops its workers (the
        upload of j is cut off: data, no manifest), leaves, and ends its instance before the reclaim
     -> the survivor re-forms alone and resumes from 49 (complete), not from j (torn)
 
-That is a 2-minute AWS notice scaled down: 90 s for the save (`preempt_deadline`), a state that needs
+That is a 2-minute AWS notice scaled down: 90 s for the save (`save_deadline`), a state that needs
 more. The store is what this tests: in-memory snapshots are off (PETCTL_SNAPSHOTS=0; with them the
 survivor would resume from its own snapshot of j and redo nothing). Real etcd,
 agents and gloo workers on the local provider; the replacement is held back (`--replace-delay`) so the
@@ -48,7 +48,7 @@ UPLOAD = 6.0
 # IMDS times have whole seconds, so the agent's deadline may come up to 1 s early), not for a second one.
 # A notice this short keeps a quarter of its time as the margin (petctl/agent/notices.py save_budget).
 GRACE = (UPLOAD + 1.5) / (1 - SHORT_NOTICE_SHARE)
-assert save_budget(GRACE, preempt_deadline=90.0) == pytest.approx(UPLOAD + 1.5)
+assert save_budget(GRACE, save_deadline=90.0) == pytest.approx(UPLOAD + 1.5)
 
 
 def uploads(ledger: Ledger, node: str) -> dict[int, dict[str, float]]:
@@ -98,7 +98,7 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
     ran = {e["step"] for e in ledger.of("step") if e["node"] == writer}
     assert max(ran) == torn  # it was saving the step it had just run, and ran no further
     assert torn in data_steps(checkpoints) and torn not in manifests(checkpoints)  # data, no manifest
-    assert not ledger.of("preempt_saved")  # no rank got to report the save done
+    assert not ledger.of("save_now_saved")  # no rank got to report the save done
 
     # The survivor resumed alone from the newest complete checkpoint, step 49, never from the torn one.
     runs = ledger.training_rounds()

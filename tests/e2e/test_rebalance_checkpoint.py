@@ -1,5 +1,5 @@
 """A checkpoint request on one node, across two real gloo ranks (each its own node): both ranks agree on
-the step in the preemption check's all-reduce, the writer saves it at once, training goes on to the end,
+the step in the save-now check's all-reduce, the writer saves it at once, training goes on to the end,
 and a request is answered once (the one-writer `Checkpointer`; the sharded one saves collectively)."""
 
 from __future__ import annotations

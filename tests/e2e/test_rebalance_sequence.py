@@ -5,7 +5,7 @@ local provider with the ledger workload.
                                    every rank saves the step it is at, and training goes on, no restart
     Capacity Rebalancing         -> the reconciler launches a replacement; the job grows onto it (3 nodes)
     the replacement in service   -> the at-risk node gets the ASG scale-in notice (Terminated): it saves
-                                   through the preemption protocol and leaves (2 nodes), and is reclaimed
+                                   through the save-now protocol and leaves (2 nodes), and is reclaimed
 
 Asserted from the ledger the workload writes (not from petctl's events alone): the requested checkpoint
 holds the step the ranks were at, the round it was taken in trained on past it, the grow and the shrink
@@ -49,7 +49,7 @@ def after_the_reclaim(local: Petctl, ledger_dir: Path) -> bool:
 @pytest.mark.timeout(300)
 def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, tmp_path: Path):
     ledger_dir = tmp_path / "ledger"
-    # No periodic saves: every checkpoint is the request's or a preemption save, so each is accounted for.
+    # No periodic saves: every checkpoint is the request's or a save-now save, so each is accounted for.
     run_ledger_job(local, ledger_dir, "rebal", "--min", "1", "--max", "3", "--size", "2",
                    "--wait", "--wait-timeout", "120", STEPS=STEPS, CKPT_EVERY=100000, STEP_TIME=0.1)
     checkpoints = local.job_dir("rebal") / "checkpoints"
@@ -75,7 +75,7 @@ def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, t
     # Every rank saved the step it was at, at once: rank 0 says which step, the at-risk node's workers
     # answered the same one, and that checkpoint is in the store.
     answered = local.events("rebal", "checkpoint.request_answered")
-    steps = {e["step"] for e in answered if not e["preempted"]}
+    steps = {e["step"] for e in answered if not e["save_now"]}
     assert len(steps) == 1, answered
     (asked,) = steps
     assert any(e["node"] == at_risk and e.get("seq") == 1 for e in answered), answered

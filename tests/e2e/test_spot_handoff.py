@@ -92,7 +92,7 @@ def left_right_after_its_save(local: Petctl, ledger: Ledger, job: str, victim: s
     (left,) = [e for e in local.events(job, "agent.left") if e["node"] == victim]
     assert left["cause"] == "preemption" and left["ts"] < reclaim_at
     last_step = max(e["ts"] for e in ledger.of("step") if e["node"] == victim)
-    saved = [e["ts"] for e in ledger.of("preempt_saved") if e["node"] == victim]
+    saved = [e["ts"] for e in ledger.of("save_now_saved") if e["node"] == victim]
     assert saved, "the noticed node's ranks never reported the hand-off's save"
     save_time = max(saved) - last_step
     assert left["ts"] - last_step <= save_time + 2.0, (left["ts"] - last_step, save_time)

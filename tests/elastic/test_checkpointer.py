@@ -1,5 +1,5 @@
 """Checkpointer in one process: round trips, torn and corrupt saves, retention, background saves, cache,
-and the preemption path. Every test runs against a directory (file://) and moto's S3 over loopback HTTP."""
+and the save-now path. Every test runs against a directory (file://) and moto's S3 over loopback HTTP."""
 
 from __future__ import annotations
 
@@ -221,13 +221,13 @@ def test_restart_on_same_node_uses_cache(url: str, tmp_path: Path) -> None:
     assert_same(state, fresh)
 
 
-def test_preemption_flag_saves_synchronously_and_reports(url: str, tmp_path: Path) -> None:
+def test_save_now_flag_saves_synchronously_and_reports(url: str, tmp_path: Path) -> None:
     control = tmp_path / "control"
     state = make_state()
     with Checkpointer(url, every=100, control_dir=control) as ckpt:
         for step in range(3):
             assert ckpt.step_end(step, state) is False
-        controlfiles.write_preempt(control, "i-local-1", deadline=1e10)
+        controlfiles.write_save_now(control, "i-local-1", deadline=1e10)
         assert ckpt.step_end(3, state) is True
         # synchronous: the manifest exists before step_end returned
         assert mf.manifest_steps(open_object_store(url)) == [3]
@@ -239,7 +239,7 @@ def test_preemption_flag_saves_synchronously_and_reports(url: str, tmp_path: Pat
 
 def test_check_interval(url: str, tmp_path: Path) -> None:
     control = tmp_path / "control"
-    controlfiles.write_preempt(control, "n", deadline=0)
+    controlfiles.write_save_now(control, "n", deadline=0)
     with Checkpointer(url, control_dir=control, check_every=2) as ckpt:
         assert ckpt.should_checkpoint(3) is False
         assert ckpt.should_checkpoint(4) is True
@@ -259,10 +259,10 @@ def test_failed_save_is_logged_not_raised(url: str, tmp_path: Path) -> None:
         assert ckpt.step_end(0, state) is False
         ckpt.wait()
         assert rec.events("checkpoint.save_failed")
-        controlfiles.write_preempt(control, "n", deadline=0)
+        controlfiles.write_save_now(control, "n", deadline=0)
         assert ckpt.step_end(1, state) is True  # the node goes away regardless...
     assert controlfiles.read_saved(control) == {}  # ...but never claims a save it did not make
-    assert rec.events("preempt.save_failed")
+    assert rec.events("save_now.save_failed")
 
 
 class Opaque:
@@ -332,7 +332,7 @@ def test_failed_prune_does_not_fail_a_complete_save(url: str, tmp_path: Path) ->
     with Checkpointer(url, keep=1, store=NoDeleteStore(open_object_store(url)), control_dir=control,
                       log=rec.log) as ckpt:
         assert ckpt.save(0, state, block=True) is not None
-        controlfiles.write_preempt(control, "n", deadline=0)
+        controlfiles.write_save_now(control, "n", deadline=0)
         assert ckpt.step_end(1, state) is True
-    assert controlfiles.read_saved(control) == {0: 1}  # the preemption save counts as done
+    assert controlfiles.read_saved(control) == {0: 1}  # the save-now save counts as done
     assert rec.events("checkpoint.prune_failed") and not rec.events("checkpoint.save_failed")

@@ -9,13 +9,13 @@ from pathlib import Path
 from petctl.io import controlfiles as cf
 
 
-def test_preempt_flag_round_trip(tmp_path: Path) -> None:
+def test_save_now_flag_round_trip(tmp_path: Path) -> None:
     control = tmp_path / "control"
-    assert not cf.preempt_pending(control) and not cf.preempt_pending(None)
-    cf.write_preempt(control, "i-1", 123.5)
-    assert cf.preempt_pending(control)
-    assert cf.read_preempt(control) == {"node_id": "i-1", "deadline": 123.5}
-    assert [p.name for p in control.iterdir()] == ["preempt"]  # no temporaries left behind
+    assert not cf.save_now_pending(control) and not cf.save_now_pending(None)
+    cf.write_save_now(control, "i-1", 123.5)
+    assert cf.save_now_pending(control)
+    assert cf.read_save_now(control) == {"node_id": "i-1", "deadline": 123.5}
+    assert [p.name for p in control.iterdir()] == ["save_now"]  # no temporaries left behind
 
 
 def test_saved_reports(tmp_path: Path) -> None:
@@ -33,10 +33,10 @@ def test_markers_and_clear(tmp_path: Path) -> None:
     assert not cf.speaks_protocol(tmp_path, 1)
     cf.mark_elastic(tmp_path, 0)
     assert cf.speaks_protocol(tmp_path, 1) and not cf.speaks_protocol(tmp_path, 2)
-    cf.write_preempt(tmp_path, "n", 0)
+    cf.write_save_now(tmp_path, "n", 0)
     cf.write_saved(tmp_path, 0, 3)
     cf.clear(tmp_path)
-    assert not cf.preempt_pending(tmp_path) and cf.read_saved(tmp_path) == {}
+    assert not cf.save_now_pending(tmp_path) and cf.read_saved(tmp_path) == {}
     assert cf.speaks_protocol(tmp_path, 1)  # a running worker's marker survives a plain clear
     cf.clear(tmp_path, markers=True)
     assert list(tmp_path.iterdir()) == []

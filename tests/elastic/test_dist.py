@@ -1,7 +1,7 @@
 """petctl.elastic's collectives leave nothing for gloo's worker thread to release at interpreter exit.
 
 The failure this guards against (seen in the slow tier under load, confirmed in core dumps): a worker that
-had just made its preemption save aborted at exit with `terminate called without an active exception`.
+had just made its save-now save aborted at exit with `terminate called without an active exception`.
 gloo's worker thread ("pt_gloo_runloop") destroyed a finished collective's work after the interpreter had
 started finalizing; releasing its tensors' Python objects took the GIL, Python ended the thread, and the
 forced unwind through a noexcept destructor called std::terminate. See petctl/elastic/dist.py.

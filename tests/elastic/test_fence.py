@@ -100,16 +100,16 @@ def test_a_background_save_begun_before_the_fence_does_not_commit(url: str, tmp_
     assert fenced["step"] == 1 and fenced["stage"] == "commit"
 
 
-def test_a_preemption_save_under_a_fence_is_reported_failed_not_saved(url: str, tmp_path: Path) -> None:
+def test_a_save_now_save_under_a_fence_is_reported_failed_not_saved(url: str, tmp_path: Path) -> None:
     control = tmp_path / "control"
     rec = Recorder()
     with Checkpointer(url, control_dir=control, log=rec.log) as ckpt:
         controlfiles.write_fence(control, round_no=1, reason="cut off")
-        controlfiles.write_preempt(control, "n1", deadline=1e12)
+        controlfiles.write_save_now(control, "n1", deadline=1e12)
         assert ckpt.step_end(3, make_state()) is True
     assert mf.manifest_steps(open_object_store(url)) == []
     assert controlfiles.read_saved(control) == {}  # the agent is not told a save exists
-    assert [e["step"] for e in rec.events("preempt.save_failed")] == [3]
+    assert [e["step"] for e in rec.events("save_now.save_failed")] == [3]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -313,14 +313,14 @@ def test_lightning_notice_during_an_accumulation_saves_at_the_step_end(tmp_path:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.seen += 1
             if self.seen == self.calls:
-                controlfiles.write_preempt(control, "n1", deadline=0.0)
+                controlfiles.write_save_now(control, "n1", deadline=0.0)
 
     whole: list[int] = []
     _lightning_fit(tmp_path / "whole", 8, whole)
     first: list[int] = []
     _lightning_fit(tmp_path / "cut", 8, first, callbacks=[NoticeAt(7)])  # step 3's first micro-batch
     saved = controlfiles.read_saved(control)
-    controlfiles.preempt_path(control).unlink()
+    controlfiles.save_now_path(control).unlink()
     again: list[int] = []
     _lightning_fit(tmp_path / "cut", 8, again)
     assert first + again == whole

@@ -59,7 +59,7 @@ def control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def raise_flag(control: Path) -> None:
-    (control / "preempt").write_text(json.dumps({"node_id": "n1", "deadline": 0}))
+    (control / "save_now").write_text(json.dumps({"node_id": "n1", "deadline": 0}))
 
 
 def test_the_protocol_reports_steps_and_saves_then_stops_at_the_flag(control: Path):
@@ -73,8 +73,8 @@ def test_the_protocol_reports_steps_and_saves_then_stops_at_the_flag(control: Pa
     assert controlfiles.all_saved(control, 1) and controlfiles.read_saved(control) == {0: 2}
     assert p.step_end(3) is Action.NONE  # sticky: fired once, no more checks
     seen = [(e["event"], e.get("step")) for e in events_of(stream)]
-    assert seen == [("checkpoint.resumed", 0), ("train.step", 1), ("train.step", 2), ("preempt.detected", 2),
-                    ("checkpoint.saved", 2), ("preempt.saved", 2), ("train.step", 3)]
+    assert seen == [("checkpoint.resumed", 0), ("train.step", 1), ("train.step", 2), ("save_now.detected", 2),
+                    ("checkpoint.saved", 2), ("save_now.saved", 2), ("train.step", 3)]
 
 
 def test_a_checkpoint_request_saves_once_and_trains_on(control: Path):

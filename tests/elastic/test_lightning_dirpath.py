@@ -60,7 +60,7 @@ class FlagAt(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            (self.control / "preempt").write_text(json.dumps({"node_id": "n1", "deadline": 0}))
+            (self.control / "save_now").write_text(json.dumps({"node_id": "n1", "deadline": 0}))
 
 
 def fit(callbacks: list, root: Path | None, ckpt_path: str | None, max_steps: int = 6) -> pl.Trainer:

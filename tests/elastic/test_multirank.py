@@ -1,5 +1,5 @@
 """Two real worker processes with gloo on loopback: resume is read once (rank 0) and shared, and a
-preemption flag raised on one rank's node makes both ranks save and stop at the same step."""
+save-now flag raised on one rank's node makes both ranks save and stop at the same step."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ if mode == "train":
         opt.step()
         state.extra["step"] = step
         if rank == 1 and step == start + 5:  # this node's agent raises the flag (the other's does not)
-            controlfiles.write_preempt(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=0)
+            controlfiles.write_save_now(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=0)
         if ckpt.step_end(step, state):
             exited_at = step
             break
@@ -55,7 +55,7 @@ def run_pair(tmp_path: Path, mode: str, url: str, tag: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_preempt_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(
+def test_save_now_flag_on_one_rank_stops_all_at_same_step_then_resume_is_shared(
         tmp_path: Path, checkpoint_url: str) -> None:
     url = checkpoint_url  # s3: moto on loopback; the AWS_* env its fixture sets reaches the workers
     r0, r1 = run_pair(tmp_path, "train", url, "train")

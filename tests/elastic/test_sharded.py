@@ -1,5 +1,5 @@
 """Sharded (FSDP2) checkpoints through torch.distributed.checkpoint on the same store and manifests:
-two gloo processes save their own shards, a preemption flag on one rank stops both at the same step,
+two gloo processes save their own shards, a save-now flag on one rank stops both at the same step,
 the resumed run continues at that step + 1 with the same weights, and a half-written save is ignored."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if mode == "train":
         opt.step()
         app["app"].extra["step"] = step
         if rank == 1 and step == 4:
-            controlfiles.write_preempt(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=1e12)
+            controlfiles.write_save_now(os.environ["PETCTL_CONTROL_DIR"], "node-1", deadline=1e12)
         if ckpt.step_end(step, app):
             exited_at = step
             break
@@ -53,7 +53,7 @@ def run_pair(tmp_path: Path, mode: str, url: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fsdp_preemption_save_and_resharded_resume(tmp_path: Path) -> None:
+def test_fsdp_save_now_save_and_resharded_resume(tmp_path: Path) -> None:
     from petctl.io import controlfiles
 
     url = (tmp_path / "ckpt").as_uri()
@@ -100,7 +100,7 @@ def test_every_seconds_saves_when_due_and_restarts_the_clock(tmp_path: Path, mon
     assert mf.manifest_steps(open_object_store(url)) == [3, 1]  # due at 60 s, then 60 s after the save of 1
 
 
-def test_every_seconds_needs_the_preemption_check_to_agree_on(tmp_path: Path) -> None:
+def test_every_seconds_needs_the_save_now_check_to_agree_on(tmp_path: Path) -> None:
     from petctl.elastic.sharded import ShardedCheckpointer
 
     with pytest.raises(ValueError, match="check_every"):

@@ -111,7 +111,7 @@ def hold(step: int, ledger_dir: Path, ckpt, limit: float) -> None:
     deadline = time.monotonic() + limit
     while True:
         flags = torch.tensor([int((ledger_dir / f"go-{step}").exists()),
-                              int(ckpt.preemption.local_flag() or ckpt.preemption.pending_request() > 0),
+                              int(ckpt.monitor.local_flag() or ckpt.monitor.pending_request() > 0),
                               int(time.monotonic() > deadline)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags.any():

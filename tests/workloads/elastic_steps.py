@@ -1,4 +1,4 @@
-"""A torchrun-style job that uses petctl.elastic: resumable, and saves on a preemption notice.
+"""A torchrun-style job that uses petctl.elastic: resumable, and saves on a save-now request (a notice).
 
 Prints one JSON line per step (`train.step`) so tests can check that no step was lost or repeated.
 Env: STEP_TIME, CKPT_EVERY, STEPS, SETUP_TIME (seconds of set-up before the first step: data loading).

@@ -6,7 +6,7 @@ Every rank appends one JSON line per event to `$LEDGER_DIR/<node>.<pid>.jsonl`:
     {"event": "resumed", "start": S, "loaded": S - 1 or null, ...}   the checkpoint it resumed from
     {"event": "step", "step": s, "digest": D, ...}                    step s done; D: the weights after it
     {"event": "upload_started" | "upload_done", "step": s, ...}       (rank 0, throttled store only)
-    {"event": "preempt_saved", "step": s, ...}                        left on a preemption save
+    {"event": "save_now_saved", "step": s, ...}                       left on a save-now save
     {"event": "done", "step": s, ...}                                 every step done
 
 each with `node`, `round` (PETCTL_ROUND), `rank`, `world` and `ts`. Rank 0 writes `$LEDGER_DIR/final.json`
@@ -153,7 +153,7 @@ def main() -> int:
                           "world_size": world}), flush=True)
         pad(step_time if world >= slow_below else slow_time)
         if ckpt.step_end(step, state):
-            ledger.write("preempt_saved", step=step)
+            ledger.write("save_now_saved", step=step)
             left = True
             break
     ckpt.close()

@@ -8,7 +8,7 @@ into its framework's own controls:
   save-now flag instead of SIGTERMing it, and reports where the round resumed (`checkpoint.resumed`);
 - `step_end(step)` after each completed optimizer step: reports the step (`train.step`, local rank 0
   speaks for its node: the agent's status, goodput and lost steps read these lines) and answers what to
-  do now, the same on every rank (one tiny all-reduce, `PreemptionMonitor`):
+  do now, the same on every rank (one tiny all-reduce, `SaveNowMonitor`):
   `Action.STOP` (a spot notice, a planned scale change: save this step and leave the training loop),
   `Action.SAVE` (a rebalance recommendation: save this step and train on) or `Action.NONE`;
 - `saved(step, where)` after the framework's save returned on this rank: reports the checkpoint
@@ -31,7 +31,7 @@ from typing import Any
 from petctl.elastic.autointerval import AutoWire
 from petctl.elastic.checkpointer import report_resumed
 from petctl.elastic.dist import Comm
-from petctl.elastic.workerprotocol import PreemptionMonitor
+from petctl.elastic.workerprotocol import SaveNowMonitor
 from petctl.io import controlfiles
 from petctl.io.eventlog import EventLog
 
@@ -61,7 +61,7 @@ class SaveNowProtocol:
     check_every: int = 1
     events: EventLog = field(default_factory=lambda: EventLog(
         "elastic", stream=sys.stdout, node_id=os.environ.get("PETCTL_NODE_ID")))
-    monitor: PreemptionMonitor | None = None
+    monitor: SaveNowMonitor | None = None
     pending: Action = Action.NONE  # the save asked for at the last `step_end`, until `saved` answers it
     stopped_at: int | None = None  # the step the save-now fired at (sticky: later checks are skipped)
     started: float = field(default_factory=time.time)  # when this worker began (the recovery timeline)
@@ -86,7 +86,7 @@ class SaveNowProtocol:
         where that step came from (`resumed_source`)."""
         report_resumed(self.events, self.comm, step, source or resumed_source(step, None), self.started)
         if self.check_every > 0:
-            self.monitor = PreemptionMonitor(comm=self.comm, check_every=self.check_every)
+            self.monitor = SaveNowMonitor(comm=self.comm, check_every=self.check_every)
             self.monitor.announce()
 
     def step_end(self, step: int, **fields: object) -> Action:
@@ -97,9 +97,9 @@ class SaveNowProtocol:
         if self.monitor is None or self.stopped_at is not None:
             return self._periodic()
         verdict = self.monitor.check(step)
-        if verdict.preempt:
+        if verdict.save_now:
             self.stopped_at = step
-            self.events.emit("preempt.detected", step=step, deadline=self.monitor.deadline())
+            self.events.emit("save_now.detected", step=step, deadline=self.monitor.deadline())
             self.pending = Action.STOP
         elif verdict.checkpoint:
             self.events.emit("checkpoint.requested", step=step, reason=self.monitor.request()[1] or None)
@@ -134,7 +134,7 @@ class SaveNowProtocol:
             return
         if action is Action.STOP:
             self.monitor.report_saved(step)
-            self.events.emit("preempt.saved", step=step)
+            self.events.emit("save_now.saved", step=step)
         elif action is Action.SAVE:
             self.monitor.report_checkpointed(step)
 

@@ -248,4 +248,4 @@ def render_job_template(provider: AwsContext, spec: JobSpec, agent: AgentConfig,
                       etcd_secret_arn=spec.etcd_credentials,
                       root_volume_gb=boot.root_volume_gb or settings.get("root_volume_gb", 100),
                       root_device=boot.root_device,
-                      hook_timeout=max(30, min(7200, int(spec.timeouts.preempt_deadline) + 60)))
+                      hook_timeout=max(30, min(7200, int(spec.timeouts.save_deadline) + 60)))
