@@ -36,7 +36,6 @@ _EXPORTS = {
     "prune": "manifest",
     "read_manifest": "manifest",
     "write_checkpoint": "manifest",
-    "PreemptionMonitor": "workerprotocol",  # SaveNowMonitor's old name (workerprotocol.py)
     "SaveNowMonitor": "workerprotocol",
     "ShardedCheckpointer": "sharded",
     "ShardedState": "state",

@@ -140,11 +140,6 @@ class SaveNowMonitor:
         return controlfiles.write_saved(self.control_dir, self.comm.local_rank, step)
 
 
-# The name `SaveNowMonitor` had before a save-now request was told apart from a preemption (issue 48): a
-# preemption is one of the reasons for a save-now. Kept because petctl.elastic exports it to scripts.
-PreemptionMonitor = SaveNowMonitor
-
-
 # --- the commit fence ---------------------------------------------------------------------------------------
 # Worker side of fencing: no checkpoint is committed while the agent says this node may be cut off.
 #
