@@ -1,6 +1,6 @@
 """P9, the fleet bench: N simulated nodes against one real etcd, on each store backend (issue 27).
 
-    python bench/fleet.py --backends v3,v2 --nodes 64,256,1000 --out bench/results/fleet.json
+    python bench/fleet.py --backends v3,v2 --nodes 64,256,1000 --out /tmp/fleet.json
 
 What is real: the etcd 3.5 server (`--enable-v2`, one member on 127.0.0.1, its own data dir per run), the
 store backends (`petctl/io/store`: v3 over gRPC, v2 over python-etcd), and every request they send. What
@@ -23,7 +23,7 @@ cores, which they then share with etcd. The model is the agent's pattern:
   folds each wake's events into its view and reads it whole every safety-net period
   (`decisions.safety_period`: about `IDLE` and `VIEW_EVERY` in fleets of up to 100 and 200 nodes,
   longer beyond, spread per node from 0.55 to 1.65 times that; the agent's own). `--model
-  every-node`, the model of the 2026-11-27 tables: every node watches `live/` throughout from its first
+  every-node`, the bench's first model: every node watches `live/` throughout from its first
   listing and keeps its own view from the events, with no further whole reads.
 - the round: when the closer's view holds every member and `live/round` does not rank them all, it writes
   a new round with compare-and-swap (ranks kept, newcomers appended). A node is ranked when a watch event

@@ -28,10 +28,10 @@ from petctl.core.spottrace import Trace
 TRACES = BENCH / "traces"
 PRICES = BENCH / "fixtures" / "prices-g5.xlarge-us-east-1.json"
 STEP_TIME = 0.2  # 8 nodes on 2 cores: a step any loaded machine keeps
-TORCHRUN_EVERY = 1  # torchrun's fixed interval (steps): best of a sweep over 1, 5 and 20 (bench/README.md)
+TORCHRUN_EVERY = 1  # torchrun's fixed interval (steps): every step redoes fewest; a 1 MB state saves in ms
 # torchrun's --max-restarts in a trace: a worker group that fails (a peer reclaimed mid-step) costs one
 # restart, so the 3 the other scenarios give (torchrun's own default is 0) ended the job at its fourth
-# loss and the rest of the replay trained nothing (the runs before 2026-11-27 19:00 did; bench/README.md).
+# loss and the rest of the replay trained nothing.
 # A user on spot sets it high.
 TORCHRUN_MAX_RESTARTS = 1000
 BOOT_S = 90.0  # simulated seconds from an instance's launch to its agent's start (AWS-like; replayed / S)

@@ -7,8 +7,8 @@ Sections: the server (this docstring), the agent's side.
 
 Why: a warm worker spawned afresh spends seconds of CPU on its imports (torch and torch._dynamo: about 3 s
 on the bench's cores; a framework's more), so a refill is not warm until those have passed, and a second
-notice early in a round (spot reclaims come in bursts) found a worker still importing (bench/README.md,
-"Notices close together"). A fork of a process that has imported them copies its pages on write instead:
+notice early in a round (spot reclaims come in bursts) found a worker still importing (bench P1 with
+`--notice-at burst`). A fork of a process that has imported them copies its pages on write instead:
 measured here, 10-15 ms for a 290 MB interpreter with torch imported, and no import CPU per worker at all.
 
 How (`python -u -m petctl.agent.forkserver PRELOADS CONTROL_FD SCRIPT`): the server imports what a warm worker

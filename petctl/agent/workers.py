@@ -712,8 +712,8 @@ def report_forking(pool: WarmPool, events: EventLog, round_no: int) -> None:
 
 def warm_yield(env: Mapping[str, str]) -> bool:
     """Whether the job asks for the low-priority refill from the round's formation (`PETCTL_WARM_YIELD=1`).
-    Opt-in: on the bench (3 nodes on 2 shared cores) it slowed the re-formed round's start (bench/README.md,
-    "Notices close together"), which a host of its own may not show; unmeasured there."""
+    Opt-in: on the bench (3 nodes on 2 shared cores) it slowed the re-formed round's start (bench P1 with
+    `--notice-at burst`), which a host of its own may not show; unmeasured there."""
     return env.get("PETCTL_WARM_YIELD", "").strip() == "1"
 
 

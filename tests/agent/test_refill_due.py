@@ -159,7 +159,8 @@ def test_the_first_fill_does_not_yield(tmp_path: Path):
 
 
 def test_the_low_priority_refill_is_opt_in():
-    """Measured on the bench, it slowed a re-formed round's start (bench/README.md): not the default."""
+    """Measured on the bench, it slowed a re-formed round's start (bench P1, `--notice-at burst`): not the
+    default."""
     from petctl.agent.workers import warm_yield
 
     assert [warm_yield(e) for e in ({}, {"PETCTL_WARM_YIELD": "1"}, {"PETCTL_WARM_YIELD": "yes"})] == [

@@ -1,8 +1,8 @@
 """The fleet bench (bench/fleet.py, P9) on a small fleet, both backends: it runs, and its figures say
 what each backend's liveness costs (a v3 keep-alive is no raft proposal; a v2 refresh is one).
 
-The bench's large-N figures live in bench/results/fleet.*, not here: this keeps its pipeline working
-and checks the outcomes that do not depend on the machine's speed.
+The bench's figures live in its tied results (bench/results/fleet-model-8-64.*), not here: this keeps its
+pipeline working and checks the outcomes that do not depend on the machine's speed.
 """
 
 from __future__ import annotations
