@@ -11,6 +11,8 @@ LOCAL_WORLD_SIZE 1), train bench/workload.py's model (--mb of parameters + momen
 Rank 0 prints one JSON line (`shardcost.result`): the mean step time of each kind of block (the first
 block of each kind left out), the overhead, and its tier's own figures (`snapshot.stats`: the training
 thread's wall time per snapshot, the optimizer step's wait for the copy, the copy, the exchange).
+With `--out PATH`, also writes it as a result tied to its commit, with the machine and its load
+(bench/runmeta.py), and a table beside it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench import runmeta  # noqa: E402
+from bench.snapcost import cost_table  # noqa: E402
 from bench.workload import build_model  # noqa: E402
 from petctl.elastic.dist import Comm  # noqa: E402
 from petctl.elastic.snapshots import SnapshotOptions  # noqa: E402
@@ -81,11 +85,13 @@ def run(rank: int, args: argparse.Namespace, port: int, base: str) -> None:
     tier.close()
     if rank == 0:
         without, with_ = statistics.mean(times[False]), statistics.mean(times[True])
-        print(json.dumps({"event": "shardcost.result", "ts": time.time(), "mb": args.mb, "world": args.world,
-                          "step_s_without": round(without, 5), "step_s_with": round(with_, 5),
-                          "overhead_pct": round(100 * (with_ / without - 1), 3),
-                          "load_avg": os.getloadavg()[0], **tier.report(),
-                          "cadence": "auto" if args.every is None else "fixed"}), flush=True)
+        line = json.dumps({"event": "shardcost.result", "ts": time.time(), "mb": args.mb, "world": args.world,
+                           "step_s_without": round(without, 5), "step_s_with": round(with_, 5),
+                           "overhead_pct": round(100 * (with_ / without - 1), 3),
+                           "load_avg": os.getloadavg()[0], **tier.report(),
+                           "cadence": "auto" if args.every is None else "fixed"})
+        print(line, flush=True)
+        (Path(base) / "result.json").write_text(line)
     dist.destroy_process_group()
 
 
@@ -97,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.1)
     parser.add_argument("--every", default="1", help="K, or 'auto': the cadence's choice (the default's)")
+    parser.add_argument("--out", type=Path, help="write the result here (JSON, and its table as .md)")
     args = parser.parse_args(argv)
+    meta = runmeta.start()  # the load before this run adds its own
     if args.every == "auto":
         args.every = None
     elif not args.every.isdigit() or int(args.every) < 1:
@@ -110,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     directory = tempfile.mkdtemp(prefix="petctl-shardcost-", dir=base)
     try:
         mp.spawn(run, args=(args, free_port(), directory), nprocs=args.world, join=True)
+        if args.out is not None:
+            result = json.loads((Path(directory) / "result.json").read_text())
+            title = f"sharded snapshot at every step, {args.world} ranks (FSDP2)"
+            runmeta.write(meta, args.out, cost_table(title, result), result=result)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

@@ -9,7 +9,8 @@ forward and backward padded to --step-time, a GPU step with the host CPU otherwi
 --block steps alternate between no snapshot and a snapshot at the end of every step (K fixed at 1, into
 a file in /dev/shm, removed at the end). Prints one JSON line (`snapcost.result`): the mean step time of
 each kind of block (the first block of each kind left out: warm-up), the overhead, and the writer's own
-figures (`snapshot.stats`).
+figures (`snapshot.stats`). With `--out PATH`, also writes it as a result tied to its commit, with the
+machine and its load (bench/runmeta.py), and a table beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench import runmeta  # noqa: E402
 from bench.workload import build_model  # noqa: E402
 from petctl.elastic import State  # noqa: E402
 from petctl.elastic.snapshots.writer import SnapshotWriter  # noqa: E402
@@ -43,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--step-time", type=float, default=0.1)
     parser.add_argument("--overlap", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the result here (JSON, and its table as .md)")
     args = parser.parse_args(argv)
+    meta = runmeta.start()  # the load before this run adds its own
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(args.mb)
@@ -76,13 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     without, with_ = statistics.mean(times[False]), statistics.mean(times[True])
-    print(json.dumps({"event": "snapcost.result", "ts": time.time(), "mb": args.mb, "overlap": args.overlap,
-                      "step_s_without": round(without, 5), "step_s_with": round(with_, 5),
-                      "overhead_pct": round(100 * (with_ / without - 1), 3),
-                      "median_step_s_without": round(statistics.median(times[False]), 5),
-                      "median_step_s_with": round(statistics.median(times[True]), 5),
-                      "load_avg": os.getloadavg()[0], **writer.report()}), flush=True)
+    result = {"event": "snapcost.result", "ts": time.time(), "mb": args.mb, "overlap": args.overlap,
+              "step_s_without": round(without, 5), "step_s_with": round(with_, 5),
+              "overhead_pct": round(100 * (with_ / without - 1), 3),
+              "median_step_s_without": round(statistics.median(times[False]), 5),
+              "median_step_s_with": round(statistics.median(times[True]), 5),
+              "load_avg": os.getloadavg()[0], **writer.report()}
+    print(json.dumps(result), flush=True)
+    if args.out is not None:
+        table = cost_table("snapshot at every step, one process", result)
+        runmeta.write(meta, args.out, table, result=result)
     return 0
+
+
+def cost_table(title: str, result: dict) -> str:
+    """A result's headline as Markdown: the step time without and with a snapshot at every step, and the
+    overhead (shared by bench/shardcost.py)."""
+    rows = [("mean step without snapshots (s)", result["step_s_without"]),
+            ("mean step with a snapshot every step (s)", result["step_s_with"]),
+            ("overhead (%)", result["overhead_pct"]), ("parameters (MB)", result["mb"]),
+            ("machine load at the end of the steps", round(result["load_avg"], 2))]
+    return "\n".join([f"# {title}", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
 if __name__ == "__main__":
