@@ -80,3 +80,18 @@ def test_a_headline_refuses_a_result_without_a_clean_commit(tmp_path, monkeypatc
     for name in ("old.json", "dirty.json"):
         with pytest.raises(ValueError, match="not tied to a clean commit"):
             headline.load(name)
+
+
+def test_a_run_compiles_petctl_first_as_an_install_would(tmp_path):
+    """Under PYTHONDONTWRITEBYTECODE a checkout's agents would each recompile petctl (CPU an installed
+    petctl never spends, and the anchor's code never does): a bench's record says it compiled first."""
+    from bench import runmeta
+
+    pkg = tmp_path / "petctl"
+    pkg.mkdir()
+    (pkg / "mod.py").write_text("X = 1\n")
+    assert runmeta.compile_petctl(tmp_path)
+    assert list((pkg / "__pycache__").glob("mod.*.pyc"))
+    (pkg / "bad.py").write_text("def (:\n")
+    assert not runmeta.compile_petctl(tmp_path)
+    assert "compiled" in runmeta.start(["bench/x.py"])["bytecode"]
