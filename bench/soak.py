@@ -143,6 +143,7 @@ class Soak:
     etcd_busy: int | None = None  # the etcd fault under way: another one waits for it to clear
     desired: int = 0
     notes: list[str] = field(default_factory=list)
+    accounting: dict[str, Any] = field(default_factory=dict)  # status's count and the ledger's, at the end
 
     # -- time passes, due clears run --
     def pump(self, until: float) -> None:
@@ -499,8 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extra += soakoracle.weights([], None)
         outcomes, violations, found = judge(soak, time.time(), end)
-        extra += soakoracle.accounting(status.get("accounting"),
-                                       soakoracle.ledger_totals(read_ledger(ledger)[0], found))
+        totals = soakoracle.ledger_totals(read_ledger(ledger)[0], found)
+        told = status.get("accounting") or {}
+        soak.accounting = {"ledger": totals, "status": {k: told.get(k) for k in (
+            "steps_kept", "steps_lost", "steps_lost_lower_bound")}}
+        extra += soakoracle.accounting(status.get("accounting"), totals)
         cli.run("kill_job", JOB)
         left = find_leftovers(cli, shm)
         settle = time.time() + 10  # a killed agent's leased keys go within one heartbeat TTL (2 s here)
@@ -548,6 +552,7 @@ def write_report(args: argparse.Namespace, name: str, meta: dict[str, Any], plan
            "store": args.store, "overlap": args.overlap, "not_injected_locally": soakplan.NOT_LOCAL,
            "summary": line, "invariants": held, "first_violation": seen,
            "violations": [v.to_dict() for v in violations], "kept_logs": kept_logs,
+           "accounting": soak.accounting,
            "recovery": soakoracle.recovery_table(o for o in outcomes if o.state != "skipped"),
            "history": [{**asdict(f), **{k: v for k, v in o.to_dict().items() if k not in ("index", "kind")}}
                        for f, o in zip(soak.faults, outcomes, strict=True)],
@@ -561,7 +566,8 @@ def write_report(args: argparse.Namespace, name: str, meta: dict[str, Any], plan
           f"commit {doc['commit']} (dirty: {doc['dirty']}), {m['cpu_count']} cores, load "
           f"{m['load_avg_start']} at start, {m.get('load_avg_end')} at end, {m.get('date')}", "",
           line, "", *rows, "", "Invariants: " + ", ".join(f"{k} {'held' if v else 'BROKEN'}"
-                                                          for k, v in held.items()), ""]
+                                                          for k, v in held.items()), "",
+          f"Steps kept and lost, status against the ledger: {soak.accounting or 'not read'}", ""]
     for inv, v in seen.items():
         md.append(f"- first {inv} violation ({v['seen']}): {v['message']}")
     md += ["", "Not injected locally: " + "; ".join(f"{k} ({v})" for k, v in soakplan.NOT_LOCAL.items())]
