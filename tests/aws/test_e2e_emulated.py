@@ -43,8 +43,6 @@ def lifecycle_calls(monkeypatch):
 
 @pytest.fixture
 def emulator(moto, aws_env, tmp_path):
-    pytest.importorskip("torch", reason="the end-to-end job trains with torch")
-    pytest.importorskip("petctl.agent.main", reason="the agent is not there yet")
     emu = InstanceEmulator(moto_url=moto, region=REGION, root=tmp_path / "instances", env=dict(aws_env))
     yield emu
     emu.stop()
