@@ -46,7 +46,17 @@ def _trace(trace: str, system: str) -> Callable[[dict[str, Any]], str]:
     return cell
 
 
+def _p1(system: str) -> Callable[[dict[str, Any]], str]:
+    def cell(doc: dict[str, Any]) -> str:
+        rows = {r["metric"]: r for r in doc["table"] if r["scenario"] == "P1" and r["system"] == system}
+        return (f"{rows['notice -> step again']['median']:.2f} s, "
+                f"{rows['steps lost']['median']:.0f} steps lost")
+    return cell
+
+
 ROWS = [
+    Row("a spot notice, 3 nodes: training stopped -> every survivor training again (median of 3)",
+        "p1-notice.json", _p1("petctl"), _p1("torchrun-c10d"), "torchrun c10d"),
     Row("spot trace, every loss announced: goodput, every billed second counted",
         "spot-trace-handoff.json", _trace("spot-10-15-notice", "petctl"),
         _trace("spot-10-15-notice", "torchrun-c10d"), "torchrun c10d"),
