@@ -10,8 +10,8 @@ commit is then None and `dirty` None.
 
 `start` also compiles petctl's modules to bytecode, as `pip install` does on an instance. Without it, a
 checkout under PYTHONDONTWRITEBYTECODE (this bench machine sets it) recompiles every module in every
-agent process: about 0.05-0.1 s of CPU per process that no installed petctl pays, and that torch, the
-anchor's code, never pays (its wheel ships compiled).
+agent process: work no installed petctl does, and that torch, the anchor's code, never does (its wheel
+ships compiled). How much CPU that is per agent was lost in this machine's noise when last looked at.
 """
 
 from __future__ import annotations

@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         told = status.get("accounting") or {}
         soak.accounting = {"ledger": totals, "status": {k: told.get(k) for k in (
             "steps_kept", "steps_lost", "steps_lost_lower_bound")}}
-        extra += soakoracle.accounting(status.get("accounting"), totals)
+        extra += soakoracle.accounting(told, totals)
         cli.run("kill_job", JOB)
         left = find_leftovers(cli, shm)
         settle = time.time() + 10  # a killed agent's leased keys go within one heartbeat TTL (2 s here)

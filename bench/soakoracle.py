@@ -180,12 +180,14 @@ def _superseded(f: Fault, faults: Sequence[Fault], steps: Sequence[Step]) -> boo
 def needs_reform(f: Fault, faults: Sequence[Fault], steps: Sequence[Step], joins: Sequence[Join],
                  lease: float | None = None) -> bool:
     """Whether training again after `f` must be a step of a newer round (REFORMS). Not when the fault asked
-    for nothing the round lacks: a scale to the world size the job trained at when it was injected (or one
-    a later scale superseded before it was reached), a
-    freeze no longer than the liveness lease `lease` (the heartbeat TTL) + LEASE_SLACK (the round may ride
-    it out), or a freeze while every member of the round was frozen (no one could drop anyone; thawed, the
-    round goes on). Without the round's members (`joins`), the scale's size or the lease, a re-form is
-    required."""
+    for nothing the round lacks:
+    - a scale to the world size the job trained at when it was injected, or one a later scale superseded
+      before it was reached;
+    - a freeze no longer than the liveness lease `lease` (the heartbeat TTL) + LEASE_SLACK: the round may
+      ride it out;
+    - a freeze while every member of the round was frozen: no one could drop anyone; thawed, the round
+      goes on.
+    Without the round's members (`joins`), the scale's size or the lease, a re-form is required."""
     if not f.reforms:
         return False
     if f.kind in SCALES and f.size is not None:

@@ -29,6 +29,7 @@ petctl.elastic (or the script) prints. Definitions, per round r (a rendezvous ge
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -229,12 +230,13 @@ def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
     causes = {int(e["round"]): str(e.get("cause", ""))
               for e in records if e.get("event") == "rendezvous.restart"}
     reports_steps = any(e.get("first_step") is not None for e in best.values())
+    worker_steps = _worker_steps(records) if reports_steps and begun.keys() - best.keys() else {}
     rounds = []
     for n in sorted(best.keys() | begun.keys()):
         cause = causes.get(n, "job start" if n == 1 else "")
         if n not in best:
             e = begun[n]
-            first, last = _unseen_span(records, n) if reports_steps else (None, None)
+            first, last = _unseen_span(worker_steps, n) if reports_steps else (None, None)
             rounds.append(RoundStats(round=n, world_size=int(e.get("world_size") or 0),
                                      started=float(e["ts"]), ended=None, first_step=first, last_step=last,
                                      first_step_ts=None, last_step_ts=None, cause=cause, unseen=True))
@@ -247,19 +249,26 @@ def _rounds(records: list[dict[str, Any]]) -> list[RoundStats]:
     return rounds
 
 
-def _unseen_span(records: list[dict[str, Any]], n: int) -> tuple[int | None, int | None]:
-    """(first step, last step known) of round `n` from its workers' events, which their agents stamp with
-    the round: it resumed after the step it loaded (`checkpoint.loaded`), and got at least as far as its
-    newest save (`checkpoint.saved`), else to the step before its first. (None, None) when no load says
-    where it started."""
-    loaded = [int(e["step"]) for e in records
-              if e.get("event") == "checkpoint.loaded" and e.get("round") == n and e.get("step") is not None]
+def _worker_steps(records: list[dict[str, Any]]) -> dict[tuple[str, int], list[int]]:
+    """(event, round) -> the steps of the workers' `checkpoint.loaded` and `checkpoint.saved`, which their
+    agents stamp with the round: read once for every unseen round."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for e in records:
+        name, n, step = e.get("event"), e.get("round"), e.get("step")
+        if name in ("checkpoint.loaded", "checkpoint.saved") and n is not None and step is not None:
+            out.setdefault((name, int(n)), []).append(int(step))
+    return out
+
+
+def _unseen_span(worker_steps: dict[tuple[str, int], list[int]], n: int) -> tuple[int | None, int | None]:
+    """(first step, last step known) of round `n` from its workers' events (`_worker_steps`): it resumed
+    after the step it loaded, and got at least as far as its newest save, else to the step before its
+    first. (None, None) when no load says where it started."""
+    loaded = worker_steps.get(("checkpoint.loaded", n))
     if not loaded:
         return None, None
     first = min(loaded) + 1
-    saved = [int(e["step"]) for e in records
-             if e.get("event") == "checkpoint.saved" and e.get("round") == n and e.get("step") is not None]
-    return first, max([first - 1, *saved])
+    return first, max([first - 1, *worker_steps.get(("checkpoint.saved", n), [])])
 
 
 def _reform_by_steps(rounds: list[RoundStats]) -> float:
@@ -290,16 +299,23 @@ def _reform_by_rounds(rounds: list[RoundStats], records: list[dict[str, Any]]) -
     return total
 
 
+def _step_time(r: RoundStats) -> float | None:
+    """Seconds per step over the round's seen span; None without two timed steps."""
+    if r.first_step is None or r.last_step is None or r.first_step_ts is None or r.last_step_ts is None:
+        return None
+    span = r.last_step - r.first_step
+    return (r.last_step_ts - r.first_step_ts) / span if span > 0 else None
+
+
 def _attribute_losses(rounds: list[RoundStats]) -> None:
     """Each round's kept and lost steps: a round keeps its steps up to the one before the next round's
     first (that round resumed there). An unseen round (no summary) got at least that far too, when the
     next round resumed inside its span; its step time is its world size's in the rounds that were seen."""
-    step_times: dict[int, list[float]] = {}
+    seen: dict[int, list[float]] = {}
     for r in rounds:
-        if r.first_step is not None and r.last_step is not None and r.last_step > r.first_step \
-                and r.first_step_ts is not None and r.last_step_ts is not None:
-            step_times.setdefault(r.world_size, []).append(
-                (r.last_step_ts - r.first_step_ts) / (r.last_step - r.first_step))
+        t = _step_time(r)
+        if t is not None:
+            seen.setdefault(r.world_size, []).append(t)
     for i, r in enumerate(rounds):
         if r.first_step is None or r.last_step is None:
             continue
@@ -312,13 +328,9 @@ def _attribute_losses(rounds: list[RoundStats]) -> None:
             kept_last = r.last_step  # the newest round: its steps count until proven lost
         r.kept_steps = max(0, kept_last - r.first_step + 1)
         r.steps_lost = max(0, r.last_step - kept_last)
-        span = r.last_step - r.first_step
-        if span > 0 and r.first_step_ts is not None and r.last_step_ts is not None:
-            step_time = (r.last_step_ts - r.first_step_ts) / span
-        elif r.unseen and step_times.get(r.world_size):
-            step_time = sorted(step_times[r.world_size])[len(step_times[r.world_size]) // 2]
-        else:
-            step_time = 0.0
+        step_time = _step_time(r)
+        if step_time is None:
+            step_time = statistics.median(seen[r.world_size]) if r.unseen and seen.get(r.world_size) else 0.0
         r.kept_node_seconds = r.kept_steps * step_time * r.world_size
 
 
