@@ -19,6 +19,7 @@ and training goes on with the store alone. How often: `writer`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -137,12 +138,21 @@ class SnapshotWriter:
     def prepare(self, state: Any) -> None:
         """Map (allocate, fault in) the file for `state` in the background, so the first snapshot after a
         (re)start does not pay for it on the training thread (about 5 ms per 100 MB here, seconds for a
-        large state on a fresh node). A failure surfaces at the first `take` (and disables snapshots)."""
+        large state on a fresh node). A failure surfaces at the first `take` (and disables snapshots).
+
+        A small CPU state (up to INLINE_BYTES, committed inline too) is mapped here, at once: it costs
+        microseconds, while the background thread is niced and on a starved host may not run for several
+        steps, and `take` skips a due snapshot while this is pending, so the round's first steps would go
+        without one and a loss then would cost more than K steps."""
         if self.disabled is not None or self._pending is not None:
             return
         tensors: list[torch.Tensor] = []
         flatten(state.state_dict(), tensors, [])
         layout = Layout.of(tensors)
+        if layout.data_length <= INLINE_BYTES and _cuda_device(tensors) is None:
+            with contextlib.suppress(*FAILURES):  # not lost: the first `take` maps again, fails, reports
+                self.file.room(layout.data_length)
+            return
         self._pending = self._pool.submit(lambda: self.device.prepare(self.file.room(layout.data_length),
                                                                       tensors))
 
