@@ -38,7 +38,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from bench import runmeta, soakoracle, soakplan  # noqa: E402
-from bench.soakoracle import Fault, JobEnd, Join, Leftovers, Resume, Step, Violation  # noqa: E402
+from bench.soakoracle import Cadence, Fault, JobEnd, Join, Leftovers, Resume, Step, Violation  # noqa: E402
 from petctl.core.eventlog import parse_line  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "data_train.py"
@@ -104,16 +104,30 @@ def read_ledger(ledger_dir: Path) -> tuple[list[Step], list[Resume]]:
 
 def read_joins(job_dir: Path) -> list[Join]:
     """Every node's `rendezvous.complete` from the agents' logs."""
-    out = []
+    return read_nodes(job_dir)[0]
+
+
+NODE_EVENTS = ('"rendezvous.complete"', '"snapshot.enabled"', '"snapshot.every"')
+
+
+def read_nodes(job_dir: Path) -> tuple[list[Join], list[Cadence]]:
+    """From the agents' logs (their workers' events forwarded): every node's `rendezvous.complete`, and
+    its snapshot interval as its workers set it (`snapshot.enabled`: 1 or the fixed K; `snapshot.every`:
+    the cadence's changes)."""
+    joins, cadences = [], []
     for path in sorted(job_dir.glob("instances/*/agent.log")):
+        node = path.parent.name
         for line in path.read_text(errors="replace").splitlines():
-            if '"rendezvous.complete"' not in line:
+            if not any(name in line for name in NODE_EVENTS):
                 continue
             e = parse_line(line)
-            if e is not None and e.get("event") == "rendezvous.complete":
-                out.append(Join(e["ts"], path.parent.name, int(e["round"]), int(e["rank"]),
-                                int(e["world_size"])))
-    return out
+            event = e.get("event") if e is not None else None
+            if event == "rendezvous.complete":
+                joins.append(Join(e["ts"], node, int(e["round"]), int(e["rank"]), int(e["world_size"])))
+            elif event in ("snapshot.enabled", "snapshot.every"):
+                every = e.get("every")
+                cadences.append(Cadence(e["ts"], node, every if isinstance(every, int) else 1))
+    return joins, cadences
 
 
 def node_event_seen(job_dir: Path, node: str, event: str) -> bool:
@@ -392,11 +406,11 @@ def find_leftovers(cli: Cli, snapshot_root: Path) -> Leftovers:
 def judge(soak: Soak, now: float, end: JobEnd | None = None) -> tuple[list, list[Violation], list]:
     """The oracle over the history so far: outcomes, violations, resumes judged."""
     steps, resumes = read_ledger(soak.ledger)
-    joins = read_joins(soak.cli.job_dir)
+    joins, cadences = read_nodes(soak.cli.job_dir)
     outcomes, violations = soakoracle.recoveries(soak.faults, steps, now, end, joins, lease=HEARTBEAT_TTL)
     violations += soakoracle.stalls(steps, soak.faults, outcomes, now, end=end)
     violations += soakoracle.agreement(joins, steps)
-    found = soakoracle.redos(steps, resumes, soak.faults, outcomes, joins, CKPT_EVERY)
+    found = soakoracle.redos(steps, resumes, soak.faults, outcomes, joins, CKPT_EVERY, cadences)
     violations += soakoracle.redo_violations(found, steps)
     return outcomes, violations, found
 

@@ -12,8 +12,9 @@ The invariants (`INVARIANTS`):
   size, each rank is below it, a node holds one rank per round, and the ledger's writer (rank 0) is the
   node that round ranked 0;
 - redone: the steps a resume throws away stay within what the faults around it allow: 0 for announced
-  and planned changes, 1 for an unannounced loss (the in-memory snapshot), the durable interval when no
-  node of the round before survived;
+  and planned changes, K for an unannounced loss (the in-memory snapshot, taken every K steps: 1 unless
+  the job's cadence said otherwise in `snapshot.every`), the durable interval when no node of the round
+  before survived;
 - weights: the final weights equal the reference run's within a float tolerance;
 - accounting: `petctl status`'s steps kept and lost equal the ledger's;
 - leftovers: after `kill_job`, no process, live etcd key, etcd user or snapshot file of the job.
@@ -43,8 +44,9 @@ REFORMS = frozenset({"kill", "freeze", "term", "notice", "worker_crash", "scale_
                      "joiner_lost", "notice_in_reform"})
 SCALES = frozenset({"scale_up", "scale_down", "burst"})
 
-# Steps a resume may redo because of a fault of this kind: announced and planned changes save first (0),
-# an unannounced loss resumes from the in-memory snapshot of the newest step (at most 1).
+# Steps a resume may redo because of a fault of this kind, in snapshot intervals: announced and planned
+# changes save first (0), an unannounced loss resumes from the newest in-memory snapshot (at most one
+# interval: K steps, where K is the snapshot cadence in force, `Cadence`).
 REDO_ALLOWED = {"kill": 1, "freeze": 1, "worker_crash": 1, "joiner_lost": 1, "notice_in_reform": 1,
                 "term": 0, "notice": 0, "rebalance": 0, "scale_up": 0, "scale_down": 0, "burst": 0,
                 "etcd_stall": 0, "etcd_down": 0}
@@ -91,6 +93,26 @@ class Join:
     round: int
     rank: int
     world: int
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """A node's snapshot interval from `ts` on: K = `every` steps (`snapshot.enabled` starts a worker's
+    at 1, or at its fixed K; `snapshot.every` reports each change the cadence makes under load)."""
+
+    ts: float
+    node: str
+    every: int
+
+
+def every_at(cadences: Sequence[Cadence], nodes: Iterable[str], ts: float) -> int:
+    """The snapshot interval in force at `ts`: the largest any of `nodes` had last set by then (the
+    newest snapshot a survivor holds is at most that many steps old); 1 when none said."""
+    latest: dict[str, tuple[float, int]] = {}
+    for c in cadences:
+        if c.ts <= ts and (c.node not in latest or c.ts >= latest[c.node][0]):
+            latest[c.node] = (c.ts, c.every)
+    return max((latest[n][1] for n in nodes if n in latest), default=1)
 
 
 @dataclass(frozen=True)
@@ -332,11 +354,13 @@ class Redo:
 
 
 def redos(steps: Sequence[Step], resumes: Sequence[Resume], faults: Sequence[Fault],
-          outcomes: Sequence[Outcome], joins: Sequence[Join], durable_every: int) -> list[Redo]:
+          outcomes: Sequence[Outcome], joins: Sequence[Join], durable_every: int,
+          cadences: Sequence[Cadence] = ()) -> list[Redo]:
     """Each resume after the first: the steps run past its start and thrown away (run again), and what
     the faults whose window (injection to recovery, or to the deadline) holds it allow (REDO_ALLOWED, the
-    most of them; `durable_every` when no node of the newest round that trained survived into this one).
-    No fault about: 0."""
+    most of them, in snapshot intervals: K steps each, K the interval the newest trained round's nodes had
+    in force (`every_at` over `cadences`); `durable_every` when no node of that round survived into this
+    one). No fault about: 0."""
     members: dict[int, set[str]] = {}
     for j in joins:
         members.setdefault(j.round, set()).add(j.node)
@@ -354,9 +378,12 @@ def redos(steps: Sequence[Step], resumes: Sequence[Resume], faults: Sequence[Fau
             continue
         redone = max(0, frontier - e.start + 1)
         near = [f for f, due in windows if f.injected <= e.ts <= due]
-        allowed = max((REDO_ALLOWED[f.kind] for f in near), default=0)
-        why = ", ".join(f"{f.kind}#{f.index}" for f in near) or "no fault"
         before, now = members.get(trained_round, set()), members.get(e.round, set())
+        every = every_at(cadences, before, e.ts)
+        allowed = max((REDO_ALLOWED[f.kind] * every for f in near), default=0)
+        why = ", ".join(f"{f.kind}#{f.index}" for f in near) or "no fault"
+        if near and every > 1:
+            why += f"; snapshots every {every} steps"
         if near and before and now and not before & now:
             allowed, why = max(allowed, durable_every), why + "; no node of the round before survived"
         out.append(Redo(e.round, e.ts, e.start, redone, allowed, why))

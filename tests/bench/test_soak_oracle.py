@@ -180,9 +180,9 @@ def test_steps_written_by_a_node_that_was_not_rank_0_break_agreement():
 
 
 # --- steps redone -----------------------------------------------------------------------------------------
-def redo_of(history, resumes, faults, rounds):
+def redo_of(history, resumes, faults, rounds, cadences=()):
     outcomes, _ = o.recoveries(faults, history, now=1e9)
-    found = o.redos(history, resumes, faults, outcomes, joins(rounds), durable_every=10)
+    found = o.redos(history, resumes, faults, outcomes, joins(rounds), durable_every=10, cadences=cadences)
     return found, o.redo_violations(found, history)
 
 
@@ -197,6 +197,33 @@ def test_an_unannounced_loss_may_redo_one_step_and_not_two():
                                 [kill(3.2)], rounds)
     assert [(r.redone, r.allowed) for r in found] == [(2, 1)]
     assert [v.invariant for v in violations] == ["redone"]
+
+
+def test_an_unannounced_loss_may_redo_one_snapshot_interval_as_the_job_set_it():
+    """Under load the cadence may take snapshots every K steps (`snapshot.every`, docs/elastic.md); a
+    loss then costs up to K. K counts from the round that trained, as set before the resume, and only
+    from that round's nodes."""
+    rounds = {1: {"a": 0, "b": 1, "c": 2}, 2: {"a": 0, "b": 1}}
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (6, 1, 2), (7, 2, 2)])
+    resumes = [Resume(0.5, 0, 1, 3, "a"), Resume(5, 1, 2, 2, "a")]
+    k2 = [o.Cadence(0.6, "b", 1), o.Cadence(1.5, "b", 2)]
+    found, violations = redo_of(history, resumes, [kill(3.2)], rounds, k2)
+    assert [(r.redone, r.allowed) for r in found] == [(2, 2)] and violations == []
+    assert "snapshots every 2 steps" in found[0].why
+    for cadences in ([o.Cadence(1.5, "b", 2), o.Cadence(2.5, "b", 1)],  # lowered again before the loss
+                     [o.Cadence(5.5, "b", 2)],  # set after the resume
+                     [o.Cadence(1.5, "z", 2)]):  # by a node not in the round
+        found, violations = redo_of(history, resumes, [kill(3.2)], rounds, cadences)
+        assert [(r.redone, r.allowed) for r in found] == [(2, 1)], cadences
+        assert [v.invariant for v in violations] == ["redone"]
+    history = steps([(1, 0, 1), (2, 1, 1), (3, 2, 1), (6, 0, 2), (7, 1, 2)])
+    found, violations = redo_of(history, [Resume(0.5, 0, 1, 3, "a"), Resume(5, 0, 2, 2, "a")],
+                                [kill(3.2)], rounds, k2)
+    assert [(r.redone, r.allowed) for r in found] == [(3, 2)]  # three: more than one interval
+    assert [v.invariant for v in violations] == ["redone"]
+    scale = Fault(0, "scale_up", 2.5, 2.5, 1)
+    found, _ = redo_of(history, [Resume(0.5, 0, 1, 3, "a"), Resume(5, 2, 2, 2, "a")], [scale], rounds, k2)
+    assert found[0].allowed == 0  # a planned change saves first, whatever K
 
 
 def test_a_planned_change_may_redo_nothing():
