@@ -9,16 +9,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from petctl.core.eventlog import parse_line
 from petctl.core.spec import AgentConfig, JobSpec
+from petctl.core.store import Store
 from petctl.jobview.live import JobState, read_job_state
 from tests.support.paths import REPO, WORKLOADS
 from tests.support.store import store_for
+
+READ_TIMEOUT = 10.0  # seconds one of the test's own etcd reads may take on a loaded machine
 
 
 @dataclass
@@ -52,6 +54,7 @@ class AgentCluster:
     agents: dict[str, AgentProc] = field(default_factory=dict)
     status_url: str = ""
     _count: int = 0
+    _store: Store | None = None
 
     def start(self, node_id: str | None = None, imds: Callable[[str], str] | None = None, *,
               prefix: Sequence[str] = (), host_addr: str = "",
@@ -82,13 +85,24 @@ class AgentCluster:
         return agent
 
     def state(self) -> JobState:
-        with closing(store_for(self.endpoint, backend=self.spec.etcd_store)) as store:  # type: ignore[arg-type]
-            return read_job_state(store, self.spec.name)
+        """The job's state as etcd holds it, read through one store kept open for the cluster's life.
+
+        One connection, not one per poll: a test polls every 0.1 s, and a fresh gRPC channel each time
+        (its handshake, its loop thread) is what timed out on a starved 2-core box ("timed out before
+        receiving SETTINGS frame"), failing the test for a reader's cost, not the agents'. The reader
+        is not under test, so its calls may take READ_TIMEOUT."""
+        if self._store is None:
+            self._store = store_for(self.endpoint, backend=self.spec.etcd_store,  # type: ignore[arg-type]
+                                    timeout=READ_TIMEOUT)
+        return read_job_state(self._store, self.spec.name)
 
     def steps(self, node_id: str) -> list[dict[str, Any]]:
         return self.agents[node_id].events("train.step")
 
     def stop_all(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         for agent in self.agents.values():
             agent.signal_group(signal.SIGCONT)
             agent.signal_group(signal.SIGKILL)
