@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,7 +306,10 @@ class Soak:
         if b"petctl" not in cmdline and b"data_train" not in cmdline:
             return "", f"pid {r['pid']} is no longer a worker"
         self.mark()
-        os.kill(r["pid"], signal.SIGKILL)
+        try:
+            os.kill(r["pid"], signal.SIGKILL)
+        except ProcessLookupError:  # it exited after the look above (its round was re-forming)
+            return "", f"worker pid {r['pid']} (round {newest}) exited before the kill"
         return f"{r['node']} rank {r['rank']} pid {r['pid']}", ""
 
     def _lose_joiner(self) -> tuple[str, str]:
@@ -527,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             left = find_leftovers(cli, shm)
         extra += soakoracle.leftovers(left)
     except Exception as e:  # noqa: BLE001 - the run broke: reported as a violation, the report still written
-        extra.append(Violation("run", f"the soak could not go on: {type(e).__name__}: {e}"))
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        extra.append(Violation("run", f"the soak could not go on: {type(e).__name__}: {e} (at "
+                                      f"{Path(where.filename).name}:{where.lineno})",
+                               {"traceback": traceback.format_exc()}))
+        traceback.print_exc()
         outcomes, violations, found = judge(soak, time.time(), end)
     saved = work / "kept"  # the node logs, before teardown removes them: kept with the report on a violation
     for path in [*cli.job_dir.glob("**/*.log"), ledger / "data.jsonl"]:
