@@ -6,10 +6,12 @@ with `torchrun --help` measured the same way for reference. Each run is a new pr
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench import phases
@@ -34,11 +36,14 @@ def run(ctx: Context) -> dict[str, Any]:
     runs = 3 if ctx.quick else 11
     out: dict[str, Any] = {"title": "petctl --help cold start", "runs_each": runs, "commands": {}}
     commands = {"python -m petctl --help": [sys.executable, "-m", "petctl", "--help"]}
-    script = shutil.which("petctl")
+    # Console scripts are installed beside the interpreter: found there even when its environment is not
+    # activated (a bench run as venv/bin/python), so the anchor is never silently left out.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    script = shutil.which("petctl", path=path)
     if script:
         commands["petctl --help"] = [script, "--help"]
     commands["python -c pass (interpreter floor)"] = [sys.executable, "-c", "pass"]
-    trun = shutil.which("torchrun")
+    trun = shutil.which("torchrun", path=path)
     if trun:
         commands["torchrun --help (reference)"] = [trun, "--help"]
     for label, cmd in commands.items():
