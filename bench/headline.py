@@ -46,17 +46,43 @@ def _trace(trace: str, system: str) -> Callable[[dict[str, Any]], str]:
     return cell
 
 
+def _rows(doc: dict[str, Any], scenario: str, system: str) -> dict[str, dict[str, Any]]:
+    return {r["metric"]: r for r in doc["table"] if r["scenario"] == scenario and r["system"] == system}
+
+
 def _p1(system: str) -> Callable[[dict[str, Any]], str]:
     def cell(doc: dict[str, Any]) -> str:
-        rows = {r["metric"]: r for r in doc["table"] if r["scenario"] == "P1" and r["system"] == system}
+        rows = _rows(doc, "P1", system)
         return (f"{rows['notice -> step again']['median']:.2f} s, "
                 f"{rows['steps lost']['median']:.0f} steps lost")
+    return cell
+
+
+def _p2(system: str) -> Callable[[dict[str, Any]], str]:
+    def cell(doc: dict[str, Any]) -> str:
+        rows = _rows(doc, "P2", system)
+        again = rows["freeze -> step again"]
+        if again["n"] == 0:  # every rep still hung at the cap
+            return f"still hung {again['median'].lstrip('> ')} s later in every rep"
+        return f"{again['median']:.2f} s, {rows['steps lost']['median']:.0f} steps lost"
+    return cell
+
+
+def _p3(system: str) -> Callable[[dict[str, Any]], str]:
+    def cell(doc: dict[str, Any]) -> str:
+        rows = _rows(doc, "P3", system)
+        stall = next(r for m, r in rows.items() if m.startswith("old members' stall"))
+        return f"{stall['median']:.2f} s, {rows['steps lost']['median']:.0f} steps lost"
     return cell
 
 
 ROWS = [
     Row("a spot notice, 3 nodes: training stopped -> every survivor training again (median of 3)",
         "p1-notice.json", _p1("petctl"), _p1("torchrun-c10d"), "torchrun c10d"),
+    Row("a host frozen without warning, 3 nodes: frozen -> every survivor training again (median of 3)",
+        "p2-freeze.json", _p2("petctl"), _p2("torchrun-c10d"), "torchrun c10d"),
+    Row("a 4th node joins 3: the running members' stall (median of 3)",
+        "p3-join.json", _p3("petctl"), _p3("torchrun-c10d"), "torchrun c10d"),
     Row("spot trace, every loss announced: goodput, every billed second counted",
         "spot-trace-handoff.json", _trace("spot-10-15-notice", "petctl"),
         _trace("spot-10-15-notice", "torchrun-c10d"), "torchrun c10d"),
