@@ -424,6 +424,12 @@ def first_per_invariant(seen: dict[str, dict[str, Any]], violations: list[Violat
         seen.setdefault(v.invariant, {**v.to_dict(), "seen": when})
 
 
+class Stopped(Exception):
+    """The soak was asked to stop (SIGTERM, Ctrl-C). Its own class, so no handler of a fault's failures
+    (RuntimeError, OSError, a timeout) takes it for one: it ends the run, the job is torn down, and the
+    report says why."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=200)
@@ -441,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="where the job's home and ledger go (default: a new temp "
                                                  "dir); removed after a run with no violation")
     args = ap.parse_args(argv)
+
+    def stopped(signum: int, _frame: Any) -> None:  # SIGTERM or Ctrl-C: tear the job down, then report
+        raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
     meta = runmeta.start()
     rates = soakplan.parse_rates(args.rate)
     planned = soakplan.plan(args.faults, args.seed, rates, args.overlap)
