@@ -115,7 +115,10 @@ def test_a_detached_instance_is_replaced_at_once_and_its_exit_is_no_loss(stub: P
     rows = wait_hosts(stub, "det", lambda rows: len(rows) == 3, timeout=5)
     states = {r["host_id"]: r["state"] for r in rows}
     (new,) = set(states) - set(first)
-    assert states[new] == "pending" and states[victim] == "detached"  # booting; detached, still running
+    # detached, still running. The replacement is booting, or has booted if this listing took longer
+    # than its 2 s boot (a loaded machine): its boot is pinned below by the reconciler's own times, and
+    # its pending state by test_a_booting_replacement_is_stopped_cleanly_when_the_job_ends (a 60 s boot).
+    assert states[victim] == "detached" and states[new] in ("pending", "running")
     launched = {e["instance"]: e for e in reconciler_events(stub, "det", "instance.launched")}[new]
     assert launched["ts"] - t0 < 1.0 and launched["boot_s"] == 2.0 and launched["replaces"] == victim
     (detached,) = reconciler_events(stub, "det", "instance.detached")
