@@ -80,17 +80,23 @@ def start_ticks(pid: int) -> int | None:
 UNKNOWN = "unknown"  # the process exists, but we may not look at it (another user's)
 
 
+HAS_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+
+
+def _state_of(fields: list[str] | None) -> str | None:
+    if fields is None:
+        return None
+    return PROC_STATES.get(fields[0][:1], UNKNOWN) if fields else UNKNOWN
+
+
 def status(pid: int) -> str | None:
     """psutil's status of `pid` ("running", "sleeping", "stopped", "zombie", ...), `UNKNOWN` when it
     exists but is not ours to look at, None when there is no such process."""
-    if sys.platform.startswith("linux") and os.path.isdir("/proc/self"):
+    if HAS_PROC:
         try:
-            fields = _stat_fields(pid)
+            return _state_of(_stat_fields(pid))
         except PermissionError:
             return UNKNOWN
-        if fields is None:
-            return None
-        return PROC_STATES.get(fields[0][:1], UNKNOWN) if fields else UNKNOWN
     import psutil
 
     try:
@@ -104,7 +110,21 @@ def status(pid: int) -> str | None:
 def alive(pid: int, start: int | None = None) -> bool:
     """`pid` runs (or is stopped) and, when `start` is given, is the process that started then.
 
-    A zombie counts as gone; it is never reaped here (a parent's Popen must collect the exit status)."""
+    A zombie counts as gone; it is never reaped here (a parent's Popen must collect the exit status).
+    On Linux the state and the start time come from one read of `/proc/<pid>/stat`."""
+    if HAS_PROC:
+        try:
+            fields = _stat_fields(pid)
+        except PermissionError:
+            return start is None  # it exists, but is not ours: its start time is unknown
+        if _state_of(fields) in (None, *GONE_STATES):
+            return False
+        if start is None:
+            return True
+        try:
+            return fields is not None and int(fields[19]) == start
+        except (IndexError, ValueError):
+            return False
     state = status(pid)
     if state is None or state in GONE_STATES:
         return False
