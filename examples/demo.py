@@ -35,7 +35,8 @@ JOB = "demo"
 # replacement comes only after the reclaim (its 8 s grace, then the replace delay), so a fast machine's
 # lone survivor trains up to ~20 steps a second (0.05 s each) for about 14 s. Training keeps that pace on
 # a loaded machine while the instances' starts slow down: at 800 steps a 2-core box busy with two other
-# test runs reached step 672 before the scale-up. 1000 leaves room for that, for about 10 s more.
+# test runs reached step 672 before the scale-up. 1000 leaves room for that: 200 more steps of at
+# least 0.05 s each on a quiet machine.
 STEPS = 1000
 SCALE_ROOM = 150  # steps left for the scale-up: an instance starts, warms up and joins (about 5 s)
 
