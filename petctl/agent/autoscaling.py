@@ -375,8 +375,18 @@ class LocalPlace:
         return ok
 
     def end_instance(self) -> bool:
-        """Nothing to call: the instance ends when this agent exits, which it does next."""
-        self.events.emit("capacity.ending", provider="local")
+        """Ask the reconciler to end this detached instance now (`capacity.ending`): its billing stops at
+        the request, as an EC2 instance's does once it is shutting down, not when this agent's teardown
+        is done. When the request fails (`capacity.end_failed`) the instance still ends when this agent
+        exits, which it does next: True either way. Never raises."""
+        from petctl.agent.imds import request_end
+
+        if request_end(self.endpoint):
+            self.events.emit("capacity.ending", provider="local")
+        else:
+            self.events.emit("capacity.end_failed", provider="local",
+                             error="the local metadata endpoint refused or did not answer; the instance "
+                                   "ends when the agent exits")
         return True
 
 

@@ -17,7 +17,9 @@ once per outage (health.py) and treated as "no notice": the watcher never raises
 `request_detach` is the local provider's DetachInstances, asked of the instance's own endpoint
 (`POST latest/petctl/detach` with a token): the group stops counting this instance and launches its
 replacement at once, the instance runs on until it ends itself. On EC2 there is no such path (404): there
-the agent calls Auto Scaling's DetachInstances instead.
+the agent calls Auto Scaling's DetachInstances instead. `request_end` (`POST latest/petctl/end`) is how
+such a detached instance ends itself locally: its billing ends at the request, as an EC2 instance's ends
+once it is shutting down, and the reconciler stops its process as the host's power-off would.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ ASG_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
 REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
 DETACH_PATH = "/latest/petctl/detach"  # the local provider's only (providers/local/metadata_server.py)
+END_PATH = "/latest/petctl/end"  # the same
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 DEFAULT_ENDPOINT = "http://169.254.169.254"
@@ -105,11 +108,24 @@ def request_detach(endpoint: str, timeout: float = 2.0) -> bool:
     reclaimed). True once the endpoint answered `{"detached": true}` (again on a repeated call: it is
     idempotent); False for anything else (no such endpoint, as on EC2; refused; unreachable). Never
     raises."""
+    return _post(endpoint, DETACH_PATH, "detached", timeout)
+
+
+def request_end(endpoint: str, timeout: float = 2.0) -> bool:
+    """Ask the local provider to end this detached instance now: its billing ends at once and its
+    process is stopped (SIGTERM, then SIGKILL after the provider's grace), as an EC2 host's power-off
+    would. True once the endpoint answered `{"ending": true}` (again on a repeat); False for anything
+    else (not detached, unknown, unreachable). Never raises."""
+    return _post(endpoint, END_PATH, "ending", timeout)
+
+
+def _post(endpoint: str, path: str, answer: str, timeout: float) -> bool:
+    """POST `path` with a fresh token; True when the reply is 200 with `{answer: true}`. Never raises."""
     base = endpoint.rstrip("/")
     try:
         token = fetch_token(base, 60, timeout)
-        status, body = _http(base, "POST", DETACH_PATH, {TOKEN_HEADER: token}, timeout)
-        return status == 200 and json.loads(body).get("detached") is True
+        status, body = _http(base, "POST", path, {TOKEN_HEADER: token}, timeout)
+        return status == 200 and json.loads(body).get(answer) is True
     except Exception:  # noqa: BLE001 - the caller's fallback decides; an IMDS fault must not reach it
         return False
 

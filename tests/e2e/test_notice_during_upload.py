@@ -120,4 +120,6 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
     assert not [e for e in timeline if e["event"] == "instance.reclaimed"]
     rows = {r["id"]: r for r in json.loads((local.job_dir("torn") / "instances.json").read_text())}
     assert rows[writer]["detached_at"] is not None and rows[writer]["ended_at"] < reclaim_at, rows[writer]
+    assert rows[writer]["reason"] == "detached, then ended by its agent", rows[writer]
+    assert left["ts"] <= rows[writer]["shutdown_at"] == rows[writer]["ended_at"], rows[writer]
     assert len(local.processes()) == 1  # etcd only

@@ -1,7 +1,7 @@
 """The local reconciler driven through the CLI with a stub agent (a process that only sleeps and leaves on
-SIGTERM), so capacity behaviour is checked fast and apart from the agent's: the stub and the readers that
-tests/providers/local/test_reconciler.py and tests/providers/local/test_detach.py share (the `stub`
-fixture is conftest's)."""
+SIGTERM, after STUB_TERM_DELAY seconds when the job's env sets it), so capacity behaviour is checked fast
+and apart from the agent's: the stub and the readers that tests/providers/local/test_reconciler.py and
+tests/providers/local/test_detach.py share (the `stub` fixture is conftest's)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def say(event, **kw):
     print(json.dumps({"ts": time.time(), "event": event, "node": cfg["node_id"], **kw}), flush=True)
 def leave(*_):
     say("stub.sigterm")
+    time.sleep(float(cfg["job"]["env"].get("STUB_TERM_DELAY", 0)))  # a teardown that takes a while
     sys.exit(0)
 signal.signal(signal.SIGTERM, leave)
 say("stub.started", imds=cfg["imds_endpoint"], work_dir=cfg["work_dir"],

@@ -87,6 +87,21 @@ class Fleet:
         inst.ref.signal(signal.SIGTERM)
         self.events.emit("instance.terminating", instance=inst.id, reason=reason)
 
+    def power_off(self, inst: Instance, reason: str, at: float, now: float) -> None:
+        """The instance asked to end at `at` (it is detached and its agent has left): billed until then,
+        as EC2 stops billing an instance that is shutting down (`instance.shutting_down`). Its agent,
+        still tearing down, gets SIGTERM and `stop_grace` before its group is SIGKILLed, as a host's
+        power-off gives its services; `instance.terminated` follows when it exits."""
+        if not inst.has_process:
+            inst.reason, inst.shutdown_at = reason, at
+            self.ended(inst, None, at)
+            return
+        inst.state, inst.reason, inst.shutdown_at, inst.ended_at = "terminating", reason, at, at
+        self.deadlines[inst.id] = now + self.stop_grace
+        inst.ref.signal_group(signal.SIGCONT)
+        inst.ref.signal(signal.SIGTERM)
+        self.events.emit("instance.shutting_down", instance=inst.id, reason=reason, asked_at=round(at, 3))
+
     def exited(self) -> list[tuple[Instance, int]]:
         """Instances whose agent exited since the last call, with its exit code; whatever it left in its
         group (workers that outlived it) is killed with it. The caller records why (`ended`)."""
@@ -103,7 +118,9 @@ class Fleet:
         return out
 
     def ended(self, inst: Instance, code: int | None, now: float) -> None:
-        inst.state, inst.ended_at, inst.returncode = "terminated", now, code
+        """Recorded as terminated; billed until now, or until it asked to end (`power_off`)."""
+        inst.state, inst.returncode = "terminated", code
+        inst.ended_at = now if inst.shutdown_at is None else inst.shutdown_at
         self.events.emit("instance.terminated", instance=inst.id, reason=inst.reason, returncode=code)
 
     def escalate(self, now: float) -> None:

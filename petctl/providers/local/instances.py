@@ -53,7 +53,9 @@ class Instance:
     Billed from `launched_at` (the provider launched it) to `ended_at` (terminated or reclaimed). A
     replacement boots first (`state` "booting", no process yet: `pid` 0) until `boot_until`; its agent
     starts at `booted_at`. `detached_at`: it left the group's count (the local DetachInstances) and runs on
-    until it exits by itself or is reclaimed."""
+    until it exits by itself or is reclaimed. `shutdown_at`: a detached instance asked to end (the local
+    power-off); its billing ended then, as EC2's does once an instance is shutting down, while its agent
+    finished exiting."""
 
     id: str
     pid: int
@@ -67,6 +69,7 @@ class Instance:
     boot_until: float | None = None  # a booting instance's agent starts at this time
     replaces: str = ""  # the instance this one was launched to replace ("" for a scale-up or the start)
     detached_at: float | None = None  # when it was detached from the group (None: never)
+    shutdown_at: float | None = None  # when it asked to end itself (`Fleet.power_off`): billed until then
 
     @property
     def ref(self) -> ProcRef:

@@ -15,6 +15,13 @@ and the tests run. Per instance `<iid>`, under `http://127.0.0.1:<port>/<iid>`:
                                                     {"detached": true}, the same again on a repeat; 404
                                                     for an instance the reconciler does not know (or
                                                     when no reconciler serves detach)
+    POST latest/petctl/end                          (token required, else 401; not an EC2 path) the local
+                                                    power-off of a detached instance (on EC2 the host
+                                                    powers off, and shutting down ends the billing): the
+                                                    reconciler ends the instance's billing now and stops
+                                                    its process; 200 {"ending": true}, the same again on a
+                                                    repeat; 404 for an instance it does not know, or one
+                                                    still in the group (the group ends that one)
 
 Notices are files `<notices_dir>/<iid>.json` = {"kind": "spot"|"asg", "time": <unix ts of the kill>},
 written by the chaos command; the reconciler enforces the kill. A rebalance recommendation is
@@ -82,11 +89,14 @@ class LocalMetadataServer:
     """Serves IMDSv2 paths for every local instance from one loopback port, on a background thread."""
 
     def __init__(self, notices_dir: Path, host: str = "127.0.0.1", port: int = 0,
-                 on_detach: Callable[[str], bool] | None = None) -> None:
+                 on_detach: Callable[[str], bool] | None = None,
+                 on_end: Callable[[str], bool] | None = None) -> None:
         """`on_detach(iid)`: the reconciler detaches `iid` (called on a server thread); True when it
-        knows the instance (and will detach it, or has already)."""
+        knows the instance (and will detach it, or has already). `on_end(iid)`: the reconciler ends the
+        detached instance `iid`; True when it will (or has already)."""
         self.notices_dir = Path(notices_dir)
         self.on_detach = on_detach
+        self.on_end = on_end
         self.host = host
         self.port = port
         self.tokens = _Tokens()
@@ -196,14 +206,18 @@ class _Handler(BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
         route = self._route()
-        if route is None or route[1].rstrip("/") != "petctl/detach":
+        actions = {"petctl/detach": (self.owner.on_detach, "detached"),
+                   "petctl/end": (self.owner.on_end, "ending")}
+        action = actions.get(route[1].rstrip("/")) if route is not None else None
+        if route is None or action is None:
             return self._reply(404, "Not Found")
         instance_id = route[0]
         if not self.owner.tokens.valid(instance_id, self.headers.get(TOKEN_HEADER)):
             return self._reply(401, "Unauthorized")
-        if self.owner.on_detach is None or not self.owner.on_detach(instance_id):
+        call, answer = action
+        if call is None or not call(instance_id):
             return self._reply(404, "Not Found")
-        return self._reply(200, json.dumps({"detached": True}), "application/json")
+        return self._reply(200, json.dumps({answer: True}), "application/json")
 
     def do_GET(self) -> None:  # noqa: N802
         self.owner.requests += 1

@@ -90,14 +90,14 @@ def plan_launches(counted: int, desired: int, owed: list[str], live_total: int, 
     return Launches(replacements=now, fresh=deficit - len(owed), owed=owed[len(now):])
 
 
-def start_metadata_server(notices: Path, on_detach=None):
-    """The local instance metadata endpoint (spot notices, detach), when that module is available."""
+def start_metadata_server(notices: Path, on_detach=None, on_end=None):
+    """The local instance metadata endpoint (spot notices, detach, end), when that module is available."""
     try:
         from petctl.providers.local.metadata_server import LocalMetadataServer
     except ImportError:
         return None
     notices.mkdir(parents=True, exist_ok=True)
-    server = LocalMetadataServer(notices, on_detach=on_detach)
+    server = LocalMetadataServer(notices, on_detach=on_detach, on_end=on_end)
     server.start()
     return server
 
@@ -122,6 +122,7 @@ class Reconciler:
         self.owed: list[str] = []  # lost or detached instances whose replacement is not launched yet
         self._detach_lock = threading.Lock()
         self._detach_requests: list[str] = []  # from the metadata endpoint's thread, taken at each tick
+        self._end_requests: dict[str, float] = {}  # the same: instance -> when it asked to end
         self.desired = spec.size
         self.quick_failures = 0
         self.failure = ""  # why the reconciler itself ends the job as failed ("" while it does not)
@@ -137,7 +138,8 @@ class Reconciler:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, self._on_sigterm)
         try:
-            self.metadata = start_metadata_server(self.job.notices, on_detach=self.request_detach)
+            self.metadata = start_metadata_server(self.job.notices, on_detach=self.request_detach,
+                                                  on_end=self.request_end)
         except OSError as e:  # no spot notices then, but the job itself can still run
             self.events.emit("reconciler.imds_unavailable", error=str(e))
         self.events.emit("reconciler.started", pid=os.getpid(), desired=self.desired,
@@ -163,6 +165,7 @@ class Reconciler:
 
     def tick(self, now: float) -> None:
         self.take_detaches(now)
+        self.take_ends(now)
         self.reap(now)
         self.fleet.boot(now)
         self.enforce_notices(now)
@@ -196,9 +199,34 @@ class Reconciler:
             self.owed.append(iid)
             self.events.emit("instance.detached", instance=iid, desired=self.desired)
 
+    # --- end: a detached instance ends itself (the local power-off) -----------------------------------
+    def request_end(self, iid: str) -> bool:
+        """The metadata endpoint's callback (its own thread): end the detached instance `iid` at the next
+        tick, billed until now. True when it is ours and detached (or its detach is asked for), live or
+        ended already (idempotent); False for one still in the group: as on AWS, the group ends that one."""
+        inst = self.fleet.instances.get(iid)
+        with self._detach_lock:  # a detach asked for is taken before the end, at the same tick
+            if inst is None or not (inst.detached or iid in self._detach_requests):
+                return False
+            self._end_requests.setdefault(iid, time.time())
+        return True
+
+    def take_ends(self, now: float) -> None:
+        """End what asked to end: billed until the request (EC2 stops billing once an instance is
+        shutting down), its agent stopped as a host's power-off stops it. Taken before the reclaims are
+        enforced, so an instance that asked before its reclaim time is not reclaimed."""
+        with self._detach_lock:
+            asked, self._end_requests = self._end_requests, {}
+        for iid, at in asked.items():
+            inst = self.fleet.instances.get(iid)
+            if inst is not None and inst.live:
+                self.fleet.power_off(inst, "detached, then ended by its agent", at, now)
+
     def reap(self, now: float) -> None:
         for inst, code in self.fleet.exited():
-            if inst.detached:  # it ends itself after leaving (or is reclaimed): not a loss
+            if inst.shutdown_at is not None:  # it asked to end: its reason and billing were set then
+                pass
+            elif inst.detached:  # it ends itself after leaving (or is reclaimed): not a loss
                 inst.reason = f"detached, then {self.reclaimed.get(inst.id) or _describe_exit(code)}"
             elif inst.state != "terminating":
                 inst.reason = self._loss_reason(inst, code)

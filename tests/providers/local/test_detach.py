@@ -1,7 +1,8 @@
 """Issue 43 on the local provider: a replacement is launched at once and boots `--replace-delay` seconds
-(billed from launch), and an instance may detach itself from its group (the local DetachInstances):
-the endpoint's contract, the reconciler's launch decisions, and both through a running reconciler with a
-stub agent (a process that only sleeps and leaves on SIGTERM)."""
+(billed from launch), an instance may detach itself from its group (the local DetachInstances), and a
+detached instance may end itself (the local power-off: billed until it asks, as EC2 bills until an
+instance is shutting down): the endpoint's contract, the reconciler's launch decisions, and both through a
+running reconciler with a stub agent (a process that only sleeps and leaves on SIGTERM)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from petctl.agent.imds import request_detach
+from petctl.agent.imds import request_detach, request_end
 from petctl.providers.local.metadata_server import LocalMetadataServer
 from petctl.providers.local.reconciler import plan_launches
 from tests.support.cli import Petctl
-from tests.support.localstub import instance_rows, reconciler_events, start, wait_hosts
+from tests.support.localstub import instance_events, instance_rows, reconciler_events, start, wait_hosts
 
 
 # --- the reconciler's launch decisions (pure) -------------------------------------------------------
@@ -84,6 +85,24 @@ def test_detach_needs_the_instances_own_token_and_is_idempotent(tmp_path: Path) 
         assert request_detach(base) is True
         assert request_detach(b) is False
     assert asked == ["i-a", "i-a", "i-b", "i-a", "i-b"]
+
+
+def test_end_needs_the_instances_own_token_and_the_reconcilers_yes(tmp_path: Path) -> None:
+    detached = {"i-a"}  # the reconciler ends a detached instance only: the group ends the others
+
+    with LocalMetadataServer(tmp_path / "notices", on_detach=lambda iid: True,
+                             on_end=lambda iid: iid in detached) as server:
+        base, b = server.endpoint_for("i-a"), server.endpoint_for("i-b")
+        url = base + "/latest/petctl/end"
+        assert _post(url, {})[0] == 401
+        assert _post(url, {"X-aws-ec2-metadata-token": _token(b)})[0] == 401
+        tok = _token(base)
+        assert _post(url, {"X-aws-ec2-metadata-token": tok}) == (200, '{"ending": true}')
+        assert request_end(base) is True and request_end(base) is True
+        assert request_end(b) is False  # not detached: refused, never raised
+    with LocalMetadataServer(tmp_path / "notices") as server:  # no reconciler behind it: as on EC2, 404
+        assert request_end(server.endpoint_for("i-a")) is False
+    assert request_end("http://127.0.0.1:9/i-a", timeout=0.5) is False
 
 
 def test_detach_without_a_reconciler_or_an_endpoint_is_false(tmp_path: Path) -> None:
@@ -185,3 +204,40 @@ def test_a_detached_instance_with_a_notice_is_reclaimed_at_its_time_and_not_repl
     launched = reconciler_events(stub, "spot", "instance.launched")
     assert len(launched) == 2 and launched[1]["replaces"] == victim and launched[1]["ts"] < reclaim_at
     stub.run("kill_job", "spot")
+
+
+def test_a_detached_instance_that_ends_itself_is_billed_until_it_asks_and_never_reclaimed(
+        stub: Petctl) -> None:
+    """The agent's flow after a notice's save: detach, leave, then end its instance. Its agent's teardown
+    (here the stub's 4 s after SIGTERM) runs past the reclaim time; the instance is billed until its
+    request, as EC2 stops billing once an instance is shutting down, and the reclaim never comes."""
+    start(stub, "end", "--size", "1", "--replace-delay", "0.5", "--env", "STUB_TERM_DELAY=4")
+    (victim,) = [r["host_id"] for r in wait_hosts(stub, "end", lambda rows: len(rows) == 1
+                                                  and rows[0]["state"] == "running")]
+    imds = _imds(stub, "end", victim)
+    assert request_end(imds) is False  # still in its group: the group ends it, not itself
+    stub.run("chaos", "end", "--node", victim, "--notice", "--grace", "3")
+    reclaim_at = json.loads((stub.job_dir("end") / "notices" / f"{victim}.json").read_text())["time"]
+    assert request_detach(imds) is True
+    asked = time.time()
+    assert request_end(imds) is True
+    (sigterm,) = _wait(lambda: instance_events(stub, "end", victim, "stub.sigterm"), 5)
+    assert sigterm["ts"] - asked < 2.0  # stopped as a power-off stops a host's services
+    wait_hosts(stub, "end", lambda rows: {r["host_id"]: r["state"] for r in rows}.get(victim) == "terminated")
+    row = instance_rows(stub, "end")[victim]
+    assert row["reason"] == "detached, then ended by its agent"
+    assert asked <= row["shutdown_at"] == row["ended_at"] < asked + 1.0 < reclaim_at
+    (ended,) = [e for e in reconciler_events(stub, "end", "instance.terminated") if e["instance"] == victim]
+    assert ended["ts"] >= reclaim_at  # the process outlived the reclaim time, and was not reclaimed:
+    assert not reconciler_events(stub, "end", "instance.reclaimed")
+    (shutting,) = reconciler_events(stub, "end", "instance.shutting_down")
+    assert shutting["instance"] == victim
+    stub.run("kill_job", "end")
+
+
+def _wait(read, timeout: float):
+    deadline = time.monotonic() + timeout
+    while not (found := read()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return found
