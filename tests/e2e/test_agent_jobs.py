@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.support.agent_harness import WORKLOADS, AgentCluster, dump, make_spec, wait_for
+from tests.support.agent_harness import WORKLOADS, AgentCluster, dump, make_spec, wait_for, wait_ready
 
 pytestmark = pytest.mark.slow
 _names = itertools.count()
@@ -94,6 +94,7 @@ def test_killed_node_reforms_smaller_then_grows_back(cluster_factory):
     # A replacement instance joins: the job grows back to 3.
     t_join = time.time()
     newcomer = cluster.start()
+    wait_ready([newcomer])  # its imports, at the machine's speed; then the join, at the product's
     st3 = wait_for(frozen_world(cluster, 3), 20, what="world of 3 after replacement")
     assert newcomer.node_id in st3.ranks and st3.ranks[rank0] == 0
     wait_for(lambda: trained_at(cluster, newcomer.node_id, 3, t_join), 30, what="newcomer trains")

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from petctl.io import controlfiles
-from tests.support.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for
+from tests.support.agent_harness import AgentCluster, AgentProc, dump, make_spec, wait_for, wait_ready
 from tests.support.netns import NetLab, Slot, netns_available
 from tests.support.partition_checks import CKPT_EVERY, STEPS, Outcome, workload_env
 
@@ -63,6 +63,7 @@ class PartitionJob:
     def start_three(self) -> tuple[AgentProc, AgentProc, AgentProc]:
         """The namespaced node first (it joins first, so it is rank 0), then two in the root namespace."""
         ns_node = self.start_namespaced()
+        wait_ready([ns_node])
         wait_for(lambda: ns_node.events("rendezvous.joined"), 30, what="the namespaced node's join")
         return ns_node, self.start_host(), self.start_host()
 
@@ -101,7 +102,8 @@ def job(tmp_path: Path) -> Iterator[PartitionJob]:
 def test_sanity_three_nodes_one_namespaced_train_to_exact_weights(job: PartitionJob) -> None:
     """No cut: the namespaced node is rank 0 and the master; the others reach it over the veth."""
     ns_node, a, b = job.start_three()
-    st = wait_for(lambda: (s := job.cluster.state()).world_size == 3 and s, 60, what="a world of 3")
+    wait_ready([a, b])  # their imports, at the machine's speed; then the join, at the product's
+    st = wait_for(lambda: (s := job.cluster.state()).world_size == 3 and s, 30, what="a world of 3")
     assert st.ranks[ns_node.node_id] == 0 and {st.ranks[a.node_id], st.ranks[b.node_id]} == {1, 2}
     # Midway, a fence as the agent writes it on rank 0's node: commits stop (training does not), and
     # start again once it is lifted.
@@ -138,7 +140,8 @@ def test_sanity_three_nodes_one_namespaced_train_to_exact_weights(job: Partition
 @pytest.mark.timeout(420)
 def test_partitioned_node_is_dropped_and_fences_itself(job: PartitionJob) -> None:
     ns_node, a, b = job.start_three()
-    st = wait_for(lambda: (s := job.cluster.state()).world_size == 3 and s, 60, what="a world of 3")
+    wait_ready([a, b])  # their imports, at the machine's speed; then the join, at the product's
+    st = wait_for(lambda: (s := job.cluster.state()).world_size == 3 and s, 30, what="a world of 3")
     assert st.ranks[ns_node.node_id] == 0
     a, b = sorted((a, b), key=lambda n: st.ranks[n.node_id])  # a: rank 1, b: rank 2
     # Cut once a few checkpoints are committed, in the middle of the job.

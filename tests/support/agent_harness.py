@@ -37,6 +37,12 @@ class AgentProc:
                 out.append(record)
         return out
 
+    def ready(self) -> bool:
+        """Done getting ready to train (workers warmed: torch imported; the checkpoint prefetched), which
+        an agent does before it registers: at this machine's speed, not the rendezvous's."""
+        return any("round" not in e for e in self.events("workers.warm_ready")) \
+            or bool(self.events("rendezvous.joined"))
+
     def signal_group(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
@@ -137,6 +143,18 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.1
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}; last={last!r}")
+
+
+# How long agents may take to get ready on this machine: torch's import alone took 14 s for each of two
+# agents on a 2-core box at twice CI's load, and more beside a third. A bound on the box, not the product:
+# a test times the product from here (`wait_ready`, then its own bound on the join).
+READY_BOUND = 180.0
+
+
+def wait_ready(agents: Sequence[AgentProc], timeout: float = READY_BOUND) -> None:
+    """Wait until every one of `agents` is ready to train (`AgentProc.ready`)."""
+    wait_for(lambda: all(a.ready() for a in agents), timeout,
+             what=f"{', '.join(a.node_id for a in agents)} ready to train")
 
 
 def dump(value: Any) -> str:
