@@ -196,12 +196,15 @@ def test_the_trainer_saves_and_stops_at_the_flag_and_resumes_after_it(control: P
 
     stops: list[bool] = []
     assert train() == 3 and stops == [True]  # stopped at the flag's step
+    first = _stdout_events(capsys)
+    (saved,) = [e for e in first if e["event"] == "checkpoint.saved"]
+    assert saved["step"] == 3 and 0 < saved["seconds"] < 60, saved  # timed: a notice's hand-off plans with it
     assert last_checkpoint(out) == str(out / "checkpoint-3")
     assert controlfiles.read_saved(control) == {0: 3}
     for name in os.listdir(control):
         (control / name).unlink()
     assert train() == 6 and stops == [True, False]  # resumed at step 4, ran to the end
-    steps = [e["step"] for e in _stdout_events(capsys) if e["event"] == "train.step"]
+    steps = [e["step"] for e in first + _stdout_events(capsys) if e["event"] == "train.step"]
     assert steps == [1, 2, 3, 4, 5, 6]  # no step twice: 0 redone
 
 
@@ -245,13 +248,16 @@ def test_lightning_saves_and_stops_at_the_flag_and_resumes_after_it(control: Pat
     stops: list[bool] = []
     assert last_checkpoint(root) is None
     assert fit() == 3 and stops == [True]
+    first = _stdout_events(capsys)
+    (saved,) = [e for e in first if e["event"] == "checkpoint.saved"]
+    assert saved["step"] == 3 and 0 < saved["seconds"] < 60, saved  # timed: a notice's hand-off plans with it
     assert last_checkpoint(root) == str(root / "checkpoints" / "last.ckpt")
     assert torch.load(last_checkpoint(root), weights_only=False)["global_step"] == 3
     assert controlfiles.read_saved(control) == {0: 3}
     for name in os.listdir(control):
         (control / name).unlink()
     assert fit() == 6 and stops == [True, False]
-    steps = [e["step"] for e in _stdout_events(capsys) if e["event"] == "train.step"]
+    steps = [e["step"] for e in first + _stdout_events(capsys) if e["event"] == "train.step"]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 

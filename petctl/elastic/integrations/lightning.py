@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -363,6 +364,7 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
         self.dirpath = dirpath
         self.data = data
         self._reported_step: int | None = None  # the last step a checkpoint.saved line was written for
+        self._dumped: tuple[int, float] | None = None  # a save under way: (its step, monotonic start)
         self._step_seen: int | None = None  # global_step at the last step end (optimizer_step_ended)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -407,8 +409,9 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
         if action is Action.NONE:
             return
         path = self.path(trainer)
+        began = time.monotonic()
         trainer.save_checkpoint(path)  # collective: every rank calls it at this step
-        self.protocol.saved(step, path)
+        self.protocol.saved(step, path, seconds=time.monotonic() - began)
         self._reported_step = step  # a ModelCheckpoint save at this step is the same state: not again
         if action is Action.STOP:
             trainer.should_stop = True
@@ -418,11 +421,26 @@ class PetctlCallback(ProtocolCallback, LightningSnapshotMixin, LightningDataMixi
         # line per step: ModelCheckpoint(save_last=True) saves a step twice (its file and last.ckpt).
         if self.capturing:  # an in-memory snapshot's dump, not a save
             return
+        # The file is written after this hook returns: the line waits for the next batch (or the end),
+        # so it says the save is done and how long it took, which a spot notice's hand-off plans with.
         step = trainer.global_step
         if (self.protocol is not None and self.protocol.pending is Action.NONE and trainer.global_rank == 0
                 and step != self._reported_step):
             self._reported_step = step
-            self.protocol.events.emit("checkpoint.saved", step=step, reason="periodic")
+            self._dumped = (step, time.monotonic())
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._report_dumped()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._report_dumped()
+
+    def _report_dumped(self) -> None:
+        """The `checkpoint.saved` line of a save (ModelCheckpoint's) that has finished writing since."""
+        if self._dumped is not None and self.protocol is not None:
+            (step, began), self._dumped = self._dumped, None
+            self.protocol.events.emit("checkpoint.saved", step=step, reason="periodic",
+                                      seconds=round(time.monotonic() - began, 3))
 
 
 def check_shared(directory: Path, environ: dict[str, str] | None = None) -> None:

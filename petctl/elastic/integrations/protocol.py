@@ -117,9 +117,11 @@ class SaveNowProtocol:
             self.pending, self._asked_at = Action.PERIODIC, time.monotonic()
         return self.pending
 
-    def saved(self, step: int, where: str) -> None:
-        """The framework's checkpoint of `step` is written on this rank (at `where`). Collective when
-        `step_end` asked for the save (every rank calls it then); raises what the barrier raises."""
+    def saved(self, step: int, where: str, seconds: float | None = None) -> None:
+        """The framework's checkpoint of `step` is written on this rank (at `where`), in `seconds` when the
+        callback timed it: the `checkpoint.saved` line carries it, and a spot notice's hand-off plans its
+        save with it (agent/notices.py; without a save time the noticed node hands off at once). Collective
+        when `step_end` asked for the save (every rank calls it then); raises what the barrier raises."""
         action, self.pending = self.pending, Action.NONE
         if self.auto is not None and action in (Action.PERIODIC, Action.NONE):
             stall = time.monotonic() - self._asked_at if self._asked_at is not None else 0.0
@@ -129,7 +131,8 @@ class SaveNowProtocol:
         if action not in (Action.NONE, Action.PERIODIC):
             self.comm.barrier()  # every rank's part of the save is on disk before anyone reports it
         if self.comm.rank == 0:
-            self.events.emit("checkpoint.saved", step=step, url=where, reason=SAVE_REASONS[action])
+            timed = {"seconds": round(seconds, 3)} if seconds is not None else {}
+            self.events.emit("checkpoint.saved", step=step, url=where, reason=SAVE_REASONS[action], **timed)
         if self.monitor is None:
             return
         if action is Action.STOP:

@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -391,6 +392,7 @@ class PetctlCallback(ProtocolCallback, HFSnapshotMixin, HFDataMixin, TrainerCall
     def __init__(self, check_every: int = 1, every: str | None = None, data: bool = True) -> None:
         super().__init__(check_every, every)
         self.data = data
+        self._step_ended: float | None = None  # monotonic: our latest on_step_end (a save's start)
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = find_trainer(self)
@@ -425,11 +427,17 @@ class PetctlCallback(ProtocolCallback, HFSnapshotMixin, HFDataMixin, TrainerCall
             control.should_save = True
         if action is Action.STOP:
             control.should_training_stop = True
+        self._step_ended = time.monotonic()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The Trainer saves right after the step's callbacks (`_maybe_log_save_evaluate`), then calls this:
+        # the time since our `on_step_end` is the save's (an evaluation at the same step counts in it, so
+        # a notice's hand-off plans with a little more than the save, never less).
         if self.protocol is not None:
             where = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            self.protocol.saved(state.global_step, where)
+            ended, self._step_ended = self._step_ended, None
+            self.protocol.saved(state.global_step, where,
+                                seconds=time.monotonic() - ended if ended is not None else None)
 
 
 def _rounded(value: float | None) -> float | None:
