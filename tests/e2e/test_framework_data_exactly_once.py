@@ -4,14 +4,15 @@ every epoch exactly once while the world changes size, and a kill re-reads only 
 Each job runs a script as the framework's docs show it (tests/workloads/hf_data.py: `get_last_checkpoint`
 before the Trainer is built; lightning_data.py: `fit(ckpt_path="last")`), `callbacks=[PetctlCallback()]`,
 gradient accumulation of 2, a dataset of 41 samples (an epoch every 3-10 steps), and a sample ledger: rank
-0 records the dataset indices every rank read at each optimizer step. On the local provider (min 1, max 3,
-no replacement): world 2, a scale-up to 3, a SIGKILL of rank 2's node (world 2), a spot notice on rank 1's
-node (world 1), each in the middle of an epoch, and the job runs on to its last step.
+0 records the dataset indices every rank read at each optimizer step. On the local provider (min 1, max 3):
+world 2, a scale-up to 3, a spot notice on rank 2's node (its replacement takes its place: world 3), a
+scale-down to 2, and a SIGKILL of rank 1's node (world 1; its replacement is scaled away before it can
+join), each in the middle of an epoch, and the job runs on to its last step.
 
 The ledger's kept steps, put in global order, must hold each epoch's 41 indices exactly once. The planned
-changes (scale-up, notice) redo nothing; the kill redoes at most one step (the in-memory snapshot, found
-through the framework's own resume), and the redone records must be exactly the samples the next round
-read again at the same positions: nothing else is read twice.
+changes (scale-up, notice, scale-down) redo nothing; the kill redoes at most one step (the in-memory
+snapshot, found through the framework's own resume), and the redone records must be exactly the samples
+the next round read again at the same positions: nothing else is read twice.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 # Padded steps while the world changes (0.1 s, then 0.5 s from the scale-up on: a joiner imports torch for
 # 10 s or more while the others train on), then unpadded at world 1: the tiny model's steps take ms.
-STEPS = 400
+STEPS = 800
 STEP_TIME = 0.1
 
 
@@ -55,7 +56,7 @@ def node_of(cli: Petctl, job: str, rank: int) -> str:
     return node
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize(("job", "script"), [("hfdata", "hf_data.py"), ("pldata", "lightning_data.py")],
                          ids=["transformers", "lightning"])
 def test_every_sample_once_per_epoch_across_world_changes(local: Petctl, tmp_path: Path,
@@ -64,21 +65,28 @@ def test_every_sample_once_per_epoch_across_world_changes(local: Petctl, tmp_pat
     ledger_dir = tmp_path / "ledger"
     ledger_dir.mkdir()
     local.env["PETCTL_SNAPSHOT_ROOT"] = str(snapshot_root)
-    local.run("run_job", "--name", job, "--min", "1", "--max", "3", "--size", "2", "--replace-delay", "600",
+    local.run("run_job", "--name", job, "--min", "1", "--max", "3", "--size", "2", "--replace-delay", "1",
               *FAST, "--env", f"LEDGER_DIR={ledger_dir}", "--wait", "--wait-timeout", "120",
               str(WORKLOADS / script), "--", "--steps", str(STEPS), "--save-steps", "10",
               "--step-time", str(STEP_TIME))
     wait_until(lambda: steps_at(ledger_dir, 2) >= 3, 120, "3 steps at world 2", every=0.05)
-    slow_padding(ledger_dir)  # the joiner imports for 10 s or more: tens of steps, not hundreds
+    slow_padding(ledger_dir)  # a joiner imports for 10 s or more: tens of steps, not hundreds
     local.run("scale", job, "--size", "3")
     wait_until(lambda: steps_at(ledger_dir, 3) >= 3, 120, "3 steps at world 3", every=0.05)
+    # AWS's two minutes: the noticed node trains on until its replacement is ready, then hands off to it.
+    noticed_round = last_round(ledger_dir)
+    local.run("chaos", job, "--node", node_of(local, job, 2), "--notice", "--grace", "120")
+    wait_until(lambda: steps_at(ledger_dir, 3, after_round=noticed_round) >= 3, 150,
+               "3 steps at world 3 after the hand-off", every=0.05)
+    handed_round = last_round(ledger_dir)
+    local.run("scale", job, "--size", "2")
+    wait_until(lambda: steps_at(ledger_dir, 2, after_round=handed_round) >= 3, 120,
+               "3 steps at world 2 after the scale-down", every=0.05)
     killed_round = last_round(ledger_dir)
-    local.run("chaos", job, "--node", node_of(local, job, 2), "--kill")
-    wait_until(lambda: steps_at(ledger_dir, 2, after_round=killed_round) >= 3, 120,
-               "3 steps at world 2 again", every=0.05)
-    # 10 s of grace: the noticed node trains on until ~6.5 s in, then hands off (agent/notices.py); with
-    # 30 s, the job's last padded steps could end at world 2 before the hand-off.
-    local.run("chaos", job, "--node", node_of(local, job, 1), "--notice", "--grace", "10")
+    local.run("chaos", job, "--node", node_of(local, job, 1), "--kill")
+    # The group launches a replacement (booting 1 s, then importing for 10 s or more); a desired size of
+    # 1 ends it before it can join, so the job finishes at world 1.
+    local.run("scale", job, "--size", "1")
     wait_until(lambda: steps_at(ledger_dir, 1) >= 1, 120, "a step at world 1", every=0.05)
     end_padding(ledger_dir)
     info = local.wait_finished(job, timeout=120)
@@ -89,6 +97,7 @@ def test_every_sample_once_per_epoch_across_world_changes(local: Petctl, tmp_pat
     worlds = [w for i, w in enumerate(e["world"] for e in ledger.of("step"))
               if i == 0 or w != ledger.of("step")[i - 1]["world"]]
     assert worlds == [2, 3, 2, 1], story
+    assert len({e["round"] for e in ledger.of("step") if e["world"] == 3}) >= 2, story  # the hand-off's
 
     # Every epoch's samples exactly once, across four worlds and many epoch boundaries.
     stream = ledger.stream()
@@ -106,7 +115,7 @@ def test_every_sample_once_per_epoch_across_world_changes(local: Petctl, tmp_pat
     # The world changed mid-epoch (where a per-rank cut repeats or skips samples): steps read multiples of
     # 4 samples and an epoch is 41, so a resume lands on an epoch's start 1 time in 41.
     resumed = [(e["step"], e["offset"]) for e in local.events(job, "data.resumed") if e["step"] > 0]
-    assert len(resumed) == 3 and any(offset for _, offset in resumed), (resumed, story)
+    assert len(resumed) == 4 and any(offset for _, offset in resumed), (resumed, story)
     print(json.dumps({"rounds": story, "samples": len(stream), "redone": [e["step"] for e in redone],
                       "resumed": resumed, "loaded": [(e.get("source"), e.get("step"))
                                                      for e in local.events(job, "checkpoint.loaded")]}))

@@ -20,7 +20,8 @@ from petctl.agent.snapshots import sweep
 from petctl.io.eventlog import EventLog
 from tests.support.cli import Petctl
 from tests.support.matrix import FAST, wait_until
-from tests.support.userledger import UserLedger, end_padding
+from tests.support.userledger import UserLedger, end_padding, slow_padding
+from tests.workloads.padding import SLOWED_STEP
 
 WARM_WAIT = 45.0
 
@@ -83,9 +84,14 @@ def run_and_kill_one(local: Petctl, drill: Drill, ledger_dir: Path, snapshot_roo
     kill_at = (UserLedger.read(ledger_dir).last_step(world=3) or 0) + offset
     why = f"seed {seed}: SIGKILL of rank {victim_rank}'s node at step {kill_at}"
     assert kill_at < drill.steps - drill.margin, f"{why}: the job got too far before the kill"
-    wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= kill_at, 180,
+    wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= kill_at - 2, 180,
+               f"step {kill_at - 2} at world 3 ({why})", every=0.02)
+    # The two CLI calls that deliver the kill take seconds on a loaded box: 40 steps or more at 0.05 s,
+    # time enough for a job to finish first. Steps of SLOWED_STEP from here (`finish` ends the padding).
+    slow_padding(ledger_dir)
+    wait_until(lambda: (UserLedger.read(ledger_dir).last_step(world=3) or -1) >= kill_at, 60,
                f"step {kill_at} at world 3 ({why})", every=0.02)
-    time.sleep(rng.uniform(0, drill.step_time))
+    time.sleep(rng.uniform(0, SLOWED_STEP))
     (victim,) = [node for node, rank in local.status(drill.job)["ranks"].items() if rank == victim_rank]
     t_kill = time.time()
     local.run("chaos", drill.job, "--node", victim, "--kill")
