@@ -168,7 +168,8 @@ class Fleet:
             inst = self.instances[iid]
             inst.ref.signal_group(signal.SIGKILL)
             code = proc.wait()
-            inst.reason = inst.reason if inst.reason == "scale-in" else f"job {job_state}"
+            ending = inst.reason == "scale-in" or inst.shutdown_at is not None  # its end was asked already
+            inst.reason = inst.reason if ending else f"job {job_state}"
             self.ended(inst, code, now)
         self.procs.clear()
         self.persist()
