@@ -193,7 +193,8 @@ def test_spot_notice_leaves_gracefully_before_the_reclaim(local: Petctl):
     while (row := recorded()) is None:
         assert time.monotonic() < deadline, "the reconciler never recorded why the instance ended"
         time.sleep(0.3)
-    assert row["reason"] == "detached, then exited with code 0" and row["ended_at"] < reclaim_at, row
+    assert row["reason"] == "detached, then ended by its agent" and row["ended_at"] < reclaim_at, row
+    assert row["detached_at"] <= row["shutdown_at"] == row["ended_at"], row  # billed until it asked to end
     assert not [e for e in local.json("events", "spot", "--all") if e["event"] == "instance.reclaimed"]
     local.wait_status("spot", lambda s: formed(2)(s) and victim not in s["ranks"], 30,
                       "the replacement in the job")

@@ -219,7 +219,8 @@ class Reconciler:
             asked, self._end_requests = self._end_requests, {}
         for iid, at in asked.items():
             inst = self.fleet.instances.get(iid)
-            if inst is not None and inst.live:
+            if inst is not None and inst.live:  # asked with its detach pending: not before that is taken
+                at = max(at, inst.detached_at or at)
                 self.fleet.power_off(inst, "detached, then ended by its agent", at, now)
 
     def reap(self, now: float) -> None:
