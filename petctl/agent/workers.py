@@ -36,7 +36,7 @@ from typing import IO
 
 from petctl.agent.forkserver import ForkedProc, ForkServer
 from petctl.agent.warm_worker import ENV_WARM_NICE, EXITING, READY, raise_priority
-from petctl.core.eventlog import parse_line
+from petctl.core.eventlog import parse_events
 from petctl.core.snapshotrecord import ENV_SNAPSHOT_DIR
 from petctl.core.spec import JobSpec
 from petctl.io.eventlog import EventLog
@@ -564,9 +564,9 @@ class WorkerGroup:
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace")
             self.output_at = time.monotonic()
-            record = parse_line(line)
+            records = parse_events(line)
             with self._out_lock:
-                keep = record is None and line.strip() and not (in_launcher and line.startswith("    "))
+                keep = not records and line.strip() and not (in_launcher and line.startswith("    "))
                 in_launcher = launcher_frame(line)
                 if keep and not in_launcher:
                     tail.append(line.rstrip()[:ERROR_LINE_CHARS])
@@ -575,10 +575,11 @@ class WorkerGroup:
                     self.out.flush()
                 except (ValueError, OSError):  # our stream is closed (shutting down): drop the line, but
                     pass  # keep draining the pipe so the worker never blocks on a full one
-            if record is not None and record.get("event") == EXITING:
-                self._exiting_at[local_rank] = time.monotonic()
-            if record is not None and self.on_event is not None:
-                self.on_event(record)
+            for record in records:
+                if record.get("event") == EXITING:
+                    self._exiting_at[local_rank] = time.monotonic()
+                if self.on_event is not None:
+                    self.on_event(record)
         proc.stdout.close()
 
     def exiting_since(self) -> float | None:

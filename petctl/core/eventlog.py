@@ -8,40 +8,57 @@ benchmark parse it back (`parse_line`), and nothing depends on log formatting el
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 EVENT_START = '{"ts":'  # how every line `petctl.io.eventlog.EventLog` writes begins
+_EVENT_START = re.compile(r'\{\s*"ts"\s*:')  # the same, or as `json.dumps` writes it by default
+_DECODER = json.JSONDecoder()
+
+
+def parse_events(line: str) -> list[dict[str, Any]]:
+    """Every event on this log line, in order; [] when it holds none (worker output, say).
+
+    An event may share its line with what else the same process wrote without a newline:
+    - a progress bar (tqdm, the Hugging Face Trainer's default) redraws itself with `\r` and no `\n` on
+      stderr, which the agent reads merged with stdout, so `\r 8%|...| 1/12{"ts": ...}` is one line there;
+    - another thread's event: Python's `print` writes the text and its newline apart, so a line the
+      script prints and the one petctl's background save writes can land as `{...}{...}` and one `\n`.
+    Losing those lines lost a round's first and last steps, and a save's `checkpoint.saved`. So each
+    object that starts like an event (`{"ts":`, with or without spaces) is read where it starts, and
+    one line may hold several."""
+    line = line.strip()
+    if '"event"' not in line:
+        return []
+    out: list[dict[str, Any]] = []
+    match = 0 if line.startswith("{") else _next_start(line, 0)
+    while match is not None:
+        try:
+            record, end = _DECODER.raw_decode(line, match)
+        except ValueError:
+            match = _next_start(line, match + 1)
+            continue
+        if isinstance(record, dict) and "event" in record and "ts" in record:
+            out.append(record)
+        match = _next_start(line, end)
+    return out
 
 
 def parse_line(line: str) -> dict[str, Any] | None:
-    """The event on this log line, or None if the line is not an event (worker output, say).
+    """The first event on this log line (`parse_events`), or None if it holds none."""
+    events = parse_events(line)
+    return events[0] if events else None
 
-    An event may share its line with what another stream of the same process wrote without a newline
-    just before it: a progress bar (tqdm, the Hugging Face Trainer's default) redraws itself with `\r`
-    and no `\n` on stderr, which the agent reads merged with stdout, so `\r 8%|...| 1/12{"ts": ...}`
-    is one line there. Every event this module writes starts with `{"ts":`, so the event is read from
-    there: losing those lines lost a round's first and last steps (its kept and lost steps)."""
-    line = line.strip()
-    if '"event"' not in line:
-        return None
-    if not line.startswith("{"):
-        start = line.find(EVENT_START)
-        if start < 0:
-            return None
-        line = line[start:]
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and "event" in record and "ts" in record else None
+
+def _next_start(line: str, pos: int) -> int | None:
+    found = _EVENT_START.search(line, pos)
+    return found.start() if found else None
 
 
 def parse_lines(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
-        record = parse_line(line)
-        if record is not None:
-            yield record
+        yield from parse_events(line)
 
 
 def dedupe(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from petctl.agent.reporting import Progress
 from petctl.agent.workers import WorkerGroup, WorkerSpec
-from petctl.core.eventlog import parse_line
+from petctl.core.eventlog import parse_events, parse_line, parse_lines
 from petctl.io.eventlog import EventLog
 from petctl.jobview.accounting import account
 
@@ -42,6 +42,20 @@ def test_a_step_line_glued_behind_a_progress_bar_is_still_an_event():
     nested = '{"ts":2,"event":"x","inner":{"ts":3,"event":"y"}}'
     assert parse_line("\r bar " + nested) == json.loads(nested)  # the first event start is the line's
     assert parse_line("\r 50%|#####     | 6/12") is None
+
+
+def test_two_events_glued_on_one_line_are_both_read():
+    """A script's own `print` (text, then the newline: two writes) and petctl's background save thread
+    can interleave: `{...}{...}` then one newline. Both are events (a rebalance's `checkpoint.saved` was
+    lost this way under load)."""
+    user = '{"ts": 1.5, "event": "train.step", "step": 35, "rank": 0}'  # json.dumps' default spacing
+    ours = '{"ts":1.6,"event":"checkpoint.saved","step":34,"seconds":0.005}'
+    assert parse_events(user + ours + "\n") == [json.loads(user), json.loads(ours)]
+    assert parse_line(user + ours) == json.loads(user)
+    assert parse_events("\r bar {not json} " + ours + " trailing") == [json.loads(ours)]
+    assert parse_events('{"ts": 1, "event": "a"}{"ts": broken') == [{"ts": 1, "event": "a"}]
+    assert list(parse_lines([user + ours, "plain output", ours])) == [json.loads(user), json.loads(ours),
+                                                                     json.loads(ours)]
 
 
 def test_the_round_summary_and_accounting_match_the_ledger_under_a_progress_bar(tmp_path: Path):
