@@ -1,19 +1,25 @@
-"""P9 on the agent's own code: N nodes of petctl's real rendezvous in one process, against one real etcd
-(issue 47).
+"""P9 on the agent's own code: N nodes of petctl's real rendezvous in one process or a few, against one
+real etcd (issue 47).
 
     python bench/fleetreal.py --nodes 8,16,32 --reps 3 --out bench/results/fleetreal.json
+    python bench/fleetreal.py --nodes 128,256 --procs 4 --reps 3   # the nodes dealt over 4 processes
 
 bench/fleet.py runs a model of the rendezvous; this runs the agent's code itself, each node as the
 agent builds it (agent/agent.py): its own `Store` session (`open_store`, as in production: on v3 its own
 gRPC channel and event loop), `StoreHealth`, `LeaseClasses`, `LiveWatcher`, `Heartbeat` and
 `EtcdRendezvous`, with the agent's timeouts. What it leaves out: workers, the round runner, the peer
 watch, the event sink and the status (none of them is on the path to ranked), and every node's own
-interpreter (they share this one: its imports are paid once, and its GIL is shared, which a host of
-its own would not share).
+interpreter (the nodes of a process share it: its imports are paid once, and its GIL is shared, which a
+host of its own would not share).
 
-Shared where production has one per process, and said so: on v3 every node's store runs on one asyncio
-loop thread of this process (gRPC's asyncio client serves one event loop per process; a loop per store
-fails when one closes), each store still with its own channel and session.
+Shared where production has one per process, and said so: on v3 every node's store in a process runs on
+that process's one asyncio loop thread (gRPC's asyncio client serves one event loop per process; a loop
+per store fails when one closes), each store still with its own channel and session.
+
+`--procs P` deals the nodes round-robin over P shard processes (spawned: a forked gRPC is unsafe). Each
+builds its nodes, then all start on one go from this process. Times are CLOCK_MONOTONIC, one clock for
+every process of the host. One process saturates between 64 and 128 nodes on 2 cores; more processes
+spread the client's work, but on 2 cores they still share them with etcd.
 
 Each node runs in a thread: it registers (`Heartbeat.start`: its key under `live/nodes/`, as the agent
 does before its rendezvous), starts its watch and calls `next_rendezvous`. The clock starts at the
@@ -21,7 +27,7 @@ first node's registration. Reported, per N:
 - `mass_join_s`: the first registration → the last (every node booting at once);
 - `ranking_s`: the last registration → every node knows its rank (`rendezvous.complete`);
 - `ranked_s`: the first registration → every node ranked (the sum);
-- requests per node to ranked (the agents' own count) and this process's CPU per node;
+- requests per node to ranked (the agents' own count) and the CPU per node of the processes that ran them;
 - `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
   keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
   bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
@@ -37,6 +43,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +118,25 @@ def build(spec: JobSpec, node_id: str) -> Node:
     return Node(node_id, kv, heartbeat, watcher, rdzv, stats, log=out)
 
 
+@dataclass(frozen=True)
+class NodeResult:
+    """What one node did, as a shard process sends it back (monotonic clock: one for every process of the
+    host, so shards compare)."""
+
+    node_id: str
+    registered: float | None
+    ranked: float | None
+    rank: int | None
+    longest_gap: float  # the longest stretch between two applied keep-alives (Heartbeat.longest_gap)
+    requests: int  # the node's own count of store requests to ranked (RequestStats)
+    error: str = ""
+
+    @classmethod
+    def of(cls, node: Node) -> NodeResult:
+        return cls(node.node_id, node.registered, node.ranked, node.rank, node.heartbeat.longest_gap,
+                   sum(node.stats.as_dict().values()), node.error)
+
+
 def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
     go.wait()
     try:
@@ -123,32 +149,111 @@ def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
         node.error = f"{type(e).__name__}: {e}"
 
 
-def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND,
-             timeout: float = 120.0) -> dict[str, Any]:
-    """One fleet of `n` nodes from start to every node ranked; the figures of the module docstring."""
-    name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
+def job_spec(endpoint: str, name: str, n: int, store: str) -> JobSpec:
+    """The bench job: `n` nodes, fixed size, the agent's default timeouts."""
     spec = JobSpec(name=name, min_size=n, max_size=n, size=n, entrypoint="none.py", etcd_endpoint=endpoint)
     spec.etcd_store = store
-    nodes = [build(spec, f"n{i:04d}") for i in range(n)]
+    return spec
+
+
+def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
+              ready: Callable[[], None] = lambda: None) -> tuple[list[NodeResult], float]:
+    """Build the nodes `ids` (each on a store session of its own), call `ready` (a shard waits there for
+    the driver's go), start them all at once and wait until each is ranked or `timeout` passed. Returns
+    each node's result and the CPU seconds this process spent from the go."""
+    nodes = [build(spec, i) for i in ids]
     go, abort = threading.Event(), threading.Event()
     threads = [threading.Thread(target=_run_node, args=(node, go, abort), name=node.node_id, daemon=True)
                for node in nodes]
-    for t in threads:
-        t.start()
-    cpu0 = time.process_time()
-    go.set()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    abort.set()
-    cpu = time.process_time() - cpu0
     try:
-        return _figures(nodes, n, store, spec, cpu)
+        for t in threads:
+            t.start()
+        ready()
+        cpu0 = time.process_time()
+        go.set()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        abort.set()
+        cpu = time.process_time() - cpu0
+        return [NodeResult.of(node) for node in nodes], cpu
     finally:
+        abort.set()
+        go.set()
         for node in nodes:
             _close(node)
         for t in threads:
             t.join(5.0)
+
+
+def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], store: str,
+                timeout: float) -> None:
+    """A shard process: its share of the nodes, started on the driver's go; sends back (results, cpu), or
+    ("error", message) when it could not run them."""
+    def ready() -> None:
+        conn.send("ready")
+        conn.recv()
+
+    try:
+        conn.send(run_nodes(job_spec(endpoint, name, n, store), ids, timeout, ready))
+    except Exception as e:  # noqa: BLE001 - the driver raises it, with the shard's message
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, timeout: float,
+                procs: int) -> tuple[list[NodeResult], float]:
+    """The nodes dealt round-robin over `procs` processes, each with its own interpreter, GIL and event
+    loop. The go goes to every shard once all have built their nodes. Raises RuntimeError with a
+    shard's error."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork: a forked gRPC or a forked thread is unsafe
+    shards = []
+    for k in range(procs):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_shard_main, args=(child, endpoint, name, n, ids[k::procs], store, timeout),
+                        daemon=True)
+        p.start()
+        shards.append((p, parent))
+    try:
+        for _, conn in shards:
+            if conn.recv() != "ready":
+                raise RuntimeError("a shard failed before its nodes were built")
+        for _, conn in shards:
+            conn.send("go")
+        results: list[NodeResult] = []
+        cpu = 0.0
+        for _, conn in shards:
+            answer = conn.recv()
+            if answer[0] == "error":
+                raise RuntimeError(f"shard: {answer[1]}")
+            results += answer[0]
+            cpu += answer[1]
+        return results, cpu
+    finally:
+        for p, conn in shards:
+            conn.close()
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+
+
+def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND,
+             timeout: float = 120.0, procs: int = 1) -> dict[str, Any]:
+    """One fleet of `n` nodes from start to every node ranked, in this process (`procs` 1) or dealt over
+    `procs` shard processes; the figures of the module docstring."""
+    name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
+    spec = job_spec(endpoint, name, n, store)
+    ids = [f"n{i:04d}" for i in range(n)]
+    if procs <= 1:
+        results, cpu = run_nodes(spec, ids, timeout)
+    else:
+        results, cpu = _run_shards(endpoint, name, n, ids, store, timeout, procs)
+    out = _figures(results, n, store, spec, cpu)
+    out["procs"] = max(1, procs)
+    return out
 
 
 def _close(node: Node) -> None:
@@ -161,10 +266,10 @@ def _close(node: Node) -> None:
         node.kv.close()
 
 
-def _figures(nodes: list[Node], n: int, store: str, spec: JobSpec, cpu: float) -> dict[str, Any]:
+def _figures(nodes: list[NodeResult], n: int, store: str, spec: JobSpec, cpu: float) -> dict[str, Any]:
     regs = [x.registered for x in nodes if x.registered is not None]
     ranked = [x.ranked for x in nodes if x.ranked is not None]
-    gaps = [x.heartbeat.longest_gap for x in nodes]
+    gaps = [x.longest_gap for x in nodes]
     late = GAP_BEATS * spec.timeouts.heartbeat_interval
     errors = sorted({x.error for x in nodes if x.error})
     why = []
@@ -173,7 +278,7 @@ def _figures(nodes: list[Node], n: int, store: str, spec: JobSpec, cpu: float) -
     if max(gaps, default=0.0) >= late:
         why.append(f"heartbeats ran late: a gap of {max(gaps):.2f} s (>= {late:.2f} s)")
     ranks = sorted(x.rank for x in nodes if x.rank is not None)
-    requests = [sum(x.stats.as_dict().values()) for x in nodes]
+    requests = [x.requests for x in nodes]
     out: dict[str, Any] = {"nodes": n, "store": store, "valid": not why, "saturated": "; ".join(why),
                            "errors": errors[:5], "cpu_per_node_s": round(cpu / n, 4),
                            "longest_heartbeat_gap_s": round(max(gaps, default=0.0), 3),
@@ -200,15 +305,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| nodes | store | valid runs | first registration → all ranked | mass join | ranking | "
-            "CPU / node (this process) | note |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
+            "ranking | CPU / node | note |", "|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None) -> str:
         return "invalid" if v is None else f"{v:g} s"
 
     for res in results.values():
         s = res["summary"]
         note = "; ".join(sorted({r["saturated"] for r in res["runs"] if r["saturated"]}))
-        rows.append(f"| {res['nodes']} | {res['store']} | {s['valid_runs']} of {len(res['runs'])} | "
+        rows.append(f"| {res['nodes']} | {res['store']} | {res.get('procs', 1)} | "
+                    f"{s['valid_runs']} of {len(res['runs'])} | "
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
                     f"{fmt(s['cpu_per_node_s'])} | {note} |")
     return "\n".join(rows)
@@ -219,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="8,16,32", help="comma-separated fleet sizes")
     parser.add_argument("--store", default=JOB_DEFAULT_BACKEND, choices=("v3", "v2"))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--procs", type=int, default=1,
+                        help="shard processes the nodes are dealt over (1: every node in this process)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every node to be ranked")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
                                              / "fleetreal-latest.json"))
@@ -238,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.nodes.split(",") if x]:
             runs = []
             for rep in range(args.reps):
-                runs.append(run_once(etcd.endpoint, n, args.store, args.timeout))
+                runs.append(run_once(etcd.endpoint, n, args.store, args.timeout, args.procs))
                 print(json.dumps({"rep": rep, **runs[-1]}), flush=True)
-            results[f"{args.store}/N={n}"] = {"nodes": n, "store": args.store, "runs": runs,
-                                              "summary": summarize(runs)}
+            results[f"{args.store}/N={n}"] = {"nodes": n, "store": args.store, "procs": args.procs,
+                                              "runs": runs, "summary": summarize(runs)}
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)

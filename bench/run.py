@@ -78,6 +78,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="trace scenarios: simulated seconds from a replacement's launch to its agent's "
                              "start, replayed compressed by the trace's time scale (90: 9 replayed s at "
                              "x10); comma-separated for one replay per boot (90,180). Default 90")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="trace scenarios: replay S simulated seconds per second, in place of the "
+                             "trace's own (10 in the shipped traces). Every duration compresses by S: the "
+                             "gaps, the notice windows and the boots; the agents' own start and a re-form "
+                             "do not")
     parser.add_argument("--torchrun-every", type=int, default=None,
                         help="trace scenarios: torchrun's fixed durable interval in steps (default 1, the "
                              "best of a sweep over 1, 5 and 20)")
@@ -96,6 +101,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--boot: at least one boot time, each >= 0 seconds")
     if args.reps is not None and args.reps < 1:
         parser.error("--reps: at least 1")
+    if args.time_scale is not None and args.time_scale <= 0:
+        parser.error("--time-scale: simulated seconds per replayed second, more than 0")
     from bench.scenarios import spottrace  # a trace scenario: a shipped trace's name or a .json path
 
     traces = {s.strip(): spottrace.find(s.strip()) for s in args.scenarios.split(",") if s.strip()}
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     t_b = time.time()
                     every = args.torchrun_every or spottrace.TORCHRUN_EVERY
                     results[key] = spottrace.run(ctx, traces[sid], systems, boot_s=boot, reps=trace_reps,
-                                                 torchrun_every=every)
+                                                 torchrun_every=every, time_scale=args.time_scale)
                     results[key]["wall_s"] = round(time.time() - t_b, 1)
                     _write(out_path, _doc(args, reps, scenarios, systems, started, results, ctx, meta))
                     text = spottrace.table(results[key])

@@ -12,6 +12,7 @@ mean. The world size and the kept step over time go to the run's PNG (`chart`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -47,9 +48,19 @@ def find(name: str) -> Path | None:
     return shipped if shipped.is_file() else None
 
 
-def run(ctx: Context, path: Path, systems: list[str], boot_s: float = BOOT_S,
-        torchrun_every: int = TORCHRUN_EVERY, reps: int = 1) -> dict[str, Any]:
+def load(path: Path, time_scale: float | None = None) -> Trace:
+    """The trace at `path`, replayed at `time_scale` simulated seconds per second where given (a slower
+    replay keeps a notice window long enough for a boot plus the agent's own start, which does not
+    compress). Raises ValidationError on a malformed trace."""
     trace = Trace.from_json(path.read_text(), str(path))
+    return trace if time_scale is None else dataclasses.replace(trace, time_scale=time_scale)
+
+
+def run(ctx: Context, path: Path, systems: list[str], boot_s: float = BOOT_S,
+        torchrun_every: int = TORCHRUN_EVERY, reps: int = 1,
+        time_scale: float | None = None) -> dict[str, Any]:
+    """The trace at `path` under each system, `reps` times; `time_scale` (S) replaces the trace's own."""
+    trace = load(path, time_scale)
     prices = json.loads(PRICES.read_text())
     out: dict[str, Any] = {"trace": trace.name, "file": str(path), "nodes": trace.nodes,
                            "time_scale": trace.time_scale, "replay_s": trace.replay_seconds(),

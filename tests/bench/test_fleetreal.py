@@ -19,23 +19,20 @@ def test_eight_real_nodes_rank_and_the_clock_starts_at_the_first_registration(et
     assert run["requests_per_node"]["mean"] > 0, run
 
 
-class FakeHeartbeat:
-    def __init__(self, gap: float) -> None:
-        self.longest_gap = gap
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_nodes_dealt_over_processes_rank_as_one_job_on_one_clock(etcd_server):
+    """Three shard processes hold 9 nodes (3 each): one job, ranks 0..8 once each, and the registrations
+    of every process on one clock (the mass join is short, not the gap between two interpreters)."""
+    run = fleetreal.run_once(etcd_server.endpoint, 9, "v3", timeout=90.0, procs=3)
+    assert run["procs"] == 3 and run["ranks_ok"] and not run["errors"], run
+    assert 0 <= run["mass_join_s"] < 5.0 and run["ranking_s"] >= 0, run
+    assert run["ranked_s"] == pytest.approx(run["mass_join_s"] + run["ranking_s"], abs=1e-3), run
 
 
-class FakeStats:
-    def as_dict(self) -> dict[str, int]:
-        return {"reads": 3, "writes": 2, "watches": 1}
-
-
-def nodes(gaps: list[float], ranked: bool = True) -> list[fleetreal.Node]:
-    out = []
-    for i, gap in enumerate(gaps):
-        node = fleetreal.Node(f"n{i}", None, FakeHeartbeat(gap), None, None, FakeStats())  # type: ignore[arg-type]
-        node.registered, node.ranked, node.rank = 10.0 + i, (20.0 + i if ranked else None), i
-        out.append(node)
-    return out
+def nodes(gaps: list[float], ranked: bool = True) -> list[fleetreal.NodeResult]:
+    return [fleetreal.NodeResult(f"n{i}", 10.0 + i, 20.0 + i if ranked else None, i, gap, 6)
+            for i, gap in enumerate(gaps)]
 
 
 def test_late_heartbeats_or_unranked_nodes_make_a_run_invalid_and_the_summary_skips_it():

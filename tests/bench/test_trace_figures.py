@@ -30,9 +30,19 @@ def test_the_leads_command_line_parses():
                             "--out", "/tmp/x.json"])
     assert args.boots == [90.0, 180.0] and args.reps == 2 and args.out == "/tmp/x.json"
     assert bench_run.parse([]).boots == [90.0]  # the default boot is AWS-like, not the local 3 s
-    for bad in (["--boot", "ninety"], ["--reps", "0"], ["--scenarios", "spot-nowhere"]):
+    assert bench_run.parse([]).time_scale is None  # the trace's own
+    assert bench_run.parse(["--scenarios", "spot-10-15-notice", "--time-scale", "1.25"]).time_scale == 1.25
+    for bad in (["--boot", "ninety"], ["--reps", "0"], ["--scenarios", "spot-nowhere"],
+                ["--time-scale", "0"]):
         with pytest.raises(SystemExit):
             bench_run.parse(bad)
+
+
+def test_a_replay_at_another_time_scale_stretches_every_window_and_boot_alike():
+    path = spottrace.find("spot-10-15-notice")
+    own, slow = spottrace.load(path), spottrace.load(path, 1.25)
+    assert own.time_scale == 10.0 and slow.time_scale == 1.25 and slow.events == own.events
+    assert slow.replay_seconds() == pytest.approx(own.replay_seconds() * 8)
 
 
 def recorded() -> tuple[list[dict], list[dict]]:
