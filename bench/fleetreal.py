@@ -219,8 +219,9 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
         shards.append((p, parent))
     try:
         for _, conn in shards:
-            if conn.recv() != "ready":
-                raise RuntimeError("a shard failed before its nodes were built")
+            answer = conn.recv()
+            if answer != "ready":
+                raise RuntimeError(f"a shard failed before its nodes were built: {answer[1]}")
         for _, conn in shards:
             conn.send("go")
         results: list[NodeResult] = []

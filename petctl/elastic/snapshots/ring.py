@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ class ShardSnapshotTier:
         # previous snapshot's exchange, and the exchanges reach the ring group in the same order everywhere.
         self._copier = ThreadPoolExecutor(1, "petctl-shardcopy", initializer=yield_cpu_to_training)
         # The ring thread is not niced: its round is mostly waiting on the neighbours, and a round that
-        # lags behind the steps (a starved thread on a loaded machine) is a step more lost on a kill.
+        # lags behind the steps (a starved thread on a loaded machine) holds the next optimizer step.
         self._sender = ThreadPoolExecutor(1, "petctl-ring")
         self._inflight: deque[tuple[int, Future[tuple[str | None, int]]]] = deque()
         self._captured = threading.Event()
@@ -125,7 +126,9 @@ class ShardSnapshotTier:
         if self.due > 0 or self.disabled is not None:
             return False
         t0 = time.monotonic()
-        self._finish(before=self.taken - 1)  # all but the previous one: also where K was agreed
+        # all but the previous one, whose round the optimizer's pre-hook waits for (also where K was
+        # agreed); with no optimizer to hook, all of them, here
+        self._finish(before=self.taken - 1 if self._hooks else self.taken)
         if self.disabled is not None:
             return False
         if self.taken:
@@ -143,8 +146,8 @@ class ShardSnapshotTier:
             encoded = ("raw", captured) if small else ("encoded", *encode(captured))
         except FAILURES as e:  # the others wait in the exchange: say so there
             encoded, error = None, f"{type(e).__name__}: {e}"
+        self._hook(app_state)
         if encoded is not None and encoded[0] == "encoded":  # a copy thread's: hold the next step for it
-            self._hook(app_state)
             self._captured.clear()
             copy: Any = self._copier.submit(self._capture, step, encoded, error)
         else:
@@ -157,7 +160,7 @@ class ShardSnapshotTier:
         return True
 
     def _hook(self, app_state: dict[str, Any]) -> None:
-        optimizers = find_optimizers(app_state) if self.overlap else []
+        optimizers = find_optimizers(app_state)
         if [id(o) for o in optimizers] == [id(o) for o in self._hooked]:
             return
         self._unhook()
@@ -165,12 +168,22 @@ class ShardSnapshotTier:
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
 
     def _before_optimizer_step(self, *_: Any) -> None:
-        if not self._captured.is_set():
-            t0 = time.monotonic()
+        """Before a step changes the parameters: the last snapshot's copy is done (the step would change
+        what it copies), and so is every snapshot's round on the ring. So once a step is done, the
+        snapshot before it is whole on two nodes, and a node lost costs at most K steps, also when the
+        ring thread lags on a loaded machine. Training then waits instead, and the cadence counts the
+        wait as the snapshot's cost."""
+        copying = self.overlap and not self._captured.is_set()  # without overlap it copies private tensors
+        rounds = [pending for _n, pending in self._inflight if not pending.done()]
+        if not copying and not rounds:
+            return
+        t0 = time.monotonic()
+        if copying:
             self._captured.wait()
-            waited = time.monotonic() - t0
-            self.stats["hook_wait_s"] += waited
-            self._last_cost += waited
+        wait_futures(rounds)
+        waited = time.monotonic() - t0
+        self.stats["hook_wait_s"] += waited
+        self._last_cost += waited
 
     def _finish(self, before: int | None = None) -> None:
         """Wait for the snapshots in flight numbered below `before` (all: None) and take what their
