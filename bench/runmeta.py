@@ -27,10 +27,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+UNTRACKED_LISTED = 20  # untracked paths a result lists; more are cut
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
-    """{"commit": `git rev-parse HEAD`, "dirty": `git status --porcelain` non-empty}; None where git fails."""
+    """{"commit": `git rev-parse HEAD`, "dirty": a tracked file differs from it, "untracked": the paths git
+    does not track (at most UNTRACKED_LISTED)}; None for each where git fails.
+
+    `dirty` is `git describe --dirty`'s: the code measured is the commit's unless a tracked file changed.
+    An untracked file (the run's own log redirected into the checkout, an earlier result) does not make
+    it dirty, but it is listed, so a reader can judge."""
     def git(*args: str) -> str | None:
         try:
             run = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=20)
@@ -39,9 +45,11 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
         return run.stdout if run.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
-    dirty = None if status is None else bool(status.strip())
-    return {"commit": head.strip() if head else None, "dirty": dirty}
+    tracked = git("status", "--porcelain", "--untracked-files=no")
+    others = git("ls-files", "--others", "--exclude-standard")
+    return {"commit": head.strip() if head else None,
+            "dirty": None if tracked is None else bool(tracked.strip()),
+            "untracked": None if others is None else others.split()[:UNTRACKED_LISTED]}
 
 
 def machine() -> dict[str, Any]:

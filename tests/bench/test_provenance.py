@@ -95,3 +95,24 @@ def test_a_run_compiles_petctl_first_as_an_install_would(tmp_path):
     (pkg / "bad.py").write_text("def (:\n")
     assert not runmeta.compile_petctl(tmp_path)
     assert "compiled" in runmeta.start(["bench/x.py"])["bytecode"]
+
+
+def test_dirty_means_a_tracked_file_changed_and_untracked_files_are_listed(tmp_path):
+    """A run's own log redirected into the checkout must not mark it dirty (git describe --dirty's rule),
+    but a changed tracked file must; the untracked paths are listed so a reader can judge."""
+    from bench import runmeta
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "c")
+    assert runmeta.git_state(tmp_path) == {**runmeta.git_state(tmp_path), "dirty": False, "untracked": []}
+    (tmp_path / "run.log").write_text("bench output\n")
+    state = runmeta.git_state(tmp_path)
+    assert state["dirty"] is False and state["untracked"] == ["run.log"]
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert runmeta.git_state(tmp_path)["dirty"] is True
