@@ -24,7 +24,8 @@ from bench.procs import wait_for
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
 from bench.tracefleet import LATE_LIMIT_S, Fleet, replay
-from petctl.core.spottrace import Trace
+from petctl.agent.notices import save_budget
+from petctl.core.spottrace import NOTICE_GRACE, Trace
 
 TRACES = BENCH / "traces"
 PRICES = BENCH / "fixtures" / "prices-g5.xlarge-us-east-1.json"
@@ -230,6 +231,26 @@ def chart(result: dict[str, Any], path: Path) -> str:
     return f"trace chart {path}"
 
 
+def handoff_note(time_scale: float, boot_s: float, grace_s: float = NOTICE_GRACE) -> str:
+    """Why no notice of this replay can hand off to its replacement, or "" where one may.
+
+    The noticed node must end its save `save_budget` seconds into the window (the agent's own rule: a
+    window under 60 s keeps a quarter of itself as margin, as a late-seen notice would). The replacement
+    must boot before that, and the boot is replayed as `boot_s / time_scale`. Where it cannot, every
+    hand-off comes at its deadline. At AWS's real scale that follows from the boot; in a compressed replay
+    it may follow from the compression alone, and the figure then understates what petctl gets."""
+    window = grace_s / time_scale
+    room, booted = save_budget(window, float("inf")), boot_s / time_scale
+    if booted < room:
+        return ""
+    if boot_s >= save_budget(grace_s, float("inf")):
+        return (f"a {boot_s:g} s boot is longer than the {grace_s:g} s window leaves for the save: every "
+                "hand-off comes at its deadline, as it would on AWS")
+    return (f"at x{time_scale:g} the window is {window:g} s and its save must end {room:g} s in, before the "
+            f"replayed boot ({booted:g} s): every hand-off comes at its deadline, never at the replacement. "
+            "On AWS the replacement could come first; this replay understates petctl (x1.25 replays it)")
+
+
 def table(result: dict[str, Any]) -> str:
     """The trace's figures per system and run, as Markdown (printed and written beside the JSON). A run
     the replay could not keep on schedule is marked INVALID and left out of the mean."""
@@ -264,4 +285,7 @@ def table(result: dict[str, Any]) -> str:
                        "| | | | |"
                        if m else "no valid run | | | | | | | | | |")
             lines.append(f"| {system} | mean of {summ.get('valid_runs', 0)} valid | {figures}")
+    handoffs = handoff_note(result["time_scale"], result["boot_s"])
+    if handoffs:
+        lines += ["", f"Hand-offs: {handoffs}."]
     return "\n".join(lines)

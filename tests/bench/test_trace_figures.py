@@ -101,3 +101,15 @@ def test_every_result_records_its_commit_dirty_flag_machine_and_command():
     written = bench_run._doc(args, 1, ["spot-10-15-notice"], ["petctl"], 0.0, {}, ctx, meta)
     assert all(written[key] == doc[key] for key in ("commit", "dirty", "command"))
     assert "load_avg_end" in written["machine"] and "load_avg_start" in written["machine"]
+
+
+def test_a_replay_says_when_its_compression_alone_keeps_the_replacement_from_coming_first():
+    """At 10x the window is 12 s and the agent keeps a quarter of it: a 9 s replayed boot cannot beat the
+    save, so every hand-off is at its deadline and the table must say the figure understates petctl. At
+    1.25x the full 15 s margin leaves 81 s against a 72 s boot; a 180 s boot misses at any scale."""
+    assert "never at the replacement" in spottrace.handoff_note(10.0, 90.0)
+    assert "x1.25 replays it" in spottrace.handoff_note(10.0, 90.0)
+    assert spottrace.handoff_note(1.25, 90.0) == ""
+    assert "as it would on AWS" in spottrace.handoff_note(1.25, 180.0)
+    assert "as it would on AWS" in spottrace.handoff_note(10.0, 180.0)
+    assert spottrace.handoff_note(1.0, 90.0) == ""
