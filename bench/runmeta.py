@@ -49,7 +49,7 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
     others = git("ls-files", "--others", "--exclude-standard")
     return {"commit": head.strip() if head else None,
             "dirty": None if tracked is None else bool(tracked.strip()),
-            "untracked": None if others is None else others.split()[:UNTRACKED_LISTED]}
+            "untracked": None if others is None else others.splitlines()[:UNTRACKED_LISTED]}
 
 
 def machine() -> dict[str, Any]:

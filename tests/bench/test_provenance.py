@@ -110,9 +110,10 @@ def test_dirty_means_a_tracked_file_changed_and_untracked_files_are_listed(tmp_p
     (tmp_path / "code.py").write_text("x = 1\n")
     git("add", "code.py")
     git("commit", "-qm", "c")
-    assert runmeta.git_state(tmp_path) == {**runmeta.git_state(tmp_path), "dirty": False, "untracked": []}
-    (tmp_path / "run.log").write_text("bench output\n")
     state = runmeta.git_state(tmp_path)
-    assert state["dirty"] is False and state["untracked"] == ["run.log"]
+    assert state["dirty"] is False and state["untracked"] == []
+    (tmp_path / "run log.txt").write_text("bench output\n")  # a space: one path, not two
+    state = runmeta.git_state(tmp_path)
+    assert state["dirty"] is False and state["untracked"] == ["run log.txt"]
     (tmp_path / "code.py").write_text("x = 2\n")
     assert runmeta.git_state(tmp_path)["dirty"] is True
