@@ -157,6 +157,15 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 note = s.get("skipped") or "; ".join(s.get("errors", []))
                 rows.append(_row("P5", f"N={n} rendezvous (all agents up -> all ranked)", system,
                                  s.get("rdzv_s"), "s", ratios, note or ""))
+                if (s.get("entered_s") or {}).get("median") is not None:
+                    mine = psum.get("entered_s", {}).get("median")
+                    entered = {t: _ratio(mine, ((p5["summary"].get(f"{t}/N={n}") or {}).get("entered_s")
+                                                or {}).get("median"))
+                               for t in ratios}
+                    rows.append(_row("P5", f"N={n} rendezvous (all in their first rendezvous -> all ranked)",
+                                     system, s["entered_s"], "s", entered,
+                                     note="torchrun's up line is its entry; petctl's entry is after its "
+                                          "store session, lease and watches"))
                 rows.append(_row("P5", f"N={n} launch -> every worker ran", system,
                                  s.get("launch_to_workers_s"), "s"))
                 if s.get("rdzv_requests_per_node") is not None:

@@ -4,6 +4,12 @@ Figures per run:
 - `rdzv_s`: from the moment every node's agent is up (petctl: `agent.started`; torchrun: its
   "Rendezvous'ing worker group" log line) to the last node knowing its rank (`rendezvous.complete`).
   The goal (<= 2 s at 64) is about this one.
+- `entered_s`: from the moment every node has entered its first rendezvous to the last node knowing its
+  rank. torchrun logs its line as it enters, after its store client has connected (the c10d handler
+  makes its TCPStore before the agent runs), so for torchrun this is `rdzv_s`. petctl's
+  `agent.started` comes before its first etcd request: the gRPC channel, the lease, the heartbeat and
+  the watches all come after it. Its entry is the first `rendezvous.complete`'s time less that
+  rendezvous' own `seconds`. This is the like-for-like figure of the two rendezvous protocols.
 - `launch_to_workers_s`: from the first node's launch to the last trivial worker's line: what a user
   waits for, including Python start-up of N processes on this machine (torchrun's agents import torch).
 - petctl, as the agents count them (heartbeat refreshes excluded): etcd requests per node to form the
@@ -123,11 +129,26 @@ def _launch_and_time(ctx: Context, job: PetctlJob | TorchrunJob, n: int, out: di
         return None
     up = _last(nodes, up_event)
     complete = _last(nodes, "rendezvous.complete")
+    entered = _last_entry(nodes) or up
     out["rdzv_s"] = round(complete - up, 4) if up and complete else None
+    out["entered_s"] = round(complete - entered, 4) if entered and complete else None
     out["launch_to_workers_s"] = round(done - t0, 4)
     if server_requests:
         out["server_requests_per_node"] = _diff(before, after, n)
     return nodes
+
+
+def _last_entry(nodes: list[Node]) -> float | None:
+    """When the last node entered its first rendezvous: its first `rendezvous.complete`'s time less
+    the `seconds` that rendezvous took. None unless every node's event carries `seconds` (torchrun's
+    log line does not: its up line is already its entry)."""
+    entries = []
+    for n in nodes:
+        hits = n.events("rendezvous.complete")
+        if not hits or "seconds" not in hits[0]:
+            return None
+        entries.append(float(hits[0]["ts"]) - float(hits[0]["seconds"]))
+    return max(entries) if entries else None
 
 
 def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[str, Any]:
@@ -265,6 +286,7 @@ def run(ctx: Context) -> dict[str, Any]:
             out["runs"][key] = runs
             out["summary"][key] = {
                 "rdzv_s": phases.summarize([r.get("rdzv_s") for r in runs]),
+                "entered_s": phases.summarize([r.get("entered_s") for r in runs]),
                 "launch_to_workers_s": phases.summarize([r.get("launch_to_workers_s") for r in runs]),
                 "server_requests_per_node": _median_of(runs, "server_requests_per_node", "total"),
                 "agent_requests_per_node_per_round": _median_of(runs, "agent_requests_per_node_per_round",

@@ -28,3 +28,40 @@ def test_every_recovery_key_gets_rows_in_order_with_its_goal() -> None:
     assert main["P1-hf"]["ratios"]["torchrun-c10d"] == "0.10"
     lost = [r for r in rows if r["scenario"] == "P1-hf" and r["unit"] == "steps" and r["system"] == "petctl"]
     assert lost and lost[0]["goal"] == "0", lost
+
+
+class _Node:
+    """A bench node's events, as bench/procs.Node returns them."""
+
+    def __init__(self, *events: dict) -> None:
+        self._events = events
+
+    def events(self, name: str | None = None) -> list[dict]:
+        return [e for e in self._events if name is None or e["event"] == name]
+
+
+def test_p5_entry_is_each_rendezvous_start_and_the_like_for_like_row_compares_it() -> None:
+    from bench.scenarios.rendezvous import _last_entry
+
+    # Node a entered at 100.0 (ranked 100.5 after 0.5 s); node b entered at 100.8 (ranked 101.0).
+    a = _Node({"event": "agent.started", "ts": 99.0},
+              {"event": "rendezvous.complete", "ts": 100.5, "seconds": 0.5},
+              {"event": "rendezvous.complete", "ts": 200.0, "seconds": 0.1})  # a later round: not read
+    b = _Node({"event": "agent.started", "ts": 99.5},
+              {"event": "rendezvous.complete", "ts": 101.0, "seconds": 0.2})
+    assert _last_entry([a, b]) == 100.8
+    # torchrun's line carries no `seconds`: its up line is its entry, so there is none to derive.
+    assert _last_entry([a, _Node({"event": "rendezvous.complete", "ts": 101.0})]) is None
+
+    def summary(rdzv: float, entered: float) -> dict:
+        return {"rdzv_s": {"n": 5, "min": rdzv, "median": rdzv, "max": rdzv},
+                "entered_s": {"n": 5, "min": entered, "median": entered, "max": entered},
+                "launch_to_workers_s": {"n": 5, "min": 1, "median": 1, "max": 1}}
+
+    results = {"P5": {"sizes": [64], "summary": {"petctl/N=64": summary(3.0, 1.2),
+                                                 "torchrun-c10d/N=64": summary(1.5, 1.5)}}}
+    rows = [r for r in build_rows(results) if r["scenario"] == "P5" and r["system"] == "petctl"]
+    by_metric = {r["metric"]: r for r in rows}
+    assert by_metric["N=64 rendezvous (all agents up -> all ranked)"]["ratios"]["torchrun-c10d"] == "2.00"
+    assert by_metric["N=64 rendezvous (all in their first rendezvous -> all ranked)"]["ratios"] == {
+        "torchrun-c10d": "0.80"}
