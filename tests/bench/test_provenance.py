@@ -117,3 +117,18 @@ def test_dirty_means_a_tracked_file_changed_and_untracked_files_are_listed(tmp_p
     assert state["dirty"] is False and state["untracked"] == ["run log.txt"]
     (tmp_path / "code.py").write_text("x = 2\n")
     assert runmeta.git_state(tmp_path)["dirty"] is True
+
+
+def test_a_trace_headline_reads_the_run_of_its_boot_and_refuses_another():
+    from bench.headline import _trace
+
+    def run(boot: float, goodput: float, lost: float) -> dict:
+        return {"boot_s": boot, "systems": {"petctl": {"summary": {"mean": {
+            "goodput_scaled": goodput, "steps_lost": lost}}}}}
+
+    several = {"results": {"t-boot90": run(90, 0.95, 0), "t-boot180": run(180, 0.93, 2)}}
+    assert _trace("t", "petctl")(several) == "95.0 %, 0 steps lost"
+    assert _trace("t", "petctl", 180)(several) == "93.0 %, 2 steps lost"
+    assert _trace("t", "petctl")({"results": {"t": run(90, 0.972, 1)}}) == "97.2 %, 1 step lost"
+    with pytest.raises(ValueError, match="180"):
+        _trace("t", "petctl")({"results": {"t": run(180, 0.93, 0)}})
