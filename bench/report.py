@@ -69,6 +69,12 @@ def _fmt(v: Any, unit: str = "") -> str:
     return f"{v}{unit}"
 
 
+def _p5_ratios(mine: dict[str, Any], anchors: dict[str, dict[str, Any]], metric: str) -> dict[str, str]:
+    """petctl's median of a P5 `metric` over each anchor's (a torchrun summary at the same N)."""
+    return {t: _ratio((mine.get(metric) or {}).get("median"), (theirs.get(metric) or {}).get("median"))
+            for t, theirs in anchors.items()}
+
+
 def _ratio(p: float | None, t: float | None, t_capped: float | None = None) -> str:
     if p is None:
         return "-"
@@ -147,23 +153,14 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 system, _, size = key.partition("/N=")
                 if int(size) != n:
                     continue
-                ratios = {}
-                if system == "petctl":
-                    for t in TORCHRUNS:
-                        ts = p5["summary"].get(f"{t}/N={n}")
-                        if ts and not ts.get("skipped"):
-                            ratios[t] = _ratio(psum.get("rdzv_s", {}).get("median"),
-                                               ts.get("rdzv_s", {}).get("median"))
+                anchors = {t: ts for t in TORCHRUNS if system == "petctl"
+                           and (ts := p5["summary"].get(f"{t}/N={n}")) and not ts.get("skipped")}
                 note = s.get("skipped") or "; ".join(s.get("errors", []))
                 rows.append(_row("P5", f"N={n} rendezvous (all agents up -> all ranked)", system,
-                                 s.get("rdzv_s"), "s", ratios, note or ""))
+                                 s.get("rdzv_s"), "s", _p5_ratios(psum, anchors, "rdzv_s"), note or ""))
                 if (s.get("entered_s") or {}).get("median") is not None:
-                    mine = psum.get("entered_s", {}).get("median")
-                    entered = {t: _ratio(mine, ((p5["summary"].get(f"{t}/N={n}") or {}).get("entered_s")
-                                                or {}).get("median"))
-                               for t in ratios}
                     rows.append(_row("P5", f"N={n} rendezvous (all in their first rendezvous -> all ranked)",
-                                     system, s["entered_s"], "s", entered,
+                                     system, s["entered_s"], "s", _p5_ratios(psum, anchors, "entered_s"),
                                      note="torchrun's up line is its entry; petctl's entry is after its "
                                           "store session, lease and watches"))
                 rows.append(_row("P5", f"N={n} launch -> every worker ran", system,
