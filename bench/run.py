@@ -228,11 +228,32 @@ def main(argv: list[str] | None = None) -> int:
     note = report.chart(ctx.timeline, out_path.with_suffix(".png"))
     (out_path.with_suffix(".md")).write_text(report.markdown(rows, phase) + "\n")
     print(f"results written to {out_path} (+ .md); {note}")
+    failed = run_errors(results)
     if args.keep:
         print(f"node logs kept in {scratch}")
+    elif failed:  # the logs are the only record of why: keep them, whatever --keep says
+        print(f"{len(failed)} run(s) failed ({failed[0]}); node logs kept in {scratch}")
     else:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def run_errors(results: Any) -> list[str]:
+    """Every `error` a run recorded anywhere in `results` (a scenario's runs, a trace's systems), in
+    order. Why: a failed run's node logs are the only record of its cause, and the scratch dir that holds
+    them is removed after a run without `--keep`; torchrun's P5 rep that timed out at 64 nodes left no
+    trace of why."""
+    found: list[str] = []
+    if isinstance(results, dict):
+        if isinstance(results.get("error"), str):
+            found.append(results["error"])
+        for key, value in results.items():
+            if key != "error":
+                found += run_errors(value)
+    elif isinstance(results, list):
+        for value in results:
+            found += run_errors(value)
+    return found
 
 
 if __name__ == "__main__":

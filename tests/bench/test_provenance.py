@@ -132,3 +132,13 @@ def test_a_trace_headline_reads_the_run_of_its_boot_and_refuses_another():
     assert _trace("t", "petctl")({"results": {"t": run(90, 0.972, 1)}}) == "97.2 %, 1 step lost"
     with pytest.raises(ValueError, match="180"):
         _trace("t", "petctl")({"results": {"t": run(180, 0.93, 0)}})
+
+
+def test_a_failed_run_is_found_wherever_it_is_recorded_so_its_logs_are_kept():
+    from bench.run import run_errors
+
+    results = {"P5": {"runs": {"petctl/N=64": [{"rdzv_s": 2.9}],
+                               "torchrun-c10d/N=64": [{"error": "not every worker ran within 420 s"}]}},
+               "spot-10-15": {"systems": {"petctl": {"error": "timeout", "errors": ["x"]}}}}
+    assert run_errors(results) == ["not every worker ran within 420 s", "timeout"]
+    assert run_errors({"P5": {"runs": {"petctl/N=64": [{"rdzv_s": 2.9, "error": None}]}}}) == []
