@@ -46,6 +46,7 @@ class PetctlJob:
     endpoint: str
     spec: JobSpec
     imds: Any = None  # a started LocalMetadataServer, or None (no preemption watcher)
+    python: str = sys.executable  # the agents' interpreter, and so their workers'
     nodes: dict[str, Node] = field(default_factory=dict)
     _count: int = 0
     # The agents' in-memory snapshot directories go under a root of this job's own, removed by `stop`: the
@@ -75,7 +76,7 @@ class PetctlJob:
                              imds_endpoint=self.imds.endpoint_for(node_id) if self.imds else "")
         cfg = work / "agent.json"
         cfg.write_text(config.to_json())
-        node = start_node(node_id, [sys.executable, "-m", "petctl.agent.main", "--config", str(cfg)],
+        node = start_node(node_id, [self.python, "-m", "petctl.agent.main", "--config", str(cfg)],
                           work / "agent.log", env=node_env({"PETCTL_SNAPSHOT_ROOT": str(self.snapshot_root)}),
                           cwd=REPO)
         self.nodes[node_id] = node

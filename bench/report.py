@@ -175,6 +175,14 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                                      note=f"busiest agent {s.get('agent_cpu_to_ranked_max_s')} s; in the "
                                           f"rendezvous alone {s.get('agent_cpu_rendezvous_s')} s; whole "
                                           f"life {s.get('agent_cpu_life_s')} s (medians over reps)"))
+                if s.get("worker_cpu_s") is not None or s.get("agent_cpu_ranked_to_workers_s") is not None:
+                    # What each node spends once ranked, while the last nodes still wait for their rank: on
+                    # one machine shared by N nodes the rendezvous' tail queues behind it.
+                    spawn, worker = s.get("agent_cpu_ranked_to_workers_s"), s.get("worker_cpu_s")
+                    rows.append(_row("P5", f"N={n} CPU s per node, ranked -> worker's first line", system,
+                                     {"median": round((spawn or 0) + (worker or 0), 3), "n": 1},
+                                     "s", note=(f"agent {spawn} s to start it, " if spawn is not None else "")
+                                     + f"worker {worker} s to start (medians over reps)"))
                 if s.get("agent_requests_per_node_per_round") is not None:
                     v = s["agent_requests_per_node_per_round"]
                     rows.append(_row("P5", f"N={n} etcd requests/node/round, whole job (agent count)", system,

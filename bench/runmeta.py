@@ -12,6 +12,9 @@ commit is then None and `dirty` None.
 checkout under PYTHONDONTWRITEBYTECODE (this bench machine sets it) recompiles every module in every
 agent process: work no installed petctl does, and that torch, the anchor's code, never does (its wheel
 ships compiled). How much CPU that is per agent was lost in this machine's noise when last looked at.
+
+`installed_python` makes an interpreter that imports petctl as a wheel install has it, for the scenarios
+that time process start-up (P5).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import platform
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,33 @@ def _now() -> str:
 def compile_petctl(repo: Path = REPO) -> bool:
     """Write the bytecode of every petctl module (see the module docstring). True when all compiled."""
     return bool(compileall.compile_dir(repo / "petctl", quiet=1, workers=1))
+
+
+INSTALLED = ("petctl from the checkout on sys.path, its dependencies from the bench's site-packages, "
+             "and no editable-install finder: as the worker image's wheel install has it")
+
+
+def installed_python(root: Path) -> str:
+    """The path of a Python (a venv under `root`, made on the first call) that imports what this one
+    does, as an instance's install has it: its one `.pth` puts this interpreter's site-packages on
+    sys.path, and the node processes' PYTHONPATH puts the checkout there (bench.petctl_runner.node_env).
+
+    Why: README installs petctl editable (`pip install -e`), and setuptools then runs a finder from a
+    `.pth` in every Python that starts: about 20 ms of CPU each on this machine, in every agent and every
+    worker, which an instance (a wheel, worker_boot.sh.j2) and torch's own code never pay. P5 starts 64
+    agents and 64 workers on 2 cores, so that start-up is in its rendezvous figure. The `.pth` files of
+    the added directory are not run (Python runs only a site directory's own), which is what drops the
+    finder. Raises subprocess.CalledProcessError or OSError when the venv cannot be made."""
+    python = root / "bin" / "python"
+    if python.exists():
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   capture_output=True)
+    sites = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    made = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(made, "petctl-bench-deps.pth").write_text("".join(f"{site}\n" for site in sites))
+    return str(python)
 
 
 def start(argv: list[str] | None = None) -> dict[str, Any]:

@@ -31,9 +31,11 @@ MONITOR_INTERVAL = 0.1
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def torchrun_cmd() -> list[str]:
-    exe = shutil.which("torchrun")
-    return [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
+def torchrun_cmd(python: str | None = None) -> list[str]:
+    """torchrun's command: `torchrun` from PATH, or with `python` (or where it is missing) that
+    interpreter's `-m torch.distributed.run`, the same entry point."""
+    exe = None if python else shutil.which("torchrun")
+    return [exe] if exe else [python or sys.executable, "-m", "torch.distributed.run"]
 
 
 @dataclass
@@ -47,6 +49,7 @@ class TorchrunJob:
     max_restarts: int = 3
     script: Path = BENCH / "workload.py"
     rdzv_conf: str = TUNED_RDZV_CONF
+    python: str | None = None  # the agents' interpreter, and so their workers' (None: `torchrun_cmd()`'s)
     nodes: dict[str, Node] = field(default_factory=dict)
     _count: int = 0
 
@@ -67,7 +70,7 @@ class TorchrunJob:
         conf = self.rdzv_conf
         if self.backend == "c10d":  # the first node hosts the store; the rest are clients
             conf += ",is_host=1" if host else ""
-        return [*torchrun_cmd(), f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+        return [*torchrun_cmd(self.python), f"--nnodes={self.nnodes}", "--nproc-per-node=1",
                 f"--rdzv-backend={self.backend}", f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
                 f"--monitor-interval={MONITOR_INTERVAL}", f"--rdzv-conf={conf}",

@@ -29,6 +29,7 @@ class Context:
     workloads: list[str] = field(default_factory=lambda: ["bench"])  # P1-P3: "bench", "user", "fsdp", ...
     notice_at: str = "settle"  # P1: "settle" (warm pools full first) or "burst" (random, <= 30 s in)
     seed: int = 0  # P1 burst: the notice delays' seed
+    python: str = sys.executable  # the node processes' interpreter (P5: runmeta.installed_python)
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from bench import phases
 from bench.petctl_runner import BENCH, PetctlJob
 from bench.procs import Node, wait_for
+from bench.runmeta import INSTALLED
 from bench.scenarios.common import Context
 from bench.torchrun_runner import TorchrunJob
 from petctl.core.keys import JobKeys
@@ -159,6 +161,7 @@ def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[s
                            min_size=n, max_size=n, size=n, script=TRIVIAL, initial_wait=300.0,
                            join_timeout=600.0)
     job.spec.etcd_store = STORES[system]
+    job.python = ctx.python
     if hasattr(job.spec, "warm_workers"):
         job.spec.warm_workers = False  # a trivial worker needs no torch: don't preload it N times
     out: dict[str, Any] = {"system": system, "n": n, "rep": rep, "store": job.spec.etcd_store}
@@ -175,6 +178,7 @@ def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[s
         out["agent_requests_per_node_per_round"] = _agent_requests(job, nodes)
         out["rdzv_requests_per_node"] = _rdzv_requests(nodes)
         out["agent_cpu_s"] = agent_cpu(nodes)
+        out["worker_cpu_s"] = worker_cpu(nodes)
         return out
     finally:
         job.stop()
@@ -221,10 +225,27 @@ def agent_cpu(nodes: list[Node]) -> dict[str, Any]:
 
     firsts = [hits[0] for n in nodes if (hits := n.events("rendezvous.complete"))]
     exits = [hits[-1] for n in nodes if (hits := n.events("agent.exit"))]
+    spawns = [float(s[0]["cpu_s"]) - float(r[0]["cpu_s"]) for n in nodes
+              if (r := n.events("rendezvous.complete")) and (s := n.events("workers.started"))
+              and "cpu_s" in r[0] and "cpu_s" in s[0]]
     out = {"to_ranked": stats([float(e["cpu_s"]) for e in firsts if "cpu_s" in e]),
            "rendezvous": stats([float(e["rdzv_cpu_s"]) for e in firsts if "rdzv_cpu_s" in e]),
+           "ranked_to_workers": stats(spawns),
            "life": stats([float(e["cpu_s"]) for e in exits if "cpu_s" in e])}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def worker_cpu(nodes: list[Node]) -> dict[str, Any]:
+    """CPU seconds each trivial worker had used when it printed its line (`cpu_s`, its own
+    `time.process_time()`: the interpreter's start-up, nearly all of it), mean and max over the nodes;
+    {} when none reported it. Why: once a round forms, every ranked node starts its worker while the
+    last nodes are still hearing of their rank; on one machine shared by N nodes that start-up is CPU
+    the rendezvous waits behind (on hosts of their own it is not), for torchrun as for petctl."""
+    values = [float(e["cpu_s"]) for n in nodes if (hits := n.events("worker.trivial"))
+              for e in hits[:1] if "cpu_s" in e]
+    if not values:
+        return {}
+    return {"mean": round(sum(values) / len(values), 3), "max": round(max(values), 3), "n": len(values)}
 
 
 def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
@@ -249,10 +270,13 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
     name = f"p5{backend[:4]}{n}r{rep}{int(time.time()) % 100000}"
     job = TorchrunJob.create(ctx.dir("P5", f"torchrun-{backend}", f"n{n}", f"rep{rep}"), backend, n, n, name,
                              etcd_port=ctx.etcd.client_port, script=TRIVIAL, max_restarts=0,
-                             rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600")
+                             rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600",
+                             python=ctx.python)
     try:
-        _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
-                         server_requests=backend.startswith("etcd"))  # c10d keeps its store on a node
+        nodes = _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
+                                 server_requests=backend.startswith("etcd"))  # c10d keeps its store on a node
+        if nodes is not None:
+            out["worker_cpu_s"] = worker_cpu(nodes)
         return out
     finally:
         job.stop()
@@ -260,7 +284,8 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
 
 def run(ctx: Context) -> dict[str, Any]:
     sizes = ctx.sizes
-    out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {}}
+    out: dict[str, Any] = {"title": "rendezvous cost vs N", "sizes": sizes, "runs": {}, "summary": {},
+                           "interpreter": INSTALLED if ctx.python != sys.executable else sys.executable}
     # The P1-P3 variants (petctl-spawn, ...) change workers, which P5's trivial worker does not have;
     # petctl-v2 is P5's own: the store.
     for system in (s for s in ctx.systems if s in STORES or not s.startswith("petctl")):
@@ -298,6 +323,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 "agent_cpu_to_ranked_max_s": _median_of(runs, "agent_cpu_s", "to_ranked", "max"),
                 "agent_cpu_rendezvous_s": _median_of(runs, "agent_cpu_s", "rendezvous", "mean"),
                 "agent_cpu_life_s": _median_of(runs, "agent_cpu_s", "life", "mean"),
+                "agent_cpu_ranked_to_workers_s": _median_of(runs, "agent_cpu_s", "ranked_to_workers", "mean"),
+                "worker_cpu_s": _median_of(runs, "worker_cpu_s", "mean"),
                 "skipped": next((r["skipped"] for r in runs if r.get("skipped")), None),
                 "errors": [r["error"] for r in runs if r.get("error")],
             }

@@ -121,8 +121,11 @@ class RoundRunner:
                       max_restarts=p.spec.max_restarts, run_id=p.spec.name,
                       extra_env=round_env(p.spec, p.node_id, info.round, p.control_dir, p.work_dir,
                                           p.snapshot_dir))
+        # `cpu_s`: this agent's CPU seconds so far, as `rendezvous.complete` has them: what starting the
+        # workers cost the agent is the difference (bench P5 reports it).
         p.events.emit("workers.started", round=info.round, rank=info.rank, world_size=info.world_size,
-                      nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready)
+                      nproc=p.spec.nproc_per_node, warm=workers.warm_started, warm_ready=workers.warm_ready,
+                      cpu_s=round(time.process_time(), 3))
         p.status.set_state("running")
         if p.peers is not None:
             p.peers.watch(info)

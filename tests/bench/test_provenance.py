@@ -142,3 +142,18 @@ def test_a_failed_run_is_found_wherever_it_is_recorded_so_its_logs_are_kept():
                "spot-10-15": {"systems": {"petctl": {"error": "timeout", "errors": ["x"]}}}}
     assert run_errors(results) == ["not every worker ran within 420 s", "timeout"]
     assert run_errors({"P5": {"runs": {"petctl/N=64": [{"rdzv_s": 2.9, "error": None}]}}}) == []
+
+
+def test_the_installed_python_imports_petctl_and_its_dependencies_without_the_editable_finder(tmp_path):
+    import subprocess
+
+    from bench.petctl_runner import REPO, node_env
+    from bench.runmeta import installed_python
+
+    python = installed_python(tmp_path / "python")
+    assert installed_python(tmp_path / "python") == python  # made once
+    probe = ("import sys, petctl; from petctl.io.store import v3; v3.import_etcd3aio(); import torch; "
+             "print(petctl.__file__); print(any('editable' in m for m in sys.modules))")
+    out = subprocess.run([python, "-c", probe], env=node_env(), capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out == [str(REPO / "petctl" / "__init__.py"), "False"]

@@ -65,3 +65,30 @@ def test_p5_entry_is_each_rendezvous_start_and_the_like_for_like_row_compares_it
     assert by_metric["N=64 rendezvous (all agents up -> all ranked)"]["ratios"]["torchrun-c10d"] == "2.00"
     assert by_metric["N=64 rendezvous (all in their first rendezvous -> all ranked)"]["ratios"] == {
         "torchrun-c10d": "0.80"}
+
+
+def test_p5_counts_what_a_ranked_node_spends_starting_its_worker() -> None:
+    from bench.scenarios.rendezvous import agent_cpu, worker_cpu
+
+    # The agent had used 0.30 s when ranked and 0.31 s when its worker started; the worker 0.02 s at its
+    # line. A torchrun node has only the worker's line.
+    a = _Node({"event": "rendezvous.complete", "ts": 1.0, "cpu_s": 0.30, "rdzv_cpu_s": 0.02},
+              {"event": "workers.started", "ts": 1.1, "cpu_s": 0.31},
+              {"event": "worker.trivial", "ts": 1.5, "cpu_s": 0.02})
+    b = _Node({"event": "rendezvous.complete", "ts": 1.0, "cpu_s": 0.40, "rdzv_cpu_s": 0.02},
+              {"event": "workers.started", "ts": 1.2, "cpu_s": 0.43},
+              {"event": "worker.trivial", "ts": 1.6, "cpu_s": 0.04})
+    spawn = agent_cpu([a, b])["ranked_to_workers"]
+    assert (spawn["mean"], spawn["max"], spawn["n"]) == (0.02, 0.03, 2)
+    assert worker_cpu([a, b]) == {"mean": 0.03, "max": 0.04, "n": 2}
+    assert worker_cpu([_Node({"event": "worker.trivial", "ts": 1.0})]) == {}  # a worker older than the field
+
+    size = {"n": 1, "min": 1, "median": 1, "max": 1}
+    results = {"P5": {"sizes": [64], "summary": {
+        "petctl/N=64": {"rdzv_s": size, "agent_cpu_ranked_to_workers_s": 0.008, "worker_cpu_s": 0.017},
+        "torchrun-c10d/N=64": {"rdzv_s": size, "worker_cpu_s": 0.021}}}}
+    rows = {(r["system"], r["metric"]): r for r in build_rows(results) if r["scenario"] == "P5"}
+    metric = "N=64 CPU s per node, ranked -> worker's first line"
+    assert rows[("petctl", metric)]["median"] == 0.025
+    assert rows[("petctl", metric)]["note"].startswith("agent 0.008 s to start it, worker 0.017 s")
+    assert rows[("torchrun-c10d", metric)]["median"] == 0.021

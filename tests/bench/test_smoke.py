@@ -53,6 +53,10 @@ def test_bench_quick_smoke(tmp_path):
     assert _number(p5["agent_requests_per_node_per_round"]), p5
     # Forming a round of 8 costs each node a handful of requests, not dozens.
     assert 3 <= p5["rdzv_requests_per_node"] <= 30, p5
+    # P5's nodes start as an instance's install does (no editable finder), and what a ranked node spends
+    # starting its worker is counted: the agent's share and the worker's own start-up.
+    assert doc["results"]["P5"]["interpreter"].startswith("petctl from the checkout"), doc["results"]["P5"]
+    assert 0 < p5["worker_cpu_s"] < 1 and 0 <= p5["agent_cpu_ranked_to_workers_s"] < 1, p5
     # etcd's own count of them, on the v3 API the job uses by default: reads and writes, leases, watches
     served = doc["results"]["P5"]["runs"]["petctl/N=8"][0]["server_requests_per_node"]
     assert served["v3_kv"] > 0 and served["v3_lease"] > 0 and served["v3_watch"] > 0, served
