@@ -126,9 +126,17 @@ def read_nodes(job_dir: Path) -> tuple[list[Join], list[Cadence]]:
             if event == "rendezvous.complete":
                 joins.append(Join(e["ts"], node, int(e["round"]), int(e["rank"]), int(e["world_size"])))
             elif event in ("snapshot.enabled", "snapshot.every"):
-                every = e.get("every")
-                cadences.append(Cadence(e["ts"], node, every if isinstance(every, int) else 1))
+                cadences.append(cadence_of(e, node))
     return joins, cadences
+
+
+def cadence_of(event: dict, node: str) -> Cadence:
+    """The snapshot interval a `snapshot.enabled` or `snapshot.every` event sets on `node`: its `every`
+    (a replicated snapshot's writer), or its `proposed` (a sharded ring's rank, whose ring then agrees on
+    the largest any rank proposed: `every_at` takes that largest over the round's nodes); 1 when it
+    says neither."""
+    every = event.get("every", event.get("proposed"))
+    return Cadence(event["ts"], node, every if isinstance(every, int) else 1)
 
 
 def node_event_seen(job_dir: Path, node: str, event: str) -> bool:

@@ -296,3 +296,19 @@ def test_the_summary_line_has_faults_violations_and_percentiles_per_kind():
     line = o.summary_line(7, outcomes, [])
     assert line.startswith("soak seed=7: 2 faults, 0 violations") and "kill=2.0/4.0" in line
     assert o.percentile([1, 2, 3, 4], 50) == 2 and o.percentile([1, 2, 3, 4], 99) == 4
+
+
+def test_a_sharded_rings_proposals_set_the_interval_its_largest_one_in_force():
+    from bench.soak import cadence_of
+
+    # A replicated snapshot's writer says `every`; each rank of a sharded ring says what it `proposed`,
+    # and the ring takes the largest: the interval a loss may cost on that ring is 3, not 1.
+    events = [({"ts": 1.0, "event": "snapshot.enabled", "step": 0}, "a"),
+              ({"ts": 2.0, "event": "snapshot.every", "proposed": 2, "was": 1}, "a"),
+              ({"ts": 2.1, "event": "snapshot.every", "proposed": 3, "was": 2}, "b"),
+              ({"ts": 5.0, "event": "snapshot.every", "every": 7, "was": 3}, "c")]
+    cadences = [cadence_of(e, node) for e, node in events]
+    assert [c.every for c in cadences] == [1, 2, 3, 7]
+    assert o.every_at(cadences, {"a", "b"}, 3.0) == 3
+    assert o.every_at(cadences, {"a", "b", "c"}, 4.0) == 3  # c's change came after
+    assert o.every_at(cadences, {"a", "b", "c"}, 5.0) == 7

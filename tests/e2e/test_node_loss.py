@@ -1,4 +1,4 @@
-"""Issue 16: a node lost without warning costs at most one step.
+"""Issue 16: a node lost without warning costs at most one step (K, where this machine's load raised it).
 
 One of 3 nodes is SIGKILLed (agent and worker at once, as a vanished host) at a random step of a user's
 script (tests/workloads/user_train.py: README's `State` + `Checkpointer(every=20)` loop, plain DDP, gloo,
@@ -6,7 +6,9 @@ no snapshot option: the defaults). Nobody saves first: the survivors re-form and
 snapshot their own nodes kept, not from the periodic checkpoint up to 19 steps older. No replacement is
 launched (a replacement joins as a planned scale-up, which saves first: tests/e2e/test_planned_changes.py).
 
-From the script's own step ledger: every step done, at most one computed twice (steps redone <= 1),
+From the script's own step ledger: every step done, at most one computed twice (steps redone <= 1; <= K
+when the snapshot cadence raised K because a snapshot cost more than its share of a loaded step:
+docs/elastic.md promises K),
 the final weights those of an uninterrupted run (max |dw| <= 1e-9: DDP's averages over 3 and 2 shards
 round differently), the resume after the kill came from a snapshot, and no snapshot outlived the job but
 the killed agent's (it could not clean up: the next agent on the machine sweeps it, as checked here).
@@ -30,6 +32,7 @@ from tests.support.snapshotloss import (
     finished_ledger,
     run_and_kill_one,
     snapshot_root,  # noqa: F401 - a fixture
+    steps_a_loss_may_cost,
 )
 from tests.support.userledger import USER_SCRIPT, replay
 
@@ -61,7 +64,9 @@ def test_a_node_killed_at_a_random_step_costs_at_most_one_step(local: Petctl, tm
     expected = replay(*script_args())
     ledger, story = finished_ledger(local, drill, tmp_path, ledger_dir, kill, expected, TOLERANCE)
     redone = ledger.redone()
-    assert len(redone) <= 1, f"{kill.why}: the loss cost more than one step: {ledger.describe_redone()}"
+    k = steps_a_loss_may_cost(local, "snap", kill)  # 1 unless this machine's load raised the cadence
+    assert len(redone) <= k, (f"{kill.why}: the loss cost more than K = {k} step(s): "
+                              f"{ledger.describe_redone()}")
 
     resumes = [e for e in local.events("snap", "checkpoint.resumed") if e["ts"] > kill.at]
     assert resumes, story

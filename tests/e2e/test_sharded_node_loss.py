@@ -6,7 +6,8 @@ gloo, no snapshot option: the defaults). Every rank holds only its shard of the 
 can resume only because each node also kept the previous node's shard: the killed node's shard comes
 from the next node's memory, and the 2 survivors reshard the 3 shards. No replacement is launched.
 
-From the script's own step ledger: every step done, at most one computed twice, the final weights those
+From the script's own step ledger: every step done, at most one computed twice (at most K where the
+cadence raised K on a loaded machine, as docs/elastic.md promises), the final weights those
 of an uninterrupted single-process run (max |dw| <= 1e-9: the gradient averages over 3, 2 and 1 ranks
 round differently in float64), and the resume after the kill came from the snapshots
 (`snapshot.resume`), not from the periodic checkpoint up to 19 steps older. The kill step and the
@@ -33,6 +34,7 @@ from tests.support.snapshotloss import (
     finished_ledger,
     run_and_kill_one,
     snapshot_root,  # noqa: F401 - a fixture
+    steps_a_loss_may_cost,
 )
 from tests.support.userledger import USER_SCRIPT, replay
 
@@ -70,7 +72,9 @@ def test_a_node_killed_at_a_random_step_costs_at_most_one_sharded_step(local: Pe
                       "back_after_s": round(first["ts"] - kill.at, 2),
                       "every": sorted({s["every"] for s in stats}),
                       "blocked_ms": sorted(s["blocked_ms"] for s in stats), "rounds": ledger.story()}))
-    assert len(redone) <= 1, f"{kill.why}: the loss cost more than one step: {ledger.describe_redone()}"
+    k = steps_a_loss_may_cost(local, "shsnap", kill)  # 1 unless this machine's load raised the cadence
+    assert len(redone) <= k, (f"{kill.why}: the loss cost more than K = {k} step(s): "
+                              f"{ledger.describe_redone()}")
     assert first["event"] == "snapshot.resume" and first["world"] == 3, (first, story)
     assert not local.events("shsnap", "snapshot.disabled"), story
     check_only_the_victims_snapshots_left(snapshot_root, kill.victim)

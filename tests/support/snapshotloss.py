@@ -130,6 +130,20 @@ def finished_ledger(local: Petctl, drill: Drill, tmp_path: Path, ledger_dir: Pat
     return ledger, story
 
 
+def steps_a_loss_may_cost(local: Petctl, job: str, kill: Kill) -> int:
+    """K: the snapshot interval in force at the kill, the largest any node had (docs/elastic.md: a node
+    lost without warning costs at most K steps). K is 1 unless the cadence raised it: a snapshot that
+    costs the training thread more than its share of a step, as it does on a machine loaded past the
+    figures in the tests' docstrings, makes K larger, and each change is a `snapshot.every` event. This
+    reads them as the fault soak's oracle does (bench/soakoracle.every_at)."""
+    from bench.soak import cadence_of
+    from bench.soakoracle import every_at
+
+    events = local.events(job, "snapshot.enabled") + local.events(job, "snapshot.every")
+    cadences = [cadence_of(e, e["node"]) for e in events]
+    return every_at(cadences, {c.node for c in cadences}, kill.at)
+
+
 def check_only_the_victims_snapshots_left(snapshot_root: Path, victim: str) -> None:
     """Every agent removed its snapshots but the killed one (it could not): the next agent's sweep does."""
     left = sorted(snapshot_root.iterdir())
