@@ -84,7 +84,7 @@ class Demo:
                          f"step {step_of(status)}")
                 return status
             time.sleep(0.5)
-        raise SystemExit(f"demo failed: no {what} within {timeout:.0f}s (see `petctl logs {JOB}`)")
+        raise SystemExit(f"demo failed: not yet \"{what}\" after {timeout:.0f}s (see `petctl logs {JOB}`)")
 
     def events(self) -> list[dict[str, Any]]:
         out = []
