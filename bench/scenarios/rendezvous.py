@@ -219,19 +219,15 @@ def agent_cpu(nodes: list[Node]) -> dict[str, Any]:
     interpreter start-up and imports included, since a new instance pays them), in that rendezvous
     alone (`rdzv_cpu_s`), and over its whole life (`agent.exit`). Mean and max over the agents that
     reported it; {} when none did (an agent older than the figure)."""
-    def stats(values: list[float]) -> dict[str, float] | None:
-        return ({"mean": round(sum(values) / len(values), 3), "max": round(max(values), 3), "n": len(values)}
-                if values else None)
-
     firsts = [hits[0] for n in nodes if (hits := n.events("rendezvous.complete"))]
     exits = [hits[-1] for n in nodes if (hits := n.events("agent.exit"))]
     spawns = [float(s[0]["cpu_s"]) - float(r[0]["cpu_s"]) for n in nodes
               if (r := n.events("rendezvous.complete")) and (s := n.events("workers.started"))
               and "cpu_s" in r[0] and "cpu_s" in s[0]]
-    out = {"to_ranked": stats([float(e["cpu_s"]) for e in firsts if "cpu_s" in e]),
-           "rendezvous": stats([float(e["rdzv_cpu_s"]) for e in firsts if "rdzv_cpu_s" in e]),
-           "ranked_to_workers": stats(spawns),
-           "life": stats([float(e["cpu_s"]) for e in exits if "cpu_s" in e])}
+    out = {"to_ranked": _stats([float(e["cpu_s"]) for e in firsts if "cpu_s" in e]),
+           "rendezvous": _stats([float(e["rdzv_cpu_s"]) for e in firsts if "rdzv_cpu_s" in e]),
+           "ranked_to_workers": _stats(spawns),
+           "life": _stats([float(e["cpu_s"]) for e in exits if "cpu_s" in e])}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -243,9 +239,13 @@ def worker_cpu(nodes: list[Node]) -> dict[str, Any]:
     the rendezvous waits behind (on hosts of their own it is not), for torchrun as for petctl."""
     values = [float(e["cpu_s"]) for n in nodes if (hits := n.events("worker.trivial"))
               for e in hits[:1] if "cpu_s" in e]
-    if not values:
-        return {}
-    return {"mean": round(sum(values) / len(values), 3), "max": round(max(values), 3), "n": len(values)}
+    return _stats(values) or {}
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    """Mean, max and count of per-node CPU seconds; None when no node reported one."""
+    return ({"mean": round(sum(values) / len(values), 3), "max": round(max(values), 3), "n": len(values)}
+            if values else None)
 
 
 def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
