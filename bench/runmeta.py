@@ -103,7 +103,7 @@ def installed_python(root: Path) -> str:
     sys.path, and the node processes' PYTHONPATH puts the checkout there (bench.petctl_runner.node_env).
 
     Why: README installs petctl editable (`pip install -e`), and setuptools then runs a finder from a
-    `.pth` in every Python that starts: 10 to 20 ms of CPU each on this machine, in every agent and every
+    `.pth` in every Python that starts: CPU in every agent and every
     worker, which an instance (a wheel, worker_boot.sh.j2) and torch's own code never pay. P5 starts 64
     agents and 64 workers on 2 cores, so that start-up is in its rendezvous figure. The `.pth` files of
     the added directory are not run (Python runs only a site directory's own), which is what drops the
