@@ -1,8 +1,10 @@
-"""pytest plugin (`-p bench.keeplogs`): keep the local provider's node logs in each test's tmp dir.
+"""pytest plugin (`-p bench.keeplogs`): keep the local provider's logs in each test's tmp dir.
 
-`petctl teardown` removes the job directories under PETCTL_HOME, node logs included; to count drops after
-a run (bench/drops.py), every instance's logs are copied to `<tmp>/kept/<job>/instances/<id>/` just before
-the teardown runs. Measurement only: the tests themselves are unchanged.
+`petctl teardown` removes the job directories under PETCTL_HOME, node logs included. To count drops after
+a run (bench/drops.py), or to read why a slow test failed, every log of every job is copied to
+`<tmp>/kept/<job>/...` just before the teardown runs: the nodes' (`instances/<id>/*.log`), the
+reconciler's, and the job's records (`instances.json`, `notices/*.json`). Measurement only: the tests
+themselves are unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def pytest_collection_finish(session: Any) -> None:
                 yield cli
             finally:
                 jobs = cli.home / "local" / "jobs"
-                for log in jobs.glob("*/instances/*/*.log"):
+                kept = [*jobs.glob("*/**/*.log"), *jobs.glob("*/*.json"), *jobs.glob("*/notices/*.json")]
+                for log in kept:
                     dest = root / "kept" / log.relative_to(jobs)
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     with contextlib.suppress(OSError):  # a log being rotated away: the others still count
