@@ -9,8 +9,10 @@ where an object appears whole). The agent gives the preemption save all but a ma
 (a quarter of a short notice: `save_budget`); the notice to rank 0 (the writer) gives GRACE s, so that
 the save has UPLOAD + 1.5 s:
 
-    the periodic save of step 49 starts uploading (UPLOAD s)
-    -> the notice lands (`petctl chaos --notice`) while that upload is in flight
+    the periodic save of step 49 starts uploading, and stays in flight (`UPLOAD_HELD`) until the test
+       has delivered the notice: the CLI's start-up, seconds on a loaded machine, races nothing
+    -> the notice lands (`petctl chaos --notice`) while that upload is in flight; the test then lets the
+       upload end UPLOAD / 2 s after the notice, well inside the save's time
     -> no save was measured before the notice (the first one is still uploading), so nothing says the
        window is long enough: the noticed node hands off at once (agent/roundjudge.py, `handoff`)
     -> every rank sees the save-now flag at the same step j; rank 0's preemption save of j waits for
@@ -38,7 +40,7 @@ from petctl.agent.notices import SHORT_NOTICE_SHARE, save_budget
 from tests.support.cli import Petctl
 from tests.support.ledger import Ledger, data_steps, manifests
 from tests.support.matrix import run_ledger_job, wait_until
-from tests.support.userledger import end_padding
+from tests.support.userledger import end_padding, slow_padding
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +67,21 @@ def test_a_notice_during_an_upload_never_loads_a_torn_checkpoint(local: Petctl, 
     ledger_dir = tmp_path / "ledger"
     run_ledger_job(local, ledger_dir, "torn", "--min", "1", "--max", "2", "--size", "2",
                    "--replace-delay", "600", "--wait", "--wait-timeout", "120", STEPS=STEPS,
-                   CKPT_EVERY=EVERY, STEP_TIME=0.1, UPLOAD_SECONDS=UPLOAD, PETCTL_SNAPSHOTS=0)
+                   CKPT_EVERY=EVERY, STEP_TIME=0.1, UPLOAD_SECONDS=UPLOAD, PETCTL_SNAPSHOTS=0,
+                   UPLOAD_HELD=ledger_dir / "upload_ends")
     checkpoints = local.job_dir("torn") / "checkpoints"
     started = wait_until(lambda: Ledger.read(ledger_dir).of("upload_started"), 90, "the first upload")
+    slow_padding(ledger_dir)  # no periodic save of step 99 comes while the CLI call below starts up
     writer = started[0]["node"]
     assert started[0]["step"] == EVERY - 1 and started[0]["rank"] == 0
 
     local.run("chaos", "torn", "--node", writer, "--notice", "--grace", str(GRACE))
     reclaim_at = json.loads((local.job_dir("torn") / "notices" / f"{writer}.json").read_text())["time"]
+    # The upload in flight ends UPLOAD / 2 s after the notice (or at once, if that has passed): before the
+    # save's deadline, leaving too little time for a second upload.
+    ends = ledger_dir / "upload_ends.tmp"
+    ends.write_text(repr(reclaim_at - GRACE + UPLOAD / 2))
+    ends.rename(ledger_dir / "upload_ends")
     # Once the writer is reclaimed (its torn upload can no longer finish) and the survivor trains alone,
     # the rest of the run only has to be done, and right: no more padded steps or throttled uploads.
     wait_until(lambda: time.time() > reclaim_at + 1 and any(

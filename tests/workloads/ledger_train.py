@@ -24,6 +24,8 @@ SLOW_BELOW_WORLD, so a job cannot finish before the capacity a test waits for is
 (periodic save after every N steps), KEEP,
 LEDGER_DIR (a test ends the step padding with `$LEDGER_DIR/unpadded`: tests/workloads/padding.py),
 UPLOAD_SECONDS (rank 0's uploads of state go through `ThrottledStore`: that long per object),
+UPLOAD_HELD (a file: the first upload stays in flight until the test writes it, then ends at the time it
+holds; see `throttled_store`),
 FAIL_AT (rank 0 raises at that step: a bug in the user's script).
 """
 
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from tests.workloads.padding import pad
+from tests.workloads.padding import UNPADDED, pad, wait_padded
 
 DIM = 16
 LR = 2.0 ** -4
@@ -89,11 +91,28 @@ class Ledger:
         self.f.flush()
 
 
-def throttled_store(url: str, seconds: float, ledger: Ledger):
+def held_until(held: Path) -> float:
+    """The time the test wrote into `held`, once it has: when the first upload is to end."""
+    while True:
+        try:
+            return float(held.read_text())
+        except (OSError, ValueError):  # not written yet (the test renames it into place whole)
+            if os.path.exists(os.path.join(os.environ.get("LEDGER_DIR", ""), UNPADDED)):
+                return 0.0  # the test ended the padding: nothing is held any more
+            time.sleep(0.05)
+
+
+def throttled_store(url: str, seconds: float, ledger: Ledger, held: Path | None = None):
     """A file store as slow as a congested link: a checkpoint's data object takes `seconds` to upload,
     written straight to its key in 20 chunks (so a kill mid-upload leaves a truncated object, harsher than
-    S3, where an object appears whole). The manifest, written after the data, is an ordinary atomic PUT."""
+    S3, where an object appears whole). The manifest, written after the data, is an ordinary atomic PUT.
+
+    With `held`, the first object's upload stays in flight until the test writes a time into that file,
+    and ends at that time. A test that acts during an upload then does not race the upload with its own
+    CLI call, whose start-up on a loaded machine can take longer than the upload."""
     from petctl.io.objstore import FileStore, local_path
+
+    first = [held]
 
     class ThrottledStore(FileStore):
         def put_file(self, key: str, path: Path) -> None:
@@ -105,11 +124,19 @@ def throttled_store(url: str, seconds: float, ledger: Ledger):
             target.parent.mkdir(parents=True, exist_ok=True)
             data = path.read_bytes()
             chunk = max(1, len(data) // 20 + 1)
+            gate, first[0] = first[0], None
             with open(target, "wb") as out:
-                for i in range(0, len(data), chunk):
-                    out.write(data[i:i + chunk])
+                if gate is not None:  # in flight, part written, until the test says when it ends
+                    out.write(data[:chunk])
                     out.flush()
-                    pad(seconds / 20)  # a slow store's time is padding too: a test may end it
+                    until = held_until(gate)
+                    wait_padded(until - time.time())
+                    out.write(data[chunk:])
+                else:
+                    for i in range(0, len(data), chunk):
+                        out.write(data[i:i + chunk])
+                        out.flush()
+                        wait_padded(seconds / 20)  # a slow store's time is padding too: a test may end it
             ledger.write("upload_done", step=step, key=key)
 
     return ThrottledStore(local_path(url))
@@ -125,14 +152,15 @@ def main() -> int:
     ledger = Ledger(Path(os.environ["LEDGER_DIR"]), rank, world)
     steps, fail_at = int(os.environ.get("STEPS", "100")), int(os.environ.get("FAIL_AT", "-1"))
     upload = float(os.environ.get("UPLOAD_SECONDS", "0"))
+    held = Path(os.environ["UPLOAD_HELD"]) if os.environ.get("UPLOAD_HELD") else None
     step_time, slow_time = float(os.environ.get("STEP_TIME", "0.05")), float(os.environ.get("SLOW_TIME", "0"))
     slow_below = int(os.environ.get("SLOW_BELOW_WORLD", "0"))
     url = os.environ["PETCTL_CHECKPOINT_URL"]
     model, opt = build()
     state = State(model=model, optimizer=opt, extra={"step": -1})
+    store = throttled_store(url, upload, ledger, held) if upload > 0 and rank == 0 else None
     ckpt = Checkpointer(keep=int(os.environ.get("KEEP", "100")),
-                        every=int(os.environ.get("CKPT_EVERY", "10")),
-                        store=throttled_store(url, upload, ledger) if upload > 0 and rank == 0 else None)
+                        every=int(os.environ.get("CKPT_EVERY", "10")), store=store)
     start = ckpt.resume(state)
     ledger.write("resumed", start=start, loaded=start - 1 if start else None)
     left = False

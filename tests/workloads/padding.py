@@ -26,3 +26,14 @@ def pad(step_time: float) -> None:
     if step_time <= 0 or (directory and os.path.exists(os.path.join(directory, UNPADDED))):
         return
     time.sleep(SLOWED_STEP if directory and os.path.exists(os.path.join(directory, SLOWED)) else step_time)
+
+
+def wait_padded(seconds: float) -> None:
+    """Sleep `seconds` (a slow store's time, which slowing the steps does not change), unless the test has
+    ended the padding, then return at once."""
+    directory = os.environ.get("LEDGER_DIR")
+    end = time.time() + seconds
+    while (now := time.time()) < end:
+        if directory and os.path.exists(os.path.join(directory, UNPADDED)):
+            return
+        time.sleep(min(0.1, end - now))
