@@ -9,10 +9,13 @@ in a private PETCTL_HOME so it touches nothing of yours:
      examples/train_ddp.py with gloo on CPU;
   2. kills one node (SIGKILL of its process group): the survivor re-forms alone and resumes from the
      last checkpoint, then the reconciler's replacement joins and the world is 2 again;
-  3. sends a spot interruption notice to one node: it leaves gracefully before it is reclaimed;
-  4. scales the job to 3 nodes, lets it finish, prints a summary and tears everything down.
+  3. scales the job to 3 nodes;
+  4. sends a spot interruption notice to one node: it leaves gracefully before it is reclaimed, and
+     the job trains on with 2 (its replacement joins if it starts before the job ends);
+  5. lets the job finish, prints a summary and tears everything down.
 
-It exits non-zero if the job did not behave (did not shrink, grow, resume, or succeed).
+It exits non-zero if the job did not behave (did not shrink, grow, resume, or succeed). Then, as with
+--keep, it stops the job but keeps etcd and every log, and prints how to read them and tear down.
 """
 
 from __future__ import annotations
@@ -31,14 +34,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 JOB = "demo"
-# Long enough that the scale-up comes while it trains: each replacement warms up first, and the notice's
-# replacement comes only after the reclaim (its 8 s grace, then the replace delay), so a fast machine's
-# lone survivor trains up to ~20 steps a second (0.05 s each) for about 14 s. Training keeps that pace on
-# a loaded machine while the instances' starts slow down: at 800 steps a 2-core box busy with two other
-# test runs reached step 672 before the scale-up. 1000 leaves room for that: 200 more steps of at
-# least 0.05 s each on a quiet machine.
-STEPS = 1000
-SCALE_ROOM = 150  # steps left for the scale-up: an instance starts, warms up and joins (about 5 s)
+# Long enough that the scale-up and the notice come while it trains. Training keeps its pace on a loaded
+# machine (0.05 s a step, about 20 steps a second) while instances start more slowly. Under two busy
+# loops beside a test run, each new instance took 10-20 s to join, and the kill's replacement joined by
+# step 456. The scale-up then needs one more start (up to 400 steps), and the notice a re-form (about
+# 100). So the scale-up goes before the notice, with SCALE_ROOM steps left for both.
+STEPS = 1200
+SCALE_ROOM = 600  # steps left at the scale-up: an instance starts and joins, then the notice's re-form
 
 
 @dataclass
@@ -142,17 +144,17 @@ def run(demo: Demo) -> list[str]:
     demo.wait("the survivor re-formed alone", world(1))
     status = demo.wait("the replacement joined", world(2, min_step=step_of(status) + 10))
 
-    demo.say("a spot interruption notice for rank 1: it is reclaimed 8 s later")
-    demo.petctl("chaos", JOB, "--node", rank_node(status, 1), "--notice", "--grace", "8")
-    demo.wait("rank 1 left before the reclaim", world(1))
-    status = demo.wait("its replacement joined", world(2, min_step=step_of(status) + 10))
-
     if step_of(status) > STEPS - SCALE_ROOM:
         return [f"training reached step {step_of(status)} of {STEPS} before the scale-up: this machine is "
                 "unusually slow for the demo"]
     demo.petctl("scale", JOB, "--size", "3")
-    demo.wait("scaled to 3 nodes", world(3))
+    status = demo.wait("scaled to 3 nodes", world(3))
     demo.petctl("status", JOB)  # what a person would look at: one row per node
+
+    demo.say("a spot interruption notice for rank 1: it is reclaimed 8 s later")
+    demo.petctl("chaos", JOB, "--node", rank_node(status, 1), "--notice", "--grace", "8")
+    demo.wait("rank 1 left before the reclaim", world(2))
+    demo.say("training on with 2 nodes; the notice's replacement joins if it starts before the end")
 
     deadline = time.monotonic() + 240
     while json.loads(demo.petctl("jobs", "-o", "json", quiet=True))[0]["state"] == "running":
@@ -200,13 +202,14 @@ def main() -> int:
     home.mkdir(parents=True, exist_ok=True)
     demo = Demo(home=home)
     print(f"petctl demo; state in {demo.home}\n", flush=True)
+    problems = ["it stopped early"]
     try:
         problems = run(demo)
     finally:
-        if args.keep:  # stop the job, keep etcd and every log for a look around
+        if args.keep or problems:  # stop the job, keep etcd and every log for a look around
             subprocess.run([sys.executable, "-m", "petctl", "kill_job", JOB], env=demo.env,
                            capture_output=True)
-            print(f"kept: PETCTL_HOME={demo.home} petctl status {JOB}  (then: petctl teardown)")
+            print(f"kept: PETCTL_HOME={demo.home} petctl logs {JOB}  (then: petctl teardown --force)")
         else:
             subprocess.run([sys.executable, "-m", "petctl", "teardown", "--force"], env=demo.env,
                            capture_output=True)
