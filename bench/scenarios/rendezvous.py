@@ -44,6 +44,13 @@ from petctl.io.store import open_store
 TRIVIAL = BENCH / "trivial_worker.py"
 STORES = {"petctl": JOB_DEFAULT_BACKEND, "petctl-v2": "v2"}  # P5's petctl systems and the store each runs on
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
+# P5 times the rendezvous alone, so torchrun keeps its default keep-alive (every 5 s, 3 misses). With the
+# 1 s keep-alive the failure scenarios use (TUNED_RDZV_CONF), 64 agents on 2 cores did not rank in 150
+# and 240 s, twice. Every join and keep-alive is a compare-and-set of one shared state key, and each
+# attempt first records an event whose name comes from `inspect.stack()` (py-spy showed the agents
+# there and in the compare-and-set). 64 keep-alives a second kept every join's set stale. With the
+# default keep-alive the same 64 ranked 4.1 s after the last entered.
+TORCHRUN_P5_CONF = "last_call_timeout=1,join_timeout=600"
 
 
 V3_SERVICES = {"etcdserverpb.KV": "v3_kv", "etcdserverpb.Lease": "v3_lease", "etcdserverpb.Watch": "v3_watch"}
@@ -270,7 +277,7 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
     name = f"p5{backend[:4]}{n}r{rep}{int(time.time()) % 100000}"
     job = TorchrunJob.create(ctx.dir("P5", f"torchrun-{backend}", f"n{n}", f"rep{rep}"), backend, n, n, name,
                              etcd_port=ctx.etcd.client_port, script=TRIVIAL, max_restarts=0,
-                             rdzv_conf="last_call_timeout=1,keep_alive_interval=1,join_timeout=600",
+                             rdzv_conf=TORCHRUN_P5_CONF,
                              python=ctx.python)
     try:
         nodes = _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
