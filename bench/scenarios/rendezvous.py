@@ -44,12 +44,9 @@ from petctl.io.store import open_store
 TRIVIAL = BENCH / "trivial_worker.py"
 STORES = {"petctl": JOB_DEFAULT_BACKEND, "petctl-v2": "v2"}  # P5's petctl systems and the store each runs on
 TORCHRUN_RSS_MB = 260  # a torchrun agent with torch imported: ~230 MB RSS measured here; memory guard
-# P5 times the rendezvous alone, so torchrun keeps its default keep-alive (every 5 s, 3 misses). With the
-# 1 s keep-alive the failure scenarios use (TUNED_RDZV_CONF), 64 agents on 2 cores did not rank in 150
-# and 240 s, twice. Every join and keep-alive is a compare-and-set of one shared state key, and each
-# attempt first records an event whose name comes from `inspect.stack()` (py-spy showed the agents
-# there and in the compare-and-set). 64 keep-alives a second kept every join's set stale. With the
-# default keep-alive the same 64 ranked 4.1 s after the last entered.
+# P5 times the rendezvous alone, so torchrun keeps its default keep-alive (every 5 s, 3 misses), which
+# writes its shared state key 5 times less often than the 1 s the failure scenarios use (TUNED_RDZV_CONF).
+# At 64 agents on 2 cores torchrun c10d often never ranks with either (bench/README.md, "Set-up").
 TORCHRUN_P5_CONF = "last_call_timeout=1,join_timeout=600"
 
 
