@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from tests.workloads.padding import UNPADDED, pad, wait_padded
+from tests.workloads.padding import pad, padding_ended, wait_padded
 
 DIM = 16
 LR = 2.0 ** -4
@@ -97,7 +97,7 @@ def held_until(held: Path) -> float:
         try:
             return float(held.read_text())
         except (OSError, ValueError):  # not written yet (the test renames it into place whole)
-            if os.path.exists(os.path.join(os.environ.get("LEDGER_DIR", ""), UNPADDED)):
+            if padding_ended():
                 return 0.0  # the test ended the padding: nothing is held any more
             time.sleep(0.05)
 

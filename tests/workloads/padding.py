@@ -19,11 +19,17 @@ SLOWED = "slowed"
 SLOWED_STEP = 0.5
 
 
+def padding_ended() -> bool:
+    """Whether the test has ended the padding (`$LEDGER_DIR/unpadded` exists)."""
+    directory = os.environ.get("LEDGER_DIR")
+    return bool(directory) and os.path.exists(os.path.join(directory, UNPADDED))
+
+
 def pad(step_time: float) -> None:
     """Sleep `step_time` seconds (SLOWED_STEP while the test slows the steps), unless the test has ended
     the padding."""
     directory = os.environ.get("LEDGER_DIR")
-    if step_time <= 0 or (directory and os.path.exists(os.path.join(directory, UNPADDED))):
+    if step_time <= 0 or padding_ended():
         return
     time.sleep(SLOWED_STEP if directory and os.path.exists(os.path.join(directory, SLOWED)) else step_time)
 
@@ -31,9 +37,8 @@ def pad(step_time: float) -> None:
 def wait_padded(seconds: float) -> None:
     """Sleep `seconds` (a slow store's time, which slowing the steps does not change), unless the test has
     ended the padding, then return at once."""
-    directory = os.environ.get("LEDGER_DIR")
     end = time.time() + seconds
     while (now := time.time()) < end:
-        if directory and os.path.exists(os.path.join(directory, UNPADDED)):
+        if padding_ended():
             return
         time.sleep(min(0.1, end - now))
