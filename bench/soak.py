@@ -131,11 +131,10 @@ def read_nodes(job_dir: Path) -> tuple[list[Join], list[Cadence]]:
 
 
 def cadence_of(event: dict, node: str) -> Cadence:
-    """The snapshot interval a `snapshot.enabled` or `snapshot.every` event sets on `node`: its `every`
-    (a replicated snapshot's writer), or its `proposed` (a sharded ring's rank, whose ring then agrees on
-    the largest any rank proposed: `every_at` takes that largest over the round's nodes); 1 when it
-    says neither."""
-    every = event.get("every", event.get("proposed"))
+    """The snapshot interval a `snapshot.enabled` or `snapshot.every` event sets on `node`: its `every`,
+    the K in force (a sharded ring's ranks each say the K their ring agreed, once the snapshot it follows
+    is whole; a rank's own `snapshot.proposed` is not read: it binds nothing); 1 when it says none."""
+    every = event.get("every")
     return Cadence(event["ts"], node, every if isinstance(every, int) else 1)
 
 

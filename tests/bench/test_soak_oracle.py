@@ -298,17 +298,19 @@ def test_the_summary_line_has_faults_violations_and_percentiles_per_kind():
     assert o.percentile([1, 2, 3, 4], 50) == 2 and o.percentile([1, 2, 3, 4], 99) == 4
 
 
-def test_a_sharded_rings_proposals_set_the_interval_its_largest_one_in_force():
+def test_the_interval_in_force_is_the_largest_any_node_of_the_round_set_last():
     from bench.soak import cadence_of
 
-    # A replicated snapshot's writer says `every`; each rank of a sharded ring says what it `proposed`,
-    # and the ring takes the largest: the interval a loss may cost on that ring is 3, not 1.
+    # Each node says the K in force on it (`every`); the interval a loss may cost is the largest of the
+    # round's nodes. A sharded ring's rank's own `proposed` binds nothing until its ring agrees on it.
     events = [({"ts": 1.0, "event": "snapshot.enabled", "step": 0}, "a"),
-              ({"ts": 2.0, "event": "snapshot.every", "proposed": 2, "was": 1}, "a"),
-              ({"ts": 2.1, "event": "snapshot.every", "proposed": 3, "was": 2}, "b"),
-              ({"ts": 5.0, "event": "snapshot.every", "every": 7, "was": 3}, "c")]
+              ({"ts": 2.0, "event": "snapshot.every", "every": 2, "was": 1}, "a"),
+              ({"ts": 2.1, "event": "snapshot.every", "every": 3, "was": 2}, "b"),
+              ({"ts": 5.0, "event": "snapshot.every", "every": 7, "was": 3}, "c"),
+              ({"ts": 2.2, "event": "snapshot.proposed", "proposed": 9, "was": 3}, "b")]
     cadences = [cadence_of(e, node) for e, node in events]
-    assert [c.every for c in cadences] == [1, 2, 3, 7]
+    assert [c.every for c in cadences] == [1, 2, 3, 7, 1]
+    cadences.pop()
     assert o.every_at(cadences, {"a", "b"}, 3.0) == 3
     assert o.every_at(cadences, {"a", "b", "c"}, 4.0) == 3  # c's change came after
     assert o.every_at(cadences, {"a", "b", "c"}, 5.0) == 7

@@ -214,3 +214,56 @@ def test_a_lagging_ring_round_holds_the_next_step_so_a_finished_step_has_the_one
     tier.close()
     assert committed == [0, 1, 2, 3], committed
     assert tier.report()["hook_wait_ms"] >= 100  # the wait is the snapshot's cost, seen by the cadence
+
+
+def test_a_change_of_the_agreed_k_is_announced_once_the_snapshot_it_follows_is_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`snapshot.every` says the K in force, and a loss oracle reads it as a bound. A lowering said when
+    the ring agrees on it promised too much: the snapshot it follows was still in its round, and a kill
+    then cost the old K (an e2e run redid 3 steps where the events said 1). Here the ring agrees on 3,
+    then on 1, and takes 0.1 s a round: each change is announced only once the snapshot it follows is
+    committed, with the K the steps then really have between snapshots."""
+    from petctl.elastic.dist import Comm
+    from petctl.elastic.snapshots import SnapshotOptions
+    from petctl.elastic.snapshots import ring as ring_module
+    from petctl.elastic.snapshots.codec import read_verified, shard_path
+    from petctl.elastic.snapshots.ring import ShardSnapshotTier
+    from petctl.io.eventlog import EventLog
+
+    real, rounds = ring_module.exchange, []
+
+    def agreeing(*args, **kwargs):
+        time.sleep(0.1)
+        failure, _k = real(*args, **kwargs)
+        rounds.append(None)
+        return failure, 3 if len(rounds) < 4 else 1  # rounds 1-3 agree on 3, later ones on 1
+
+    monkeypatch.setattr(ring_module, "exchange", agreeing)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "opt": opt, "extra": {"step": -1}}
+    log = EventLog("test")
+    tier = ShardSnapshotTier(Comm(), log, SnapshotOptions(every=1, directory=str(tmp_path)),
+                             {"PETCTL_JOB": "job", "PETCTL_ROUND": "1"})
+    own = shard_path(tmp_path, "own", 0)
+    said, emit = [], log.emit
+
+    def record(event: str, **fields) -> None:
+        if event == "snapshot.every":  # what is whole on two nodes as it is said
+            whole = read_verified(own, "job", 2)[0].step
+            said.append((fields["step"], fields["every"], fields["was"], whole))
+        emit(event, **fields)
+
+    monkeypatch.setattr(log, "emit", record)
+    taken = []
+    for step in range(16):
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        state["extra"]["step"] = step
+        if tier.take(step, state):
+            taken.append(step)
+    tier.close()
+    assert [(step, every, was) for step, every, was, _whole in said] == [(2, 3, 1), (11, 1, 3)], said
+    assert all(whole >= step for step, _every, _was, whole in said), said
+    assert taken[:6] == [0, 1, 2, 5, 8, 11] and taken[6:9] == [12, 13, 14], taken  # the K announced

@@ -61,7 +61,7 @@ class Kill:
     why: str  # "seed S: SIGKILL of rank R's node at step N", for every assertion message
     victim: str  # the node killed
     victim_rank: int
-    at: float  # when (time.time())
+    at: float  # when the signal went (time.time()): the chaos marker's mtime, written just before it
 
 
 def run_and_kill_one(local: Petctl, drill: Drill, ledger_dir: Path, snapshot_root: Path, seed: int) -> Kill:
@@ -93,8 +93,10 @@ def run_and_kill_one(local: Petctl, drill: Drill, ledger_dir: Path, snapshot_roo
                f"step {kill_at} at world 3 ({why})", every=0.02)
     time.sleep(rng.uniform(0, SLOWED_STEP))
     (victim,) = [node for node, rank in local.status(drill.job)["ranks"].items() if rank == victim_rank]
-    t_kill = time.time()
     local.run("chaos", drill.job, "--node", victim, "--kill")
+    # Not the time the CLI was called: it takes seconds to start on a loaded box, steps in which the
+    # snapshot interval in force may change.
+    t_kill = (local.job_dir(drill.job) / "instances" / victim / "chaos").stat().st_mtime
     return Kill(why, victim, victim_rank, t_kill)
 
 
@@ -134,8 +136,9 @@ def steps_a_loss_may_cost(local: Petctl, job: str, kill: Kill) -> int:
     """K: the snapshot interval in force at the kill, the largest any node had (docs/elastic.md: a node
     lost without warning costs at most K steps). K is 1 unless the cadence raised it: a snapshot that
     costs the training thread more than its share of a step, as it does on a machine loaded past the
-    figures in the tests' docstrings, makes K larger, and each change is a `snapshot.every` event. This
-    reads them as the fault soak's oracle does (bench/soakoracle.every_at)."""
+    figures in the tests' docstrings, makes K larger, and each change is a `snapshot.every` event (a
+    sharded ring's, once the snapshot the new K follows is whole on two nodes). This reads them as the
+    fault soak's oracle does (bench/soakoracle.every_at)."""
     from bench.soak import cadence_of
     from bench.soakoracle import every_at
 

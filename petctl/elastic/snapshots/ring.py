@@ -96,6 +96,9 @@ class ShardSnapshotTier:
         # lags behind the steps (a starved thread on a loaded machine) holds the next optimizer step.
         self._sender = ThreadPoolExecutor(1, "petctl-ring")
         self._inflight: deque[tuple[int, Future[tuple[str | None, int]]]] = deque()
+        # a change of the agreed K, announced once the snapshot it applies after is whole on two nodes:
+        # (that snapshot's round, its step, the new K, the old one)
+        self._changes: list[tuple[Future[tuple[str | None, int]], int, int, int]] = []
         self._captured = threading.Event()
         self._captured.set()
         self._hooks: list[Any] = []
@@ -126,15 +129,17 @@ class ShardSnapshotTier:
         if self.due > 0 or self.disabled is not None:
             return False
         t0 = time.monotonic()
+        was = self.every
         # all but the previous one, whose round the optimizer's pre-hook waits for (also where K was
         # agreed); with no optimizer to hook, all of them, here
         self._finish(before=self.taken - 1 if self._hooks else self.taken)
+        self._announce()
         if self.disabled is not None:
             return False
         if self.taken:
             changed = self.cadence.record(self._last_cost)
             if changed is not None:
-                self.log.emit("snapshot.every", step=step, proposed=changed[0], was=changed[1],
+                self.log.emit("snapshot.proposed", step=step, proposed=changed[0], was=changed[1],
                               cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
         small = self._small  # the previous shard was small: copy every tensor now, encode on the ring thread
@@ -152,7 +157,10 @@ class ShardSnapshotTier:
             copy: Any = self._copier.submit(self._capture, step, encoded, error)
         else:
             copy = (step, encoded, error)  # made by the ring thread itself: one hand-off
-        self._inflight.append((self.taken, self._sender.submit(self._exchange, copy, self.cadence.every)))
+        pending = self._sender.submit(self._exchange, copy, self.cadence.every)
+        self._inflight.append((self.taken, pending))
+        if self.every != was:  # the next snapshot comes `every` steps after this one
+            self._changes.append((pending, step, self.every, was))
         self.due = self.every
         self.taken += 1
         self._last_cost = waited + time.thread_time() - cpu0
@@ -175,15 +183,25 @@ class ShardSnapshotTier:
         wait as the snapshot's cost."""
         copying = self.overlap and not self._captured.is_set()  # without overlap it copies private tensors
         rounds = [pending for _n, pending in self._inflight if not pending.done()]
-        if not copying and not rounds:
-            return
-        t0 = time.monotonic()
-        if copying:
-            self._captured.wait()
-        wait_futures(rounds)
-        waited = time.monotonic() - t0
-        self.stats["hook_wait_s"] += waited
-        self._last_cost += waited
+        if copying or rounds:
+            t0 = time.monotonic()
+            if copying:
+                self._captured.wait()
+            wait_futures(rounds)
+            waited = time.monotonic() - t0
+            self.stats["hook_wait_s"] += waited
+            self._last_cost += waited
+        self._announce()
+
+    def _announce(self) -> None:
+        """`snapshot.every` for each change of the agreed K whose snapshot is now whole on two nodes: from
+        then on a node lost costs at most the new K steps. Said earlier, a lowering would promise too
+        much: the snapshot it follows may still be in flight, and a kill then costs the old K. A round
+        that failed announces nothing (the tier is off, or the job re-forms)."""
+        while self._changes and self._changes[0][0].done():
+            pending, step, every, was = self._changes.pop(0)
+            if pending.exception() is None and pending.result()[0] is None:
+                self.log.emit("snapshot.every", step=step, every=every, was=was)
 
     def _finish(self, before: int | None = None) -> None:
         """Wait for the snapshots in flight numbered below `before` (all: None) and take what their
@@ -252,6 +270,7 @@ class ShardSnapshotTier:
         """Commit the snapshot in flight (every rank closes at the same step), release the hooks and the
         thread. The files stay: they belong to the agent's directory."""
         self._finish()
+        self._announce()
         self._unhook()
         self._copier.shutdown(wait=True)
         self._sender.shutdown(wait=True)
