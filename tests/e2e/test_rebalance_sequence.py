@@ -29,21 +29,30 @@ from tests.support.userledger import end_padding
 
 pytestmark = pytest.mark.slow
 
-STEPS = 400
+# Padded to 0.1 s a step until the test has seen the reclaim (then unpadded): 100 s of steps, room for
+# a replacement's start, a grow, the scale-in notice's grace and the reclaim on a loaded machine. 400
+# (40 s) did not hold at load 10-14: the job ended before the reclaim.
+STEPS = 1000
 GRACE = 8.0  # the scale-in notice's time to the reclaim
 
 
-def after_the_reclaim(local: Petctl, ledger_dir: Path) -> bool:
-    """Whether the job has trained a step at world 2 since an instance was reclaimed (read from the
-    reconciler's log file: polling the CLI would take CPU from the job), or has done its last step."""
-    if (ledger_dir / "final.json").exists():
-        return True
+def reclaimed_at(local: Petctl) -> float | None:
+    """When an instance was first reclaimed, read from the reconciler's log file (polling the CLI would
+    take CPU from the job); None before."""
     log = local.job_dir("rebal") / "reconciler.log"
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     records = [r for r in map(parse_line, lines) if r is not None]
-    reclaimed = [r["ts"] for r in records if r["event"] == "instance.reclaimed"]
-    return bool(reclaimed) and any(e["ts"] > reclaimed[0] and e["world"] == 2
-                                   for e in Ledger.read(ledger_dir).of("step"))
+    return min((r["ts"] for r in records if r["event"] == "instance.reclaimed"), default=None)
+
+
+def after_the_reclaim(local: Petctl, ledger_dir: Path) -> bool:
+    """Whether the job has trained a step at world 2 since an instance was reclaimed, or has done its
+    last step."""
+    if (ledger_dir / "final.json").exists():
+        return True
+    reclaimed = reclaimed_at(local)
+    return reclaimed is not None and any(e["ts"] > reclaimed and e["world"] == 2
+                                         for e in Ledger.read(ledger_dir).of("step"))
 
 
 @pytest.mark.timeout(300)
@@ -62,6 +71,8 @@ def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, t
     while time.monotonic() < deadline and not after_the_reclaim(local, ledger_dir):
         time.sleep(0.5)
     end_padding(ledger_dir)
+    assert not (ledger_dir / "final.json").exists() or reclaimed_at(local) is not None, (
+        "the job ended before the at-risk node's reclaim")
     info = local.wait_finished("rebal", timeout=max(deadline - time.monotonic(), 1.0))
     assert info["state"] == "succeeded", info
     ledger = Ledger.read(ledger_dir)
