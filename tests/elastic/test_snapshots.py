@@ -182,6 +182,48 @@ def test_a_snapshot_holds_the_state_after_its_step_while_the_next_step_runs(
     assert (rec.events("snapshot.stats")[0]["hook_wait_ms"] > 0) == overlap  # the next step did wait
 
 
+def test_a_change_of_k_is_announced_once_the_snapshot_it_follows_is_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`snapshot.every` is a bound a loss oracle reads. Said when the cadence chose a lower K, it promised
+    too much: the snapshot the new K follows was still being written, and a loss then cost the old K.
+    Here the cadence lowers K at step 2, whose commit the test holds in the background: the event comes
+    only once step 2's snapshot is committed."""
+    commit, release = SnapshotWriter._commit, threading.Event()
+
+    def late_commit(self, header, *args):
+        if header.step == 2:
+            assert release.wait(60), "the test never released step 2's commit"
+        return commit(self, header, *args)
+
+    monkeypatch.setattr(SnapshotWriter, "_commit", late_commit)
+    width = 1024  # 25 MB: committed in the background (not inline)
+    state, rec = make_state(width=width), Recorder()
+    writer = SnapshotWriter(tmp_path / "state.snap", "job", 1, 0, 1, rec.log, every=1)
+
+    def lowered_at_step_2(*_args, **_kwargs) -> tuple[int, int, float, float] | None:
+        return (1, 3, 0.01, 0.1) if writer.taken == 2 else None  # (every, was, cost, step time)
+
+    monkeypatch.setattr(writer.cadence, "record", lowered_at_step_2)
+    said: list[tuple[int, int]] = []
+    emit = rec.log.emit
+
+    def recording(event: str, **fields) -> None:
+        if event == "snapshot.every":  # the step on file as it is said
+            said.append((fields["step"], read_back(tmp_path / "state.snap")[0].step))
+        emit(event, **fields)
+
+    monkeypatch.setattr(rec.log, "emit", recording)
+    for step in range(4):
+        train(state, step, width)
+        writer.take(step, state)
+        if step == 2:
+            assert said == [], said  # step 2's snapshot is still being written
+            release.set()
+    writer.close()
+    assert said == [(2, 2)], said  # said once step 2's snapshot was the one on file
+    assert rec.events("snapshot.every")[0]["every"] == 1
+
+
 def test_a_small_state_is_snapshotted_from_the_rounds_first_step_however_late_the_background_thread(
         tmp_path: Path) -> None:
     """A restart maps the file for the state (`prepare`) so the first snapshot need not. A small state is

@@ -185,11 +185,9 @@ class SnapshotWriter:
         # A first snapshot's CPU cost is not a measure (it touched the memory first), but its GPU hold,
         # timed by CUDA events, is: it counts alone, so a 16 GB copy raises K after one stall, not two.
         cost = self._last_cost if counted else stall
+        changed = None
         if cost is not None or busy is not None:
             changed = self.cadence.record(cost, busy, timed=stall is not None)
-            if changed is not None:
-                self.log.emit("snapshot.every", step=step, every=changed[0], was=changed[1],
-                              cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
         waited, cpu0 = time.monotonic() - t0, time.thread_time()
         tensors: list[torch.Tensor] = []
         roots: list[str] = []
@@ -219,6 +217,8 @@ class SnapshotWriter:
             self._commit(header, layout, rest, meta)
         else:
             self._pending = self._pool.submit(self._commit, header, layout, rest, meta, launched)
+        if changed is not None:
+            self._announce(step, changed)
         cpu = time.thread_time() - cpu0
         self.stats["blocked_s"] += time.monotonic() - t0
         self.stats["cpu_s"] += cpu
@@ -228,6 +228,20 @@ class SnapshotWriter:
         if self.taken == 1:
             self.log.emit("snapshot.enabled", step=step, path=str(self.path), bytes=layout.data_length,
                           tensors=len(tensors), background=len(later), every=self.cadence.fixed or "auto")
+
+    def _announce(self, step: int, changed: tuple[int, int, float, float]) -> None:
+        """`snapshot.every` once this snapshot, the one the new K follows, is committed: from then on a
+        loss costs at most the new K steps (said earlier, a lowering would promise too much while the
+        snapshot is still being written). Nothing when its commit fails: that disables the tier."""
+        def say() -> None:
+            self.log.emit("snapshot.every", step=step, every=changed[0], was=changed[1],
+                          cost_ms=round(1e3 * changed[2], 3), step_ms=round(1e3 * changed[3], 3))
+
+        pending = self._pending
+        if pending is None:  # committed already, inline
+            say()
+        else:
+            pending.add_done_callback(lambda done: say() if done.exception() is None else None)
 
     def _background(self, state: Any, tensors: list[torch.Tensor], roots: list[str]) -> set[int]:
         """Indices of the tensors only `optimizer.step()` changes (copied in the background, the next
