@@ -136,8 +136,8 @@ def steps_a_loss_may_cost(local: Petctl, job: str, kill: Kill) -> int:
     """K: the snapshot interval in force at the kill, the largest any node had (docs/elastic.md: a node
     lost without warning costs at most K steps). K is 1 unless the cadence raised it: a snapshot that
     costs the training thread more than its share of a step, as it does on a machine loaded past the
-    figures in the tests' docstrings, makes K larger, and each change is a `snapshot.every` event (a
-    sharded ring's, once the snapshot the new K follows is whole on two nodes). This reads them as the
+    figures in the tests' docstrings, makes K larger, and each change is a `snapshot.every` event, said
+    once the snapshot the new K follows is committed (both tiers). This reads them as the
     fault soak's oracle does (bench/soakoracle.every_at)."""
     from bench.soak import cadence_of
     from bench.soakoracle import every_at
