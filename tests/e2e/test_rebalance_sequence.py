@@ -104,9 +104,16 @@ def test_a_rebalance_checkpoints_at_once_then_grows_and_shrinks(local: Petctl, t
 
     # Then the job grew onto the replacement (3 nodes) and shrank without the at-risk node (2 nodes), in
     # that order. The grown round may train no step: the scale-in notice can come while its workers start.
+    # It can even come before the at-risk node ranks in the grown round: the node then leaves at once, and
+    # never says `rendezvous.complete` there (the others do, with a world of 3). So a round's members are
+    # the nodes that ranked in it, and the at-risk node in the last round it joined if it left from there.
     worlds = {e["round"]: (e["world_size"], set()) for e in local.events("rebal", "rendezvous.complete")}
     for e in local.events("rebal", "rendezvous.complete"):
         worlds[e["round"]][1].add(e["node"])
+    last_join = [e for e in local.events("rebal", "rendezvous.joined") if e["node"] == at_risk][-1]
+    left = [e for e in local.events("rebal", "agent.left") if e["node"] == at_risk]
+    if left and left[0]["ts"] > last_join["ts"] and last_join["round"] in worlds:
+        worlds[last_join["round"]][1].add(at_risk)
     timeline = local.json("events", "rebal", "--all")
     (replacing,) = [e for e in timeline if e["event"] == "rebalance.replacing"]
     (scale_in,) = [e for e in timeline if e["event"] == "rebalance.scale_in"]
