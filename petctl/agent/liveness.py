@@ -96,7 +96,7 @@ class Heartbeat:
     def start(self) -> None:
         # resolved here, not in the thread: any import it needs must not delay the first keep-alive past
         # a short interval's gap (`heartbeat.gap`); python-etcd once did (about 60 ms), before v3 stopped
-        # loading it (io/etcdname.py)
+        # loading it (io/etcd.py, `store_errors`)
         self._errors = store_errors()
         self.register()
         self._service.start()

