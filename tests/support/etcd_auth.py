@@ -1,5 +1,5 @@
 """Checks of what an etcd user may do: a call refused for lack of permission, and for nothing else (v2
-through python-etcd, v3 through etcd3aio)."""
+through python-etcd, v3 through petctl's gRPC client, petctl/io/store/v3wire.py)."""
 
 from __future__ import annotations
 
@@ -30,22 +30,17 @@ def refused(call: Callable[[], object]) -> bool:
 
 
 async def denied_v3(call: Awaitable[object]) -> bool:
-    """Whether etcd's v3 API (through etcd3aio) refused the call for lack of permission or of a known
-    user (PERMISSION_DENIED, UNAUTHENTICATED; etcd 3.5's maintenance calls answer UNKNOWN with "auth:
+    """Whether etcd's v3 API refused the call for lack of permission or of a known user
+    (PERMISSION_DENIED, UNAUTHENTICATED; etcd 3.5's maintenance calls answer UNKNOWN with "auth:
     permission denied"), and for nothing else: any other failure propagates."""
-    import grpc
+    from petctl.io.store.v3wire import GrpcError, Status
 
-    from petctl.io.store.v3 import import_etcd3aio
-
-    mod = import_etcd3aio()
     try:
         await call
-    except (mod.EtcdPermissionDeniedError, mod.EtcdUnauthenticatedError):
-        return True
-    except grpc.aio.AioRpcError as e:
-        if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+    except GrpcError as e:
+        if e.code in (Status.PERMISSION_DENIED, Status.UNAUTHENTICATED):
             return True
-        if e.code() == grpc.StatusCode.UNKNOWN and "permission denied" in (e.details() or ""):
+        if e.code == Status.UNKNOWN and "permission denied" in e.detail:
             return True
         raise
     return False
