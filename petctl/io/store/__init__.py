@@ -1,7 +1,7 @@
 """Open a `Store` (petctl/core/store.py) on an etcd endpoint, over the v3 backend (default) or v2's.
 
 The backend modules are imported only here, inside `open_store`, so `petctl --help` and everything that
-never talks to etcd import neither grpc nor python-etcd.
+never talks to etcd import neither the v3 client (h2) nor python-etcd.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ client (petctl/io/store/v3wire.py: gRPC's framing and etcd's protobuf messages o
 
 Why gRPC and not the JSON gateway (etcd3gw): etcd's gRPC gateway refuses client certificates that carry
 a CN (etcd PR #10392), and petctl authenticates every job by its certificate's CN. Why not grpcio (and
-etcd3aio over it, until v3wire): importing grpc, protobuf and the generated modules cost an agent about
-0.2 s of CPU at start, half of what it spends from launch to its first round, and gRPC runs threads of
-its own in every process, where 64 agents share 2 cores in the fleet bench.
+etcd3aio over it, until v3wire): importing grpc (84 ms), protobuf and etcd3aio's generated modules (43 ms)
+cost an agent a third of the 0.39 s of CPU it spends from launch to being ranked, and gRPC runs threads
+of its own in every process, where 64 agents share 2 cores in the fleet bench.
 
 The client is asyncio and the agent is threads and blocking calls: each store runs its channel on a
 `LoopThread` (below; its own, or one shared by many stores) and every method is a blocking call

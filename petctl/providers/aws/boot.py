@@ -247,7 +247,7 @@ def _fetch(url: str) -> bytes:
 
 WHEEL_DIR = "wheelhouse"
 ENTRY_POINTS = {"petctl": "petctl.cli:main", "petctl-agent": "petctl.agent.main:main"}
-# The Python petctl needs: its dependencies' (etcd3aio 0.3 requires 3.11). setup.py declares the same
+# The Python petctl needs: 3.11 (the v3 store's client uses asyncio.timeout). setup.py declares the same
 # (tests/aws/test_packaging.py), and the default boot checks the AMI's Python against it.
 PYTHON_FLOOR = (3, 11)
 PYTHON_REQUIRES = ">=3.11"
