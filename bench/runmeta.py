@@ -6,7 +6,9 @@
 
 A figure is only comparable with another if both ran on the same code, on a machine as loaded; a result
 that does not say so cannot be quoted. Git may be missing (a copied tree, a device machine): the
-commit is then None and `dirty` None.
+commit is then None and `dirty` None, unless the sender wrote its state first (`python -m bench.runmeta
+--send`, for the device machine): then the commit is the sender's, and `dirty` is true if any tracked
+file's bytes differ from what the sender hashed.
 
 `start` also compiles petctl's modules to bytecode, as `pip install` does on an instance. Without it, a
 checkout under PYTHONDONTWRITEBYTECODE (this bench machine sets it) recompiles every module in every
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import compileall
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -32,6 +35,50 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 UNTRACKED_LISTED = 20  # untracked paths a result lists; more are cut
+SENT_STATE = ".bench-sent-state.json"  # the sender's git state, for a tree copied without its .git
+
+
+def tree_digest(repo: Path, paths: list[str]) -> str:
+    """sha256 over each path and its bytes, in the order given; a missing file hashes as absent."""
+    h = hashlib.sha256()
+    for rel in paths:
+        h.update(rel.encode() + b"\0")
+        try:
+            h.update((repo / rel).read_bytes())
+        except OSError:
+            h.update(b"\0absent")
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def send_state(repo: Path = REPO) -> Path:
+    """Write SENT_STATE at the checkout's root: the commit, the dirty flag, and a digest of every tracked
+    file, so a copy of the tree on a machine without git (the device machine) can say which code it ran.
+    Raises RuntimeError when git cannot read the checkout, OSError when the file cannot be written."""
+    state = git_state(repo)
+    if state["commit"] is None:
+        raise RuntimeError(f"{repo}: git cannot read this checkout; there is no state to send")
+    paths = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, check=True,
+                           timeout=20).stdout.decode().split("\0")
+    paths = sorted(p for p in paths if p)
+    out = repo / SENT_STATE
+    out.write_text(json.dumps({**state, "tracked": paths, "digest": tree_digest(repo, paths)}) + "\n")
+    return out
+
+
+def _sent_state(repo: Path) -> dict[str, Any] | None:
+    """The sender's state (send_state), checked against this tree: `dirty` turns true when a tracked
+    file's bytes differ from the sender's. None when there is no readable state file."""
+    try:
+        sent = json.loads((repo / SENT_STATE).read_text())
+        paths, digest = list(sent["tracked"]), str(sent["digest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    same = tree_digest(repo, paths) == digest
+    return {"commit": sent.get("commit"), "dirty": bool(sent.get("dirty")) or not same,
+            "untracked": sent.get("untracked"),
+            "git_state_from": "the sender's state file; the tracked files' bytes "
+                              + ("match it" if same else "DIFFER from it")}
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
@@ -49,6 +96,10 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
         return run.stdout if run.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
+    if head is None:
+        sent = _sent_state(repo)
+        if sent is not None:
+            return sent
     tracked = git("status", "--porcelain", "--untracked-files=no")
     others = git("ls-files", "--others", "--exclude-standard")
     return {"commit": head.strip() if head else None,
@@ -150,3 +201,16 @@ def write(meta: dict[str, Any], out: Path, table: str, **fields: Any) -> dict[st
     print(f"load average at the start {meta['machine']['load_avg_start']}, at the end "
           f"{doc['machine']['load_avg_end']}; written to {out}")
     return doc
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write the checkout's git state for a copy without .git.")
+    ap.add_argument("--send", action="store_true", help=f"write {SENT_STATE} at the checkout's root")
+    if not ap.parse_args().send:
+        ap.error("say --send")
+    try:
+        print(send_state())
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        raise SystemExit(f"bench.runmeta: {e}") from None

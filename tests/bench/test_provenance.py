@@ -157,3 +157,33 @@ def test_the_installed_python_imports_petctl_and_its_dependencies_without_the_ed
     out = subprocess.run([python, "-c", probe], env=node_env(), capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
     assert out == [str(REPO / "petctl" / "__init__.py"), "False"]
+
+
+def test_a_tree_copied_without_git_reads_the_senders_state_and_sees_a_change(tmp_path):
+    """The device machine gets the tree without .git: the result must still name the commit, and say
+    dirty when a tracked file changed after the state was sent."""
+    from bench import runmeta
+
+    src, copy = tmp_path / "src", tmp_path / "copy"
+    src.mkdir()
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=src,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (src / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "c")
+    head = runmeta.git_state(src)["commit"]
+    runmeta.send_state(src)
+    copy.mkdir()
+    for name in ("code.py", runmeta.SENT_STATE):
+        (copy / name).write_bytes((src / name).read_bytes())
+    state = runmeta.git_state(copy)
+    assert state["commit"] == head and state["dirty"] is False and "match" in state["git_state_from"]
+    (copy / "code.py").write_text("x = 2\n")
+    state = runmeta.git_state(copy)
+    assert state["commit"] == head and state["dirty"] is True and "DIFFER" in state["git_state_from"]
+    (copy / runmeta.SENT_STATE).unlink()
+    assert runmeta.git_state(copy)["commit"] is None
