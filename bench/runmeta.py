@@ -6,9 +6,10 @@
 
 A figure is only comparable with another if both ran on the same code, on a machine as loaded; a result
 that does not say so cannot be quoted. Git may be missing (a copied tree, a device machine): the
-commit is then None and `dirty` None, unless the sender wrote its state first (`python -m bench.runmeta
---send`, for the device machine): then the commit is the sender's, and `dirty` is true if any tracked
-file's bytes differ from what the sender hashed.
+commit is then None and `dirty` None. Or git may be there but name another commit: the device machine
+keeps the session's first checkout's .git under later trees. So the sender can write its state first
+(`python -m bench.runmeta --send`). When every tracked file's bytes match what the sender hashed, the
+result names the sender's commit. When they differ, git's answer stands, or the sender's marked dirty.
 
 `start` also compiles petctl's modules to bytecode, as `pip install` does on an instance. Without it, a
 checkout under PYTHONDONTWRITEBYTECODE (this bench machine sets it) recompiles every module in every
@@ -95,11 +96,12 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
             return None
         return run.stdout if run.returncode == 0 else None
 
+    sent = _sent_state(repo)
+    if sent is not None and not sent["dirty"]:
+        return sent  # the files are exactly the sent commit's (a .git there may be older: the device's)
     head = git("rev-parse", "HEAD")
-    if head is None:
-        sent = _sent_state(repo)
-        if sent is not None:
-            return sent
+    if head is None and sent is not None:
+        return sent
     tracked = git("status", "--porcelain", "--untracked-files=no")
     others = git("ls-files", "--others", "--exclude-standard")
     return {"commit": head.strip() if head else None,

@@ -187,3 +187,29 @@ def test_a_tree_copied_without_git_reads_the_senders_state_and_sees_a_change(tmp
     assert state["commit"] == head and state["dirty"] is True and "DIFFER" in state["git_state_from"]
     (copy / runmeta.SENT_STATE).unlink()
     assert runmeta.git_state(copy)["commit"] is None
+
+
+def test_a_matching_sent_state_outranks_an_older_git_there(tmp_path):
+    """The device machine keeps the session's first .git under a later tree: git there names an older
+    commit and calls the tree dirty. The sent state, whose digest matches, names the code that ran."""
+    from bench import runmeta
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-qm", "old")
+    old = runmeta.git_state(tmp_path)["commit"]
+    (tmp_path / "code.py").write_text("x = 2\n")
+    git("commit", "-qam", "new")
+    runmeta.send_state(tmp_path)
+    new = runmeta.git_state(tmp_path)["commit"]
+    git("reset", "-q", "--soft", old)  # git now names the old commit, with code.py changed
+    state = runmeta.git_state(tmp_path)
+    assert state["commit"] == new != old and state["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 3\n")  # the tree moved on: git's answer stands
+    state = runmeta.git_state(tmp_path)
+    assert state["commit"] == old and state["dirty"] is True
