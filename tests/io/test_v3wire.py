@@ -258,3 +258,81 @@ def test_grpc_error_carries_its_code_and_detail() -> None:
     assert (error.code, error.name, error.detail) == (7, "PERMISSION_DENIED", "etcdserver: permission denied")
     assert str(error) == "PERMISSION_DENIED: etcdserver: permission denied"
     assert w.GrpcError(99, "").name == "status 99"
+
+
+# --- the connection's writes, against h2's own server side fed by hand (no socket, no clock but the loop's)
+
+class _Writer:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+class _Reader:
+    async def read(self, n: int) -> bytes:
+        await asyncio.Event().wait()
+        return b""
+
+
+def test_a_ping_ack_rides_on_the_next_request_and_what_etcd_waits_for_goes_at_once() -> None:
+    """etcd's server PINGs after most requests. Its acknowledgement waits for the next request's write
+    (one write per call, not two), or ACK_DELAY when none comes. A SETTINGS acknowledgement and a
+    WINDOW_UPDATE go at once: etcd waits on them."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    def kinds(events: list[Any]) -> set[type]:
+        return {type(e) for e in events}
+
+    async def scenario() -> None:
+        writer = _Writer()
+        conn = w.Connection(_Reader(), writer, "http", "etcd:2379", lambda c, e: None)  # type: ignore[arg-type]
+        server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        server.initiate_connection()
+        server.receive_data(b"".join(writer.writes))  # the client's preface and SETTINGS
+        writer.writes.clear()
+
+        conn._receive(server.data_to_send())  # the server's SETTINGS: acknowledged at once
+        assert len(writer.writes) == 1
+        assert h2.events.SettingsAcknowledged in kinds(server.receive_data(writer.writes.pop()))
+
+        server.ping(b"12345678")
+        conn._receive(server.data_to_send())  # a PING alone: nothing written yet
+        assert writer.writes == []
+        stream = conn.open(w.RANGE.path, 1.0)
+        await stream.send(w.RangeRequest(key=b"k"), end=True)
+        assert len(writer.writes) == 1, "the request and the PING's acknowledgement in one write"
+        got = kinds(server.receive_data(writer.writes.pop()))
+        assert {h2.events.PingAckReceived, h2.events.RequestReceived} <= got
+
+        server.ping(b"abcdefgh")
+        conn._receive(server.data_to_send())
+        assert writer.writes == []
+        await asyncio.sleep(w.ACK_DELAY * 2)  # no request follows: the timer sends it
+        assert len(writer.writes) == 1
+        assert h2.events.PingAckReceived in kinds(server.receive_data(writer.writes.pop()))
+
+        # more than half the stream's window of response data: the WINDOW_UPDATE goes at once
+        server.send_headers(stream.stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+        sent = 0
+        while sent < 40000:
+            server.send_data(stream.stream_id, bytes(16000))
+            sent += 16000
+        conn._receive(server.data_to_send())
+        assert len(writer.writes) == 1
+        assert h2.events.WindowUpdated in kinds(server.receive_data(writer.writes.pop()))
+        await conn.close()
+
+    asyncio.run(scenario())
