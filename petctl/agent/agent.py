@@ -51,11 +51,10 @@ from petctl.agent.workers import OMP_THREADS, WorkerSpec, get_ready, torchrun_th
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
-from petctl.io.etcd import store_errors
 from petctl.io.etcdpki import load_credentials
 from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
-from petctl.io.store import open_store
+from petctl.io.store import open_store, store_errors
 
 # --- the agent ----------------------------------------------------------------------------------------------
 
@@ -303,7 +302,7 @@ class StoreRebuilder:
 
     def rebuild(self, rnd: Round) -> None:
         """etcd answers but holds no round while we run `rnd`: write back the result if the job ended,
-        else `rnd` and the spec. Raises one of `io.etcd.store_errors()` if etcd fails (the round runner
+        else `rnd` and the spec. Raises one of `io.store.store_errors()` if etcd fails (the round runner
         retries on its next look)."""
         prior = self._stored_result()
         if prior is not None:

@@ -9,7 +9,6 @@ point it at the emulator).
 from __future__ import annotations
 
 import shutil
-import tarfile
 from pathlib import Path
 
 from petctl.io.objstore import local_path, open_parent
@@ -48,6 +47,8 @@ def _is_archive(name: str) -> bool:
 
 
 def _unpack(archive: Path, dest: Path) -> None:
+    import tarfile  # only a job whose code is an archive needs it: not loaded by every agent at start
+
     with tarfile.open(archive, "r:gz") as tar:
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, filter="data")

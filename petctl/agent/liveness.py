@@ -43,8 +43,8 @@ from petctl.core.keys import JobKeys
 from petctl.core.records import NodeRecord
 from petctl.core.spec import Timeouts
 from petctl.core.store import Lease, LeaseExpired, Liveness, Store
-from petctl.io.etcd import store_errors
 from petctl.io.eventlog import EventLog
+from petctl.io.store import store_errors
 from petctl.io.threads import Service
 
 # --- heartbeat ----------------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ class Heartbeat:
     def start(self) -> None:
         # resolved here, not in the thread: any import it needs must not delay the first keep-alive past
         # a short interval's gap (`heartbeat.gap`); python-etcd once did (about 60 ms), before v3 stopped
-        # loading it (io/etcd.py, `store_errors`)
+        # loading it (io/store/__init__.py, `store_errors`)
         self._errors = store_errors()
         self.register()
         self._service.start()

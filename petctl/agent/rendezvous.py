@@ -69,9 +69,10 @@ from petctl.core.records import (
     WireFormatError,
 )
 from petctl.core.store import Compacted, Event, Store, StoreError, Watch
-from petctl.io.etcd import free_port, store_errors
 from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
+from petctl.io.procs import free_port
+from petctl.io.store import store_errors
 
 # --- the live/ watch ----------------------------------------------------------------------------------------
 # The agent's watch on `live/`: two watches that set one flag, so the agent re-reads a fresh view.

@@ -49,10 +49,10 @@ from petctl.agent.rendezvous import RequestStats
 from petctl.core.keys import JobKeys
 from petctl.core.mirrorchunks import chunk_name
 from petctl.core.records import Checkpoint, JobResult, NodeStatus
-from petctl.io.etcd import store_errors
 from petctl.io.eventlog import EventLog
 from petctl.io.files import atomic_write
 from petctl.io.objstore import ObjectNotFound, ObjectStore, open_object_store
+from petctl.io.store import store_errors
 from petctl.io.threads import Service
 
 # --- mirror -------------------------------------------------------------------------------------------------

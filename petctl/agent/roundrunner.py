@@ -60,8 +60,8 @@ from petctl.agent.workers import WarmPool, WorkerGroup, WorkerSpec, refill, refi
 from petctl.core.records import Phase, Round
 from petctl.core.spec import JobSpec
 from petctl.io import controlfiles
-from petctl.io.etcd import store_errors
 from petctl.io.eventlog import EventLog
+from petctl.io.store import store_errors
 
 # --- the round runner ---------------------------------------------------------------------------------------
 

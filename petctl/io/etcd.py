@@ -16,12 +16,11 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
+from petctl.core.endpoints import split_endpoints
 from petctl.core.errors import ProviderError
 from petctl.io import procs
 from petctl.io.etcdpki import EtcdTls
@@ -61,42 +60,6 @@ def etcdctl_binary() -> str:
     raise ProviderError(f"etcdctl not found next to {etcd_binary()} nor on PATH")
 
 
-def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """`http://host:port` or a comma-separated list of them (an etcd cluster's members) as (host, port)
-    pairs, in the order given; a missing port means 2379; `https://` for an etcd that requires client
-    certificates (every member alike). Every etcd_endpoint is parsed here (clients, health checks, the
-    v2 store's watches), so one comma-separated string is all a config carries. Raises ValueError (one
-    line) for an empty list, a scheme other than http(s), mixed schemes, or no host."""
-    return _parse(text)[1]
-
-
-def endpoint_scheme(text: str) -> str:
-    """"http" or "https" (see parse_endpoints). Raises ValueError."""
-    return _parse(text)[0]
-
-
-def _parse(text: str) -> tuple[str, list[tuple[str, int]]]:
-    pairs: list[tuple[str, int]] = []
-    schemes = set()
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        u = urlparse(part)
-        try:
-            port = u.port or 2379
-        except ValueError:
-            raise ValueError(f"invalid etcd endpoint {part!r}: bad port") from None
-        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
-            raise ValueError(f"invalid etcd endpoint {part!r}: expected http://host:port or https://host:port")
-        schemes.add(u.scheme)
-        pairs.append((u.hostname, port))
-    if not pairs:
-        raise ValueError(f"no etcd endpoint in {text!r}: expected http://host:port[,http://host:port...]")
-    if len(schemes) > 1:
-        raise ValueError(f"etcd endpoints {text!r} mix http and https")
-    return schemes.pop(), pairs
-
-
 def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: EtcdTls | None = None) -> bool:
     """True when etcd itself answers `GET /health` with `{"health": "true"}` at `endpoint`, or at any
     member of a comma-separated list: it is up and its cluster has a leader. A TCP connect is not enough
@@ -104,7 +67,7 @@ def etcd_healthy(endpoint: str, timeout: float = 1.0, tls: EtcdTls | None = None
     without a certificate). An endpoint that does not parse, or credentials that do not load, are not
     healthy."""
     try:
-        scheme, pairs = _parse(endpoint)
+        scheme, pairs = split_endpoints(endpoint)
         context = tls.ssl_context() if scheme == "https" and tls is not None else None
     except (ValueError, OSError):
         return False
@@ -249,7 +212,7 @@ def etcd_client(endpoint: str, read_timeout: float = 5.0, tls: EtcdTls | None = 
 
     from petctl.io.etcdclient import client_for
 
-    protocol, pairs = _parse(endpoint)
+    protocol, pairs = split_endpoints(endpoint)
     if protocol == "https" and tls is None:
         raise ValueError(f"etcd at {endpoint} requires a client certificate: no etcd credentials given")
     client = client_for(pairs, protocol, read_timeout, tls)
@@ -260,22 +223,3 @@ def etcd_client(endpoint: str, read_timeout: float = 5.0, tls: EtcdTls | None = 
                                                                           other=0, redirect=3),
                                       **(tls.pool_kwargs() if protocol == "https" and tls else {}))
     return client
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """What an etcd call raises when the store cannot answer (down, frozen, restarting, replaced, a
-    partition, no leader): a `Store`'s StoreError (petctl/core/store.py), every python-etcd error, and
-    the socket and urllib3 errors it lets through (while some agent modules still call python-etcd;
-    issue 27 moves them onto the Store).
-    `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
-    callers handle those by name, in an `except` before this tuple. python-etcd's and urllib3's errors are
-    in it only once python-etcd is loaded (the v2 store, a v2 client): a process that never loaded it
-    cannot raise them, and loading it only to name them cost a v3 agent 0.1 s of CPU (urllib3, dnspython)."""
-    from petctl.core.store import StoreError
-
-    etcd = sys.modules.get("etcd")  # python-etcd's, once anything imported it
-    if etcd is None:
-        return (StoreError, OSError)
-    import urllib3.exceptions
-
-    return (StoreError, etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)

@@ -49,8 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from petctl.core.endpoints import parse_endpoints
 from petctl.core.keys import ROOT as JOBS_ROOT
-from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary, parse_endpoints
+from petctl.io.etcd import EtcdServer, ServerTls, etcd_client, etcdctl_binary
 from petctl.io.etcdpki import EtcdPki, EtcdTls, write_credentials
 from petctl.io.files import atomic_write
 from petctl.io.store import v3wire as wire

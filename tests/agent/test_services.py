@@ -23,7 +23,7 @@ from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Phase, Round
 from petctl.core.store import Event, Store
-from petctl.io.etcd import free_port
+from petctl.io.procs import free_port
 from tests.support.agent_harness import AgentCluster, make_spec, wait_for
 from tests.support.emitter import Recorder
 from tests.support.store import FakeStore, store_for

@@ -179,7 +179,7 @@ def test_setup_ships_the_etcd_binary_through_the_bucket(provider, moto, stack_na
 def test_setup_with_three_etcd_nodes(provider, moto, stack_name, etcd_mirror):
     """`setup --etcd-nodes 3`: three one-instance groups, all endpoints in the settings the jobs get,
     etcdctl and the members' boot script in the bucket (pinned by each member's user data)."""
-    from petctl.io.etcd import parse_endpoints
+    from petctl.core.endpoints import parse_endpoints
     from petctl.providers.aws.etcdbin import BootScript
 
     provider.setup(region=REGION, endpoint_url=moto, stack_name=stack_name, etcd_nodes="3")

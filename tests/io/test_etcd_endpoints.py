@@ -9,7 +9,8 @@ from pathlib import Path
 import etcd
 import pytest
 
-from petctl.io.etcd import etcd_client, etcd_healthy, parse_endpoints
+from petctl.core.endpoints import parse_endpoints
+from petctl.io.etcd import etcd_client, etcd_healthy
 from petctl.io.procs import free_port
 from tests.support.etcd_cluster import EtcdCluster, running
 

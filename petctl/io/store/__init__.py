@@ -1,15 +1,18 @@
 """Open a `Store` (petctl/core/store.py) on an etcd endpoint, over the v3 backend (default) or v2's.
 
 The backend modules are imported only here, inside `open_store`, so `petctl --help` and everything that
-never talks to etcd import neither the v3 client (h2) nor python-etcd.
+never talks to etcd import neither the v3 client (h2) nor python-etcd. What every store's caller needs
+besides, the errors a call can raise, is here too, not in io/etcd.py with the etcd server's process: an
+agent never starts etcd, and should not load what starting it takes.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
+from petctl.core.endpoints import endpoint_scheme, parse_endpoints
 from petctl.core.store import BACKENDS, DEFAULT_BACKEND, Backend, Store
-from petctl.io.etcd import endpoint_scheme, parse_endpoints
 
 if TYPE_CHECKING:
     from petctl.io.etcdpki import EtcdTls
@@ -41,3 +44,22 @@ def open_store(endpoint: str, backend: Backend = DEFAULT_BACKEND, tls: EtcdTls |
     from petctl.io.store.v3 import V3Store
 
     return V3Store(members, tls if scheme == "https" else None, timeout, loop)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What an etcd call raises when the store cannot answer (down, frozen, restarting, replaced, a
+    partition, no leader): a `Store`'s StoreError (petctl/core/store.py), every python-etcd error, and
+    the socket and urllib3 errors it lets through (while some agent modules still call python-etcd;
+    issue 27 moves them onto the Store).
+    `EtcdKeyNotFound`, `EtcdCompareFailed` and the other answers etcd gives on purpose are subclasses:
+    callers handle those by name, in an `except` before this tuple. python-etcd's and urllib3's errors are
+    in it only once python-etcd is loaded (the v2 store, a v2 client): a process that never loaded it
+    cannot raise them, and loading it only to name them cost a v3 agent 0.1 s of CPU (urllib3, dnspython)."""
+    from petctl.core.store import StoreError
+
+    etcd = sys.modules.get("etcd")  # python-etcd's, once anything imported it
+    if etcd is None:
+        return (StoreError, OSError)
+    import urllib3.exceptions
+
+    return (StoreError, etcd.EtcdException, urllib3.exceptions.HTTPError, OSError)

@@ -35,6 +35,7 @@ from urllib.parse import quote, urlencode
 
 import etcd
 
+from petctl.core.endpoints import parse_endpoints
 from petctl.core.store import (
     Batch,
     Compacted,
@@ -48,8 +49,9 @@ from petctl.core.store import (
     StoreError,
     StoreUnavailable,
 )
-from petctl.io.etcd import etcd_client, parse_endpoints, store_errors
+from petctl.io.etcd import etcd_client
 from petctl.io.etcdpki import EtcdTls
+from petctl.io.store import store_errors
 
 
 class V2Store:

@@ -47,7 +47,7 @@ def start(job: JobDir, submission: JobSubmission, endpoint: str, store: Store, c
 
     `agent_command` replaces the agent each instance runs (None: petctl's own). Raises ProviderError
     (or the PetctlError met) after undoing every step that had been done."""
-    from petctl.io.etcd import store_errors
+    from petctl.io.store import store_errors
 
     spec, script = submission.spec, submission.script
     rec: ProcRef | None = None
