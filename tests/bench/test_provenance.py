@@ -14,6 +14,12 @@ from tests.support.paths import REPO
 RESULTS = REPO / "bench" / "results"
 
 
+def git(repo, *args: str) -> None:
+    """git in a scratch repository, as a fixed author."""
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
 def result_files() -> list:
     return sorted(p for p in RESULTS.iterdir() if p.is_file())
 
@@ -102,14 +108,10 @@ def test_dirty_means_a_tracked_file_changed_and_untracked_files_are_listed(tmp_p
     but a changed tracked file must; the untracked paths are listed so a reader can judge."""
     from bench import runmeta
 
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
-                       check=True, capture_output=True)
-
-    git("init", "-q")
+    git(tmp_path, "init", "-q")
     (tmp_path / "code.py").write_text("x = 1\n")
-    git("add", "code.py")
-    git("commit", "-qm", "c")
+    git(tmp_path, "add", "code.py")
+    git(tmp_path, "commit", "-qm", "c")
     state = runmeta.git_state(tmp_path)
     assert state["dirty"] is False and state["untracked"] == []
     (tmp_path / "run log.txt").write_text("bench output\n")  # a space: one path, not two
@@ -167,14 +169,10 @@ def test_a_tree_copied_without_git_reads_the_senders_state_and_sees_a_change(tmp
     src, copy = tmp_path / "src", tmp_path / "copy"
     src.mkdir()
 
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=src,
-                       check=True, capture_output=True)
-
-    git("init", "-q")
+    git(src, "init", "-q")
     (src / "code.py").write_text("x = 1\n")
-    git("add", "code.py")
-    git("commit", "-qm", "c")
+    git(src, "add", "code.py")
+    git(src, "commit", "-qm", "c")
     head = runmeta.git_state(src)["commit"]
     runmeta.send_state(src)
     copy.mkdir()
@@ -194,20 +192,16 @@ def test_a_matching_sent_state_outranks_an_older_git_there(tmp_path):
     commit and calls the tree dirty. The sent state, whose digest matches, names the code that ran."""
     from bench import runmeta
 
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
-                       check=True, capture_output=True)
-
-    git("init", "-q")
+    git(tmp_path, "init", "-q")
     (tmp_path / "code.py").write_text("x = 1\n")
-    git("add", "code.py")
-    git("commit", "-qm", "old")
+    git(tmp_path, "add", "code.py")
+    git(tmp_path, "commit", "-qm", "old")
     old = runmeta.git_state(tmp_path)["commit"]
     (tmp_path / "code.py").write_text("x = 2\n")
-    git("commit", "-qam", "new")
+    git(tmp_path, "commit", "-qam", "new")
     runmeta.send_state(tmp_path)
     new = runmeta.git_state(tmp_path)["commit"]
-    git("reset", "-q", "--soft", old)  # git now names the old commit, with code.py changed
+    git(tmp_path, "reset", "-q", "--soft", old)  # git now names the old commit, with code.py changed
     state = runmeta.git_state(tmp_path)
     assert state["commit"] == new != old and state["dirty"] is False
     (tmp_path / "code.py").write_text("x = 3\n")  # the tree moved on: git's answer stands
