@@ -170,11 +170,14 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                                      system, {"median": s["rdzv_requests_per_node"], "n": 1}, "",
                                      note=f"closer (max): {s.get('rdzv_requests_max_node')}"))
                 if (s.get("agent_cpu_to_ranked_s") or {}).get("median") is not None:
+                    started, then = s.get("agent_cpu_to_started_s"), s.get("agent_cpu_started_to_ranked_s")
                     rows.append(_row("P5", f"N={n} agent CPU s, launch -> ranked (mean per agent)", system,
                                      s["agent_cpu_to_ranked_s"], "s",
-                                     note=f"busiest agent {s.get('agent_cpu_to_ranked_max_s')} s; in the "
-                                          f"rendezvous alone {s.get('agent_cpu_rendezvous_s')} s; whole "
-                                          f"life {s.get('agent_cpu_life_s')} s (medians over reps)"))
+                                     note=f"busiest agent {s.get('agent_cpu_to_ranked_max_s')} s; to "
+                                          f"agent.started (start-up, imports) {started} s, then to ranked "
+                                          f"{then} s; in the rendezvous alone "
+                                          f"{s.get('agent_cpu_rendezvous_s')} s; whole life "
+                                          f"{s.get('agent_cpu_life_s')} s (medians over reps)"))
                 if s.get("worker_cpu_s") is not None or s.get("agent_cpu_ranked_to_workers_s") is not None:
                     # What each node spends once ranked, while the last nodes still wait for their rank: on
                     # one machine shared by N nodes the rendezvous' tail queues behind it.

@@ -222,13 +222,18 @@ def agent_cpu(nodes: list[Node]) -> dict[str, Any]:
     `time.process_time()`: from its launch to ranked (the first `rendezvous.complete`'s `cpu_s`:
     interpreter start-up and imports included, since a new instance pays them), in that rendezvous
     alone (`rdzv_cpu_s`), and over its whole life (`agent.exit`). Mean and max over the agents that
-    reported it; {} when none did (an agent older than the figure)."""
+    reported it; {} when none did (an agent older than the figure). `to_started`: to its `agent.started`
+    line (start-up and imports); `started_to_ranked`: from there to ranked (set-up, then the rendezvous)."""
     firsts = [hits[0] for n in nodes if (hits := n.events("rendezvous.complete"))]
+    starts = [(s[0], r[0]) for n in nodes if (s := n.events("agent.started")) and "cpu_s" in s[0]
+              and (r := n.events("rendezvous.complete")) and "cpu_s" in r[0]]
     exits = [hits[-1] for n in nodes if (hits := n.events("agent.exit"))]
     spawns = [float(s[0]["cpu_s"]) - float(r[0]["cpu_s"]) for n in nodes
               if (r := n.events("rendezvous.complete")) and (s := n.events("workers.started"))
               and "cpu_s" in r[0] and "cpu_s" in s[0]]
     out = {"to_ranked": _stats([float(e["cpu_s"]) for e in firsts if "cpu_s" in e]),
+           "to_started": _stats([float(s["cpu_s"]) for s, _ in starts]),
+           "started_to_ranked": _stats([float(r["cpu_s"]) - float(s["cpu_s"]) for s, r in starts]),
            "rendezvous": _stats([float(e["rdzv_cpu_s"]) for e in firsts if "rdzv_cpu_s" in e]),
            "ranked_to_workers": _stats(spawns),
            "life": _stats([float(e["cpu_s"]) for e in exits if "cpu_s" in e])}
@@ -326,6 +331,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                                            for r in runs]),
                 "agent_cpu_to_ranked_max_s": _median_of(runs, "agent_cpu_s", "to_ranked", "max"),
                 "agent_cpu_rendezvous_s": _median_of(runs, "agent_cpu_s", "rendezvous", "mean"),
+                "agent_cpu_to_started_s": _median_of(runs, "agent_cpu_s", "to_started", "mean"),
+                "agent_cpu_started_to_ranked_s": _median_of(runs, "agent_cpu_s", "started_to_ranked", "mean"),
                 "agent_cpu_life_s": _median_of(runs, "agent_cpu_s", "life", "mean"),
                 "agent_cpu_ranked_to_workers_s": _median_of(runs, "agent_cpu_s", "ranked_to_workers", "mean"),
                 "worker_cpu_s": _median_of(runs, "worker_cpu_s", "mean"),

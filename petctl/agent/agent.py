@@ -154,8 +154,11 @@ class Agent:
             services.callback(self.mirror.stop)  # its final flush
         self.preemption.start()
         services.callback(self.preemption.stop)
+        # cpu_s: what the interpreter's start, the imports and the set-up so far cost this process (bench
+        # P5 splits an agent's CPU to its first rank at this line)
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(), min=self.spec.min_size,
-                         max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity())
+                         max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity(),
+                         cpu_s=round(time.process_time(), 3))
         worker_spec = self._worker_spec()
         snapshot_dir = open_area(self.spec.name, self.node_id, self.events, services)
         pool = get_ready(self.spec, worker_spec, self.work_dir, self.events, self.out, services)

@@ -72,7 +72,8 @@ def test_p5_counts_what_a_ranked_node_spends_starting_its_worker() -> None:
 
     # The agent had used 0.30 s when ranked and 0.31 s when its worker started; the worker 0.02 s at its
     # line. A torchrun node has only the worker's line.
-    a = _Node({"event": "rendezvous.complete", "ts": 1.0, "cpu_s": 0.30, "rdzv_cpu_s": 0.02},
+    a = _Node({"event": "agent.started", "ts": 0.5, "cpu_s": 0.22},
+              {"event": "rendezvous.complete", "ts": 1.0, "cpu_s": 0.30, "rdzv_cpu_s": 0.02},
               {"event": "workers.started", "ts": 1.1, "cpu_s": 0.31},
               {"event": "worker.trivial", "ts": 1.5, "cpu_s": 0.02})
     b = _Node({"event": "rendezvous.complete", "ts": 1.0, "cpu_s": 0.40, "rdzv_cpu_s": 0.02},
@@ -80,6 +81,9 @@ def test_p5_counts_what_a_ranked_node_spends_starting_its_worker() -> None:
               {"event": "worker.trivial", "ts": 1.6, "cpu_s": 0.04})
     spawn = agent_cpu([a, b])["ranked_to_workers"]
     assert (spawn["mean"], spawn["max"], spawn["n"]) == (0.02, 0.03, 2)
+    split = agent_cpu([a, b])  # only `a` said its CPU at agent.started: b's agent is older
+    assert (split["to_started"]["mean"], split["to_started"]["n"]) == (0.22, 1)
+    assert (split["started_to_ranked"]["mean"], split["started_to_ranked"]["n"]) == (0.08, 1)
     assert worker_cpu([a, b]) == {"mean": 0.03, "max": 0.04, "n": 2}
     assert worker_cpu([_Node({"event": "worker.trivial", "ts": 1.0})]) == {}  # a worker older than the field
 
