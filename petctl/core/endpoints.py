@@ -10,9 +10,8 @@ from urllib.parse import urlparse
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
     """`http://host:port` or a comma-separated list of them (an etcd cluster's members) as (host, port)
     pairs, in the order given; a missing port means 2379; `https://` for an etcd that requires client
-    certificates (every member alike). Every etcd_endpoint is parsed here (clients, health checks, the
-    v2 store's watches), so one comma-separated string is all a config carries. Raises ValueError (one
-    line) for an empty list, a scheme other than http(s), mixed schemes, or no host."""
+    certificates (every member alike). Raises ValueError (one line) for an empty list, a scheme other
+    than http(s), mixed schemes, or no host."""
     return split_endpoints(text)[1]
 
 
