@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import queue
-import statistics
 import threading
 import time
 from collections import deque
@@ -421,7 +420,11 @@ class Progress:
         """The median of the latest gaps between two steps (0.0 before two steps were seen)."""
         with self._plan_lock:
             gaps = tuple(self.step_gaps)
-        return statistics.median(gaps) if gaps else 0.0
+        if not gaps:
+            return 0.0
+        # a median by hand: statistics would load fractions and decimal into every agent at start
+        ordered, mid = sorted(gaps), len(gaps) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
     def plan_times(self) -> tuple[tuple[float, ...], float]:
         """(the latest saves' durations, the step time): what a notice's hand-off plans with, safe to call

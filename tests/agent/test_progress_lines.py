@@ -94,3 +94,13 @@ def test_the_workers_loads_and_saves_reach_the_sinks_stamped_with_their_round():
     progress.on_worker_event({"event": "checkpoint.saved", "step": 59, "rank": 0, "round": 3})  # its own
     assert [(e["event"], e["step"], e["round"]) for e in sunk] == [
         ("checkpoint.loaded", 40, 7), ("checkpoint.saved", 49, 7), ("checkpoint.saved", 59, 3)]
+
+
+def test_the_step_time_is_the_median_of_the_latest_gaps():
+    """What a noticed node plans its hand-off with (notices.py): the median step gap, odd or even count."""
+    progress = Progress(1, EventLog("agent", stream=io.StringIO()))
+    assert progress.step_time() == 0.0
+    progress.step_gaps.extend([0.3, 0.1, 0.2])
+    assert progress.step_time() == 0.2
+    progress.step_gaps.append(0.9)
+    assert progress.step_time() == 0.25
