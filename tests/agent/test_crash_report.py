@@ -22,7 +22,8 @@ def test_a_crash_before_the_agent_runs_reports_its_traceback(tmp_path, capsys):
                               "http://host:port or https://host:port")
     lines = crash["traceback"]
     assert lines[-1] == crash["error"] and 1 < len(lines) <= 20
-    assert any("petctl/io/etcd.py" in line and "in _parse" in line for line in lines)  # where it was raised
+    # where it was raised
+    assert any("petctl/core/endpoints.py" in line and "in split_endpoints" in line for line in lines)
 
 
 def test_traceback_tail_keeps_the_last_lines():
