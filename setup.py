@@ -32,9 +32,11 @@ setup(
         # client (petctl/io/store/v3wire.py), with client certificates (etcd's JSON gateway refuses
         # certificates that carry a CN, and petctl's do). Not grpcio and a generated client: their
         # imports cost an agent a third of its CPU to its first round, and gRPC runs threads of its own
-        # in every process; h2 is pure Python and costs about 20 ms to import. Below 5: v3wire uses h2's
-        # connection and event API. python-etcd stays for the v2 backend until etcd 3.5's end of support.
-        "h2>=4.1,<5",
+        # in every process. The HTTP/2 framing is petctl's own (petctl/io/store/http2.py: the h2 package
+        # cost 0.7 ms of CPU a call); hpack decodes etcd's header blocks (Huffman codes and the dynamic
+        # table). Below 5: http2.py uses its Decoder and exceptions as 4.x has them. python-etcd stays for
+        # the v2 backend until etcd 3.5's end of support.
+        "hpack>=4.0,<5",
         # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
         "cryptography>=41",
         "psutil>=5.9",

@@ -154,7 +154,7 @@ def test_the_installed_python_imports_petctl_and_its_dependencies_without_the_ed
 
     python = installed_python(tmp_path / "python")
     assert installed_python(tmp_path / "python") == python  # made once
-    probe = ("import sys, petctl; from petctl.io.store import v3, v3wire; import h2.connection, torch; "
+    probe = ("import sys, petctl; from petctl.io.store import v3, v3wire; import hpack, torch; "
              "print(petctl.__file__); print(any('editable' in m for m in sys.modules))")
     out = subprocess.run([python, "-c", probe], env=node_env(), capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()

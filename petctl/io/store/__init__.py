@@ -1,7 +1,7 @@
 """Open a `Store` (petctl/core/store.py) on an etcd endpoint, over the v3 backend (default) or v2's.
 
 The backend modules are imported only here, inside `open_store`, so `petctl --help` and everything that
-never talks to etcd import neither the v3 client (h2) nor python-etcd. What every store's caller needs
+never talks to etcd import neither the v3 client (hpack) nor python-etcd. What every store's caller needs
 besides, the errors a call can raise, is here too, not in io/etcd.py with the etcd server's process: an
 agent never starts etcd, and should not load what starting it takes.
 """

@@ -1,5 +1,6 @@
 """The v3 backend of `Store` (petctl/core/store.py), the default: etcd's gRPC API, spoken by petctl's own
-client (petctl/io/store/v3wire.py: gRPC's framing and etcd's protobuf messages over HTTP/2, on `h2`).
+client (petctl/io/store/v3wire.py: gRPC's framing and etcd's protobuf messages, over HTTP/2 framed by
+petctl/io/store/http2.py).
 
 Why gRPC and not the JSON gateway (etcd3gw): etcd's gRPC gateway refuses client certificates that carry
 a CN (etcd PR #10392), and petctl authenticates every job by its certificate's CN. Why not grpcio (and

@@ -3,7 +3,8 @@
 Why not grpcio and a generated client (etcd3aio, before this module): importing grpc, protobuf and the
 generated modules cost an agent about 0.13 s of CPU at every start, a third of what it spends from launch
 to being ranked, and gRPC runs threads of its own in every process. This module is the part of gRPC
-petctl uses, on the pure-Python `h2` (about 20 ms to import):
+petctl uses, on petctl's own HTTP/2 framing (petctl/io/store/http2.py, with `hpack` for etcd's header
+blocks):
 - a protobuf codec for exactly the etcd messages petctl sends and reads (`Message`, `encode`,
   `decode`): proto3 wire format, field numbers from etcd 3.5's rpc.proto, kv.proto and auth.proto.
   Unknown fields are skipped, so a newer etcd's additions do not break it;
@@ -30,11 +31,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Generic, NamedTuple, TypeVar
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
+from petctl.io.store import http2
 
 M = TypeVar("M")
 
@@ -202,12 +199,20 @@ def decode(cls: type[M], data: bytes | memoryview) -> M:
     numbers = cls._pb_numbers  # type: ignore[attr-defined]
     pos, end = 0, len(view)
     while pos < end:
-        key, pos = _get_varint(view, pos)
+        key = view[pos]  # one byte for field numbers up to 15, the rest through _get_varint
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _get_varint(view, pos)
         number, wire = key >> 3, key & 7
         if wire == VARINT:
             raw, pos = _get_varint(view, pos)
         elif wire == LEN:
-            size, pos = _get_varint(view, pos)
+            size = view[pos] if pos < end else 0x80
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _get_varint(view, pos)
             if pos + size > end:
                 raise WireError(f"field {number}: {size} bytes announced, {end - pos} left")
             raw, pos = view[pos:pos + size], pos + size
@@ -737,60 +742,93 @@ class Stream:
             self._inbox.put_nowait(error)
 
 
-class Connection:
-    """One HTTP/2 connection to one etcd member, and the streams on it. `on_lost(self, error)` is
-    called once when it is lost (or closed): every stream then has failed with `error`."""
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection to one etcd member (an asyncio protocol: the loop hands it what the socket
+    reads, with no reader task between), and the streams on it. `on_lost(self, error)` is called once
+    when it is lost (or closed): every stream then has failed with `error`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, scheme: str,
-                 authority: str, on_lost: Callable[[Connection, GrpcError], None]) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, scheme: str, authority: str, on_lost: Callable[[Connection, GrpcError], None]) -> None:
         self._scheme = scheme.encode()
         self.authority = authority
         self._on_lost = on_lost
-        # Headers are this module's own (lower-case bytes) and etcd's: h2's checks of them cost a third
-        # of a call's CPU, and are left out.
-        self._h2 = h2.connection.H2Connection(h2.config.H2Configuration(
-            client_side=True, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False, validate_inbound_headers=False,
-            normalize_inbound_headers=False))
+        self._http2 = http2.ClientConnection()
+        self._transport: asyncio.Transport | None = None
         self._streams: dict[int, Stream] = {}
         self._window_waiters: list[asyncio.Future[None]] = []
+        self._drain: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ping: asyncio.Future[None] | None = None
+        self._keeping: asyncio.Task[None] | None = None
+        self._blocks: dict[tuple[str, bytes | None], bytes] = {}  # request header blocks by (path, timeout)
         self.lost: GrpcError | None = None
-        self._h2.initiate_connection()
-        self._flush()
-        loop = asyncio.get_running_loop()
-        self._reading = loop.create_task(self._read())
-        self._keeping = loop.create_task(self._keepalive())
 
     @property
     def usable(self) -> bool:
-        return self.lost is None
+        return self.lost is None and self._transport is not None
+
+    # asyncio's side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._flush()
+        self._keeping = asyncio.get_running_loop().create_task(self._keepalive())
+
+    def data_received(self, data: bytes) -> None:
+        if self.lost is None:
+            self._receive(data)
+
+    def eof_received(self) -> bool | None:
+        self._lose(GrpcError(Status.UNAVAILABLE, f"{self.authority} closed the connection"))
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        detail = (f"connection to {self.authority} lost: {exc!r}" if exc
+                  else f"{self.authority} closed the connection")
+        self._lose(GrpcError(Status.UNAVAILABLE, detail))
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        drain, self._drain = self._drain, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # the calls' side
 
     def _flush(self) -> None:
-        data = self._h2.data_to_send()
-        if data and self.lost is None:
-            self._writer.write(data)
+        data = self._http2.data_to_send()
+        if data and self.lost is None and self._transport is not None:
+            self._transport.write(data)
+
+    def _header_block(self, path: str, timeout: float | None) -> bytes:
+        deadline = grpc_timeout(timeout) if timeout is not None else None
+        block = self._blocks.get((path, deadline))
+        if block is None:
+            block = b"".join(http2.literal(name, value) for name, value in (
+                (b":method", b"POST"), (b":scheme", self._scheme), (b":path", path.encode()),
+                (b":authority", self.authority.encode()), (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"), (b"user-agent", b"petctl-v3wire"),
+                *(((b"grpc-timeout", deadline),) if deadline is not None else ())))
+            if len(self._blocks) < 256:  # a few paths, and the store's one timeout: bounded anyway
+                self._blocks[(path, deadline)] = block
+        return block
 
     def open(self, path: str, timeout: float | None) -> Stream:
-        """A new stream for the call `path`; its request headers go with its first message (one write).
-        Raises GrpcError UNAVAILABLE when the connection is lost or has no stream left (etcd's limit)."""
+        """A new stream for the call `path`; its request headers are queued, and go out with its first
+        message (one write). Raises GrpcError UNAVAILABLE when the connection is lost or has no stream
+        left (etcd's limit)."""
         if self.lost is not None:
             raise GrpcError(self.lost.code, self.lost.detail, path)
-        headers = [(b":method", b"POST"), (b":scheme", self._scheme), (b":path", path.encode()),
-                   (b":authority", self.authority.encode()), (b"content-type", b"application/grpc"),
-                   (b"te", b"trailers"), (b"user-agent", b"petctl-v3wire")]
-        if timeout is not None:
-            headers.append((b"grpc-timeout", grpc_timeout(timeout)))
         try:
-            stream_id = self._h2.get_next_available_stream_id()
-            self._h2.send_headers(stream_id, headers)
-        except h2.exceptions.NoAvailableStreamIDError:
-            self._lose(GrpcError(Status.UNAVAILABLE, "the connection has used every stream ID"))
-            raise GrpcError(Status.UNAVAILABLE, "the connection has used every stream ID", path) from None
-        except h2.exceptions.TooManyStreamsError:
-            raise GrpcError(Status.UNAVAILABLE, "etcd's limit of open streams is reached", path) from None
+            stream_id = self._http2.open(self._header_block(path, timeout))
+        except http2.NoStreamAvailable as e:
+            if e.exhausted:
+                self._lose(GrpcError(Status.UNAVAILABLE, str(e)))
+            raise GrpcError(Status.UNAVAILABLE, str(e), path) from None
         stream = Stream(self, stream_id, path)
         self._streams[stream_id] = stream
         return stream
@@ -803,31 +841,25 @@ class Connection:
             if self.lost is not None or stream.finished:
                 error = self.lost or GrpcError(Status.UNAVAILABLE, "the call is over")
                 raise GrpcError(error.code, error.detail, stream.method)
-            window = min(self._h2.local_flow_control_window(stream.stream_id),
-                         self._h2.max_outbound_frame_size)
+            window = self._http2.sendable(stream.stream_id)
             if window <= 0 and len(view):
                 waiter = asyncio.get_running_loop().create_future()
                 self._window_waiters.append(waiter)
                 await waiter
                 continue
             chunk, view = view[:window], view[window:]
-            self._h2.send_data(stream.stream_id, bytes(chunk), end_stream=end and not len(view))
+            self._http2.send_data(stream.stream_id, bytes(chunk), end and not len(view))
             self._flush()
             if not len(view):
                 return
-            try:
-                await self._writer.drain()
-            except OSError as e:
-                self._lose(GrpcError(Status.UNAVAILABLE, f"connection to {self.authority} lost: {e!r}"))
+            if self._drain is not None:
+                await self._drain
 
     def cancel(self, stream: Stream) -> None:
         """Reset `stream` (CANCEL) and forget it; its waiting `recv` fails with CANCELLED."""
         stream.fail(GrpcError(Status.CANCELLED, "cancelled by this client", stream.method))
         if self._streams.pop(stream.stream_id, None) is not None and self.lost is None:
-            try:
-                self._h2.reset_stream(stream.stream_id, h2.errors.ErrorCodes.CANCEL)
-            except h2.exceptions.StreamClosedError:
-                pass  # etcd ended it first: nothing to reset
+            self._http2.reset(stream.stream_id, http2.CANCEL)  # a no-op when etcd ended it first
             self._flush()
 
     def _wake_senders(self) -> None:
@@ -836,57 +868,50 @@ class Connection:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _read(self) -> None:
-        try:
-            while self.lost is None:
-                data = await self._reader.read(READ_SIZE)
-                if not data:
-                    self._lose(GrpcError(Status.UNAVAILABLE, f"{self.authority} closed the connection"))
-                    return
-                self._receive(data)
-        except asyncio.CancelledError:
-            raise
-        except (OSError, h2.exceptions.ProtocolError) as e:
-            self._lose(GrpcError(Status.UNAVAILABLE, f"connection to {self.authority} lost: {e!r}"))
-
     def _receive(self, data: bytes) -> None:
-        h2conn = self._h2
-        for event in h2conn.receive_data(data):
-            stream_id = getattr(event, "stream_id", 0)
-            stream = self._streams.get(stream_id) if stream_id else None
-            if isinstance(event, h2.events.DataReceived):
-                # handed back at once: what arrives is queued for its reader, never left in the window,
-                # so a long watch stream keeps its window open
-                h2conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+        try:
+            events = self._http2.receive(data)
+        except http2.ProtocolError as e:
+            self._flush()  # the GOAWAY
+            self._lose(GrpcError(Status.UNAVAILABLE, f"connection to {self.authority} lost: {e}"))
+            return
+        streams = self._streams
+        for event in events:
+            kind = type(event)
+            if kind is http2.Data:
+                # its credit is handed back at once (http2.py): what arrives is queued for its reader
+                stream = streams.get(event.stream_id)
                 if stream is not None:
                     stream.on_data(event.data)
-                    if stream.finished:  # a message it could not take: reset already
-                        continue
-            elif isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    if event.end and not stream.finished:
+                        del streams[event.stream_id]
+                        stream.on_end()
+            elif kind is http2.Headers:
+                stream = streams.get(event.stream_id)
                 if stream is not None:
-                    stream.on_headers(dict(event.headers))
-            elif isinstance(event, h2.events.StreamEnded):
+                    stream.on_headers(event.headers)
+                    if event.end:
+                        del streams[event.stream_id]
+                        stream.on_end()
+            elif kind is http2.Reset:
+                stream = streams.pop(event.stream_id, None)
                 if stream is not None:
-                    self._streams.pop(stream_id, None)
-                    stream.on_end()
-            elif isinstance(event, h2.events.StreamReset):
-                if stream is not None:
-                    self._streams.pop(stream_id, None)
-                    code = (Status.UNAVAILABLE if event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM
-                            else Status.CANCELLED if event.error_code == h2.errors.ErrorCodes.CANCEL
+                    code = (Status.UNAVAILABLE if event.error_code == http2.REFUSED_STREAM
+                            else Status.CANCELLED if event.error_code == http2.CANCEL
                             else Status.INTERNAL)
-                    detail = f"etcd reset the stream ({event.error_code!r})"
-                    stream.fail(GrpcError(code, detail, stream.method))
+                    stream.fail(GrpcError(code, f"etcd reset the stream (error code {event.error_code})",
+                                          stream.method))
                 self._wake_senders()
-            elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
+            elif kind is http2.WindowOpened:
                 self._wake_senders()
-            elif isinstance(event, h2.events.PingAckReceived):
+            elif kind is http2.PingAck:
                 if self._ping is not None and not self._ping.done():
                     self._ping.set_result(None)
-            elif isinstance(event, h2.events.ConnectionTerminated):
+            elif kind is http2.GoAway:
                 self._flush()
                 self._lose(GrpcError(Status.UNAVAILABLE,
-                                     f"{self.authority} ended the connection (GOAWAY {event.error_code!r})"))
+                                     f"{self.authority} ended the connection (GOAWAY, error code "
+                                     f"{event.error_code})"))
                 return
         self._flush()
 
@@ -910,7 +935,7 @@ class Connection:
             return
         if self._ping is None:
             self._ping = asyncio.get_running_loop().create_future()
-            self._h2.ping(os.urandom(8))
+            self._http2.ping(os.urandom(8))
             self._flush()
         ping = self._ping
         try:
@@ -930,28 +955,28 @@ class Connection:
         for stream in streams.values():
             stream.fail(GrpcError(error.code, error.detail, stream.method))
         self._wake_senders()
-        self._writer.close()
-        current = asyncio.current_task()
-        for task in (self._reading, self._keeping):
-            if task is not current:
-                task.cancel()
+        self.resume_writing()
+        if self._transport is not None:
+            self._transport.close()
+        if self._keeping is not None and self._keeping is not asyncio.current_task():
+            self._keeping.cancel()
         self._on_lost(self, error)
 
     async def close(self) -> None:
         """Close the connection (GOAWAY, then the socket); its streams fail with UNAVAILABLE."""
         if self.lost is None:
-            try:
-                self._h2.close_connection()
-                self._flush()
-            except h2.exceptions.ProtocolError:
-                pass
+            self._http2.close()
+            self._flush()
             self._lose(GrpcError(Status.UNAVAILABLE, "the connection was closed"))
-        await asyncio.gather(self._reading, self._keeping, return_exceptions=True)
+        if self._keeping is not None:
+            await asyncio.gather(self._keeping, return_exceptions=True)
+        if self._transport is None:
+            return
         try:
             async with asyncio.timeout(1.0):
-                await self._writer.wait_closed()
-        except (OSError, TimeoutError):
-            pass  # closed already, or its TLS goodbye never came: the socket is closed either way
+                await asyncio.shield(self._closed)
+        except TimeoutError:
+            pass  # its TLS goodbye never came: the socket is closed either way
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -1025,27 +1050,28 @@ class Channel:
         for i in range(count):
             index = (self._next + i) % count
             host, port = self.members[index]
+            conn = Connection("https" if self._tls else "http", authority(host, port), self._lost)
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT):
                     tls = {"ssl": self._tls, "server_hostname": self._server_hostname,
                            "ssl_handshake_timeout": CONNECT_TIMEOUT} if self._tls else {}
-                    reader, writer = await asyncio.open_connection(host, port, **tls)
+                    transport, _ = await asyncio.get_running_loop().create_connection(
+                        lambda: conn, host, port, **tls)  # noqa: B023 (awaited here, in this iteration)
             except (OSError, TimeoutError) as e:  # ssl.SSLError is an OSError
                 failures.append(f"{authority(host, port)}: {e or type(e).__name__}")
                 continue
             if self._tls is not None:
-                protocol = writer.get_extra_info("ssl_object").selected_alpn_protocol()
+                protocol = transport.get_extra_info("ssl_object").selected_alpn_protocol()
                 if protocol not in (None, "h2"):
-                    writer.close()
+                    await conn.close()
                     failures.append(f"{authority(host, port)}: ALPN chose {protocol!r}, not h2")
                     continue
             self._next = index
             self._backoff, self._refusal = RECONNECT_FIRST, None
             if self._closed:
-                writer.close()
+                await conn.close()
                 raise GrpcError(Status.UNAVAILABLE, "the channel is closed")
-            return Connection(reader, writer, "https" if self._tls else "http", authority(host, port),
-                              self._lost)
+            return conn
         error = GrpcError(Status.UNAVAILABLE, "no etcd member answered: " + "; ".join(failures))
         self._refusal = error
         self._retry_at = asyncio.get_running_loop().time() + self._backoff
