@@ -84,6 +84,74 @@ def test_a_kill_mid_commit_leaves_the_older_save_whole() -> None:
     assert (choice.step, choice.missing) == (10, (1,)) and "lacks old ranks [1]" in choice.reason
 
 
+def test_a_kill_while_the_ranks_agree_to_commit_leaves_the_save_before_whole() -> None:
+    """An all-reduce that ended on one rank has not ended on all (an e2e run under load: rank 2's node
+    killed while the ring agreed to commit step 50, so rank 0 committed it and rank 1 did not). Rank 0
+    holds step 11's shards 0 and 2, rank 1 step 10's shards 1 and 0: no save is whole from the newest
+    files alone, and the job fell back to the store, 11 steps older. Rank 0 also kept the save before
+    its commit (`ring.exchange`), so step 10 is whole: one save's steps lost, as docs/elastic.md says."""
+    newest_only = [held(0, 0, 11), held(0, 2, 11, kind="peer"), held(1, 1, 10), held(1, 0, 10, kind="peer")]
+    assert choose_shards(newest_only, store_step=0).source == "store"  # what the e2e run hit
+    kept = [held(0, 0, 10, kind="own-before"), held(0, 2, 10, kind="peer-before")]
+    choice = choose_shards(newest_only + kept, store_step=0)
+    assert (choice.source, choice.step, choice.missing) == ("snapshot", 10, (1,))
+    assert {old: rank for old, rank, _size in choice.holders} == {0: 0, 1: 1, 2: 0}
+
+
+class _Ring:
+    """One rank's view of a ring whose other ranks all agree with it (each maximum is this rank's own
+    value) until the `kill_at`-th agreement, which raises as gloo does when a neighbour is gone; `seen`
+    records the shard files at each agreement."""
+
+    has_peer = True
+
+    def __init__(self, directory: Path, kill_at: int | None = None) -> None:
+        self.directory, self.kill_at, self.calls, self.seen = directory, kill_at, 0, []
+
+    def all_max(self, *values: int) -> tuple[int, ...]:
+        self.calls += 1
+        self.seen.append(sorted(p.name for p in self.directory.glob("*.snap")))
+        if self.calls == self.kill_at:
+            raise RuntimeError("gloo: connection closed by peer")
+        return values
+
+    def swap(self, buf: bytearray) -> bytearray:
+        return shard_bytes(step=read_header_step(buf))
+
+
+def read_header_step(buf: bytearray) -> int:
+    from petctl.core.snapshotrecord import SnapshotHeader
+
+    return SnapshotHeader.unpack(bytes(buf[:HEADER_SIZE])).step
+
+
+def test_exchange_keeps_the_save_before_until_every_rank_committed(tmp_path: Path) -> None:
+    """The files on one rank through two saves: the save before is kept from the commit until every
+    rank agreed it committed, then dropped; a kill during that agreement leaves both saves offered."""
+    from petctl.elastic.snapshots.codec import SHARD_KINDS, shard_path
+    from petctl.elastic.snapshots.resume import ShardReader
+    from petctl.elastic.snapshots.ring import exchange
+    from petctl.io.eventlog import EventLog
+
+    paths = {kind: shard_path(tmp_path, kind, 0) for kind in SHARD_KINDS}
+    ring = _Ring(tmp_path)
+    assert exchange(ring, paths, shard_bytes(step=1), 1, None) == (None, 1)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-own-0.snap", "shard-peer-0.snap"]
+    ring = _Ring(tmp_path)
+    assert exchange(ring, paths, shard_bytes(step=2), 1, None) == (None, 1)  # type: ignore[arg-type]
+    assert ring.seen[2] == ["shard-own-0.snap", "shard-own-before-0.snap", "shard-peer-0.snap",
+                            "shard-peer-before-0.snap"]  # committed, the save before kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-own-0.snap", "shard-peer-0.snap"]
+    with pytest.raises(RuntimeError, match="gloo"):
+        exchange(_Ring(tmp_path, kill_at=3), paths, shard_bytes(step=3), 1, None)  # type: ignore[arg-type]
+    offers = ShardReader(tmp_path, 0, 0, "job", 2, EventLog("test")).offers()
+    assert sorted((o.kind, o.step) for o in offers) == [("own", 3), ("own-before", 2), ("peer", 3),
+                                                        ("peer-before", 2)]
+    with pytest.raises(RuntimeError, match="gloo"):  # killed while agreeing every rank staged: no commit
+        exchange(_Ring(tmp_path, kill_at=2), paths, shard_bytes(step=4), 1, None)  # type: ignore[arg-type]
+    assert read_verified(paths["own"], "job", 2)[0].step == 3
+
+
 def test_saves_of_another_round_or_world_never_mix() -> None:
     offers = [held(0, 0, 10, round_no=1, world=3), held(0, 1, 10, round_no=2, world=2),
               held(1, 1, 10, round_no=1, world=3), held(1, 0, 10, round_no=2, world=2)]

@@ -337,11 +337,15 @@ def _fill_live(live: Any, snap: Any, path: str) -> Any:
 
 
 OWN, PEER = "own", "peer"
+# The save before the newest, kept until every rank has committed the newest (ring.exchange): a kill
+# while the ranks commit leaves some with the new save and some with the old one only.
+OWN_BEFORE, PEER_BEFORE = "own-before", "peer-before"
+SHARD_KINDS = (OWN, PEER, OWN_BEFORE, PEER_BEFORE)
 
 
 def shard_path(directory: Path | str, kind: str, local_rank: int) -> Path:
-    """The newest shard file of this node's local rank `local_rank`: its own (`OWN`) or the copy it
-    keeps for the previous node (`PEER`)."""
+    """A shard file of this node's local rank `local_rank`: its own (`OWN`), the copy it keeps for the
+    previous node (`PEER`), or the save before either (`OWN_BEFORE`, `PEER_BEFORE`)."""
     return snapshot_path(directory, f"shard-{kind}-{local_rank}")
 
 
@@ -418,6 +422,12 @@ def stage(path: Path, buf: bytearray | bytes) -> Path:
     return tmp
 
 
-def commit(staged: Path, path: Path) -> None:
-    """Make a staged file the newest snapshot at `path` (atomic: readers see the old or the new one)."""
+def commit(staged: Path, path: Path, keep: Path | None = None) -> None:
+    """Make a staged file the newest snapshot at `path` (atomic: readers see the old or the new one).
+    `keep`: move the file at `path` there first, so the save it holds stays readable. Raises OSError."""
+    if keep is not None:
+        try:
+            os.replace(path, keep)
+        except FileNotFoundError:
+            pass  # the first save: nothing before it
     os.replace(staged, path)

@@ -16,8 +16,7 @@ from typing import Any
 from petctl.core.records import WireFormatError
 from petctl.core.snapshotrecord import HEADER_SIZE, SnapshotHeader, stale_reason
 from petctl.elastic.snapshots.codec import (
-    OWN,
-    PEER,
+    SHARD_KINDS,
     assemble,
     decode,
     load_into,
@@ -138,7 +137,9 @@ class ShardOffer:
     round: int
     world: int
     size: int
-    kind: str = "own"  # "own" (this node's rank wrote it) or "peer" (a copy sent by the previous node)
+    # codec.SHARD_KINDS: "own" (this node's rank wrote it), "peer" (a copy sent by the previous node), or
+    # either's "-before": the save before the newest, kept while the ranks commit the newest
+    kind: str = "own"
 
     @property
     def save(self) -> tuple[int, int, int]:
@@ -343,7 +344,7 @@ class ShardReader:
 
     def __init__(self, directory: Path, local_rank: int, rank: int, job: str, round_no: int,
                  log: EventLog) -> None:
-        self.paths = {kind: shard_path(directory, kind, local_rank) for kind in (OWN, PEER)}
+        self.paths = {kind: shard_path(directory, kind, local_rank) for kind in SHARD_KINDS}
         self.rank, self.job, self.round, self.log = rank, job, round_no, log
 
     def offers(self) -> list[ShardOffer]:

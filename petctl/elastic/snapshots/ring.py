@@ -8,7 +8,7 @@ Every K steps each rank keeps its own shard in its node's memory (the agent's tm
 $PETCTL_SNAPSHOT_DIR) and sends a copy to the same local rank on the next node in rank order (rank +
 local world size, mod world), which keeps it as its peer shard: a node lost takes one shard and one
 peer copy with it, and the shard it lost is still held by the next node. Per rank: one own shard and one
-peer shard, the newest only.
+peer shard, the newest; while the ranks commit a new save, the one before it too.
 
 How a snapshot runs, so the training thread pays little:
 - training thread (`take`): the state dict (every rank, the same step: FSDP's `get_state_dict` may run
@@ -49,7 +49,10 @@ from petctl.elastic.snapshots import ENV_JOB, ENV_ROUND, SnapshotOptions, resolv
 from petctl.elastic.snapshots.codec import (
     DTENSOR_KEY,
     OWN,
+    OWN_BEFORE,
     PEER,
+    PEER_BEFORE,
+    SHARD_KINDS,
     TENSOR_KEY,
     commit,
     encode,
@@ -245,8 +248,8 @@ class ShardSnapshotTier:
         buf, error = copy.result() if isinstance(copy, Future) else self._capture(*copy)
         t0 = time.monotonic()
         assert self.ring is not None and self.directory is not None
-        own, peer = (shard_path(self.directory, kind, self.comm.local_rank) for kind in (OWN, PEER))
-        outcome = exchange(self.ring, own, peer, buf, proposal, error)
+        paths = {kind: shard_path(self.directory, kind, self.comm.local_rank) for kind in SHARD_KINDS}
+        outcome = exchange(self.ring, paths, buf, proposal, error)
         self.stats["exchange_s"] += time.monotonic() - t0
         self.stats["bytes"] += len(buf) if buf is not None else 0
         return outcome
@@ -490,13 +493,20 @@ class ShardRing:
             work.wait()
 
 
-def exchange(ring: ShardRing, own: Path, peer: Path, buf: bytearray | None, proposal: int,
+def exchange(ring: ShardRing, paths: dict[str, Path], buf: bytearray | None, proposal: int,
              error: str | None) -> tuple[str | None, int]:
     """One snapshot's round on the ring, the same operations on every rank: agree on the next K (the
     largest proposed) and on every capture having worked; swap shard files with the neighbours; stage
-    both; agree every rank staged both; only then rename both into place (a kill at any moment leaves,
-    for every shard, the new save or the previous one whole on two nodes). (None, agreed K), or (why
-    snapshots stop here, K). Raises what gloo raises when a neighbour is gone (the job re-forms then)."""
+    both; agree every rank staged both; rename both into place, each keeping the save it replaces
+    (`paths`: a file per kind in codec.SHARD_KINDS); agree every rank committed; only then drop the
+    kept ones. (None, agreed K), or (why snapshots stop here, K). Raises what gloo raises when a
+    neighbour is gone (the job re-forms then).
+
+    Why keep the save before: an all-reduce that ends on one rank has not ended on every rank. A node
+    killed during the commit's agreement can leave one survivor with the new save and the next with the
+    old one only; with the save before kept until every rank committed, both still hold the old save
+    whole, on two nodes, and the loss costs one save's steps (tests/elastic/test_sharded_ring.py)."""
+    own, peer = paths[OWN], paths[PEER]
     every, failed = ring.all_max(proposal, int(buf is None))
     if failed:
         return error or "a capture failed on another rank", every
@@ -516,6 +526,10 @@ def exchange(ring: ShardRing, own: Path, peer: Path, buf: bytearray | None, prop
         for tmp, _path in staged:
             tmp.unlink(missing_ok=True)
         return error or "staging a shard failed on another rank", every
+    before = {own: paths[OWN_BEFORE], peer: paths[PEER_BEFORE]}
     for tmp, path in staged:
-        commit(tmp, path)
+        commit(tmp, path, keep=before[path])
+    ring.all_max(0)  # every rank committed: no rank needs a save before the new one
+    for _tmp, path in staged:
+        before[path].unlink(missing_ok=True)
     return None, every
