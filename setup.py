@@ -32,10 +32,11 @@ setup(
         # client (petctl/io/store/v3wire.py), with client certificates (etcd's JSON gateway refuses
         # certificates that carry a CN, and petctl's do). Not grpcio and a generated client: their
         # imports cost an agent a third of its CPU to its first round, and gRPC runs threads of its own
-        # in every process. The HTTP/2 framing is petctl's own (petctl/io/store/http2.py: the h2 package
-        # cost 0.7 ms of CPU a call); hpack decodes etcd's header blocks (Huffman codes and the dynamic
-        # table). Below 5: http2.py uses its Decoder and exceptions as 4.x has them. python-etcd stays for
-        # the v2 backend until etcd 3.5's end of support.
+        # in every process. The HTTP/2 framing is petctl's own (petctl/io/store/http2.py: with the h2
+        # package a call cost about twice the CPU, bench/results/storecall-http2.json); hpack decodes
+        # etcd's header blocks (Huffman codes and the dynamic table). Below 5: http2.py uses its Decoder
+        # and exceptions as 4.x has them. python-etcd stays for the v2 backend until etcd 3.5's end of
+        # support.
         "hpack>=4.0,<5",
         # etcd's client certificates: the CLI and the local provider make them (petctl/io/etcdpki.py).
         "cryptography>=41",

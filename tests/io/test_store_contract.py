@@ -620,7 +620,7 @@ def test_v3_stores_share_a_loop_and_leave_no_thread(etcd_server: EtcdServer, d: 
 
 def test_a_v3_store_loads_neither_grpc_nor_protobuf_nor_python_etcd(etcd_server: EtcdServer) -> None:
     """What the v3 backend costs an agent at start is its own client (petctl/io/store/v3wire.py, http2.py, and
-    hpack): not the h2 package (0.7 ms of CPU a call), not grpc, not
+    hpack): not the h2 package (twice the CPU a call), not grpc, not
     protobuf (their imports were half of an agent's CPU to its first round), not python-etcd (the v2
     backend's client: urllib3 and dnspython)."""
     code = (f"import sys; from petctl.io.store import open_store; s = open_store({etcd_server.endpoint!r}); "

@@ -505,7 +505,7 @@ def exchange(ring: ShardRing, paths: dict[str, Path], buf: bytearray | None, pro
     Why keep the save before: an all-reduce that ends on one rank has not ended on every rank. A node
     killed during the commit's agreement can leave one survivor with the new save and the next with the
     old one only; with the save before kept until every rank committed, both still hold the old save
-    whole, on two nodes, and the loss costs one save's steps (tests/elastic/test_sharded_ring.py)."""
+    whole, on two nodes, and the loss costs one save's steps (tests/elastic/test_sharded_snapshots.py)."""
     own, peer = paths[OWN], paths[PEER]
     every, failed = ring.all_max(proposal, int(buf is None))
     if failed:
