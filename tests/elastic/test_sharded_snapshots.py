@@ -66,7 +66,9 @@ def test_two_losses_apart_are_covered_on_a_ring_of_four() -> None:
 
 
 def test_the_store_wins_when_newer_a_tie_goes_to_memory_and_nothing_anywhere_is_none() -> None:
-    assert choose_shards(ring(3, {1}, step=10), store_step=11).source == "store"
+    beaten = choose_shards(ring(3, {1}, step=10), store_step=11)
+    assert (beaten.source, beaten.passed_over, beaten.store_step) == ("store", 10, 11)
+    assert choose_shards(ring(3, {0, 1}), store_step=4).passed_over is None  # nothing whole to beat
     assert choose_shards(ring(3, {1}, step=10), store_step=10).source == "snapshot"
     assert choose_shards([], store_step=None).source == "none"
     assert choose_shards(ring(3, {0, 1}), store_step=None).source == "none"

@@ -103,6 +103,14 @@ def test_the_newest_step_covering_every_part_is_taken(offers, parts, store, sour
     assert choice.reason
 
 
+def test_a_snapshot_the_store_beat_is_named() -> None:
+    """The node-loss tests tell "the store was newer than a whole snapshot" (a loss covered by memory
+    all the same) from "no snapshot was whole" by this field."""
+    assert newest_common([O(1, 12)], store_step=19).passed_over == 12
+    assert newest_common([O(0, 9, 0)], frozenset({0, 1}), 4).passed_over is None  # none whole
+    assert newest_common([O(1, 25)], store_step=19).passed_over is None  # memory won
+
+
 # --- the payload checksum ---------------------------------------------------------------------------
 def test_the_payload_checksum_catches_a_flipped_bit_and_a_moved_block() -> None:
     from petctl.elastic.snapshots.codec import CHECK_BLOCK, payload_checksum

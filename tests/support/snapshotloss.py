@@ -147,6 +147,25 @@ def steps_a_loss_may_cost(local: Petctl, job: str, kill: Kill) -> int:
     return every_at(cadences, {c.node for c in cadences}, kill.at)
 
 
+def check_memory_covered_the_loss(local: Petctl, job: str, kill: Kill, source: str, story: str) -> None:
+    """The resume after the kill came from the snapshots, or from the store only because the store was
+    newer than a whole snapshot: never from the periodic checkpoint because no snapshot was whole.
+
+    When the load raised K above 1, the store's periodic save can land between two snapshots (steps
+    reached 41, the newest whole snapshot 38, the store's 39: pass 31 of the e2e tier). The job then takes
+    the store, which is the newest state anywhere; the caller's bound on steps redone still holds. The
+    choice says so in `snapshot.passed_over` (DDP) or `snapshot.fallback` (sharded), with both steps."""
+    if source == "snapshot":
+        return
+    said = [e for kind in ("snapshot.passed_over", "snapshot.fallback") for e in local.events(job, kind)
+            if e["ts"] > kill.at]
+    assert said, f"resumed from {source!r} and no snapshot choice was reported: {story}"
+    first = min(said, key=lambda e: e["ts"])
+    whole, store = first.get("snapshot_step"), first.get("store_step")
+    assert whole is not None and store is not None and store > whole, (
+        f"resumed from {source!r}, not from a whole snapshot: {first}; {story}")
+
+
 def check_only_the_victims_snapshots_left(snapshot_root: Path, victim: str) -> None:
     """Every agent removed its snapshots but the killed one (it could not): the next agent's sweep does."""
     left = sorted(snapshot_root.iterdir())

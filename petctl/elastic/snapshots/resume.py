@@ -61,12 +61,14 @@ class Choice:
         or "none" (nothing anywhere: a fresh start).
     step: the step whose state is loaded (None for "store", where the store's loader decides, and "none").
     holders: part -> the rank that sends it (the lowest rank holding it at `step`).
+    passed_over: the newest step the snapshots cover, when the store was newer and won (else None).
     """
 
     source: str
     step: int | None = None
     holders: tuple[tuple[int, int], ...] = ()
     reason: str = ""
+    passed_over: int | None = None
 
     @property
     def holder_of(self) -> dict[int, int]:
@@ -92,7 +94,7 @@ def newest_common(offers: Iterable[Offer], parts: frozenset[int] = WHOLE,
     if store_step is not None:
         why = (f"store step {store_step} is newer than every snapshot" if best is not None else
                _why_no_snapshot(by_step, parts))
-        return Choice("store", None, reason=why)
+        return Choice("store", None, reason=why, passed_over=best)
     return Choice("none", reason=_why_no_snapshot(by_step, parts))
 
 
@@ -155,6 +157,8 @@ class ShardChoice:
         bytes), for every old rank 0..world-1.
     missing: the old ranks of the newest save that no live rank holds (empty unless that is why the
         snapshot was passed over).
+    passed_over: the step of the newest whole save, when the store was newer and won (else None).
+    store_step: the store's newest step as the choice read it (None: none, or not asked).
     """
 
     source: str
@@ -162,6 +166,8 @@ class ShardChoice:
     holders: tuple[tuple[int, int, int], ...] = ()
     missing: tuple[int, ...] = ()
     reason: str = ""
+    passed_over: int | None = None
+    store_step: int | None = None
 
     @property
     def step(self) -> int | None:
@@ -192,7 +198,8 @@ def choose_shards(offers: Iterable[ShardOffer], store_step: int | None = None) -
         return _fallback(store_step, why, missing)
     step = best[1]
     if store_step is not None and store_step > step:
-        return _fallback(store_step, f"store step {store_step} is newer than the snapshot of step {step}")
+        why = f"store step {store_step} is newer than the snapshot of step {step}"
+        return ShardChoice("store", reason=why, passed_over=step, store_step=store_step)
     held = by_save[best]
     holders = tuple((old, held[old].rank, held[old].size) for old in range(best[2]))
     why = f"snapshot of step {step}"
@@ -200,11 +207,13 @@ def choose_shards(offers: Iterable[ShardOffer], store_step: int | None = None) -
         why += f", {step - store_step} step(s) newer than the store's {store_step}"
     if best != newest:
         why += f"; the newer step {newest[1]} lacks old ranks {list(missing)}"
-    return ShardChoice("snapshot", best, holders, () if best == newest else missing, why)
+    return ShardChoice("snapshot", best, holders, () if best == newest else missing, why,
+                       store_step=store_step)
 
 
 def _fallback(store_step: int | None, reason: str, missing: tuple[int, ...] = ()) -> ShardChoice:
-    return ShardChoice("store" if store_step is not None else "none", missing=missing, reason=reason)
+    return ShardChoice("store" if store_step is not None else "none", missing=missing, reason=reason,
+                       store_step=store_step)
 
 
 
@@ -282,11 +291,13 @@ def resume_from_snapshot(comm: Any, log: EventLog, reader: SnapshotReader | None
     offers = [o for o in comm.all_gather_object(mine) if o is not None]
     if not offers:
         return None
-    choice = newest_common(offers, store_step=store_step()) if comm.is_writer else None
+    store_step_read = store_step() if comm.is_writer else None
+    choice = newest_common(offers, store_step=store_step_read) if comm.is_writer else None
     choice = comm.broadcast_object(choice)
     if choice.source != "snapshot":
         if comm.is_writer:
-            log.emit("snapshot.passed_over", reason=choice.reason, offers=len(offers))
+            log.emit("snapshot.passed_over", reason=choice.reason, offers=len(offers),
+                     snapshot_step=choice.passed_over, store_step=store_step_read)
         return None
     holder = choice.holder_of[0]
     info: tuple[Any, ...] | None = None
@@ -385,7 +396,8 @@ def resume_sharded(comm: Any, log: EventLog, reader: ShardReader | None, app_sta
     if choice.source != "snapshot":
         if comm.is_writer and (offers or reader is not None):  # snapshots on (not: a job without them)
             log.emit("snapshot.fallback", source=choice.source, missing=list(choice.missing),
-                     reason=choice.reason, offers=len(offers))
+                     reason=choice.reason, offers=len(offers), snapshot_step=choice.passed_over,
+                     store_step=choice.store_step)
         return None
     sent = _gather_shards(comm, reader, choice, offers)
     if sent is None:
