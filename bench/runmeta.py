@@ -15,6 +15,7 @@ result names the sender's commit. When they differ, git's answer stands, or the 
 checkout under PYTHONDONTWRITEBYTECODE (this bench machine sets it) recompiles every module in every
 agent process: work no installed petctl does, and that torch, the anchor's code, never does (its wheel
 ships compiled). How much CPU that is per agent was lost in this machine's noise when last looked at.
+It also writes the agent's dataclass method cache (petctl/io/methodcache.py), as the install does.
 
 `installed_python` makes an interpreter that imports petctl as a wheel install has it, for the scenarios
 that time process start-up (P5).
@@ -142,8 +143,15 @@ def _now() -> str:
 
 
 def compile_petctl(repo: Path = REPO) -> bool:
-    """Write the bytecode of every petctl module (see the module docstring). True when all compiled."""
-    return bool(compileall.compile_dir(repo / "petctl", quiet=1, workers=1))
+    """Write the bytecode of every petctl module and the agent's dataclass method cache, as an instance's
+    install does (`petctl-agent --warm`, worker_boot.sh.j2; see the module docstring). True when all of
+    it was written."""
+    compiled = bool(compileall.compile_dir(repo / "petctl", quiet=1, workers=1))
+    if not (repo / "petctl" / "agent" / "main.py").exists():  # a tree that has no agent (tests)
+        return compiled
+    warm = subprocess.run([sys.executable, "-m", "petctl.agent.main", "--warm"], cwd=repo,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    return compiled and warm.returncode == 0 and not warm.stderr.strip()
 
 
 INSTALLED = ("petctl from the checkout on sys.path, its dependencies from the bench's site-packages, "

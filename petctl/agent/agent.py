@@ -51,6 +51,7 @@ from petctl.agent.workers import OMP_THREADS, WorkerSpec, get_ready, torchrun_th
 from petctl.core.keys import JobKeys
 from petctl.core.records import JobResult, NodeRecord, Phase, Round, WireFormatError
 from petctl.core.spec import AgentConfig
+from petctl.io import methodcache
 from petctl.io.etcdpki import load_credentials
 from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
@@ -155,10 +156,12 @@ class Agent:
         self.preemption.start()
         services.callback(self.preemption.stop)
         # cpu_s: what the interpreter's start, the imports and the set-up so far cost this process (bench
-        # P5 splits an agent's CPU to its first rank at this line)
+        # P5 splits an agent's CPU to its first rank at this line); method_cache: what the dataclass method
+        # cache saved of the imports, and a bad cache file, once (petctl/io/methodcache.py)
+        cache = methodcache.state()
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(), min=self.spec.min_size,
                          max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity(),
-                         cpu_s=round(time.process_time(), 3))
+                         cpu_s=round(time.process_time(), 3), **({"method_cache": cache} if cache else {}))
         worker_spec = self._worker_spec()
         snapshot_dir = open_area(self.spec.name, self.node_id, self.events, services)
         pool = get_ready(self.spec, worker_spec, self.work_dir, self.events, self.out, services)

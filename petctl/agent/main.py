@@ -17,10 +17,12 @@ import stat
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from petctl.core.spec import AgentConfig
-from petctl.io.eventlog import EventLog
-from petctl.io.objstore import read_url
+from petctl.io import methodcache
+
+if TYPE_CHECKING:
+    from petctl.core.spec import AgentConfig
 
 # EX_SOFTWARE: the agent itself failed (0 ok or killed, 1 job failed, 2 bad config). worker_boot.sh.j2
 # names it in RestartPreventExitStatus: keep the two equal (tests/aws/test_boot_scripts.py checks).
@@ -30,16 +32,26 @@ EXIT_CRASHED = 70
 def load_config(location: str) -> AgentConfig:
     """The config at a path, `file://` or `s3://` URL. Raises OSError (ObjectNotFound, StoreError) when
     it cannot be read, ValueError or KeyError when it is not a valid agent config."""
+    from petctl.core.spec import AgentConfig
+    from petctl.io.objstore import read_url
+
     return AgentConfig.from_json(read_url(location).decode("utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The agent's entry point: the exit code (see EXIT_CRASHED above). The method cache goes in first,
+    so every dataclass the imports below define comes from it (petctl/io/methodcache.py)."""
+    methodcache.install("agent")
     parser = argparse.ArgumentParser(prog="petctl-agent", description="petctl elastic agent")
     parser.add_argument("--config", default=os.environ.get("PETCTL_AGENT_CONFIG"),
                         help="agent config JSON: a path or s3:// URL (default $PETCTL_AGENT_CONFIG)")
     parser.add_argument("--node-id", help="override the node id in the config")
     parser.add_argument("--host-addr", help="override the address peers use to reach this node")
+    parser.add_argument("--warm", action="store_true",
+                        help="write the start-up caches and exit (an install step: worker_boot.sh.j2)")
     args = parser.parse_args(argv)
+    if args.warm:
+        return warm()
     if not args.config:
         parser.error("--config is required")
     try:
@@ -53,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         config.host_addr = args.host_addr
     from petctl.agent.agent import AgentCrashed
 
+    methodcache.save()  # the agent's imports are done: what they compiled is kept for the next start
     try:
         return run(config)
     except AgentCrashed:  # reported by the agent while its event sinks still ran
@@ -60,11 +73,30 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CRASHED
     except Exception as e:  # noqa: BLE001 - the last line of defence: a crash before the agent ran
         from petctl.agent.health import describe, traceback_tail
+        from petctl.io.eventlog import EventLog
 
         EventLog("agent", stream=sys.stdout, job=config.job.name, node=config.node_id).emit(
             "agent.crashed", error=describe(e), traceback=traceback_tail(e))
         traceback.print_exc()
         return EXIT_CRASHED
+
+
+def warm() -> int:
+    """Import what an agent imports (both store backends: the job picks one) and write the method cache
+    even under PYTHONDONTWRITEBYTECODE, as compileall would. An import that fails raises (a broken
+    install fails the boot); a cache that cannot be written is one warning line and 0 (agents then
+    compile at each start, as without the cache)."""
+    import petctl.agent.agent  # noqa: F401
+    import petctl.io.store.v2  # noqa: F401
+    import petctl.io.store.v3  # noqa: F401
+
+    try:
+        path = methodcache.warm("agent")
+    except OSError as e:
+        print(f"warning: cannot write the method cache: {e}", file=sys.stderr)
+        return 0
+    print(f"method cache: {path}")
+    return 0
 
 
 def run(config: AgentConfig) -> int:

@@ -60,6 +60,10 @@ def test_ami_boot_installs_the_wheel_and_requirements_with_the_amis_torch_pinned
                      + r' -r "\$house/requirements.txt"', text)
     assert 'PY="$ROOT/opt/pytorch/bin/python"' in text
     assert "retry 3 10 install_petctl || fatal" in text
+    # the install warms the agent's start-up caches as root: its exit status is the install's
+    install = text[text.index("install_petctl() {"):]
+    install = install[:install.index("\n}\n")]
+    assert install.rstrip().endswith('"$PY" -m petctl.agent.main --warm >/dev/null')
 
 
 # The longest bucket name S3 allows: what the stub embeds besides the key and checksum.
