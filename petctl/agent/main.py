@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def warm() -> int:
-    """Import what an agent imports (both store backends: the job picks one) and write the method cache
+    """Import what an agent imports (both store backends: the job picks one) and write the method cache,
     even under PYTHONDONTWRITEBYTECODE, as compileall would. An import that fails raises (a broken
     install fails the boot); a cache that cannot be written is one warning line and 0 (agents then
     compile at each start, as without the cache)."""

@@ -113,6 +113,23 @@ def test_wheel_from_docker_build_context_installs_and_renders_templates(tmp_path
                          check=True, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     base_len, job_len, etcd_boot, worker_boot = out.stdout.split()
     assert int(base_len) > 1000 and int(job_len) > 1000 and etcd_boot == worker_boot == "True"
+    # the image's (and the AMI boot's) warm step writes the method cache inside the install, where the
+    # agent reads it: an agent's imports then compile no dataclass method (petctl/io/methodcache.py).
+    # The wheel went in without its dependencies: this interpreter's are added after it (a .pth runs
+    # only in a site directory of its own, so this checkout's editable finder does not come with them).
+    import sysconfig
+
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    warm = subprocess.run([str(python), "-m", "petctl.agent.main", "--warm"], check=True, env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    cache = Path(warm.stdout.split(": ", 1)[1].strip())
+    assert cache.is_file() and cache.resolve().is_relative_to(venv.resolve()) and not warm.stderr
+    probe = ("from petctl.io import methodcache; methodcache.install('agent'); "
+             "import petctl.agent.agent, petctl.io.store.v3; print(methodcache.state())")
+    state = subprocess.run([str(python), "-c", probe], check=True, env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "'compiled': 0" in state and "problem" not in state, state
 
 
 # --- the install a new user runs, and the Python it needs (issue 44.1) ----------------------------------
