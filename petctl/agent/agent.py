@@ -157,7 +157,9 @@ class Agent:
         services.callback(self.preemption.stop)
         # cpu_s: what the interpreter's start, the imports and the set-up so far cost this process (bench
         # P5 splits an agent's CPU to its first rank at this line); method_cache: what the dataclass method
-        # cache saved of the imports, and a bad cache file, once (petctl/io/methodcache.py)
+        # cache saved of the imports, and a bad cache file, once (petctl/io/methodcache.py). Every module
+        # a start needs is imported by now, the store's backend too: what they compiled is kept here.
+        methodcache.save()
         cache = methodcache.state()
         self.events.emit("agent.started", host=self.config.host_addr, pid=os.getpid(), min=self.spec.min_size,
                          max=self.spec.max_size, nproc=self.spec.nproc_per_node, **self.preemption.identity(),

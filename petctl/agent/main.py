@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         config.host_addr = args.host_addr
     from petctl.agent.agent import AgentCrashed
 
-    methodcache.save()  # the agent's imports are done: what they compiled is kept for the next start
     try:
         return run(config)
     except AgentCrashed:  # reported by the agent while its event sinks still ran

@@ -224,6 +224,9 @@ def test_events_reach_etcd_and_the_mirror(cluster_factory, tmp_path):
         assert expected in names, names
     summary = next(r for r in records if r["event"] == "round.summary")
     assert (summary["first_step"], summary["last_step"], summary["world_size"]) == (0, 5, 1)
+    # petctl-agent ran its imports through the dataclass method cache, and says so once
+    cache = next(r for r in records if r["event"] == "agent.started")["method_cache"]
+    assert cache["hits"] + cache["compiled"] > 100 and "problem" not in cache, cache
     def stream(kind: str) -> str:  # append-only chunks in write order (core/mirrorchunks.py)
         chunks = sorted((mirror / kind / node.node_id).iterdir())
         return "".join(p.read_text() for p in chunks if not p.name.startswith("."))
