@@ -1,5 +1,6 @@
-"""The `petctl` command line. Importing it stays cheap (click only): providers, etcd, rich and boto3 are
-imported inside the commands that need them, so `petctl --help` is instant.
+"""The `petctl` command line: the group in group.py, the commands in their modules. Importing it stays
+cheap (click only): providers, etcd, rich and boto3 are imported inside the commands that need them, so
+`petctl --help` is instant.
 
 `main` (the console script) puts the dataclass method cache in before it imports the commands, so what
 `dataclasses` compiled at one run is not compiled again at the next (petctl/io/methodcache.py). Importing
@@ -17,11 +18,11 @@ __all__ = ["cli", "main"]
 
 
 def main(argv: list[str] | None = None, obj: CliContext | None = None) -> None:
-    """Console-script entry point (see petctl.cli.main.main): exits with the command's code."""
+    """Console-script entry point (see petctl.cli.group.main): exits with the command's code."""
     from petctl.io import methodcache
 
     methodcache.install("cli")
-    from petctl.cli.main import main as run_cli
+    from petctl.cli.group import main as run_cli
 
     try:
         run_cli(argv, obj)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None, obj: CliContext | None = None) -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "cli":
-        from petctl.cli.main import cli
+        from petctl.cli.group import cli
 
         return cli
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -112,7 +112,7 @@ def run_probe(provider_name: str | None, probe: bool, instance_type: str | None)
     for line in probing.render(results, elapsed, cost):
         click.echo(line)
     if observations.interrupted:
-        raise KeyboardInterrupt  # one line "interrupted", exit 130 (petctl.cli.main)
+        raise KeyboardInterrupt  # one line "interrupted", exit 130 (petctl.cli.group)
     if not probing.passed(results):
         bad = [v for v in results if v.status not in (probing.HELD, probing.NEEDS_AWS)]
         raise ChecksFailed(f"{len(bad)} of {len(results)} contracts did not hold: "

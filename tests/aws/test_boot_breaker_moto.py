@@ -34,7 +34,7 @@ def emulator(moto, aws_env, tmp_path):
 
 def test_three_boots_that_never_join_stop_the_job(ready, moto, emulator, stack_name, tmp_path, capsys):
     from petctl.cli.bootview import wait_joined
-    from petctl.cli.main import cli
+    from petctl.cli.group import cli
 
     spec = JobSpec(name="noboot", min_size=3, max_size=3, size=3, entrypoint="",
                    instance_types=["c5.xlarge"])

@@ -188,7 +188,7 @@ def test_a_quota_below_one_instance_refuses_the_job_and_creates_nothing(ready, m
 def cli(*args: str):
     from click.testing import CliRunner
 
-    from petctl.cli.main import cli as group
+    from petctl.cli.group import cli as group
 
     return CliRunner().invoke(group, list(args), catch_exceptions=True)
 
@@ -207,7 +207,7 @@ def test_status_and_hosts_show_why_the_group_does_not_fill(ready, moto, tmp_path
 
 def test_a_quota_refusal_is_one_line_and_non_zero_through_the_cli(ready, moto, tmp_path, stack_name,
                                                                   zero_gpu_spot_quota, capsys):
-    from petctl.cli.main import main
+    from petctl.cli.group import main
 
     script = write_script(tmp_path / "src")
     with pytest.raises(SystemExit) as exited:

@@ -16,7 +16,7 @@ from tests.support.aws.account import REGION, boto, publish_dlami, write_script
 
 @pytest.fixture
 def petctl(moto, aws_env):
-    from petctl.cli.main import cli
+    from petctl.cli.group import cli
 
     runner = CliRunner()
 

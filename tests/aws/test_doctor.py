@@ -12,7 +12,7 @@ from tests.support.aws.account import REGION, boto, publish_dlami, push_worker_i
 
 
 def run(*args: str):
-    from petctl.cli.main import cli
+    from petctl.cli.group import cli
 
     return CliRunner().invoke(cli, list(args), catch_exceptions=True)
 

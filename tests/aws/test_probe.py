@@ -215,7 +215,7 @@ def cli_home(tmp_path, monkeypatch):
     (["--probe", "--provider", "aws"], "petctl is not set up on AWS: run `petctl setup --provider aws"),
 ])
 def test_bad_input_is_one_line_and_a_non_zero_exit(cli_home, capsys, args, message):
-    from petctl.cli.main import main
+    from petctl.cli.group import main
 
     with pytest.raises(SystemExit) as ended:
         main(["doctor", *args])

@@ -109,7 +109,7 @@ def rows(output: str) -> dict[str, tuple[str, str]]:
 
 def test_the_probe_runs_both_jobs_prints_every_contract_and_leaves_nothing(ready, moto, emulator, stack_name,
                                                                            monkeypatch, capsys):
-    from petctl.cli.main import main
+    from petctl.cli.group import main
 
     monkeypatch.setattr(probe, "STEP_SECONDS", 0.0)
     ready.poll_interval = 0.3  # moto answers one request at a time: leave room for the agents'
@@ -158,7 +158,7 @@ def test_sigterm_while_the_probe_waits_cleans_up_and_still_prints_the_table(read
     """No instance boots here (no emulator): both jobs' stacks are created, then a SIGTERM arrives while
     the probe waits for the first. Both are deleted, their prefixes emptied, the table printed with what
     was not reached, and the command ends as an interrupted one (130)."""
-    from petctl.cli.main import main
+    from petctl.cli.group import main
 
     def terminated(provider, job, echo):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -189,7 +189,7 @@ def test_sigterm_while_the_probe_waits_cleans_up_and_still_prints_the_table(read
 
 def test_a_failure_while_the_probe_waits_still_cleans_up_and_exits_non_zero(ready, moto, stack_name,
                                                                             monkeypatch, capsys):
-    from petctl.cli.main import main
+    from petctl.cli.group import main
 
     def fails(provider, job, echo):
         raise RuntimeError("the network went away")

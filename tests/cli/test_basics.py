@@ -50,6 +50,7 @@ def test_teardown_without_setup_is_a_no_op(petctl: Petctl):
 def test_console_script_entry_point_exits_cleanly(capsys):
     import pytest
 
+    import petctl.cli.group  # noqa: F401 - imported first, as the in-process tests do: no name clash
     from petctl.cli import main
 
     with pytest.raises(SystemExit) as exit_info:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from petctl.cli.context import CliContext
-from petctl.cli.main import main
+from petctl.cli.group import main
 from petctl.io.config import PetctlConfig
 from petctl.jobview.prefix import file_prefix
 from petctl.jobview.view import JobSources
@@ -132,12 +132,13 @@ def test_status_shows_counted_failures_and_skipped_records(tmp_path: Path, capsy
     assert code == 0 and "failures" not in out and "note:" not in out  # no column when none counted
 
 
-def test_commands_never_import_main() -> None:
-    """The commands get their provider from petctl.cli.context: main imports them, never the reverse."""
+def test_commands_never_import_the_group() -> None:
+    """The commands get their provider from petctl.cli.context: the group imports them, never the
+    reverse."""
     cli_dir = Path(__file__).resolve().parents[2] / "petctl" / "cli"
     for path in cli_dir.glob("*.py"):
-        if path.name in ("main.py", "__init__.py"):
+        if path.name in ("group.py", "__init__.py"):
             continue
         imported = {node.module for node in ast.walk(ast.parse(path.read_text()))
                     if isinstance(node, ast.ImportFrom)}
-        assert "petctl.cli.main" not in imported and "petctl.cli" not in imported, path.name
+        assert "petctl.cli.group" not in imported and "petctl.cli" not in imported, path.name

@@ -27,7 +27,7 @@ GAP = 1.5  # between two scale calls: the reconciler (polling every 0.25 s) acts
 # Three `petctl scale` commands from one process, as a script driving petctl would issue them.
 BURST = """
 import sys, time
-from petctl.cli.main import main
+from petctl.cli.group import main
 job, gap, sizes = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
 print("started", time.time(), flush=True)
 for i, size in enumerate(sizes):
