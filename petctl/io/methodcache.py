@@ -34,6 +34,7 @@ import marshal
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 KEEP_LIMIT = 2000  # entries a saved file may hold (about 1 KB each); the agent's imports use about 400
@@ -72,7 +73,7 @@ class _Cache:
             self.problem = f"{self.path} is corrupt ({e}): ignored"
             return
         if not isinstance(entries, dict) or not all(
-                isinstance(k, str) and isinstance(v, type(self.load.__code__)) for k, v in entries.items()):
+                isinstance(k, str) and isinstance(v, types.CodeType) for k, v in entries.items()):
             self.problem = f"{self.path} is not a method cache: ignored"
             return
         self.loaded = entries
