@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -167,6 +168,9 @@ def save(run: Run, model: gpu_step.StepModel, gb: float, target: str) -> dict[st
     args = run.args
     if target == "s3" and gb > args.s3_max_gb:
         raise Skip(f"over --s3-max-gb {args.s3_max_gb} (the emulator keeps every byte, slowly)")
+    if target == "s3" and importlib.util.find_spec("moto") is None:
+        raise Skip("moto is not installed in this Python: the S3 emulator part needs"
+                   " `pip install 'moto[server]'`")
     run.fit(gb * GB / run.rates[target] + 10, f"a {target} save of {gb} GB")
     scratch = Path(tempfile.mkdtemp(prefix="petctl-gpubench-p4-", dir=args.scratch))
     try:
