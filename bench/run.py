@@ -92,11 +92,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="P1 --notice-at burst: the delays' seed")
     parser.add_argument("--sizes", default=None,
                         help="P5: comma-separated node counts (default 8,32,64; quick 8)")
+    parser.add_argument("--p5-timeout", type=float, default=None,
+                        help="P5: seconds a rep waits for every worker before it is a timeout (default 300 "
+                             "for petctl, 420 for torchrun); a timeout skips the size's other reps")
     args = parser.parse_args(argv)
     try:
         args.boots = [float(x) for x in str(args.boot).split(",") if x.strip()]
     except ValueError:
         parser.error(f"--boot takes comma-separated seconds, not {args.boot!r}")
+    if args.p5_timeout is not None and args.p5_timeout <= 0:
+        parser.error("--p5-timeout must be > 0 seconds")
     if not args.boots or any(b < 0 for b in args.boots):
         parser.error("--boot: at least one boot time, each >= 0 seconds")
     if args.reps is not None and args.reps < 1:
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             imds = LocalMetadataServer(scratch / "notices").start()
         ctx = Context(root=scratch, reps=reps, quick=args.quick, etcd=etcd, imds=imds, systems=systems,
                       hang_cap=args.hang_cap or (20.0 if args.quick else 30.0), grace=args.grace, sizes=sizes,
-                      workloads=workloads, notice_at=args.notice_at, seed=args.seed)
+                      workloads=workloads, notice_at=args.notice_at, seed=args.seed,
+                      p5_timeout=args.p5_timeout)
         if "P5" in scenarios:  # start-up is in its figures: start nodes as an instance's install does
             ctx.python = runmeta.installed_python(scratch / "python")
         ctx.log(f"scratch dir {scratch}; scenarios {scenarios}; reps {reps}")

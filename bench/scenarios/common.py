@@ -25,6 +25,7 @@ class Context:
     hang_cap: float = 30.0  # P2: how long torchrun is given before "> cap" is reported
     grace: float = 20.0  # P1: seconds between the notice and the SIGKILL
     sizes: list[int] = field(default_factory=lambda: [8, 32, 64])  # P5 node counts
+    p5_timeout: float | None = None  # P5: a rep's wait for every worker; None: each system's default
     timeline: dict[str, Any] = field(default_factory=dict)  # P1/P2 runs kept for the chart
     workloads: list[str] = field(default_factory=lambda: ["bench"])  # P1-P3: "bench", "user", "fsdp", ...
     notice_at: str = "settle"  # P1: "settle" (warm pools full first) or "burst" (random, <= 30 s in)

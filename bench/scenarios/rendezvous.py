@@ -170,7 +170,7 @@ def run_petctl(ctx: Context, n: int, rep: int, system: str = "petctl") -> dict[s
         job.spec.warm_workers = False  # a trivial worker needs no torch: don't preload it N times
     out: dict[str, Any] = {"system": system, "n": n, "rep": rep, "store": job.spec.etcd_store}
     try:
-        nodes = _launch_and_time(ctx, job, n, out, timeout=300, up_event="agent.started",
+        nodes = _launch_and_time(ctx, job, n, out, timeout=ctx.p5_timeout or 300, up_event="agent.started",
                                  server_requests=True)
         if nodes is None:
             return out
@@ -282,7 +282,8 @@ def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]
                              rdzv_conf=TORCHRUN_P5_CONF,
                              python=ctx.python)
     try:
-        nodes = _launch_and_time(ctx, job, n, out, timeout=420, up_event="torchrun.rendezvous_start",
+        nodes = _launch_and_time(ctx, job, n, out, timeout=ctx.p5_timeout or 420,
+                                 up_event="torchrun.rendezvous_start",
                                  server_requests=backend.startswith("etcd"))  # c10d keeps its store on a node
         if nodes is not None:
             out["worker_cpu_s"] = worker_cpu(nodes)
