@@ -150,7 +150,9 @@ def compile_petctl(repo: Path = REPO) -> bool:
     if not (repo / "petctl" / "agent" / "main.py").exists():  # a tree that has no agent (tests)
         return compiled
     warm = subprocess.run([sys.executable, "-m", "petctl.agent.main", "--warm"], cwd=repo,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)})
     return compiled and warm.returncode == 0 and not warm.stderr.strip()
 
 

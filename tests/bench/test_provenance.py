@@ -103,6 +103,26 @@ def test_a_run_compiles_petctl_first_as_an_install_would(tmp_path):
     assert "compiled" in runmeta.start(["bench/x.py"])["bytecode"]
 
 
+def test_the_warm_step_keeps_the_callers_pythonpath(tmp_path, monkeypatch):
+    """The agent's `--warm` imports what the agent imports. Where a dependency comes from PYTHONPATH (a
+    leased machine's carried packages), replacing PYTHONPATH with the checkout failed the warm step, and
+    every agent then compiled its own dataclass methods."""
+    from bench import runmeta
+
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "carried_dep.py").write_text("VALUE = 1\n")
+    tree = tmp_path / "tree"
+    (tree / "petctl" / "agent").mkdir(parents=True)
+    (tree / "petctl" / "__init__.py").write_text("")
+    (tree / "petctl" / "agent" / "__init__.py").write_text("")
+    (tree / "petctl" / "agent" / "main.py").write_text("import carried_dep\n")
+    monkeypatch.setenv("PYTHONPATH", str(extra))
+    assert runmeta.compile_petctl(tree)
+    monkeypatch.delenv("PYTHONPATH")
+    assert not runmeta.compile_petctl(tree)
+
+
 def test_dirty_means_a_tracked_file_changed_and_untracked_files_are_listed(tmp_path):
     """A run's own log redirected into the checkout must not mark it dirty (git describe --dirty's rule),
     but a changed tracked file must; the untracked paths are listed so a reader can judge."""
