@@ -1,4 +1,5 @@
-"""What an agent's imports cost in CPU, with and without the dataclass method cache, beside torchrun's.
+"""What an agent's and the CLI's imports cost in CPU, with and without the dataclass method cache, beside
+torchrun's.
 
     python bench/agentstart.py --out bench/results/agent-start.json
 
@@ -14,6 +15,9 @@ rep the commands take turns, in a rotating order, so a change in load falls on a
   as every start did before the cache;
 - `agent, warm cache`: the same imports with the cache installed first, as `petctl-agent` does; the
   file was written by the run's compile step, as an install writes it;
+- `cli, no cache` and `cli, warm cache`: what `petctl` imports before it parses its command line (the
+  group and its commands), without and with the console script's cache (written as a first run writes
+  it);
 - `torchrun`: `import torch.distributed.run`, what torchrun's agent imports, the anchor.
 With `--callgrind` it also counts each command's instructions once under valgrind: a count that does not
 move with the machine's load.
@@ -45,12 +49,16 @@ from bench import runmeta  # noqa: E402
 from bench.petctl_runner import BENCH  # noqa: E402
 
 AGENT_IMPORTS = "import petctl.agent.agent, petctl.io.store.v3"
+CLI_IMPORTS = "import petctl.cli.group"
 COMMANDS = {
     "bare interpreter": "pass",
     "agent, no cache": AGENT_IMPORTS,
     "agent, warm cache": f"from petctl.io import methodcache; methodcache.install('agent'); {AGENT_IMPORTS}",
+    "cli, no cache": CLI_IMPORTS,
+    "cli, warm cache": f"from petctl.io import methodcache; methodcache.install('cli'); {CLI_IMPORTS}",
     "torchrun": "import torch.distributed.run",
 }
+WARM = ("agent, warm cache", "cli, warm cache")  # each checked warm before it is measured
 
 
 def cpu_of(python: str, code: str, env: dict[str, str]) -> float:
@@ -74,14 +82,17 @@ def instructions_of(python: str, code: str, env: dict[str, str], scratch: Path) 
 
 
 def checked_cache(python: str, env: dict[str, str]) -> dict[str, Any]:
-    """The warm-cache command's own report: every method a hit, none compiled. Raises RuntimeError when
-    the cache was not warm (the figures would then measure a cold start)."""
-    code = COMMANDS["agent, warm cache"] + "; import json; print(json.dumps(methodcache.state()))"
-    run = subprocess.run([python, "-c", code], env=env, check=True, capture_output=True, text=True)
-    state = json.loads(run.stdout.strip().splitlines()[-1])
-    if state["compiled"] or state.get("problem"):
-        raise RuntimeError(f"the method cache is not warm: {state}")
-    return state
+    """Each warm-cache command's own report, by name: every method a hit, none compiled. Raises
+    RuntimeError when a cache was not warm (its figures would then measure a cold start)."""
+    states = {}
+    for name in WARM:
+        code = COMMANDS[name] + "; import json; print(json.dumps(methodcache.state()))"
+        run = subprocess.run([python, "-c", code], env=env, check=True, capture_output=True, text=True)
+        state = json.loads(run.stdout.strip().splitlines()[-1])
+        if state["compiled"] or state.get("problem"):
+            raise RuntimeError(f"the method cache of {name!r} is not warm: {state}")
+        states[name] = state
+    return states
 
 
 def table(rows: dict[str, dict[str, Any]], reps: int) -> str:
@@ -94,13 +105,14 @@ def table(rows: dict[str, dict[str, Any]], reps: int) -> str:
         cell = f"{r['cpu_ms']:.1f} ms ({r['cpu_ms_min']:.1f}-{r['cpu_ms_max']:.1f})"
         count = f" {r['instructions'] / 1e6:.0f}M |" if "instructions" in r else (" |" if counted else "")
         out.append(f"| {name} | {cell} |{count}")
-    cold, warm = rows["agent, no cache"], rows["agent, warm cache"]
     bare = rows["bare interpreter"]["cpu_ms"]
     out.append("")
-    out.append(f"Warm over cold, CPU above the bare interpreter: "
-               f"{(warm['cpu_ms'] - bare) / (cold['cpu_ms'] - bare):.2f}" +
-               (f"; instructions: {warm['instructions'] / cold['instructions']:.2f}"
-                if "instructions" in warm else ""))
+    for who in ("agent", "cli"):
+        cold, warm = rows[f"{who}, no cache"], rows[f"{who}, warm cache"]
+        out.append(f"- {who}: warm over cold, CPU above the bare interpreter: "
+                   f"{(warm['cpu_ms'] - bare) / (cold['cpu_ms'] - bare):.2f}" +
+                   (f"; instructions: {warm['instructions'] / cold['instructions']:.2f}"
+                    if "instructions" in warm else ""))
     return "\n".join(out)
 
 
@@ -135,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name]["instructions"] = instructions_of(python, COMMANDS[name], env, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    runmeta.write(meta, Path(args.out), table(rows, args.reps), title="An agent's imports, with and without "
-                  "the dataclass method cache", commands=COMMANDS, warm_cache_state=cache, rows=rows)
+    runmeta.write(meta, Path(args.out), table(rows, args.reps), title="The agent's and the CLI's imports, "
+                  "with and without the dataclass method cache", commands=COMMANDS, warm_cache_state=cache,
+                  rows=rows)
     return 0
 
 
