@@ -207,3 +207,19 @@ def test_the_table_says_what_was_skipped_and_what_failed() -> None:
     text = markdown(doc)
     assert "driver 550, CUDA 12.x, NCCL 2.21, torch 2.x" in text
     assert "- P8 16.0 GB: RuntimeError: boom" in text
+
+
+def test_the_s3_part_is_skipped_with_its_reason_where_moto_is_missing(monkeypatch) -> None:
+    """A leased GPU machine may lack moto. The part then says so, instead of failing as if moto_server
+    were broken."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from bench import gpu
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(gpu.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "moto" else real(name, *a))
+    run = SimpleNamespace(args=SimpleNamespace(s3_max_gb=4.0))
+    with pytest.raises(gpu.Skip, match="moto is not installed"):
+        gpu.save(run, None, 1.0, "s3")
