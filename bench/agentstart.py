@@ -49,7 +49,7 @@ from bench import runmeta  # noqa: E402
 from bench.petctl_runner import BENCH  # noqa: E402
 
 AGENT_IMPORTS = "import petctl.agent.agent, petctl.io.store.v3"
-CLI_IMPORTS = "import petctl.cli.group"
+CLI_IMPORTS = runmeta.CLI_IMPORTS
 COMMANDS = {
     "bare interpreter": "pass",
     "agent, no cache": AGENT_IMPORTS,

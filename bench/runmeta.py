@@ -162,7 +162,8 @@ def compile_petctl(repo: Path = REPO) -> bool:
 
 # The console script's cache (petctl.cli.main), written as a user's first `petctl` run writes it. Under
 # PYTHONDONTWRITEBYTECODE no run would, and P6 would time a start that compiles 200 dataclass methods.
-CLI_WARM = ("from petctl.io import methodcache; methodcache.install('cli'); import petctl.cli.group; "
+CLI_IMPORTS = "import petctl.cli.group"  # what `petctl` imports before it parses its command line
+CLI_WARM = (f"from petctl.io import methodcache; methodcache.install('cli'); {CLI_IMPORTS}; "
             "methodcache.warm('cli')")
 
 
