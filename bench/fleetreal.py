@@ -31,6 +31,12 @@ first node's registration. Reported, per N:
 - `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
   keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
   bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
+
+With `--rest-s W` every valid run then holds its nodes up, ranked, for `--settle-s` and W more seconds
+(heartbeats and watches running, nothing else) and reads etcd's /metrics at both ends of the W: raft
+proposals (`etcd_server_proposals_committed_total`) and requests (gRPC messages received, by service)
+per node per 10 s at rest (`rest`). A node whose heartbeat ran late by the end of the window makes the
+window invalid (`rest.valid`), like a run.
 """
 
 from __future__ import annotations
@@ -157,10 +163,14 @@ def job_spec(endpoint: str, name: str, n: int, store: str) -> JobSpec:
 
 
 def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
-              ready: Callable[[], None] = lambda: None) -> tuple[list[NodeResult], float]:
+              ready: Callable[[], None] = lambda: None,
+              hold: Callable[[list[NodeResult], float], None] | None = None
+              ) -> tuple[list[NodeResult], float, float]:
     """Build the nodes `ids` (each on a store session of its own), call `ready` (a shard waits there for
-    the driver's go), start them all at once and wait until each is ranked or `timeout` passed. Returns
-    each node's result and the CPU seconds this process spent from the go."""
+    the driver's go), start them all at once and wait until each is ranked or `timeout` passed. Then
+    `hold(results, cpu)`, if given, runs while the nodes stay up (the rest window), before they are
+    closed. Returns each node's result, the CPU seconds this process spent from the go to the last rank,
+    and the longest heartbeat gap of any node by the end of `hold`."""
     nodes = [build(spec, i) for i in ids]
     go, abort = threading.Event(), threading.Event()
     threads = [threading.Thread(target=_run_node, args=(node, go, abort), name=node.node_id, daemon=True)
@@ -174,9 +184,12 @@ def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        abort.set()
+        abort.set()  # a node not ranked by now stops trying; the ranked ones' threads have ended
         cpu = time.process_time() - cpu0
-        return [NodeResult.of(node) for node in nodes], cpu
+        results = [NodeResult.of(node) for node in nodes]
+        if hold is not None:
+            hold(results, cpu)
+        return results, cpu, max((node.heartbeat.longest_gap for node in nodes), default=0.0)
     finally:
         abort.set()
         go.set()
@@ -188,14 +201,20 @@ def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
 
 def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], store: str,
                 timeout: float) -> None:
-    """A shard process: its share of the nodes, started on the driver's go; sends back (results, cpu), or
-    ("error", message) when it could not run them."""
+    """A shard process: its share of the nodes, started on the driver's go; sends back (results, cpu)
+    once they are ranked, keeps them up until the driver's "close" (after its rest window), then sends
+    their longest heartbeat gap; or ("error", message) when it could not run them."""
     def ready() -> None:
         conn.send("ready")
         conn.recv()
 
+    def hold(results: list[NodeResult], cpu: float) -> None:
+        conn.send((results, cpu))
+        conn.recv()
+
     try:
-        conn.send(run_nodes(job_spec(endpoint, name, n, store), ids, timeout, ready))
+        _, _, gap = run_nodes(job_spec(endpoint, name, n, store), ids, timeout, ready, hold)
+        conn.send(("gap", gap))
     except Exception as e:  # noqa: BLE001 - the driver raises it, with the shard's message
         conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
@@ -203,10 +222,12 @@ def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], sto
 
 
 def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, timeout: float,
-                procs: int) -> tuple[list[NodeResult], float]:
+                procs: int, hold: Callable[[list[NodeResult], float], None]
+                ) -> tuple[list[NodeResult], float, float]:
     """The nodes dealt round-robin over `procs` processes, each with its own interpreter, GIL and event
-    loop. The go goes to every shard once all have built their nodes. Raises RuntimeError with a
-    shard's error."""
+    loop. The go goes to every shard once all have built their nodes; `hold` runs once every shard has
+    sent its results, with every node still up. Returns what `run_nodes` returns, over all shards.
+    Raises RuntimeError with a shard's error."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # no fork: a forked gRPC or a forked thread is unsafe
@@ -232,7 +253,16 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
                 raise RuntimeError(f"shard: {answer[1]}")
             results += answer[0]
             cpu += answer[1]
-        return results, cpu
+        hold(results, cpu)
+        for _, conn in shards:
+            conn.send("close")
+        gap = 0.0
+        for _, conn in shards:
+            answer = conn.recv()
+            if answer[0] == "error":
+                raise RuntimeError(f"shard: {answer[1]}")
+            gap = max(gap, answer[1])
+        return results, cpu, gap
     finally:
         for p, conn in shards:
             conn.close()
@@ -241,20 +271,51 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
                 p.kill()
 
 
-def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND,
-             timeout: float = 120.0, procs: int = 1) -> dict[str, Any]:
+def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: float = 120.0,
+             procs: int = 1, rest_s: float = 0.0, settle_s: float = 2.0) -> dict[str, Any]:
     """One fleet of `n` nodes from start to every node ranked, in this process (`procs` 1) or dealt over
-    `procs` shard processes; the figures of the module docstring."""
+    `procs` shard processes; with `rest_s`, then its window at rest (after `settle_s`) while the nodes
+    stay up; the figures of the module docstring."""
     name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
     spec = job_spec(endpoint, name, n, store)
     ids = [f"n{i:04d}" for i in range(n)]
+    rested: dict[str, Any] = {}
+
+    def hold(results: list[NodeResult], cpu: float) -> None:
+        if rest_s > 0 and all(r.rank is not None for r in results):
+            rested.update(rest_window(endpoint, n, settle_s, rest_s))
+
     if procs <= 1:
-        results, cpu = run_nodes(spec, ids, timeout)
+        results, cpu, gap = run_nodes(spec, ids, timeout, hold=hold)
     else:
-        results, cpu = _run_shards(endpoint, name, n, ids, store, timeout, procs)
+        results, cpu, gap = _run_shards(endpoint, name, n, ids, store, timeout, procs, hold)
     out = _figures(results, n, store, spec, cpu)
     out["procs"] = max(1, procs)
+    if rested:
+        late = GAP_BEATS * spec.timeouts.heartbeat_interval
+        rested.update(valid=out["valid"] and gap < late, longest_heartbeat_gap_s=round(gap, 3))
+        out["rest"] = rested
     return out
+
+
+def rest_window(endpoint: str, n: int, settle_s: float, window_s: float) -> dict[str, Any]:
+    """What `n` ranked nodes cost etcd at rest: wait `settle_s`, then etcd's raft proposals and gRPC
+    requests over `window_s`, per node per 10 s (and per minute for proposals), from its /metrics.
+    Raises OSError when etcd does not answer, ValueError when a counter is missing."""
+    from bench.rest import proposals
+    from bench.scenarios.rendezvous import etcd_counts
+
+    time.sleep(settle_s)
+    p0, c0, t0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    time.sleep(window_s)
+    p1, c1, t1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    per10 = 10.0 / (t1 - t0) / n
+    requests = {k: c1[k] - c0[k] for k in c0 if c1[k] - c0[k]}
+    return {"window_s": round(t1 - t0, 2), "proposals": p1 - p0,
+            "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
+            "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
+            "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items()},
+            "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2)}
 
 
 def _close(node: Node) -> None:
@@ -299,17 +360,29 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     def med(key: str) -> float | None:
         vals = [r[key] for r in valid if r.get(key) is not None]
         return round(statistics.median(vals), 4) if vals else None
+    rests = [r["rest"] for r in valid if r.get("rest", {}).get("valid")]
+    def rest_med(key: str) -> float | None:
+        return round(statistics.median(x[key] for x in rests), 3) if rests else None
     return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
-                               if valid else None)}
+                               if valid else None),
+            "rest_windows": len(rests),
+            "rest_proposals_per_node_per_10s": rest_med("proposals_per_node_per_10s"),
+            "rest_requests_per_node_per_10s": rest_med("requests_total_per_node_per_10s")}
 
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
-            "ranking | CPU / node | note |", "|---|---|---|---|---|---|---|---|---|"]
-    def fmt(v: float | None) -> str:
-        return "invalid" if v is None else f"{v:g} s"
+            "ranking | CPU / node | at rest: proposals / node / 10 s | requests / node / 10 s | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    def fmt(v: float | None, unit: str = " s") -> str:
+        return "invalid" if v is None else f"{v:g}{unit}"
+
+    def rest(res: dict[str, Any], key: str) -> str:
+        if not any("rest" in r for r in res["runs"]):
+            return "-"  # no window asked for
+        return fmt(res["summary"].get(key), "")
 
     for res in results.values():
         s = res["summary"]
@@ -317,7 +390,8 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| {res['nodes']} | {res['store']} | {res.get('procs', 1)} | "
                     f"{s['valid_runs']} of {len(res['runs'])} | "
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
-                    f"{fmt(s['cpu_per_node_s'])} | {note} |")
+                    f"{fmt(s['cpu_per_node_s'])} | {rest(res, 'rest_proposals_per_node_per_10s')} | "
+                    f"{rest(res, 'rest_requests_per_node_per_10s')} | {note} |")
     return "\n".join(rows)
 
 
@@ -329,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=1,
                         help="shard processes the nodes are dealt over (1: every node in this process)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every node to be ranked")
+    parser.add_argument("--rest-s", type=float, default=0.0,
+                        help="hold the ranked nodes up this long; count what etcd sees (0: no window)")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="the wait after the last rank, first")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
                                              / "fleetreal-latest.json"))
     args = parser.parse_args(argv)
@@ -347,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.nodes.split(",") if x]:
             runs = []
             for rep in range(args.reps):
-                runs.append(run_once(etcd.endpoint, n, args.store, args.timeout, args.procs))
+                runs.append(run_once(etcd.endpoint, n, args.store, args.timeout, args.procs, args.rest_s,
+                                     args.settle_s))
                 print(json.dumps({"rep": rep, **runs[-1]}), flush=True)
             results[f"{args.store}/N={n}"] = {"nodes": n, "store": args.store, "procs": args.procs,
                                               "runs": runs, "summary": summarize(runs)}

@@ -23,11 +23,18 @@ def test_eight_real_nodes_rank_and_the_clock_starts_at_the_first_registration(et
 @pytest.mark.timeout(240)
 def test_nodes_dealt_over_processes_rank_as_one_job_on_one_clock(etcd_server):
     """Three shard processes hold 9 nodes (3 each): one job, ranks 0..8 once each, and the registrations
-    of every process on one clock (the mass join is short, not the gap between two interpreters)."""
-    run = fleetreal.run_once(etcd_server.endpoint, 9, "v3", timeout=90.0, procs=3)
+    of every process on one clock (the mass join is short, not the gap between two interpreters). Then
+    they hold the round at rest while the driver counts what etcd sees."""
+    run = fleetreal.run_once(etcd_server.endpoint, 9, "v3", timeout=90.0, procs=3, rest_s=3.0, settle_s=0.5)
     assert run["procs"] == 3 and run["ranks_ok"] and not run["errors"], run
     assert 0 <= run["mass_join_s"] < 5.0 and run["ranking_s"] >= 0, run
     assert run["ranked_s"] == pytest.approx(run["mass_join_s"] + run["ranking_s"], abs=1e-3), run
+    # The nodes stayed up through the rest window: every one's keep-alives reached etcd (5 a second
+    # each), and a steady round made no raft proposal (the issue's bar: at most 1 per node per minute).
+    rest = run["rest"]
+    assert rest["valid"] and rest["window_s"] >= 3.0, rest
+    assert rest["requests_per_node_per_10s"]["v3_lease"] >= 30, rest
+    assert rest["proposals_per_node_per_min"] <= 1.0, rest
 
 
 def nodes(gaps: list[float], ranked: bool = True) -> list[fleetreal.NodeResult]:
@@ -47,3 +54,23 @@ def test_late_heartbeats_or_unranked_nodes_make_a_run_invalid_and_the_summary_sk
     assert (summary["valid_runs"], summary["invalid_runs"], summary["ranked_s"]) == (1, 2, 11.0)
     assert "invalid" in fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [late],
                                                     "summary": fleetreal.summarize([late])}})
+
+
+def test_the_rest_window_is_summarized_over_valid_windows_only_and_shown_in_the_table():
+    spec = JobSpec(name="f", min_size=2, max_size=2, size=2, entrypoint="x.py")
+    runs = []
+    for proposals, valid in ((0.0, True), (0.5, True), (9.0, False)):
+        run = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)
+        run["rest"] = {"valid": valid, "proposals_per_node_per_10s": proposals,
+                       "requests_total_per_node_per_10s": 50.0 + proposals}
+        runs.append(run)
+    summary = fleetreal.summarize(runs)
+    assert summary["rest_windows"] == 2, summary
+    assert summary["rest_proposals_per_node_per_10s"] == 0.25, summary
+    assert summary["rest_requests_per_node_per_10s"] == 50.25, summary
+    row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": runs, "summary": summary}})
+    assert "| 0.25 | 50.25 |" in row, row
+    bare = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)  # no window asked for
+    row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [bare],
+                                      "summary": fleetreal.summarize([bare])}})
+    assert "| - | - |" in row, row
