@@ -142,22 +142,27 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def compile_petctl(repo: Path = REPO) -> bool:
+def compile_petctl(repo: Path = REPO, failures: list[str] | None = None) -> bool:
     """Write the bytecode of every petctl module and the agent's dataclass method cache, as an instance's
     install does (`petctl-agent --warm`, worker_boot.sh.j2; see the module docstring), and the CLI's, as
-    its first run does. True when all of it was written."""
-    compiled = bool(compileall.compile_dir(repo / "petctl", quiet=1, workers=1))
+    its first run does. True when all of it was written; otherwise `failures`, if given, gets one line
+    per step that failed (which one, and the last line it wrote), so a record says which cache was cold."""
+    failed = [] if failures is None else failures
+    if not compileall.compile_dir(repo / "petctl", quiet=1, workers=1):
+        failed.append("compileall: a petctl module did not compile")
     if not (repo / "petctl" / "agent" / "main.py").exists():  # a tree that has no agent (tests)
-        return compiled
+        return not failed
     paths = (str(repo), os.environ.get("PYTHONPATH", ""))  # the caller's PYTHONPATH may carry dependencies
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    warms = [[sys.executable, "-m", "petctl.agent.main", "--warm"]]
+    warms = {"the agent's cache": [sys.executable, "-m", "petctl.agent.main", "--warm"]}
     if (repo / "petctl" / "cli" / "group.py").exists():  # what `petctl` imports, as its first run saves it
-        warms.append([sys.executable, "-c", CLI_WARM])
-    for argv in warms:
+        warms["the CLI's cache"] = [sys.executable, "-c", CLI_WARM]
+    for what, argv in warms.items():
         warm = subprocess.run(argv, cwd=repo, capture_output=True, text=True, env=env)
-        compiled = compiled and warm.returncode == 0 and not warm.stderr.strip()
-    return compiled
+        if warm.returncode != 0 or warm.stderr.strip():
+            last = (warm.stderr.strip().splitlines() or [f"exit {warm.returncode}"])[-1]
+            failed.append(f"{what}: {last[:200]}")
+    return not failed
 
 
 # The console script's cache (petctl.cli.main), written as a user's first `petctl` run writes it. Under
@@ -198,12 +203,14 @@ def start(argv: list[str] | None = None) -> dict[str, Any]:
     """The run's record at its start; `argv` defaults to this process's command line. Compiles petctl
     first (`compile_petctl`), and says whether that worked."""
     argv = list(sys.argv) if argv is None else list(argv)
-    compiled = compile_petctl()
+    failures: list[str] = []
+    compiled = compile_petctl(failures=failures)
     m = machine()
     m.update(load_avg_start=[round(x, 2) for x in os.getloadavg()], started=_now())
     return {**git_state(), "command": " ".join([Path(sys.executable).name, *argv]), "machine": m,
             "bytecode": "petctl compiled before the run, as an install has it" if compiled else
-                        "petctl compiled only where its processes could write bytecode"}
+                        "petctl compiled only where its processes could write bytecode; failed: "
+                        + "; ".join(failures)}
 
 
 def finish(meta: dict[str, Any]) -> dict[str, Any]:

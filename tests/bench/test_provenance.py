@@ -121,7 +121,10 @@ def test_the_warm_step_keeps_the_callers_pythonpath(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(extra))
     assert runmeta.compile_petctl(tree)
     monkeypatch.delenv("PYTHONPATH")
-    assert not runmeta.compile_petctl(tree)
+    failures: list[str] = []
+    assert not runmeta.compile_petctl(tree, failures)
+    # The record says which cache stayed cold, and why: a run on a leased machine cannot be asked later.
+    assert len(failures) == 1 and failures[0].startswith("the agent's cache: ModuleNotFoundError"), failures
 
 
 def test_the_cli_cache_is_warmed_as_a_first_run_would(tmp_path, monkeypatch):
