@@ -28,6 +28,8 @@ first node's registration. Reported, per N:
 - `ranking_s`: the last registration → every node knows its rank (`rendezvous.complete`);
 - `ranked_s`: the first registration → every node ranked (the sum);
 - requests per node to ranked (the agents' own count) and the CPU per node of the processes that ran them;
+- keys read per node to ranked (`RequestStats.keys_read`: what its whole reads of `live/` and of the
+  round's join records returned). Requests per node stay flat in N; these keys are what grows with it;
 - `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
   keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
   bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
@@ -136,11 +138,12 @@ class NodeResult:
     longest_gap: float  # the longest stretch between two applied keep-alives (Heartbeat.longest_gap)
     requests: int  # the node's own count of store requests to ranked (RequestStats)
     error: str = ""
+    keys_read: int = 0  # keys its whole reads returned to ranked (RequestStats.keys_read)
 
     @classmethod
     def of(cls, node: Node) -> NodeResult:
         return cls(node.node_id, node.registered, node.ranked, node.rank, node.heartbeat.longest_gap,
-                   sum(node.stats.as_dict().values()), node.error)
+                   sum(node.stats.as_dict().values()), node.error, node.stats.keys_read)
 
 
 def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
@@ -341,11 +344,13 @@ def _figures(nodes: list[NodeResult], n: int, store: str, spec: JobSpec, cpu: fl
         why.append(f"heartbeats ran late: a gap of {max(gaps):.2f} s (>= {late:.2f} s)")
     ranks = sorted(x.rank for x in nodes if x.rank is not None)
     requests = [x.requests for x in nodes]
+    keys = [x.keys_read for x in nodes]
     out: dict[str, Any] = {"nodes": n, "store": store, "valid": not why, "saturated": "; ".join(why),
                            "errors": errors[:5], "cpu_per_node_s": round(cpu / n, 4),
                            "longest_heartbeat_gap_s": round(max(gaps, default=0.0), 3),
                            "requests_per_node": {"mean": round(statistics.mean(requests), 2),
                                                  "max": max(requests)},
+                           "keys_read_per_node": {"mean": round(statistics.mean(keys), 2), "max": max(keys)},
                            "ranks_ok": ranks == list(range(n))}
     if regs and len(ranked) == n:
         first, last = min(regs), max(regs)
@@ -367,6 +372,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
                                if valid else None),
+            "keys_read_per_node": (round(statistics.median(r["keys_read_per_node"]["mean"] for r in valid), 1)
+                                   if valid and all("keys_read_per_node" in r for r in valid) else None),
             "rest_windows": len(rests),
             "rest_proposals_per_node_per_10s": rest_med("proposals_per_node_per_10s"),
             "rest_requests_per_node_per_10s": rest_med("requests_total_per_node_per_10s")}
@@ -374,8 +381,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
-            "ranking | CPU / node | at rest: proposals / node / 10 s | requests / node / 10 s | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "ranking | CPU / node | keys read / node | at rest: proposals / node / 10 s | "
+            "requests / node / 10 s | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None, unit: str = " s") -> str:
         return "invalid" if v is None else f"{v:g}{unit}"
 
@@ -390,7 +398,8 @@ def table(results: dict[str, Any]) -> str:
         rows.append(f"| {res['nodes']} | {res['store']} | {res.get('procs', 1)} | "
                     f"{s['valid_runs']} of {len(res['runs'])} | "
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
-                    f"{fmt(s['cpu_per_node_s'])} | {rest(res, 'rest_proposals_per_node_per_10s')} | "
+                    f"{fmt(s['cpu_per_node_s'])} | {fmt(s.get('keys_read_per_node'), '')} | "
+                    f"{rest(res, 'rest_proposals_per_node_per_10s')} | "
                     f"{rest(res, 'rest_requests_per_node_per_10s')} | {note} |")
     return "\n".join(rows)
 

@@ -103,6 +103,9 @@ class RequestStats:
     reads: int = 0
     writes: int = 0
     watches: int = 0
+    # Keys the whole reads returned (a listing of `live/` or of a round's join records: one key per node).
+    # Not a request count, so not in `as_dict`: it is what grows with N where the requests do not.
+    keys_read: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"reads": self.reads, "writes": self.writes, "watches": self.watches}
@@ -297,6 +300,7 @@ class LiveReader:
         or a foreign writer does that, and no agent can know what the job's state is then."""
         self.stats.reads += 1
         r = self.kv.list(self.keys.live)  # empty (a new or wiped store): no round, nobody alive
+        self.stats.keys_read += len(r.entries)
         view = self.fold(StoreView(), [(e.key, e.value, e.mod_revision) for e in r.entries], r.revision,
                          strict=False)
         assert view is not None  # not strict: a key it does not know is skipped
@@ -364,7 +368,9 @@ class LiveReader:
         """The join records of `round_no` (unreadable ones skipped and counted)."""
         self.stats.reads += 1
         out: dict[str, Member] = {}
-        for leaf in self.kv.list(self.keys.round_members(round_no)).entries:
+        listing = self.kv.list(self.keys.round_members(round_no))
+        self.stats.keys_read += len(listing.entries)
+        for leaf in listing.entries:
             node = leaf.key.rsplit("/", 1)[1]
             try:
                 out[node] = Member(JoinRecord.from_json(leaf.value), leaf.create_revision)
@@ -653,7 +659,8 @@ class EtcdRendezvous:
         cpu = time.process_time()
         self.events.emit("rendezvous.complete", round=info.round, rank=info.rank, world_size=info.world_size,
                          seconds=seconds, cause=info.cause, requests=self.stats.as_dict(),
-                         cpu_s=round(cpu, 3), rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
+                         keys_read=self.stats.keys_read, cpu_s=round(cpu, 3),
+                         rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
         return info
 
     def _wait(self, action: Wait, view: StoreView, on_state: Callable[[str], None]) -> None:

@@ -202,6 +202,7 @@ def test_a_view_folded_from_watch_events_is_the_view_a_whole_read_gives(etcd_ser
             kv.put(keys.node(name), node(name))
         kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=1.0).to_json())
         base = reader.view()
+        assert reader.stats.keys_read == 3  # n1, n2 and the round: a whole read counts every key it got
         kv.put(keys.node("n3"), node("n3"))
         kv.delete(keys.node("n1"))
         kv.replace(keys.round, Round(round=1, phase=Phase.FROZEN, ts=1.0, ranks={"n2": 0, "n3": 1},
@@ -213,6 +214,7 @@ def test_a_view_folded_from_watch_events_is_the_view_a_whole_read_gives(etcd_ser
         last = kv.put(f"{keys.done(1)}/n2", DoneRecord(ts=3.0, failure="late").to_json())
         folded = reader.fold(base, events_after(base.etcd_index, last), last)
         whole = reader.view()
+        assert reader.stats.keys_read == 3 + 6  # the fold read none; the read: 3 nodes, the round, 2 done
         assert folded is not None and same(folded, whole), (folded, whole)
         assert folded.alive == {"n2", "n3", "bad"} and folded.mixed == {1: {"n2": "late", "n3": "exit 3"}}
         assert reader.fold(folded, events_after(base.etcd_index, last), last) == folded  # seen ones skipped

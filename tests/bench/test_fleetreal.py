@@ -17,6 +17,8 @@ def test_eight_real_nodes_rank_and_the_clock_starts_at_the_first_registration(et
     assert run["ranks_ok"] and not run["errors"], run
     assert run["ranked_s"] == pytest.approx(run["mass_join_s"] + run["ranking_s"], abs=1e-3), run
     assert run["requests_per_node"]["mean"] > 0, run
+    # Each node read `live/` whole at least once, and that listing held its own heartbeat key.
+    assert run["keys_read_per_node"]["mean"] >= 1, run
 
 
 @pytest.mark.slow
@@ -70,6 +72,7 @@ def test_the_rest_window_is_summarized_over_valid_windows_only_and_shown_in_the_
     assert summary["rest_requests_per_node_per_10s"] == 50.25, summary
     row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": runs, "summary": summary}})
     assert "| 0.25 | 50.25 |" in row, row
+    assert summary["keys_read_per_node"] == 0.0, summary  # the hand-made nodes read nothing
     bare = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)  # no window asked for
     row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [bare],
                                       "summary": fleetreal.summarize([bare])}})
