@@ -83,6 +83,15 @@ def _p3(system: str) -> Callable[[dict[str, Any]], str]:
     return cell
 
 
+def _p5(system: str, n: int = 64) -> Callable[[dict[str, Any]], str]:
+    def cell(doc: dict[str, Any]) -> str:
+        rows = _rows(doc, "P5", system)
+        ranked = rows[f"N={n} rendezvous (all agents up -> all ranked)"]["median"]
+        workers = rows[f"N={n} launch -> every worker ran"]["median"]
+        return f"{ranked:.2f} s; launch -> every worker ran {workers:.1f} s"
+    return cell
+
+
 ROWS = [
     Row("a spot notice, 3 nodes: training stopped -> every survivor training again (median of 3)",
         "p1-notice.json", _p1("petctl"), _p1("torchrun-c10d"), "torchrun c10d"),
@@ -90,6 +99,8 @@ ROWS = [
         "p2-freeze.json", _p2("petctl"), _p2("torchrun-c10d"), "torchrun c10d"),
     Row("a 4th node joins 3: the running members' stall (median of 3)",
         "p3-join.json", _p3("petctl"), _p3("torchrun-c10d"), "torchrun c10d"),
+    Row("64 agents on one 16-core host: every agent up -> all ranked (median of 5)",
+        "p5-64-16cores-3.json", _p5("petctl"), _p5("torchrun-c10d"), "torchrun c10d"),
     # Replayed at 1.25x: the only scale at which a notice's window stays long enough for the replacement
     # to come first, as on AWS (bench/README, "The hand-off, in a replay that keeps the window long").
     Row("spot trace, every loss announced: goodput, every billed second counted",
