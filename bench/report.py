@@ -169,6 +169,11 @@ def build_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                     rows.append(_row("P5", f"N={n} etcd requests/node to form the round (agent count)",
                                      system, {"median": s["rdzv_requests_per_node"], "n": 1}, "",
                                      note=f"closer (max): {s.get('rdzv_requests_max_node')}"))
+                if s.get("rdzv_keys_per_node") is not None:
+                    rows.append(_row("P5", f"N={n} keys read/node to form the round (agent count)", system,
+                                     {"median": s["rdzv_keys_per_node"], "n": 1}, "",
+                                     note=f"most by one node: {s.get('rdzv_keys_max_node')}; whole reads of "
+                                          "live/ and of the join records, one key per node"))
                 if (s.get("agent_cpu_to_ranked_s") or {}).get("median") is not None:
                     started, then = s.get("agent_cpu_to_started_s"), s.get("agent_cpu_started_to_ranked_s")
                     rows.append(_row("P5", f"N={n} agent CPU s, launch -> ranked (mean per agent)", system,

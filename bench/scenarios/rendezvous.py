@@ -258,16 +258,22 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 
 def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
-    """Requests each agent made from its start until it knew its rank (the first round)."""
-    totals = []
+    """Requests each agent made from its start until it knew its rank (the first round), and the keys its
+    whole reads returned meanwhile (`keys_read`: what grows with N where the requests do not)."""
+    totals, keys = [], []
     for n in nodes:
         hits = n.events("rendezvous.complete")
         req = hits[0].get("requests") if hits else None
         if isinstance(req, dict):
             totals.append(sum(int(v) for v in req.values()))
+        if hits and isinstance(hits[0].get("keys_read"), int):
+            keys.append(hits[0]["keys_read"])
     if not totals:
         return {}
-    return {"nodes": len(totals), "mean": round(sum(totals) / len(totals), 2), "max": max(totals)}
+    out = {"nodes": len(totals), "mean": round(sum(totals) / len(totals), 2), "max": max(totals)}
+    if keys:
+        out.update(keys_mean=round(sum(keys) / len(keys), 2), keys_max=max(keys))
+    return out
 
 
 def run_torchrun(ctx: Context, backend: str, n: int, rep: int) -> dict[str, Any]:
@@ -328,6 +334,8 @@ def run(ctx: Context) -> dict[str, Any]:
                                                                 "total", "mean"),
                 "rdzv_requests_per_node": _median_of(runs, "rdzv_requests_per_node", "mean"),
                 "rdzv_requests_max_node": _median_of(runs, "rdzv_requests_per_node", "max"),
+                "rdzv_keys_per_node": _median_of(runs, "rdzv_requests_per_node", "keys_mean"),
+                "rdzv_keys_max_node": _median_of(runs, "rdzv_requests_per_node", "keys_max"),
                 "agent_cpu_to_ranked_s": phases.summarize([_dig(r, "agent_cpu_s", "to_ranked", "mean")
                                                            for r in runs]),
                 "agent_cpu_to_ranked_max_s": _median_of(runs, "agent_cpu_s", "to_ranked", "max"),
