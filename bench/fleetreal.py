@@ -302,23 +302,12 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
 
 
 def rest_window(endpoint: str, n: int, settle_s: float, window_s: float) -> dict[str, Any]:
-    """What `n` ranked nodes cost etcd at rest: wait `settle_s`, then etcd's raft proposals and gRPC
-    requests over `window_s`, per node per 10 s (and per minute for proposals), from its /metrics.
-    Raises OSError when etcd does not answer, ValueError when a counter is missing."""
-    from bench.rest import proposals
-    from bench.scenarios.rendezvous import etcd_counts
+    """What `n` ranked nodes cost etcd at rest: wait `settle_s`, then bench/rest.py's `etcd_window` over
+    `window_s`. Raises as that does."""
+    from bench.rest import etcd_window
 
     time.sleep(settle_s)
-    p0, c0, t0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
-    time.sleep(window_s)
-    p1, c1, t1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
-    per10 = 10.0 / (t1 - t0) / n
-    requests = {k: c1[k] - c0[k] for k in c0 if c1[k] - c0[k]}
-    return {"window_s": round(t1 - t0, 2), "proposals": p1 - p0,
-            "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
-            "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
-            "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items()},
-            "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2)}
+    return etcd_window(endpoint, n, window_s)
 
 
 def _close(node: Node) -> None:
@@ -373,7 +362,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
                                if valid else None),
             "keys_read_per_node": (round(statistics.median(r["keys_read_per_node"]["mean"] for r in valid), 1)
-                                   if valid and all("keys_read_per_node" in r for r in valid) else None),
+                                   if valid else None),
             "rest_windows": len(rests),
             "rest_proposals_per_node_per_10s": rest_med("proposals_per_node_per_10s"),
             "rest_requests_per_node_per_10s": rest_med("requests_total_per_node_per_10s")}

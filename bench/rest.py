@@ -65,6 +65,25 @@ def proposals(endpoint: str) -> int:
     return int(float(m.group(1)))
 
 
+def etcd_window(endpoint: str, nodes: int, window: float) -> dict[str, Any]:
+    """What etcd saw over the next `window` seconds, from its /metrics at both ends: raft proposals and
+    requests (by kind), in all and per node per 10 s (proposals per minute too). Used by this bench and
+    the fleet bench's window at rest. Raises OSError when etcd does not answer, ValueError when a
+    counter is missing."""
+    p0, c0, w0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    time.sleep(window)
+    p1, c1, w1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    span = w1 - w0
+    per10 = 10.0 / span / nodes
+    requests = {k: c1[k] - c0[k] for k in c0}
+    return {"window_s": round(span, 2), "proposals": p1 - p0,
+            "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
+            "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
+            "requests": requests,
+            "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items() if v},
+            "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2)}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process so far (its threads; not its children), from
     `/proc/<pid>/stat`. Raises OSError when the process is gone."""
@@ -98,25 +117,15 @@ def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACK
         time.sleep(settle)
         pids = [n.proc.pid for n in started]
         cpu0 = sum(cpu_seconds(pid) for pid in pids)
-        p0, c0, w0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
-        time.sleep(window)
-        p1, c1, w1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+        counted = etcd_window(endpoint, nodes, window)
         cpu1 = sum(cpu_seconds(pid) for pid in pids)
         exited = [n.name for n in started if n.proc.poll() is not None]
         assert not exited, f"agents exited during the window: {exited}"
         ranks = job.frozen_ranks(nodes)
         assert ranks, "the round changed during the window: not at rest"
-        span = w1 - w0
-        per10 = 10.0 / span / nodes
-        requests = {k: c1[k] - c0[k] for k in c0}
-        out = {"nodes": nodes, "store": store, "settle_s": settle, "window_s": round(span, 2),
-               "ranked_after_s": round(ranked_s, 2), "proposals": p1 - p0,
-               "proposals_per_node_per_10s": round((p1 - p0) * per10, 3),
-               "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
-               "requests": requests,
-               "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items() if v},
-               "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2),
-               "agent_cpu_per_node_per_10s": round((cpu1 - cpu0) * per10, 4)}
+        out = {"nodes": nodes, "store": store, "settle_s": settle, "ranked_after_s": round(ranked_s, 2),
+               **counted,
+               "agent_cpu_per_node_per_10s": round((cpu1 - cpu0) * 10.0 / counted["window_s"] / nodes, 4)}
         if reform and nodes > 1:
             out["reform"] = _reform(job, started, ranks, nodes, form_timeout)
         return out
