@@ -18,7 +18,7 @@ from petctl.agent.decisions import RendezvousState, Settings, StoreView
 from petctl.agent.health import OutageReporter, StoreHealth, describe
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat
-from petctl.agent.rendezvous import EtcdRendezvous, LiveReader, LiveWatcher, RequestStats
+from petctl.agent.rendezvous import FIRST_JOINERS, EtcdRendezvous, LiveReader, LiveWatcher, RequestStats
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Phase, Round
@@ -312,6 +312,55 @@ def test_a_paused_joiner_is_admitted_on_the_round_record_alone(etcd_server):
         assert rdzv._admitted_at == freeze
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_joiner_behind_a_live_joiner_reads_a_few_keys_not_one_per_node(etcd_server, backend):
+    """A mass join: 41 nodes joined before "b", "a" first. "b" reads the round, joins, reads the round's
+    first join records and the heartbeat of the first one ahead of it, and waits: never `live/` whole nor
+    every join record, which return one key per node (at 1000 nodes the fleet read a million keys).
+    Woken with the round unchanged, it reads that heartbeat again, and the round at most: two keys."""
+    with started_watcher(etcd_server, backend, f"few-keys-{backend}") as (keys, kv, stats, watcher):
+        calls: list[tuple[str, str]] = []
+        rdzv = rendezvous_of_b(kv, keys, watcher, stats, calls)
+        others = ["a"] + [f"n{i:02d}" for i in range(40)]
+        for node in [*others, "b"]:
+            kv.put(keys.node(node), NodeRecord(node_id=node, host_addr="127.0.0.1", pid=1).to_json())
+        kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=time.time()).to_json())
+        for node in others:
+            kv.put(keys.round_member(1, node), JoinRecord(node_id=node, addr="127.0.0.1", port=1,
+                                                          ts=time.time(), prev_rank=None).to_json())
+        keys_before = stats.keys_read
+        info, state = rdzv._step(RendezvousState(started=time.monotonic()), lambda _: None)
+        assert info is None and state.joined_round == 1 and state.ahead == {"a"}
+        assert calls == [("get", keys.round), ("first_created", keys.round_members(1)),
+                         ("get", keys.node("a"))], calls
+        assert stats.keys_read - keys_before == 1 + FIRST_JOINERS + 1
+        assert kv.get(keys.round_member(1, "b")) is not None  # it did join
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)  # a safety-net wake: the round has not changed
+        assert info is None and state.ahead == {"a"}
+        # the round from the watch's event, or one read where that has not arrived yet; then "a"'s key
+        assert calls[-1] == ("get", keys.node("a")) and set(calls) <= {("get", keys.round), calls[-1]}, calls
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_joiner_whose_joiner_ahead_is_gone_judges_on_the_whole_view(etcd_server, backend):
+    """The proof that "b" is not the closer is a live joiner ahead of it. Once "a" is gone, none is left,
+    so "b" reads `live/` and the join records whole, and finds that it closes the round itself."""
+    with started_watcher(etcd_server, backend, f"ahead-gone-{backend}") as (keys, kv, stats, watcher):
+        calls: list[tuple[str, str]] = []
+        rdzv, state = paused_behind_a(kv, keys, watcher, calls)
+        kv.delete(keys.node("a"))
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)
+        assert info is None and state.ahead == frozenset()  # nobody ahead: it is the closer now
+        assert ("list", keys.live) in calls and ("list", keys.round_members(1)) in calls, calls
+        assert state.members is not None and set(state.members.records) == {"a", "b"}
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)  # the closer stays on the whole view
+        assert info is None and state.ahead == frozenset()
+        assert ("list", keys.live) in calls and not any(name == "first_created" for name, _ in calls), calls
 
 
 @pytest.mark.parametrize("backend", ["v2", "v3"])
