@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from petctl.agent.decisions import (
     IDLE,
@@ -94,6 +95,8 @@ from petctl.io.store import store_errors
 # backend. `stop()` closes them, which ends a wait in progress at once on either backend (the Store's
 # contract), so the threads are joined promptly. A watch asked for history the store no longer keeps
 # (`Compacted`) starts again from a fresh read, as any other failure does (counted, reported once).
+
+T = TypeVar("T")
 
 JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a closed watch returns within a second)
 
@@ -457,10 +460,19 @@ class EtcdRendezvous:
         """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
         `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.view`)."""
         self.watcher.take()  # this read holds every change they report so far
+        return self._seen(self._timed(self.reader.view))
+
+    def _timed(self, read: Callable[..., T], *args: Any) -> T:
+        """`read(*args)`, its time told to the store's health (`StoreHealth.succeeded`): an answer slower than
+        its `slow` (etcd stalled meanwhile) unsettles every view for a while, as a failure does, so no
+        absence seen just after it is trusted. Every read a rendezvous step starts with goes through
+        here: the soak found a node that waited out a stall on the round record, then read `live/` at
+        once, saw every heartbeat expired by the stall and not yet re-asserted, and opened a new round
+        as if every member were lost. Raises what `read` raises."""
         t0 = time.monotonic()
-        view = self.reader.view()
+        out = read(*args)
         self.store.succeeded(time.monotonic() - t0, "view")
-        return self._seen(view)
+        return out
 
     def view_since(self, prev: StoreView) -> StoreView:
         """`prev` with what the watches reported since folded in: no read when they report every change
@@ -683,13 +695,13 @@ class EtcdRendezvous:
         judged while the store is unsettled: a key missing then sends us to the whole view, which
         waits for it to settle). Raises one of `store_errors()`."""
         for node in sorted(state.ahead)[:AHEAD_CHECKS]:
-            if self.reader.alive(node):
+            if self._timed(self.reader.alive, node):
                 return node
-        first = self.reader.first_members(rnd.round or 0, FIRST_JOINERS)
+        first = self._timed(self.reader.first_members, rnd.round or 0, FIRST_JOINERS)
         ahead = [n for n in joiners_ahead(self.node_id, state.prev_rank, first, rnd.prev_ranks)
                  if n not in state.ahead]
         for node in ahead[:AHEAD_CHECKS]:
-            if self.reader.alive(node):
+            if self._timed(self.reader.alive, node):
                 return node
         return None
 
@@ -707,7 +719,7 @@ class EtcdRendezvous:
             rnd = Round.from_json(seen.value)
             if rnd.round is not None and rnd.round >= joined:
                 return rnd, seen.revision
-        return self.reader.round()
+        return self._timed(self.reader.round)
 
     def _complete(self, info: RoundInfo, known_at: int | None, state: RendezvousState) -> RoundInfo:
         """Admitted to `info`'s round; `live/` is watched from after `known_at` (the revision of the view

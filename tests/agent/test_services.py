@@ -363,6 +363,47 @@ def test_a_joiner_whose_joiner_ahead_is_gone_judges_on_the_whole_view(etcd_serve
         assert ("list", keys.live) in calls and not any(name == "first_created" for name, _ in calls), calls
 
 
+class SlowRound(Counting):
+    """The store, with every read of `live/round` answered `delay` seconds late, as in an etcd stall."""
+
+    def __init__(self, kv: Store, calls: list[tuple[str, str]], round_key: str, delay: float) -> None:
+        super().__init__(kv, calls)
+        self.round_key, self.delay = round_key, delay
+
+    def get(self, key: str):
+        if key == self.round_key:
+            time.sleep(self.delay)
+        return self.kv.get(key)
+
+
+def test_a_stall_met_on_the_round_record_leaves_no_absence_trusted(etcd_server):
+    """A node outside a frozen round whose first read, the round record, waited out an etcd stall must
+    not trust the heartbeats it reads next: the stall expired them, and their holders re-assert them a
+    moment later. The soak caught a node that opened a new round then, "all members of the previous
+    round lost", and a step was redone. Every read of a step is timed for the store's health, so a slow
+    one unsettles the view, as a slow whole read always did."""
+    keys = JobKeys("stall-on-round")
+    kv = store_for(etcd_server.endpoint)
+    try:
+        kv.put(keys.node("b"), NodeRecord(node_id="b", host_addr="127.0.0.1", pid=1).to_json())
+        frozen = Round(round=4, phase=Phase.FROZEN, ts=time.time(), ranks={"a": 0, "c": 1}, world_size=2,
+                       master_addr="127.0.0.1", master_port=1)  # its members' heartbeats: expired
+        kv.create(keys.round, frozen.to_json())
+        health = StoreHealth(Recorder(), grace=5.0, slow=0.1)
+        watcher = SimpleNamespace(round_seen=lambda: None, pause=lambda: None, resume=lambda after=None: None,
+                                  wait=lambda timeout: False, take=lambda: ([], False))
+        settings = Settings(node_id="b", min_nodes=1, max_nodes=3, initial_size=1, last_call=1.0,
+                            initial_wait=1.0, join_timeout=60.0, stop_grace=2.0)
+        rdzv = EtcdRendezvous(SlowRound(kv, [], keys.round, 0.3), LeaseClasses(kv), keys.job, "b",
+                              "127.0.0.1", settings, SimpleNamespace(emit=Recorder()), watcher,
+                              RequestStats(), health)
+        info, _ = rdzv._step(RendezvousState(started=time.monotonic()), lambda _: None)
+        assert info is None and not health.settled()
+        assert Round.from_json(kv.get(keys.round).value).round == 4  # no new round: it waits to settle
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize("backend", ["v2", "v3"])
 def test_a_paused_joiner_woken_by_the_freeze_is_admitted_without_a_request(etcd_server, backend):
     """The freeze's watch event carries the round record, so the joiners it wakes need no read at all: at
