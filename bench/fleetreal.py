@@ -28,8 +28,9 @@ first node's registration. Reported, per N:
 - `ranking_s`: the last registration → every node knows its rank (`rendezvous.complete`);
 - `ranked_s`: the first registration → every node ranked (the sum);
 - requests per node to ranked (the agents' own count) and the CPU per node of the processes that ran them;
-- keys read per node to ranked (`RequestStats.keys_read`: what its whole reads of `live/` and of the
-  round's join records returned). Requests per node stay flat in N; these keys are what grows with it;
+- keys read per node to ranked (`RequestStats.keys_read`: what its reads returned; one per node in the
+  job for a whole read of `live/` or of the round's join records, which only the closer makes since
+  the joiners look for a live joiner ahead of them instead). Its mean and max (the closer's);
 - `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
   keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
   bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
@@ -138,7 +139,7 @@ class NodeResult:
     longest_gap: float  # the longest stretch between two applied keep-alives (Heartbeat.longest_gap)
     requests: int  # the node's own count of store requests to ranked (RequestStats)
     error: str = ""
-    keys_read: int = 0  # keys its whole reads returned to ranked (RequestStats.keys_read)
+    keys_read: int = 0  # keys its reads returned to ranked (RequestStats.keys_read)
 
     @classmethod
     def of(cls, node: Node) -> NodeResult:

@@ -259,7 +259,7 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 def _rdzv_requests(nodes: list[Node]) -> dict[str, Any]:
     """Requests each agent made from its start until it knew its rank (the first round), and the keys its
-    whole reads returned meanwhile (`keys_read`: what grows with N where the requests do not)."""
+    reads returned meanwhile (`keys_read`: the closer's grow with N, the others' should not)."""
     totals, keys = [], []
     for n in nodes:
         hits = n.events("rendezvous.complete")

@@ -32,6 +32,7 @@ The rules (docs/ARCHITECTURE.md has the whole protocol):
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -295,13 +296,50 @@ def decide(view: StoreView, state: RendezvousState, s: Settings,
     return _frozen(view, rnd, state, s)
 
 
+def from_round_alone(rnd: Round | None, state: RendezvousState, s: Settings,
+                     now: Now) -> tuple[Action | None, RendezvousState]:
+    """What this node does next when the round record is all it knows, or None where that takes every
+    node's key (`decide` on a whole view): open the first round, end with the job, join a joining round
+    it has not joined, or take its place in a frozen round that ranks it. Each is what `decide` returns
+    on any view with this round (the node count matters only once it has joined, or outside a frozen
+    round). Why: at a mass join every node's first look was a whole read of `live/`, N keys each, so
+    the fleet read N² keys before anyone had joined."""
+    if rnd is None:
+        return OpenFirstRound(), state
+    if rnd.phase is Phase.FINAL:
+        return Ended(rnd.state or "unknown", rnd.reason), state
+    if rnd.phase is Phase.FROZEN:
+        info = admitted_by(rnd, s.node_id)
+        return (Admitted(info) if info is not None else None), state
+    if state.joined_round != (rnd.round or 0):
+        return _join(rnd, state, s, now)
+    return None, state
+
+
+def looks_for_one_ahead(rnd: Round, state: RendezvousState) -> bool:
+    """Whether a joiner of `rnd` first looks for one live joiner ahead of it (a few keys) before it
+    judges on the whole view: yes while it has joined this joining round, unless the whole view already
+    found it the closer in this round (no one ahead in the join records it read). The closer stays on
+    the whole view, which re-reads the join records whenever etcd changed, so a previous rank that
+    joins after it still takes the round over; a search for one ahead would only add a read per wake."""
+    if rnd.phase is not Phase.JOINING or state.joined_round != rnd.round:
+        return False
+    judged_closer = not state.ahead and state.members is not None and state.members.round == rnd.round
+    return not judged_closer
+
+
+def _join(rnd: Round, state: RendezvousState, s: Settings, now: Now) -> tuple[Action, RendezvousState]:
+    """Join `rnd`: as a newcomer where the round it replaced was formed without us, else with our rank."""
+    prev_rank = None if rnd.prev_ranks and s.node_id not in rnd.prev_ranks else state.prev_rank
+    return Join(rnd.round or 0, prev_rank), dataclasses.replace(
+        state, prev_rank=prev_rank, joined_round=rnd.round or 0, joined_at=now.mono, min_reached_at=None,
+        members=None, ahead=frozenset())
+
+
 def _joining(view: StoreView, rnd: Round, round_no: int, state: RendezvousState, s: Settings,
              now: Now) -> tuple[Action, RendezvousState]:
     if state.joined_round != round_no:
-        prev_rank = None if rnd.prev_ranks and s.node_id not in rnd.prev_ranks else state.prev_rank
-        return Join(round_no, prev_rank), dataclasses.replace(
-            state, prev_rank=prev_rank, joined_round=round_no, joined_at=now.mono, min_reached_at=None,
-            members=None, ahead=frozenset())
+        return _join(rnd, state, s, now)
     known = state.ahead and state.ahead <= view.alive
     if known:  # not the closer, and nobody ahead of us left: only a round change matters to us
         return Wait(safety_period(IDLE, len(view.alive), s.node_id), watch_membership=False), state
@@ -326,13 +364,33 @@ def closing_order(live: dict[str, Member], prev_ranks: Mapping[str, int] | None 
     The round's `prev_ranks` decide (a node the last round formed without is new, whatever its record
     claims, else a healed old rank 0 takes rank 0 back); a round opened with none uses the records'.
     """
-    prev_ranks = prev_ranks or {}
+    return sorted(live, key=lambda node: closing_key(node, live[node].record.prev_rank, live[node].created,
+                                                     prev_ranks))
 
-    def key(node: str) -> tuple[int, int, int]:
-        m = live[node]
-        prev = prev_ranks.get(node) if prev_ranks else m.record.prev_rank
-        return (0 if prev is not None else 1, prev if prev is not None else 0, m.created)
-    return sorted(live, key=key)
+
+def closing_key(node: str, own_prev: int | None, created: float,
+                prev_ranks: Mapping[str, int] | None) -> tuple[int, int, float]:
+    """A joiner's place in `closing_order`: previous ranks first, in rank order, then newcomers by their
+    join record's creation. `own_prev` is the rank its record claims, used only where the round names
+    no previous ranks."""
+    prev = prev_ranks.get(node) if prev_ranks else own_prev
+    return (0 if prev is not None else 1, prev if prev is not None else 0, created)
+
+
+def joiners_ahead(node_id: str, own_prev: int | None, first: Mapping[str, Member],
+                  prev_ranks: Mapping[str, int] | None) -> list[str]:
+    """Of `first`, a round's first join records by creation, the joiners that close before `node_id`, in
+    closing order. `own_prev` is the previous rank our own record claims (`Join.prev_rank`). A node
+    missing from `first` was created after all of them.
+
+    Why: the closer is the first *live* joiner, so one live joiner ahead of us proves we are not it, and
+    a node that knows that waits for the round to change. Finding one among the first few records costs
+    one short read where the whole list of join records costs one key per node. What it cannot prove
+    (no joiner ahead among `first`, or none of them alive) is judged on the whole view."""
+    mine = first.get(node_id)
+    own = closing_key(node_id, own_prev, mine.created if mine is not None else math.inf, prev_ranks)
+    ahead = {n: closing_key(n, m.record.prev_rank, m.created, prev_ranks) for n, m in first.items()}
+    return sorted((n for n, key in ahead.items() if key < own), key=ahead.__getitem__)
 
 
 def _close(view: StoreView, rnd: Round, live: dict[str, Member], order: list[str],

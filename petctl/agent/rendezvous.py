@@ -22,7 +22,8 @@ last one this node saw (`decisions.opening_round`), so restarts and ranks carry 
 etcd requests per node per round are bounded: one join write, at most one CAS to open a round, the
 closer's CAS to freeze it (and two deletes of the round before), plus reads on wake-ups. Only the closer
 wakes for each arrival; the other joiners pause their membership watch (`LiveWatcher`), so what a node
-pays does not grow with N.
+pays does not grow with N. Nor do the keys its reads return: a joiner that finds a live joiner ahead of
+it among the round's first join records knows it is not the closer, and reads no more (`_step`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from petctl.agent.decisions import (
+    IDLE,
     Admitted,
     Ended,
     EndJob,
@@ -50,10 +53,13 @@ from petctl.agent.decisions import (
     StartNextRound,
     StoreView,
     Wait,
-    admitted_by,
     decide,
+    from_round_alone,
+    joiners_ahead,
+    looks_for_one_ahead,
     next_round,
     opening_round,
+    safety_period,
 )
 from petctl.agent.health import OutageReporter, StoreHealth
 from petctl.agent.leases import LeaseClasses
@@ -68,7 +74,7 @@ from petctl.core.records import (
     SaveNow,
     WireFormatError,
 )
-from petctl.core.store import Compacted, Event, Store, StoreError, Watch
+from petctl.core.store import Compacted, Event, Listing, Store, StoreError, Watch
 from petctl.io.eventlog import EventLog
 from petctl.io.jobresult import record_result
 from petctl.io.procs import free_port
@@ -90,6 +96,8 @@ from petctl.io.store import store_errors
 # contract), so the threads are joined promptly. A watch asked for history the store no longer keeps
 # (`Compacted`) starts again from a fresh read, as any other failure does (counted, reported once).
 
+T = TypeVar("T")
+
 JOIN_TIMEOUT = 2.0  # stop() waits at most this long per thread (a closed watch returns within a second)
 
 
@@ -103,8 +111,10 @@ class RequestStats:
     reads: int = 0
     writes: int = 0
     watches: int = 0
-    # Keys the whole reads returned (a listing of `live/` or of a round's join records: one key per node).
-    # Not a request count, so not in `as_dict`: it is what grows with N where the requests do not.
+    # Keys the reads returned: a listing of `live/` or of a round's join records (one key per node: only
+    # the closer's grow with N), the first join records, a round record, a heartbeat key. Not a request
+    # count, so not in `as_dict`. On v2 the first join records are cut from a whole listing in the client;
+    # only what it kept is counted.
     keys_read: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -362,14 +372,29 @@ class LiveReader:
         entry = self.kv.get(self.keys.round)
         if entry is None:
             return None, None
+        self.stats.keys_read += 1
         return Round.from_json(entry.value), entry.mod_revision
+
+    def alive(self, node: str) -> bool:
+        """One read of `node`'s heartbeat key: it is alive while the key exists."""
+        self.stats.reads += 1
+        found = self.kv.get(self.keys.node(node)) is not None
+        self.stats.keys_read += found
+        return found
 
     def members(self, round_no: int) -> dict[str, Member]:
         """The join records of `round_no` (unreadable ones skipped and counted)."""
+        return self._members(self.kv.list(self.keys.round_members(round_no)))
+
+    def first_members(self, round_no: int, limit: int) -> dict[str, Member]:
+        """The first `limit` join records of `round_no` by creation (`Store.first_created`), unreadable
+        ones skipped and counted."""
+        return self._members(self.kv.first_created(self.keys.round_members(round_no), limit))
+
+    def _members(self, listing: Listing) -> dict[str, Member]:
         self.stats.reads += 1
-        out: dict[str, Member] = {}
-        listing = self.kv.list(self.keys.round_members(round_no))
         self.stats.keys_read += len(listing.entries)
+        out: dict[str, Member] = {}
         for leaf in listing.entries:
             node = leaf.key.rsplit("/", 1)[1]
             try:
@@ -388,6 +413,8 @@ class LiveReader:
 # --- the rendezvous executor --------------------------------------------------------------------------------
 
 JOIN_RECORD_TTL = 3600  # join records outlive any round; old round dirs are also deleted by closers
+FIRST_JOINERS = 8  # join records a joiner reads to find a live joiner ahead of it (`_live_ahead`)
+AHEAD_CHECKS = 3  # heartbeats it reads for that, at most, before it judges on the whole view
 RETRY_MIN, RETRY_MAX = 0.2, 2.0  # backoff between rendezvous steps while etcd fails
 
 
@@ -433,10 +460,19 @@ class EtcdRendezvous:
         """A fresh look at `live/`, `settled` or not as the store's health says. Raises one of
         `store_errors()` (the caller counts it, carries on) or WireFormatError (`LiveReader.view`)."""
         self.watcher.take()  # this read holds every change they report so far
+        return self._seen(self._timed(self.reader.view))
+
+    def _timed(self, read: Callable[..., T], *args: Any) -> T:
+        """`read(*args)`, its time told to the store's health (`StoreHealth.succeeded`): an answer slower than
+        its `slow` (etcd stalled meanwhile) unsettles every view for a while, as a failure does, so no
+        absence seen just after it is trusted. Every read a rendezvous step starts with goes through
+        here: the soak found a node that waited out a stall on the round record, then read `live/` at
+        once, saw every heartbeat expired by the stall and not yet re-asserted, and opened a new round
+        as if every member were lost. Raises what `read` raises."""
         t0 = time.monotonic()
-        view = self.reader.view()
+        out = read(*args)
         self.store.succeeded(time.monotonic() - t0, "view")
-        return self._seen(view)
+        return out
 
     def view_since(self, prev: StoreView) -> StoreView:
         """`prev` with what the watches reported since folded in: no read when they report every change
@@ -593,19 +629,37 @@ class EtcdRendezvous:
 
     def _step(self, state: RendezvousState,
               on_state: Callable[[str], None]) -> tuple[RoundInfo | None, RendezvousState]:
-        """One decision on a fresh view, carried out: our place once admitted, else None. Raises
-        JobEnded, or one of `store_errors()` (the state passed in is then still the one to retry with).
+        """One decision, carried out: our place once admitted, else None. Raises JobEnded, or one of
+        `store_errors()` (the state passed in is then still the one to retry with).
 
-        A joiner that waits on round changes only (`state.ahead`: not the closer) looks at the round record
-        first, from the event that woke it or one key (`_round_now`), which admits it when the round froze
-        with it (`admitted_by`). Only otherwise does
-        it read `live/` whole, which returns every node's key: at 1000 nodes, a freeze would otherwise
-        make all of them read a million keys at once."""
-        if state.ahead and state.joined_round is not None:
-            rnd, index = self._round_now(state.joined_round)
-            if (info := admitted_by(rnd, self.node_id)) is not None:
-                self.last_round = rnd
-                return self._complete(info, index, state), state
+        Every node looks at the round record first, from the event that woke it or one key
+        (`_round_now`). That alone opens the first round, ends with the job, joins a new round, or
+        admits the node to a frozen one (`from_round_alone`). A joiner then looks for a live joiner
+        ahead of it (`_live_ahead`: a few keys); one is proof that it is not the closer, so it waits
+        for the round to change. Only the closer, and a node that cannot prove it is not, reads `live/`
+        whole and the round's join records, which return one key per node. Why: when each of N joiners
+        read them, a mass join cost etcd and the agents N² keys, and 1000 nodes never ranked within
+        the fleet bench's limits (issue 47)."""
+        rnd, index = self._round_now(state.joined_round)
+        if rnd is not None and rnd.phase is not Phase.FINAL:
+            self.last_round = rnd
+        action, state = from_round_alone(rnd, state, self.settings, Now(time.monotonic(), time.time()))
+        if isinstance(action, Admitted):
+            return self._complete(action.info, index, state), state
+        if isinstance(action, Ended):
+            raise JobEnded(action.state, action.reason)
+        if isinstance(action, OpenFirstRound):
+            self.open_first_round()
+            return None, state
+        if isinstance(action, Join):
+            self.join(action.round, action.prev_rank)
+            on_state("joining")
+        if rnd is not None and looks_for_one_ahead(rnd, state):
+            behind = self._live_ahead(rnd, state)
+            if behind is not None:
+                state = dataclasses.replace(state, ahead=frozenset({behind}))
+                self._wait(Wait(safety_period(IDLE, 1, self.node_id), watch_membership=False), rnd, on_state)
+                return None, state
         view = self.view()
         while True:  # Join and ReadMembers act on this view; every other action needs a new one
             action, state = decide(view, state, self.settings, Now(time.monotonic(), time.time()))
@@ -630,22 +684,42 @@ class EtcdRendezvous:
         elif isinstance(action, EndJob):
             self.end_job(action.state, action.reason, action.round)
         elif isinstance(action, Wait):
-            self._wait(action, view, on_state)
+            self._wait(action, view.round, on_state)
         return None, state
 
-    def _round_now(self, joined: int) -> tuple[Round | None, int | None]:
+    def _live_ahead(self, rnd: Round, state: RendezvousState) -> str | None:
+        """A live joiner that closes `rnd` before us, or None where a few reads cannot find one. First
+        the one we waited behind last (one key: still alive?), then the round's first `FIRST_JOINERS`
+        join records (one read) and the heartbeats of those ahead of us, at most `AHEAD_CHECKS` of
+        them. A node is alive while its heartbeat key exists, the same test a whole view makes (not
+        judged while the store is unsettled: a key missing then sends us to the whole view, which
+        waits for it to settle). Raises one of `store_errors()`."""
+        for node in sorted(state.ahead)[:AHEAD_CHECKS]:
+            if self._timed(self.reader.alive, node):
+                return node
+        first = self._timed(self.reader.first_members, rnd.round or 0, FIRST_JOINERS)
+        ahead = [n for n in joiners_ahead(self.node_id, state.prev_rank, first, rnd.prev_ranks)
+                 if n not in state.ahead]
+        for node in ahead[:AHEAD_CHECKS]:
+            if self._timed(self.reader.alive, node):
+                return node
+        return None
+
+    def _round_now(self, joined: int | None) -> tuple[Round | None, int | None]:
         """The round record and its revision as a waiting joiner learns it: from the round watch's newest
         event when that is of the round it joined or a later one (the event that woke it carries the
         record: no request), else from one read. Why: a freeze wakes every joiner at once, and at 1000
         nodes their 1000 reads of the same key came in one burst, each answer the whole rank table.
         An older round's record (one the watch reported before this node joined round `joined`) can
-        never admit it. Raises WireFormatError for an unreadable record, as `LiveReader.round` does."""
-        seen = self.watcher.round_seen()
+        never admit it. A node that has joined no round yet (`joined` None) reads the key: the watch's
+        newest event may be from before this rendezvous. Raises WireFormatError for an unreadable
+        record, as `LiveReader.round` does."""
+        seen = self.watcher.round_seen() if joined is not None else None
         if seen is not None and seen.value is not None:
             rnd = Round.from_json(seen.value)
             if rnd.round is not None and rnd.round >= joined:
                 return rnd, seen.revision
-        return self.reader.round()
+        return self._timed(self.reader.round)
 
     def _complete(self, info: RoundInfo, known_at: int | None, state: RendezvousState) -> RoundInfo:
         """Admitted to `info`'s round; `live/` is watched from after `known_at` (the revision of the view
@@ -663,13 +737,13 @@ class EtcdRendezvous:
                          rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
         return info
 
-    def _wait(self, action: Wait, view: StoreView, on_state: Callable[[str], None]) -> None:
+    def _wait(self, action: Wait, rnd: Round | None, on_state: Callable[[str], None]) -> None:
         if action.watch_membership:
             self.watcher.resume()
         else:
             self.watcher.pause()
-        if action.waiting_for_world is not None and view.round is not None:
-            self.events.emit("rendezvous.waiting", round=view.round.round,
+        if action.waiting_for_world is not None and rnd is not None:
+            self.events.emit("rendezvous.waiting", round=rnd.round,
                              world_size=action.waiting_for_world)
             on_state("waiting")
         self.watcher.wait(action.timeout)

@@ -187,6 +187,15 @@ class Store(Protocol):
         """Every key under `directory` at any depth, sorted by key (empty when there is none)."""
         ...
 
+    def first_created(self, directory: str, limit: int) -> Listing:
+        """The first `limit` keys created under `directory` (lowest `create_revision` first), at any
+        depth, and the store's revision. Why: a joiner needs only a round's first join records to know
+        that it is not the node that closes the round (agent/rendezvous.py), not one record per node.
+        v3 sorts and truncates in etcd, so at most `limit` keys cross the wire; v2 has no such read,
+        so it lists the directory whole and keeps the first `limit`. Raises ValueError for a limit
+        below 1."""
+        ...
+
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         """Write the key unconditionally (under `lease` when given); returns the write's revision.
         Raises LeaseExpired when `lease` is already gone (as create and replace do)."""

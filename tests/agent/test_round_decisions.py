@@ -34,6 +34,9 @@ from petctl.agent.decisions import (
     closing_order,
     decide,
     first_look_after,
+    from_round_alone,
+    joiners_ahead,
+    looks_for_one_ahead,
     next_round,
     read_spread,
     safety_period,
@@ -194,6 +197,67 @@ def test_nodes_that_start_their_wait_together_read_spread_over_the_period():
     assert len({round(w, 3) for w in waits}) > 900
     assert [safety_period(IDLE, 1000, node) for node in nodes[:5]] == waits[:5]
     assert all(0.0 <= read_spread(node) < 1.0 for node in nodes)
+
+
+def _round_alone_cases():
+    ranks = {"a": 0, "me": 1}
+    rounds = [None, joining(1), joining(3, ranks), frozen_round(3, ranks), frozen_round(3, {"a": 0}),
+              Round(round=3, phase=Phase.FINAL, ts=WALL, state="killed", reason="kill_job")]
+    states = [RendezvousState(started=T0), RendezvousState(started=T0, prev_rank=1),
+              joined_state(3, [("a", 0), ("me", 1)]), joined_state(1, [("me", None)])]
+    alives = [{"me"}, {"me", "a"}, {"me", "a", "b"}, {"a"}, set()]
+    return [(r, st, alive) for r in rounds for st in states for alive in alives]
+
+
+@pytest.mark.parametrize("rnd,st,alive", _round_alone_cases())
+def test_the_round_record_alone_decides_only_what_every_view_would(rnd, st, alive):
+    """What a node does on the round record alone (`from_round_alone`) is what `decide` does on every
+    view with that round, whoever is alive (the count matters only after joining, or outside a frozen
+    round: then it returns None, and the node reads the whole view)."""
+    s = settings(min_nodes=1)
+    action, after = from_round_alone(rnd, st, s, now())
+    if action is None:
+        joined = rnd is not None and rnd.phase is Phase.JOINING and st.joined_round == rnd.round
+        outside = rnd is not None and rnd.phase is Phase.FROZEN and "me" not in rnd.ranks
+        assert (joined or outside) and after == st
+        return
+    whole, whole_after = decide(snapshot(alive, rnd), st, s, now())
+    assert action == whole
+    assert dataclasses.replace(after, below_min_since=None) == dataclasses.replace(whole_after,
+                                                                                     below_min_since=None)
+
+
+def test_joiners_ahead_are_those_the_closing_order_puts_before_us():
+    """Over every arrival order and set of previous ranks of 4 nodes, and every count of first records
+    read: the joiners ahead of a node are exactly those of the records read that `closing_order` puts
+    before it, in that order. A node whose own record was not among them came after all of them."""
+    for arrival, prev in _closer_cases():
+        joins = [(n, prev.get(n)) for n in arrival]
+        records = dict(members(2, joins).records)
+        order = closing_order(records, prev)
+        for k in range(1, len(NODES) + 1):
+            first = {n: records[n] for n in arrival[:k]}
+            for me in NODES:
+                expected = [n for n in order[: order.index(me)] if n in first]
+                assert joiners_ahead(me, prev.get(me), first, prev) == expected, (arrival, prev, k, me)
+                # a round opened with no previous ranks goes by what the records claim
+                claimed = closing_order(records)
+                assert joiners_ahead(me, prev.get(me), first, None) == [
+                    n for n in claimed[: claimed.index(me)] if n in first]
+
+
+def test_a_joiner_looks_for_one_ahead_until_the_whole_view_finds_it_the_closer():
+    rnd = joining(2)
+    assert not looks_for_one_ahead(rnd, RendezvousState(started=T0))  # not joined yet
+    assert not looks_for_one_ahead(rnd, RendezvousState(started=T0, joined_round=1))  # an older round
+    assert not looks_for_one_ahead(frozen_round(2, {"me": 0}), RendezvousState(started=T0, joined_round=2))
+    assert looks_for_one_ahead(rnd, RendezvousState(started=T0, joined_round=2))  # just joined
+    assert looks_for_one_ahead(rnd, RendezvousState(started=T0, joined_round=2, ahead=frozenset({"a"})))
+    closer = joined_state(2, [("me", None), ("a", None)])  # the whole view read: nobody ahead
+    assert not looks_for_one_ahead(rnd, closer)
+    behind = dataclasses.replace(closer, ahead=frozenset({"a"}))  # the whole view read: "a" ahead
+    assert looks_for_one_ahead(rnd, behind)
+    assert looks_for_one_ahead(joining(3), dataclasses.replace(closer, joined_round=3))  # members of round 2
 
 
 def test_the_round_record_alone_admits_a_member_of_a_frozen_round_only():

@@ -18,7 +18,7 @@ from petctl.agent.decisions import RendezvousState, Settings, StoreView
 from petctl.agent.health import OutageReporter, StoreHealth, describe
 from petctl.agent.leases import LeaseClasses
 from petctl.agent.liveness import Heartbeat
-from petctl.agent.rendezvous import EtcdRendezvous, LiveReader, LiveWatcher, RequestStats
+from petctl.agent.rendezvous import FIRST_JOINERS, EtcdRendezvous, LiveReader, LiveWatcher, RequestStats
 from petctl.agent.reporting import EtcdEventSink
 from petctl.core.keys import JobKeys
 from petctl.core.records import DoneRecord, JoinRecord, NodeRecord, Phase, Round
@@ -310,6 +310,96 @@ def test_a_paused_joiner_is_admitted_on_the_round_record_alone(etcd_server):
         assert info is not None and (info.rank, info.world_size) == (1, 2)
         assert calls == [("get", keys.round)], calls  # one key; `live/` was not listed
         assert rdzv._admitted_at == freeze
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_joiner_behind_a_live_joiner_reads_a_few_keys_not_one_per_node(etcd_server, backend):
+    """A mass join: 41 nodes joined before "b", "a" first. "b" reads the round, joins, reads the round's
+    first join records and the heartbeat of the first one ahead of it, and waits: never `live/` whole nor
+    every join record, which return one key per node (at 1000 nodes the fleet read a million keys).
+    Woken with the round unchanged, it reads that heartbeat again, and the round at most: two keys."""
+    with started_watcher(etcd_server, backend, f"few-keys-{backend}") as (keys, kv, stats, watcher):
+        calls: list[tuple[str, str]] = []
+        rdzv = rendezvous_of_b(kv, keys, watcher, stats, calls)
+        others = ["a"] + [f"n{i:02d}" for i in range(40)]
+        for node in [*others, "b"]:
+            kv.put(keys.node(node), NodeRecord(node_id=node, host_addr="127.0.0.1", pid=1).to_json())
+        kv.create(keys.round, Round(round=1, phase=Phase.JOINING, ts=time.time()).to_json())
+        for node in others:
+            kv.put(keys.round_member(1, node), JoinRecord(node_id=node, addr="127.0.0.1", port=1,
+                                                          ts=time.time(), prev_rank=None).to_json())
+        keys_before = stats.keys_read
+        info, state = rdzv._step(RendezvousState(started=time.monotonic()), lambda _: None)
+        assert info is None and state.joined_round == 1 and state.ahead == {"a"}
+        assert calls == [("get", keys.round), ("first_created", keys.round_members(1)),
+                         ("get", keys.node("a"))], calls
+        assert stats.keys_read - keys_before == 1 + FIRST_JOINERS + 1
+        assert kv.get(keys.round_member(1, "b")) is not None  # it did join
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)  # a safety-net wake: the round has not changed
+        assert info is None and state.ahead == {"a"}
+        # the round from the watch's event, or one read where that has not arrived yet; then "a"'s key
+        assert calls[-1] == ("get", keys.node("a")) and set(calls) <= {("get", keys.round), calls[-1]}, calls
+
+
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_joiner_whose_joiner_ahead_is_gone_judges_on_the_whole_view(etcd_server, backend):
+    """The proof that "b" is not the closer is a live joiner ahead of it. Once "a" is gone, none is left,
+    so "b" reads `live/` and the join records whole, and finds that it closes the round itself."""
+    with started_watcher(etcd_server, backend, f"ahead-gone-{backend}") as (keys, kv, stats, watcher):
+        calls: list[tuple[str, str]] = []
+        rdzv, state = paused_behind_a(kv, keys, watcher, calls)
+        kv.delete(keys.node("a"))
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)
+        assert info is None and state.ahead == frozenset()  # nobody ahead: it is the closer now
+        assert ("list", keys.live) in calls and ("list", keys.round_members(1)) in calls, calls
+        assert state.members is not None and set(state.members.records) == {"a", "b"}
+        calls.clear()
+        info, state = rdzv._step(state, lambda _: None)  # the closer stays on the whole view
+        assert info is None and state.ahead == frozenset()
+        assert ("list", keys.live) in calls and not any(name == "first_created" for name, _ in calls), calls
+
+
+class SlowRound(Counting):
+    """The store, with every read of `live/round` answered `delay` seconds late, as in an etcd stall."""
+
+    def __init__(self, kv: Store, calls: list[tuple[str, str]], round_key: str, delay: float) -> None:
+        super().__init__(kv, calls)
+        self.round_key, self.delay = round_key, delay
+
+    def get(self, key: str):
+        if key == self.round_key:
+            time.sleep(self.delay)
+        return self.kv.get(key)
+
+
+def test_a_stall_met_on_the_round_record_leaves_no_absence_trusted(etcd_server):
+    """A node outside a frozen round whose first read, the round record, waited out an etcd stall must
+    not trust the heartbeats it reads next: the stall expired them, and their holders re-assert them a
+    moment later. The soak caught a node that opened a new round then, "all members of the previous
+    round lost", and a step was redone. Every read of a step is timed for the store's health, so a slow
+    one unsettles the view, as a slow whole read always did."""
+    keys = JobKeys("stall-on-round")
+    kv = store_for(etcd_server.endpoint)
+    try:
+        kv.put(keys.node("b"), NodeRecord(node_id="b", host_addr="127.0.0.1", pid=1).to_json())
+        frozen = Round(round=4, phase=Phase.FROZEN, ts=time.time(), ranks={"a": 0, "c": 1}, world_size=2,
+                       master_addr="127.0.0.1", master_port=1)  # its members' heartbeats: expired
+        kv.create(keys.round, frozen.to_json())
+        health = StoreHealth(Recorder(), grace=5.0, slow=0.1)
+        watcher = SimpleNamespace(round_seen=lambda: None, pause=lambda: None, resume=lambda after=None: None,
+                                  wait=lambda timeout: False, take=lambda: ([], False))
+        settings = Settings(node_id="b", min_nodes=1, max_nodes=3, initial_size=1, last_call=1.0,
+                            initial_wait=1.0, join_timeout=60.0, stop_grace=2.0)
+        rdzv = EtcdRendezvous(SlowRound(kv, [], keys.round, 0.3), LeaseClasses(kv), keys.job, "b",
+                              "127.0.0.1", settings, SimpleNamespace(emit=Recorder()), watcher,
+                              RequestStats(), health)
+        info, _ = rdzv._step(RendezvousState(started=time.monotonic()), lambda _: None)
+        assert info is None and not health.settled()
+        assert Round.from_json(kv.get(keys.round).value).round == 4  # no new round: it waits to settle
     finally:
         kv.close()
 

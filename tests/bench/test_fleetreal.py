@@ -17,8 +17,8 @@ def test_eight_real_nodes_rank_and_the_clock_starts_at_the_first_registration(et
     assert run["ranks_ok"] and not run["errors"], run
     assert run["ranked_s"] == pytest.approx(run["mass_join_s"] + run["ranking_s"], abs=1e-3), run
     assert run["requests_per_node"]["mean"] > 0, run
-    # Each node read `live/` whole at least once, and that listing held its own heartbeat key.
-    assert run["keys_read_per_node"]["mean"] >= 1, run
+    # Every node read at least the round record; the closer read `live/` whole, one key per node.
+    assert run["keys_read_per_node"]["mean"] >= 1 and run["keys_read_per_node"]["max"] >= 8, run
 
 
 @pytest.mark.slow

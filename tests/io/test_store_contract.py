@@ -113,6 +113,24 @@ def test_list_is_sorted_deep_and_bounded_by_the_directory(store: Store, d: str) 
     assert store.list(f"{d}/a/nothing").entries == ()
 
 
+def test_first_created_is_the_oldest_keys_first_and_bounded(store: Store, d: str) -> None:
+    assert store.first_created(d, 3).entries == ()  # nothing there yet: an answer, not an error
+    store.put(f"{d}x/0", "sibling with a common prefix, created first")  # not under d/
+    for key in ("c", "a", "b/deep", "d"):  # created in an order unlike the keys'
+        store.put(f"{d}/{key}", key)
+    store.put(f"{d}/c", "rewritten")  # a rewrite keeps its place: ordered by creation, not by change
+    store.delete(f"{d}/a")
+    last = store.put(f"{d}/a", "created again")  # a new key: now the newest
+    first = store.first_created(d + "/", 3)
+    assert [e.key for e in first.entries] == [f"{d}/c", f"{d}/b/deep", f"{d}/d"]
+    assert first.entries[0].value == "rewritten" and first.revision >= last
+    everything = [e.key for e in store.first_created(d, 10).entries]
+    assert everything == [f"{d}/c", f"{d}/b/deep", f"{d}/d", f"{d}/a"]
+    assert [e.key for e in store.first_created(d, 1).entries] == [f"{d}/c"]
+    with pytest.raises(ValueError, match="limit"):
+        store.first_created(d, 0)
+
+
 def test_a_watch_from_a_listing_misses_nothing_after_it(store: Store, d: str) -> None:
     store.put(f"{d}/before", "0")
     listing = store.list(d)

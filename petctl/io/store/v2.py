@@ -128,6 +128,14 @@ class V2Store:
                         key=lambda n: n.key)
         return Listing(tuple(entry(n, self._lease_of(n.key)) for n in leaves), int(result.etcd_index))
 
+    def first_created(self, directory: str, limit: int) -> Listing:
+        """A whole listing, cut to its first `limit` keys by createdIndex (v2 cannot sort or limit)."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        whole = self.list(directory)
+        first = sorted(whole.entries, key=lambda e: e.create_revision)[:limit]
+        return Listing(tuple(first), whole.revision)
+
     def put(self, key: str, value: str, lease: Lease | None = None) -> int:
         """An update where the key exists, else a create: a plain v2 `set` would replace the node and
         reset its createdIndex, where v3 keeps a key's create_revision across writes."""

@@ -171,6 +171,15 @@ class V3Store:
         response = self._read(f"list {directory}", wire.RANGE, request)
         return Listing(tuple(_entry(kv) for kv in response.kvs), response.header.revision)
 
+    def first_created(self, directory: str, limit: int) -> Listing:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        key, end = _range(_prefix(directory))
+        request = wire.RangeRequest(key=key, range_end=end, limit=limit, sort_order=wire.SortOrder.ASCEND,
+                                    sort_target=wire.SortTarget.CREATE)
+        response = self._read(f"first created under {directory}", wire.RANGE, request)
+        return Listing(tuple(_entry(kv) for kv in response.kvs), response.header.revision)
+
     def revision(self, directory: str = "/") -> int:
         key, end = _range(_prefix(directory))
         request = wire.RangeRequest(key=key, range_end=end, count_only=True)
