@@ -180,7 +180,16 @@ class Soak:
 
     def _clear(self, c: Clear) -> None:
         if c.what == "unfreeze":
-            self.cli.run("chaos", JOB, "--node", c.arg, "--unfreeze", check=False)
+            thaw = self.cli.run("chaos", JOB, "--node", c.arg, "--unfreeze", check=False)
+            lines = thaw.stderr.strip().splitlines() if thaw.returncode != 0 else []
+            error = lines[-1] if lines else ""
+            if thaw.returncode != 0 and "cannot unfreeze" not in error and "no instance" not in error:
+                # Still frozen: a thaw that failed clears nothing. Try again in a second, and say so once.
+                if not any(n.startswith(f"fault {c.index}: thaw") for n in self.notes):
+                    self.notes.append(f"fault {c.index}: thaw of {c.arg} failed, retried: {error}")
+                    log(f"fault {c.index}: thaw of {c.arg} failed, retrying: {error}")
+                self.clears.append(Clear(time.time() + 1.0, c.index, c.what, c.arg))
+                return
         elif c.what == "etcd_thaw":
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(c.arg), signal.SIGCONT)
@@ -593,7 +602,7 @@ def write_report(args: argparse.Namespace, name: str, meta: dict[str, Any], plan
            "store": args.store, "overlap": args.overlap, "not_injected_locally": soakplan.NOT_LOCAL,
            "summary": line, "invariants": held, "first_violation": seen,
            "violations": [v.to_dict() for v in violations], "kept_logs": kept_logs,
-           "accounting": soak.accounting,
+           "accounting": soak.accounting, "notes": soak.notes,
            "recovery": soakoracle.recovery_table(o for o in outcomes if o.state != "skipped"),
            "history": [{**asdict(f), **{k: v for k, v in o.to_dict().items() if k not in ("index", "kind")}}
                        for f, o in zip(soak.faults, outcomes, strict=True)],

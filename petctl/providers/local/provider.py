@@ -270,19 +270,25 @@ class LocalProvider(Provider):
         job.write_capacity_hold(until)
 
     def terminate_host(self, name: str, host_id: str | None, mode: str = "kill", grace: float = 0.0) -> str:
-        """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py)."""
+        """Take an instance away as a lost, hung, drained or reclaimed machine would go (see chaos.py).
+
+        The round is read from etcd only to pick a target by rank (no `host_id`). A named instance needs
+        no etcd: a node frozen while etcd was down must thaw while it is still down (the soak found one
+        left frozen for 290 s when its thaw failed on the round read)."""
         from petctl.jobview.live import ranks_of, read_round
 
         check_chaos_mode(self, mode)
         info = self.job(name)
         if info.state != "running":
             raise PetctlError(f"job {name!r} is {info.state}: no instance to take away")
-        try:
-            with closing(self._store(name)) as store:
-                current = read_round(store, name)
-        except StoreError as e:
-            raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
-        return chaos.take_away(JobDir.of(self.config.home, name), ranks_of(current), host_id, mode, grace)
+        ranks: dict[str, int] = {}
+        if host_id is None:
+            try:
+                with closing(self._store(name)) as store:
+                    ranks = ranks_of(read_round(store, name))
+            except StoreError as e:
+                raise PetctlError(f"cannot read job {name!r}'s round from etcd: {e}") from e
+        return chaos.take_away(JobDir.of(self.config.home, name), ranks, host_id, mode, grace)
 
 
 def billed(job: JobDir) -> list[BilledSpan]:

@@ -4,6 +4,8 @@ only sleeps and leaves on SIGTERM), so capacity behaviour is checked fast and ap
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +78,30 @@ def test_replaces_lost_instances_and_follows_desired(stub: Petctl):
     assert len(stub.processes()) == 1  # etcd only
     assert all(r["state"] == "terminated" for r in instance_rows(stub, "asg").values())
     assert_one_line_error(stub.run("scale", "asg", "--size", "1", check=False), "is killed")
+
+
+def test_a_named_instance_freezes_and_thaws_while_etcd_is_stopped(stub: Petctl):
+    """The soak left a node frozen for 290 s: its thaw came while etcd was down, and `chaos` read the
+    job's round first, which a named instance does not need, so the thaw failed. By name, chaos needs
+    no etcd."""
+    start(stub, "away", "--size", "1")
+    (node,) = running(wait_hosts(stub, "away", lambda rows: len(running(rows)) == 1))
+    etcd = int(json.loads((stub.home / "config.json").read_text())["settings"]["local"]["etcd_pid"])
+    os.kill(etcd, signal.SIGSTOP)
+    try:
+        def state_becomes(state: str) -> bool:  # as the reconciler records it, read from the job's directory
+            deadline = time.time() + 10
+            while instance_rows(stub, "away")[node]["state"] != state and time.time() < deadline:
+                time.sleep(0.1)
+            return instance_rows(stub, "away")[node]["state"] == state
+
+        stub.run("chaos", "away", "--freeze", "--node", node, timeout=30)
+        assert state_becomes("frozen")
+        stub.run("chaos", "away", "--unfreeze", "--node", node, timeout=30)
+        assert state_becomes("running")
+    finally:
+        os.kill(etcd, signal.SIGCONT)
+    stub.run("kill_job", "away")
 
 
 def test_notice_is_enforced_at_its_time(stub: Petctl):
