@@ -37,9 +37,9 @@ first node's registration. Reported, per N:
 
 With `--rest-s W` every valid run then holds its nodes up, ranked, for `--settle-s` and W more seconds
 (heartbeats and watches running, nothing else) and reads etcd's /metrics at both ends of the W: raft
-proposals (`etcd_server_proposals_committed_total`) and requests (gRPC messages received, by service)
-per node per 10 s at rest (`rest`). A node whose heartbeat ran late by the end of the window makes the
-window invalid (`rest.valid`), like a run.
+proposals (`etcd_server_proposals_committed_total`), requests (gRPC messages received, by service) and
+etcd's own CPU, per node per 10 s at rest (`rest`). A node whose heartbeat ran late by the end of the
+window makes the window invalid (`rest.valid`), like a run.
 """
 
 from __future__ import annotations
@@ -356,8 +356,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in valid if r.get(key) is not None]
         return round(statistics.median(vals), 4) if vals else None
     rests = [r["rest"] for r in valid if r.get("rest", {}).get("valid")]
-    def rest_med(key: str) -> float | None:
-        return round(statistics.median(x[key] for x in rests), 3) if rests else None
+    def rest_med(key: str, digits: int = 3) -> float | None:
+        return round(statistics.median(x[key] for x in rests), digits) if rests else None
     return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
@@ -366,14 +366,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                                    if valid else None),
             "rest_windows": len(rests),
             "rest_proposals_per_node_per_10s": rest_med("proposals_per_node_per_10s"),
-            "rest_requests_per_node_per_10s": rest_med("requests_total_per_node_per_10s")}
+            "rest_requests_per_node_per_10s": rest_med("requests_total_per_node_per_10s"),
+            "rest_etcd_cpu_per_node_per_10s": rest_med("etcd_cpu_per_node_per_10s", 5)}
 
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
             "ranking | CPU / node | keys read / node | at rest: proposals / node / 10 s | "
-            "requests / node / 10 s | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "requests / node / 10 s | etcd CPU s / node / 10 s | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None, unit: str = " s") -> str:
         return "invalid" if v is None else f"{v:g}{unit}"
 
@@ -390,7 +391,8 @@ def table(results: dict[str, Any]) -> str:
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
                     f"{fmt(s['cpu_per_node_s'])} | {fmt(s.get('keys_read_per_node'), '')} | "
                     f"{rest(res, 'rest_proposals_per_node_per_10s')} | "
-                    f"{rest(res, 'rest_requests_per_node_per_10s')} | {note} |")
+                    f"{rest(res, 'rest_requests_per_node_per_10s')} | "
+                    f"{rest(res, 'rest_etcd_cpu_per_node_per_10s')} | {note} |")
     return "\n".join(rows)
 
 

@@ -14,6 +14,8 @@ etcd's /metrics before and after `--window` seconds:
 - requests: the v3 API's gRPC messages received by service (`grpc_server_msg_received_total`: a unary
   call is one, each keep-alive or watch request on a stream is one) and the v2 store's reads, writes and
   watches (bench/scenarios/rendezvous.py's `etcd_counts`);
+- etcd's own CPU (`process_cpu_seconds_total`), per node per 10 s: at rest, what grows with the fleet
+  on the one etcd host is requests, not proposals;
 - the agents' CPU at rest (`/proc/<pid>/stat`, the agent process alone, not its workers), per node per
   10 s;
 - then (`--reform`, on by default) one re-form: the highest rank is SIGKILLed and the others re-form
@@ -49,30 +51,40 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from bench import runmeta  # noqa: E402
 from bench.petctl_runner import BENCH, PetctlJob  # noqa: E402
 from bench.procs import Node, wait_for  # noqa: E402
-from bench.scenarios.rendezvous import etcd_counts  # noqa: E402
+from bench.scenarios.rendezvous import parse_counts  # noqa: E402
 from petctl.core.store import JOB_DEFAULT_BACKEND  # noqa: E402
 
 STEADY = BENCH / "steady_worker.py"
 
 
-def proposals(endpoint: str) -> int:
-    """etcd's committed raft proposals so far, from its /metrics. Raises OSError when etcd does not
-    answer, ValueError when the counter is missing."""
+def metrics(endpoint: str) -> tuple[int, dict[str, int], float]:
+    """etcd's own counters so far, from one read of its /metrics: committed raft proposals, requests by
+    kind (bench/scenarios/rendezvous.py's `parse_counts`), and its process's CPU seconds (user + system,
+    the Go runtime's `process_cpu_seconds_total`, in ticks of 0.01 s). Raises OSError when etcd does
+    not answer, ValueError when a counter is missing."""
     text = urllib.request.urlopen(f"{endpoint}/metrics", timeout=5).read().decode()  # noqa: S310
-    m = re.search(r"^etcd_server_proposals_committed_total (\S+)$", text, re.M)
+    return int(_value(text, "etcd_server_proposals_committed_total")), parse_counts(text), \
+        _value(text, "process_cpu_seconds_total")
+
+
+def _value(text: str, name: str) -> float:
+    """The value of the unlabelled sample `name` in a Prometheus text answer. Raises ValueError when it
+    is missing."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     if m is None:
-        raise ValueError("etcd_server_proposals_committed_total is not in etcd's /metrics")
-    return int(float(m.group(1)))
+        raise ValueError(f"{name} is not in etcd's /metrics")
+    return float(m.group(1))
 
 
 def etcd_window(endpoint: str, nodes: int, window: float) -> dict[str, Any]:
-    """What etcd saw over the next `window` seconds, from its /metrics at both ends: raft proposals and
-    requests (by kind), in all and per node per 10 s (proposals per minute too). Used by this bench and
-    the fleet bench's window at rest. Raises OSError when etcd does not answer, ValueError when a
-    counter is missing."""
-    p0, c0, w0 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    """What etcd saw over the next `window` seconds, from its /metrics at both ends: raft proposals,
+    requests (by kind) and etcd's own CPU, in all and per node per 10 s (proposals per minute too). Used
+    by this bench and the fleet bench's window at rest. Why etcd's CPU: a keep-alive or a read is no
+    proposal, yet each costs the one etcd host CPU; at rest that is what grows with the fleet. Raises
+    OSError when etcd does not answer, ValueError when a counter is missing."""
+    (p0, c0, cpu0), w0 = metrics(endpoint), time.monotonic()
     time.sleep(window)
-    p1, c1, w1 = proposals(endpoint), etcd_counts(endpoint), time.monotonic()
+    (p1, c1, cpu1), w1 = metrics(endpoint), time.monotonic()
     span = w1 - w0
     per10 = 10.0 / span / nodes
     requests = {k: c1[k] - c0[k] for k in c0}
@@ -81,7 +93,9 @@ def etcd_window(endpoint: str, nodes: int, window: float) -> dict[str, Any]:
             "proposals_per_node_per_min": round((p1 - p0) * per10 * 6, 3),
             "requests": requests,
             "requests_per_node_per_10s": {k: round(v * per10, 2) for k, v in requests.items() if v},
-            "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2)}
+            "requests_total_per_node_per_10s": round(sum(requests.values()) * per10, 2),
+            "etcd_cpu_s": round(cpu1 - cpu0, 2),
+            "etcd_cpu_per_node_per_10s": round((cpu1 - cpu0) * per10, 5)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -155,14 +169,16 @@ def _reform(job: PetctlJob, started: list[Node], ranks: dict[str, int], nodes: i
 
 def table(runs: list[dict[str, Any]]) -> str:
     rows = ["| nodes | store | window | proposals / node / 10 s | per node / min | requests / node / 10 s "
-            "(by kind) | agent CPU s / node / 10 s | re-form: wall, agent CPU s (mean, max), in rendezvous |",
-            "|---|---|---|---|---|---|---|---|"]
+            "(by kind) | etcd CPU s / node / 10 s | agent CPU s / node / 10 s | re-form: wall, agent CPU s "
+            "(mean, max), in rendezvous |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         kinds = ", ".join(f"{k} {v:g}" for k, v in sorted(r["requests_per_node_per_10s"].items()))
         rows.append(f"| {r['nodes']} | {r['store']} | {r['window_s']:g} s "
                     f"| {r['proposals_per_node_per_10s']:g} | {r['proposals_per_node_per_min']:g} "
-                    f"| {r['requests_total_per_node_per_10s']:g} "
-                    f"({kinds}) | {r['agent_cpu_per_node_per_10s']:g} | {_reform_text(r.get('reform'))} |")
+                    f"| {r['requests_total_per_node_per_10s']:g} ({kinds}) "
+                    f"| {r.get('etcd_cpu_per_node_per_10s', '-')} | {r['agent_cpu_per_node_per_10s']:g} "
+                    f"| {_reform_text(r.get('reform'))} |")
     return "\n".join(rows)
 
 

@@ -64,16 +64,29 @@ def test_the_rest_window_is_summarized_over_valid_windows_only_and_shown_in_the_
     for proposals, valid in ((0.0, True), (0.5, True), (9.0, False)):
         run = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)
         run["rest"] = {"valid": valid, "proposals_per_node_per_10s": proposals,
-                       "requests_total_per_node_per_10s": 50.0 + proposals}
+                       "requests_total_per_node_per_10s": 50.0 + proposals,
+                       "etcd_cpu_per_node_per_10s": 0.002 + proposals / 100}
         runs.append(run)
     summary = fleetreal.summarize(runs)
     assert summary["rest_windows"] == 2, summary
     assert summary["rest_proposals_per_node_per_10s"] == 0.25, summary
     assert summary["rest_requests_per_node_per_10s"] == 50.25, summary
+    assert summary["rest_etcd_cpu_per_node_per_10s"] == 0.0045, summary  # not cut to 3 digits
     row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": runs, "summary": summary}})
-    assert "| 0.25 | 50.25 |" in row, row
+    assert "| 0.25 | 50.25 | 0.0045 |" in row, row
     assert summary["keys_read_per_node"] == 0.0, summary  # the hand-made nodes read nothing
     bare = fleetreal._figures(nodes([0.2, 0.3]), 2, "v3", spec, cpu=0.1)  # no window asked for
     row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [bare],
                                       "summary": fleetreal.summarize([bare])}})
-    assert "| - | - |" in row, row
+    assert "| - | - | - |" in row, row
+
+
+def test_etcds_counters_are_read_from_one_metrics_answer_and_a_missing_one_is_an_error():
+    from bench import rest
+
+    text = ("# HELP process_cpu_seconds_total x\nprocess_cpu_seconds_total 12.34\n"
+            "etcd_server_proposals_committed_total 7\nprocess_cpu_seconds_total_other 99\n")
+    assert rest._value(text, "process_cpu_seconds_total") == 12.34
+    assert rest._value(text, "etcd_server_proposals_committed_total") == 7
+    with pytest.raises(ValueError, match="etcd_server_leader_changes_seen_total"):
+        rest._value(text, "etcd_server_leader_changes_seen_total")
