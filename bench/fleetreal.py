@@ -28,6 +28,9 @@ first node's registration. Reported, per N:
 - `ranking_s`: the last registration → every node knows its rank (`rendezvous.complete`);
 - `ranked_s`: the first registration → every node ranked (the sum);
 - requests per node to ranked (the agents' own count) and the CPU per node of the processes that ran them;
+- etcd's own CPU per node from before the nodes were built (their sessions, leases and watches) to every
+  node ranked (`process_cpu_seconds_total`, in ticks of 0.01 s): what a fleet's start costs the one
+  etcd host;
 - keys read per node to ranked (`RequestStats.keys_read`: what its reads returned; one per node in the
   job for a whole read of `live/` or of the round's join records, which only the closer makes since
   the joiners look for a live joiner ahead of them instead). Its mean and max (the closer's);
@@ -284,8 +287,11 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
     spec = job_spec(endpoint, name, n, store)
     ids = [f"n{i:04d}" for i in range(n)]
     rested: dict[str, Any] = {}
+    formed: dict[str, float] = {}
+    etcd_cpu0 = etcd_cpu(endpoint)
 
     def hold(results: list[NodeResult], cpu: float) -> None:
+        formed["etcd_cpu_s"] = etcd_cpu(endpoint) - etcd_cpu0
         if rest_s > 0 and all(r.rank is not None for r in results):
             rested.update(rest_window(endpoint, n, settle_s, rest_s))
 
@@ -295,6 +301,7 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
         results, cpu, gap = _run_shards(endpoint, name, n, ids, store, timeout, procs, hold)
     out = _figures(results, n, store, spec, cpu)
     out["procs"] = max(1, procs)
+    out["etcd_cpu_per_node_s"] = round(formed["etcd_cpu_s"] / n, 5)
     if rested:
         late = GAP_BEATS * spec.timeouts.heartbeat_interval
         rested.update(valid=out["valid"] and gap < late, longest_heartbeat_gap_s=round(gap, 3))
@@ -309,6 +316,13 @@ def rest_window(endpoint: str, n: int, settle_s: float, window_s: float) -> dict
 
     time.sleep(settle_s)
     return etcd_window(endpoint, n, window_s)
+
+
+def etcd_cpu(endpoint: str) -> float:
+    """etcd's own CPU seconds so far (bench/rest.py's `metrics`). Raises as that does."""
+    from bench.rest import metrics
+
+    return metrics(endpoint)[2]
 
 
 def _close(node: Node) -> None:
@@ -360,6 +374,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(x[key] for x in rests), digits) if rests else None
     return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
+            "etcd_cpu_per_node_s": (round(statistics.median(r["etcd_cpu_per_node_s"] for r in valid), 5)
+                                    if valid and all("etcd_cpu_per_node_s" in r for r in valid) else None),
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
                                if valid else None),
             "keys_read_per_node": (round(statistics.median(r["keys_read_per_node"]["mean"] for r in valid), 1)
@@ -372,9 +388,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
-            "ranking | CPU / node | keys read / node | at rest: proposals / node / 10 s | "
+            "ranking | CPU / node | etcd CPU / node | keys read / node | at rest: proposals / node / 10 s | "
             "requests / node / 10 s | etcd CPU s / node / 10 s | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None, unit: str = " s") -> str:
         return "invalid" if v is None else f"{v:g}{unit}"
 
@@ -386,10 +402,13 @@ def table(results: dict[str, Any]) -> str:
     for res in results.values():
         s = res["summary"]
         note = "; ".join(sorted({r["saturated"] for r in res["runs"] if r["saturated"]}))
+        etcd_s = s.get("etcd_cpu_per_node_s")
+        etcd = "-" if etcd_s is None and s["valid_runs"] else fmt(etcd_s)  # "-": not read then
         rows.append(f"| {res['nodes']} | {res['store']} | {res.get('procs', 1)} | "
                     f"{s['valid_runs']} of {len(res['runs'])} | "
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
-                    f"{fmt(s['cpu_per_node_s'])} | {fmt(s.get('keys_read_per_node'), '')} | "
+                    f"{fmt(s['cpu_per_node_s'])} | {etcd} | "
+                    f"{fmt(s.get('keys_read_per_node'), '')} | "
                     f"{rest(res, 'rest_proposals_per_node_per_10s')} | "
                     f"{rest(res, 'rest_requests_per_node_per_10s')} | "
                     f"{rest(res, 'rest_etcd_cpu_per_node_per_10s')} | {note} |")

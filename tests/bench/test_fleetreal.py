@@ -54,6 +54,13 @@ def test_late_heartbeats_or_unranked_nodes_make_a_run_invalid_and_the_summary_sk
     assert not lost["valid"] and "not ranked" in lost["saturated"] and "ranked_s" not in lost
     summary = fleetreal.summarize([fine, late, lost])
     assert (summary["valid_runs"], summary["invalid_runs"], summary["ranked_s"]) == (1, 2, 11.0)
+    assert summary["etcd_cpu_per_node_s"] is None  # these runs never read etcd's CPU
+    for run, etcd_s in ((fine, 0.0125), (late, 9.0), (lost, 9.0)):
+        run["etcd_cpu_per_node_s"] = etcd_s
+    summary = fleetreal.summarize([fine, late, lost])
+    assert summary["etcd_cpu_per_node_s"] == 0.0125, summary  # the valid run's alone
+    row = fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [fine], "summary": summary}})
+    assert "| 0.0125 s |" in row, row
     assert "invalid" in fleetreal.table({"v3/N=2": {"nodes": 2, "store": "v3", "runs": [late],
                                                     "summary": fleetreal.summarize([late])}})
 
