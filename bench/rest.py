@@ -15,7 +15,8 @@ etcd's /metrics before and after `--window` seconds:
   call is one, each keep-alive or watch request on a stream is one) and the v2 store's reads, writes and
   watches (bench/scenarios/rendezvous.py's `etcd_counts`);
 - etcd's own CPU (`process_cpu_seconds_total`), per node per 10 s: at rest, what grows with the fleet
-  on the one etcd host is requests, not proposals;
+  on the one etcd host is requests, not proposals. Also above etcd's CPU with no client, read for
+  `--idle` seconds before the agents start: at a few nodes, etcd's own ticks are most of its CPU;
 - the agents' CPU at rest (`/proc/<pid>/stat`, the agent process alone, not its workers), per node per
   10 s;
 - then (`--reform`, on by default) one re-form: the highest rank is SIGKILLed and the others re-form
@@ -106,13 +107,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def idle_cpu(endpoint: str, window: float) -> float:
+    """etcd's own CPU seconds per 10 s over `window` s with no client: its raft ticks, Go runtime and
+    metrics, which every node's share would otherwise carry (at 3 nodes they are most of etcd's CPU).
+    Raises as `etcd_window` does."""
+    counted = etcd_window(endpoint, 1, window)
+    return round(counted["etcd_cpu_s"] * 10.0 / counted["window_s"], 4)
+
+
 def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACKEND, settle: float = 90.0,
-            window: float = 60.0, form_timeout: float = 180.0, reform: bool = False) -> dict[str, Any]:
+            window: float = 60.0, form_timeout: float = 180.0, reform: bool = False,
+            etcd_idle_per_10s: float | None = None) -> dict[str, Any]:
     """Start `nodes` agents of one job against the etcd at `endpoint`, wait until all are ranked, wait
     `settle` s, and count what etcd saw over `window` s; with `reform`, then kill the highest rank and
-    time the survivors' re-form (module docstring). Returns the figures (per node per 10 s, and the raw
-    counts); the agents are stopped before it returns. Raises AssertionError when a round does not form
-    within `form_timeout` s or an agent exits meanwhile."""
+    time the survivors' re-form (module docstring). `etcd_idle_per_10s`: etcd's CPU with no client (from
+    `idle_cpu`), taken off its CPU in the window before that is shared per node. Returns the figures
+    (per node per 10 s, and the raw counts); the agents are stopped before it returns. Raises
+    AssertionError when a round does not form within `form_timeout` s or an agent exits meanwhile."""
     name = f"rest{nodes}{store}{int(time.time()) % 100000}"
     job = PetctlJob.create(root / name, endpoint, name, min_size=max(1, nodes - 1) if reform else nodes,
                            max_size=nodes, size=nodes, script=STEADY, initial_wait=120.0)
@@ -140,6 +151,9 @@ def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACK
         out = {"nodes": nodes, "store": store, "settle_s": settle, "ranked_after_s": round(ranked_s, 2),
                **counted,
                "agent_cpu_per_node_per_10s": round((cpu1 - cpu0) * 10.0 / counted["window_s"] / nodes, 4)}
+        if etcd_idle_per_10s is not None:
+            busy = counted["etcd_cpu_s"] * 10.0 / counted["window_s"] - etcd_idle_per_10s
+            out["etcd_cpu_above_idle_per_node_per_10s"] = round(busy / nodes, 5)
         if reform and nodes > 1:
             out["reform"] = _reform(job, started, ranks, nodes, form_timeout)
         return out
@@ -167,18 +181,21 @@ def _reform(job: PetctlJob, started: list[Node], ranks: dict[str, int], nodes: i
             "rdzv_cpu_s": {"mean": round(sum(rdzv) / len(rdzv), 3), "max": round(max(rdzv), 3)}}
 
 
-def table(runs: list[dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]], etcd_idle_per_10s: float | None = None) -> str:
     rows = ["| nodes | store | window | proposals / node / 10 s | per node / min | requests / node / 10 s "
-            "(by kind) | etcd CPU s / node / 10 s | agent CPU s / node / 10 s | re-form: wall, agent CPU s "
-            "(mean, max), in rendezvous |",
+            "(by kind) | etcd CPU s / node / 10 s (above idle) | agent CPU s / node / 10 s | re-form: wall, "
+            "agent CPU s (mean, max), in rendezvous |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         kinds = ", ".join(f"{k} {v:g}" for k, v in sorted(r["requests_per_node_per_10s"].items()))
         rows.append(f"| {r['nodes']} | {r['store']} | {r['window_s']:g} s "
                     f"| {r['proposals_per_node_per_10s']:g} | {r['proposals_per_node_per_min']:g} "
                     f"| {r['requests_total_per_node_per_10s']:g} ({kinds}) "
-                    f"| {r.get('etcd_cpu_per_node_per_10s', '-')} | {r['agent_cpu_per_node_per_10s']:g} "
-                    f"| {_reform_text(r.get('reform'))} |")
+                    f"| {r.get('etcd_cpu_per_node_per_10s', '-')} "
+                    f"({r.get('etcd_cpu_above_idle_per_node_per_10s', '-')}) "
+                    f"| {r['agent_cpu_per_node_per_10s']:g} | {_reform_text(r.get('reform'))} |")
+    if etcd_idle_per_10s is not None:
+        rows.append(f"\netcd with no client: {etcd_idle_per_10s:g} CPU s per 10 s.")
     return "\n".join(rows)
 
 
@@ -198,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--no-reform", dest="reform", action="store_false",
                         help="skip the re-form after the window")
+    parser.add_argument("--idle", type=float, default=30.0,
+                        help="seconds of etcd's own CPU with no client, read before the agents start")
     parser.add_argument("--out", default=str(BENCH / "results" / "rest-latest.json"))
     args = parser.parse_args(argv)
     # SIGTERM (a timeout, a background job's kill) ends the run through the `finally` below: the agents
@@ -210,14 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
     runs: list[dict[str, Any]] = []
     try:
+        idle = idle_cpu(etcd.endpoint, args.idle) if args.idle > 0 else None
         for _ in range(args.reps):
             runs.append(measure(scratch, etcd.endpoint, args.nodes, args.store, args.settle, args.window,
-                                reform=args.reform))
+                                reform=args.reform, etcd_idle_per_10s=idle))
             print(json.dumps(runs[-1]), flush=True)
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    runmeta.write(meta, Path(args.out), table(runs), title="etcd's cost of a job at rest", runs=runs)
+    runmeta.write(meta, Path(args.out), table(runs, idle), title="etcd's cost of a job at rest", runs=runs,
+                  etcd_idle_cpu_per_10s=idle)
     return 0
 
 

@@ -97,3 +97,15 @@ def test_etcds_counters_are_read_from_one_metrics_answer_and_a_missing_one_is_an
     assert rest._value(text, "etcd_server_proposals_committed_total") == 7
     with pytest.raises(ValueError, match="etcd_server_leader_changes_seen_total"):
         rest._value(text, "etcd_server_leader_changes_seen_total")
+
+
+def test_the_rest_table_shows_etcds_cpu_above_its_own_idle_and_the_idle_itself():
+    from bench import rest
+
+    run = {"nodes": 4, "store": "v3", "window_s": 60.0, "proposals_per_node_per_10s": 0.0,
+           "proposals_per_node_per_min": 0.0, "requests_total_per_node_per_10s": 150.0,
+           "requests_per_node_per_10s": {"v3_lease": 142.0, "v3_kv": 8.0}, "etcd_cpu_per_node_per_10s": 0.05,
+           "etcd_cpu_above_idle_per_node_per_10s": 0.02, "agent_cpu_per_node_per_10s": 0.2}
+    text = rest.table([run], etcd_idle_per_10s=0.12)
+    assert "| 0.05 (0.02) |" in text and "etcd with no client: 0.12 CPU s per 10 s." in text, text
+    assert "no client" not in rest.table([run]), "no idle read: no idle line"
