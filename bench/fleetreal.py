@@ -34,9 +34,15 @@ first node's registration. Reported, per N:
 - keys read per node to ranked (`RequestStats.keys_read`: what its reads returned; one per node in the
   job for a whole read of `live/` or of the round's join records, which only the closer makes since
   the joiners look for a live joiner ahead of them instead). Its mean and max (the closer's);
-- `saturated`: a node's heartbeat ran late (a gap of `GAP_BEATS` intervals or more between two applied
-  keep-alives, `Heartbeat.longest_gap`) or a node missed `--timeout`: this process, not petctl, was the
+- `saturated`: a node's heartbeat ran late (two applied keep-alives `LATE_S` or more further apart than
+  the interval, `Heartbeat.longest_gap`), the process's shared event loop ran a 50 ms timer `LATE_S` or
+  more late (`LoopLag`, v3), or a node missed `--timeout`: this process, not petctl, was the
   bottleneck. Such a run is marked invalid in the table and the JSON and is never quoted.
+
+`--timeouts` picks the agent timeouts the nodes run with: `local` (the defaults, what the local provider
+runs: a keep-alive every 0.2 s) or `aws` (what an AWS job runs, `aws_timeouts`: one every 2 s). A fleet
+of hundreds of nodes is an AWS job, and its keep-alives are a tenth of the local ones: on one machine
+they are most of what the fleet's processes do at rest. The rule for a late beat is the same for both.
 
 With `--rest-s W` every valid run then holds its nodes up, ranked, for `--settle-s` and W more seconds
 (heartbeats and watches running, nothing else) and reads etcd's /metrics at both ends of the W: raft
@@ -48,6 +54,7 @@ window makes the window invalid (`rest.valid`), like a run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import os
@@ -67,7 +74,7 @@ from bench import runmeta  # noqa: E402
 from petctl.agent.decisions import Settings  # noqa: E402
 from petctl.agent.health import OutageReporter, StoreHealth  # noqa: E402
 from petctl.agent.leases import LeaseClasses  # noqa: E402
-from petctl.agent.liveness import GAP_BEATS, Heartbeat  # noqa: E402
+from petctl.agent.liveness import Heartbeat  # noqa: E402
 from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats  # noqa: E402
 from petctl.core.keys import JobKeys  # noqa: E402
 from petctl.core.records import NodeRecord  # noqa: E402
@@ -162,30 +169,78 @@ def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
         node.error = f"{type(e).__name__}: {e}"
 
 
-def job_spec(endpoint: str, name: str, n: int, store: str) -> JobSpec:
-    """The bench job: `n` nodes, fixed size, the agent's default timeouts."""
+TIMEOUTS = ("local", "aws")
+LATE_S = 0.3  # a keep-alive, or the loop's timer, this late: the bench's process was the bottleneck
+LAG_PERIOD = 0.05  # how often `LoopLag` times the shared loop
+
+
+def job_spec(endpoint: str, name: str, n: int, store: str, timeouts: str = "local") -> JobSpec:
+    """The bench job: `n` nodes, fixed size, with the agent timeouts `timeouts` names (`TIMEOUTS`: the
+    defaults, or an AWS job's)."""
     spec = JobSpec(name=name, min_size=n, max_size=n, size=n, entrypoint="none.py", etcd_endpoint=endpoint)
     spec.etcd_store = store
+    if timeouts == "aws":
+        from petctl.providers.aws.provider import aws_timeouts
+
+        spec.timeouts = aws_timeouts()
     return spec
+
+
+def late_gap(spec: JobSpec) -> float:
+    """The longest gap between two applied keep-alives that a valid run allows: the interval plus
+    `LATE_S` (0.5 s with the local timeouts, 2.3 s with AWS's)."""
+    return spec.timeouts.heartbeat_interval + LATE_S
+
+
+class LoopLag:
+    """How late a timer ran on this process's shared loop (`shared_loop`), the worst so far. Why: every
+    node of the process waits on that one loop (and on the GIL), so its lateness is the delay the harness
+    adds to each request. A late keep-alive shows it too, but only where a keep-alive falls: at an AWS
+    job's one per 2 s, a ranking of a second may see none."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.worst = 0.0
+        self._loop = loop
+        self._stopped = threading.Event()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._arm)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _arm(self) -> None:
+        if not self._stopped.is_set():
+            due = self._loop.time() + LAG_PERIOD  # type: ignore[union-attr]
+            self._handle = self._loop.call_at(due, self._tick, due)  # type: ignore[union-attr]
+
+    def _tick(self, due: float) -> None:
+        self.worst = max(self.worst, self._loop.time() - due)  # type: ignore[union-attr]
+        self._arm()
 
 
 def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
               ready: Callable[[], None] = lambda: None,
-              hold: Callable[[list[NodeResult], float], None] | None = None
-              ) -> tuple[list[NodeResult], float, float]:
+              hold: Callable[[list[NodeResult], float, float], None] | None = None
+              ) -> tuple[list[NodeResult], float, float, float]:
     """Build the nodes `ids` (each on a store session of its own), call `ready` (a shard waits there for
     the driver's go), start them all at once and wait until each is ranked or `timeout` passed. Then
-    `hold(results, cpu)`, if given, runs while the nodes stay up (the rest window), before they are
+    `hold(results, cpu, lag)`, if given, runs while the nodes stay up (the rest window), before they are
     closed. Returns each node's result, the CPU seconds this process spent from the go to the last rank,
-    and the longest heartbeat gap of any node by the end of `hold`."""
+    and by the end of `hold` the longest heartbeat gap of any node and the loop's worst lag (`LoopLag`;
+    `lag` is that worst up to the last rank)."""
     nodes = [build(spec, i) for i in ids]
     go, abort = threading.Event(), threading.Event()
     threads = [threading.Thread(target=_run_node, args=(node, go, abort), name=node.node_id, daemon=True)
                for node in nodes]
+    lag = LoopLag(shared_loop().loop if spec.etcd_store == "v3" else None)
     try:
         for t in threads:
             t.start()
         ready()
+        lag.start()
         cpu0 = time.process_time()
         go.set()
         deadline = time.monotonic() + timeout
@@ -195,9 +250,10 @@ def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
         cpu = time.process_time() - cpu0
         results = [NodeResult.of(node) for node in nodes]
         if hold is not None:
-            hold(results, cpu)
-        return results, cpu, max((node.heartbeat.longest_gap for node in nodes), default=0.0)
+            hold(results, cpu, lag.worst)
+        return results, cpu, max((node.heartbeat.longest_gap for node in nodes), default=0.0), lag.worst
     finally:
+        lag.stop()
         abort.set()
         go.set()
         for node in nodes:
@@ -207,7 +263,7 @@ def run_nodes(spec: JobSpec, ids: list[str], timeout: float,
 
 
 def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], store: str,
-                timeout: float) -> None:
+                timeout: float, timeouts: str) -> None:
     """A shard process: its share of the nodes, started on the driver's go; sends back (results, cpu)
     once they are ranked, keeps them up until the driver's "close" (after its rest window), then sends
     their longest heartbeat gap; or ("error", message) when it could not run them."""
@@ -215,13 +271,13 @@ def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], sto
         conn.send("ready")
         conn.recv()
 
-    def hold(results: list[NodeResult], cpu: float) -> None:
-        conn.send((results, cpu))
+    def hold(results: list[NodeResult], cpu: float, lag: float) -> None:
+        conn.send((results, cpu, lag))
         conn.recv()
 
     try:
-        _, _, gap = run_nodes(job_spec(endpoint, name, n, store), ids, timeout, ready, hold)
-        conn.send(("gap", gap))
+        _, _, gap, lag = run_nodes(job_spec(endpoint, name, n, store, timeouts), ids, timeout, ready, hold)
+        conn.send(("gap", gap, lag))
     except Exception as e:  # noqa: BLE001 - the driver raises it, with the shard's message
         conn.send(("error", f"{type(e).__name__}: {e}"))
     finally:
@@ -229,8 +285,8 @@ def _shard_main(conn: Any, endpoint: str, name: str, n: int, ids: list[str], sto
 
 
 def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, timeout: float,
-                procs: int, hold: Callable[[list[NodeResult], float], None]
-                ) -> tuple[list[NodeResult], float, float]:
+                procs: int, hold: Callable[[list[NodeResult], float, float], None], timeouts: str = "local"
+                ) -> tuple[list[NodeResult], float, float, float]:
     """The nodes dealt round-robin over `procs` processes, each with its own interpreter, GIL and event
     loop. The go goes to every shard once all have built their nodes; `hold` runs once every shard has
     sent its results, with every node still up. Returns what `run_nodes` returns, over all shards.
@@ -241,8 +297,8 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
     shards = []
     for k in range(procs):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_shard_main, args=(child, endpoint, name, n, ids[k::procs], store, timeout),
-                        daemon=True)
+        p = ctx.Process(target=_shard_main, args=(child, endpoint, name, n, ids[k::procs], store, timeout,
+                                                  timeouts), daemon=True)
         p.start()
         shards.append((p, parent))
     try:
@@ -253,23 +309,24 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
         for _, conn in shards:
             conn.send("go")
         results: list[NodeResult] = []
-        cpu = 0.0
+        cpu = lag = 0.0
         for _, conn in shards:
             answer = conn.recv()
             if answer[0] == "error":
                 raise RuntimeError(f"shard: {answer[1]}")
             results += answer[0]
             cpu += answer[1]
-        hold(results, cpu)
+            lag = max(lag, answer[2])
+        hold(results, cpu, lag)
         for _, conn in shards:
             conn.send("close")
-        gap = 0.0
+        gap = lag = 0.0
         for _, conn in shards:
             answer = conn.recv()
             if answer[0] == "error":
                 raise RuntimeError(f"shard: {answer[1]}")
-            gap = max(gap, answer[1])
-        return results, cpu, gap
+            gap, lag = max(gap, answer[1]), max(lag, answer[2])
+        return results, cpu, gap, lag
     finally:
         for p, conn in shards:
             conn.close()
@@ -279,32 +336,35 @@ def _run_shards(endpoint: str, name: str, n: int, ids: list[str], store: str, ti
 
 
 def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: float = 120.0,
-             procs: int = 1, rest_s: float = 0.0, settle_s: float = 2.0) -> dict[str, Any]:
+             procs: int = 1, rest_s: float = 0.0, settle_s: float = 2.0,
+             timeouts: str = "local") -> dict[str, Any]:
     """One fleet of `n` nodes from start to every node ranked, in this process (`procs` 1) or dealt over
-    `procs` shard processes; with `rest_s`, then its window at rest (after `settle_s`) while the nodes
-    stay up; the figures of the module docstring."""
+    `procs` shard processes, with the agent timeouts `timeouts` names; with `rest_s`, then its window at
+    rest (after `settle_s`) while the nodes stay up; the figures of the module docstring."""
     name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
-    spec = job_spec(endpoint, name, n, store)
+    spec = job_spec(endpoint, name, n, store, timeouts)
     ids = [f"n{i:04d}" for i in range(n)]
     rested: dict[str, Any] = {}
     formed: dict[str, float] = {}
     etcd_cpu0 = etcd_cpu(endpoint)
 
-    def hold(results: list[NodeResult], cpu: float) -> None:
-        formed["etcd_cpu_s"] = etcd_cpu(endpoint) - etcd_cpu0
+    def hold(results: list[NodeResult], cpu: float, lag: float) -> None:
+        formed["etcd_cpu_s"], formed["lag"] = etcd_cpu(endpoint) - etcd_cpu0, lag
         if rest_s > 0 and all(r.rank is not None for r in results):
             rested.update(rest_window(endpoint, n, settle_s, rest_s))
 
     if procs <= 1:
-        results, cpu, gap = run_nodes(spec, ids, timeout, hold=hold)
+        results, cpu, gap, lag = run_nodes(spec, ids, timeout, hold=hold)
     else:
-        results, cpu, gap = _run_shards(endpoint, name, n, ids, store, timeout, procs, hold)
-    out = _figures(results, n, store, spec, cpu)
+        results, cpu, gap, lag = _run_shards(endpoint, name, n, ids, store, timeout, procs, hold, timeouts)
+    out = _figures(results, n, store, spec, cpu, formed["lag"])
     out["procs"] = max(1, procs)
+    out["timeouts"] = timeouts
     out["etcd_cpu_per_node_s"] = round(formed["etcd_cpu_s"] / n, 5)
     if rested:
-        late = GAP_BEATS * spec.timeouts.heartbeat_interval
-        rested.update(valid=out["valid"] and gap < late, longest_heartbeat_gap_s=round(gap, 3))
+        late = late_gap(spec)
+        rested.update(valid=out["valid"] and gap < late and lag < LATE_S,
+                      longest_heartbeat_gap_s=round(gap, 3), longest_loop_lag_s=round(lag, 3))
         out["rest"] = rested
     return out
 
@@ -335,23 +395,27 @@ def _close(node: Node) -> None:
         node.kv.close()
 
 
-def _figures(nodes: list[NodeResult], n: int, store: str, spec: JobSpec, cpu: float) -> dict[str, Any]:
+def _figures(nodes: list[NodeResult], n: int, store: str, spec: JobSpec, cpu: float,
+             loop_lag: float = 0.0) -> dict[str, Any]:
     regs = [x.registered for x in nodes if x.registered is not None]
     ranked = [x.ranked for x in nodes if x.ranked is not None]
     gaps = [x.longest_gap for x in nodes]
-    late = GAP_BEATS * spec.timeouts.heartbeat_interval
+    late = late_gap(spec)
     errors = sorted({x.error for x in nodes if x.error})
     why = []
     if len(ranked) < n:
         why.append(f"{n - len(ranked)} of {n} nodes not ranked")
     if max(gaps, default=0.0) >= late:
         why.append(f"heartbeats ran late: a gap of {max(gaps):.2f} s (>= {late:.2f} s)")
+    if loop_lag >= LATE_S:
+        why.append(f"the event loop ran late: by {loop_lag:.2f} s (>= {LATE_S:.2f} s)")
     ranks = sorted(x.rank for x in nodes if x.rank is not None)
     requests = [x.requests for x in nodes]
     keys = [x.keys_read for x in nodes]
     out: dict[str, Any] = {"nodes": n, "store": store, "valid": not why, "saturated": "; ".join(why),
                            "errors": errors[:5], "cpu_per_node_s": round(cpu / n, 4),
                            "longest_heartbeat_gap_s": round(max(gaps, default=0.0), 3),
+                           "longest_loop_lag_s": round(loop_lag, 3),
                            "requests_per_node": {"mean": round(statistics.mean(requests), 2),
                                                  "max": max(requests)},
                            "keys_read_per_node": {"mean": round(statistics.mean(keys), 2), "max": max(keys)},
@@ -387,10 +451,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| nodes | store | processes | valid runs | first registration → all ranked | mass join | "
-            "ranking | CPU / node | etcd CPU / node | keys read / node | at rest: proposals / node / 10 s | "
-            "requests / node / 10 s | etcd CPU s / node / 10 s | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| nodes | store | timeouts | processes | valid runs | first registration → all ranked | "
+            "mass join | ranking | CPU / node | etcd CPU / node | keys read / node | "
+            "at rest: proposals / node / 10 s | requests / node / 10 s | etcd CPU s / node / 10 s | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None, unit: str = " s") -> str:
         return "invalid" if v is None else f"{v:g}{unit}"
 
@@ -404,7 +468,8 @@ def table(results: dict[str, Any]) -> str:
         note = "; ".join(sorted({r["saturated"] for r in res["runs"] if r["saturated"]}))
         etcd_s = s.get("etcd_cpu_per_node_s")
         etcd = "-" if etcd_s is None and s["valid_runs"] else fmt(etcd_s)  # "-": not read then
-        rows.append(f"| {res['nodes']} | {res['store']} | {res.get('procs', 1)} | "
+        rows.append(f"| {res['nodes']} | {res['store']} | {res.get('timeouts', 'local')} | "
+                    f"{res.get('procs', 1)} | "
                     f"{s['valid_runs']} of {len(res['runs'])} | "
                     f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
                     f"{fmt(s['cpu_per_node_s'])} | {etcd} | "
@@ -426,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rest-s", type=float, default=0.0,
                         help="hold the ranked nodes up this long; count what etcd sees (0: no window)")
     parser.add_argument("--settle-s", type=float, default=2.0, help="the wait after the last rank, first")
+    parser.add_argument("--timeouts", default="local", choices=TIMEOUTS,
+                        help="the agent timeouts the nodes run with: the defaults, or an AWS job's")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
                                              / "fleetreal-latest.json"))
     args = parser.parse_args(argv)
@@ -445,10 +512,11 @@ def main(argv: list[str] | None = None) -> int:
             runs = []
             for rep in range(args.reps):
                 runs.append(run_once(etcd.endpoint, n, args.store, args.timeout, args.procs, args.rest_s,
-                                     args.settle_s))
+                                     args.settle_s, args.timeouts))
                 print(json.dumps({"rep": rep, **runs[-1]}), flush=True)
             results[f"{args.store}/N={n}"] = {"nodes": n, "store": args.store, "procs": args.procs,
-                                              "runs": runs, "summary": summarize(runs)}
+                                              "timeouts": args.timeouts, "runs": runs,
+                                              "summary": summarize(runs)}
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)

@@ -109,3 +109,37 @@ def test_the_rest_table_shows_etcds_cpu_above_its_own_idle_and_the_idle_itself()
     text = rest.table([run], etcd_idle_per_10s=0.12)
     assert "| 0.05 (0.02) |" in text and "etcd with no client: 0.12 CPU s per 10 s." in text, text
     assert "no client" not in rest.table([run]), "no idle read: no idle line"
+
+
+def test_a_loop_that_ran_late_makes_a_run_invalid_whatever_the_heartbeats_say():
+    """With an AWS job's keep-alive every 2 s, a ranking of a second may see no keep-alive at all; the
+    shared loop's lag still shows a saturated process."""
+    spec = fleetreal.job_spec("http://127.0.0.1:1", "f", 2, "v3", "aws")
+    assert spec.timeouts.heartbeat_interval == 2.0 and fleetreal.late_gap(spec) == pytest.approx(2.3)
+    local = fleetreal.job_spec("http://127.0.0.1:1", "f", 2, "v3")
+    assert fleetreal.late_gap(local) == pytest.approx(0.5)  # 2.5 beats of 0.2 s, as before
+    fine = fleetreal._figures(nodes([0.0, 0.0]), 2, "v3", spec, cpu=0.1, loop_lag=0.1)
+    late = fleetreal._figures(nodes([0.0, 0.0]), 2, "v3", spec, cpu=0.1, loop_lag=0.35)
+    assert fine["valid"] and fine["longest_loop_lag_s"] == 0.1, fine
+    assert not late["valid"] and "the event loop ran late: by 0.35 s" in late["saturated"], late
+
+
+def test_the_loop_lag_probe_sees_a_blocked_loop():
+    import time
+
+    from petctl.io.store.v3 import LoopThread
+
+    loop = LoopThread("lagtest")
+    lag = fleetreal.LoopLag(loop.loop)
+    try:
+        lag.start()
+        time.sleep(0.2)
+        loop.loop.call_soon_threadsafe(time.sleep, 0.5)  # the loop's thread held for half a second
+        time.sleep(0.8)
+        assert lag.worst >= 0.4, lag.worst
+    finally:
+        lag.stop()
+        loop.close()
+    idle = fleetreal.LoopLag(None)  # v2: no shared loop, nothing to time
+    idle.start()
+    assert idle.worst == 0.0

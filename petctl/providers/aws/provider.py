@@ -35,6 +35,15 @@ AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
 AWS_HEARTBEAT_TTL = 10.0
 
 
+def aws_timeouts() -> Timeouts:
+    """An AWS job's agent timeouts before `--timeout` overrides them (`AwsProvider.default_timeouts`).
+    Heartbeats for an etcd on a burstable t3 host reached over the VPC: a TTL of 3 s (a LAN value) drops
+    healthy nodes on one slow etcd write or a CPU-credit stall. 2 s refreshes and a 10 s TTL tolerate
+    four missed refreshes and still drop a frozen host in seconds, far below NCCL's collective timeout.
+    The benches that measure an AWS-sized fleet on one machine use them too (bench/fleetreal.py)."""
+    return Timeouts(heartbeat_interval=AWS_HEARTBEAT_INTERVAL, heartbeat_ttl=AWS_HEARTBEAT_TTL)
+
+
 class AwsProvider(AwsContext):
     name = "aws"
     run_options = frozenset({"instance_types", "on_demand", "on_demand_base", "spot_strategy", "multi_az",
@@ -42,11 +51,7 @@ class AwsProvider(AwsContext):
     chaos_modes: ClassVar[tuple[str, ...]] = ("kill",)  # EC2 terminate-instances, as a reclaim would
 
     def default_timeouts(self) -> Timeouts:
-        """Heartbeats for an etcd on a burstable t3 host reached over the VPC: a TTL of 3 s (a LAN value)
-        drops healthy nodes on one slow etcd write or a CPU-credit stall. 2 s refreshes and a 10 s TTL
-        tolerate four missed refreshes and still drop a frozen host in seconds, far below NCCL's
-        collective timeout."""
-        return Timeouts(heartbeat_interval=AWS_HEARTBEAT_INTERVAL, heartbeat_ttl=AWS_HEARTBEAT_TTL)
+        return aws_timeouts()
 
     # --- capacity ----------------------------------------------------------------------------------
     def setup(self, **options: Any) -> dict[str, Any]:
