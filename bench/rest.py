@@ -26,6 +26,7 @@ etcd's /metrics before and after `--window` seconds:
 
     python bench/rest.py --nodes 3 --window 60 --out bench/results/rest-3-v3.json
     python bench/rest.py --nodes 3 --store v2          # the v2 backend: every heartbeat is a proposal
+    python bench/rest.py --nodes 64 --timeouts aws     # an AWS job's timeouts: a tenth of the keep-alives
 
 The result records its commit, whether the tree was dirty, the machine and its load (bench/runmeta.py).
 tests/bench/test_rest_proposals.py (slow) asserts the v3 figure: at most 1 proposal per node per minute.
@@ -34,6 +35,7 @@ tests/bench/test_rest_proposals.py (slow) asserts the v3 figure: at most 1 propo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -54,6 +56,7 @@ from bench.petctl_runner import BENCH, PetctlJob  # noqa: E402
 from bench.procs import Node, wait_for  # noqa: E402
 from bench.scenarios.rendezvous import parse_counts  # noqa: E402
 from petctl.core.store import JOB_DEFAULT_BACKEND  # noqa: E402
+from petctl.providers.aws.provider import aws_timeouts  # noqa: E402
 
 STEADY = BENCH / "steady_worker.py"
 
@@ -117,16 +120,19 @@ def idle_cpu(endpoint: str, window: float) -> float:
 
 def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACKEND, settle: float = 90.0,
             window: float = 60.0, form_timeout: float = 180.0, reform: bool = False,
-            etcd_idle_per_10s: float | None = None) -> dict[str, Any]:
+            etcd_idle_per_10s: float | None = None, timeouts: str = "local") -> dict[str, Any]:
     """Start `nodes` agents of one job against the etcd at `endpoint`, wait until all are ranked, wait
     `settle` s, and count what etcd saw over `window` s; with `reform`, then kill the highest rank and
     time the survivors' re-form (module docstring). `etcd_idle_per_10s`: etcd's CPU with no client (from
-    `idle_cpu`), taken off its CPU in the window before that is shared per node. Returns the figures
+    `idle_cpu`), taken off its CPU in the window before that is shared per node. `timeouts`: the agent
+    timeouts, the defaults (`local`) or an AWS job's (`aws`: a keep-alive every 2 s, the peer watch's read
+    every 0.8 s, where the defaults have 0.2 s and 0.1 s). Returns the figures
     (per node per 10 s, and the raw counts); the agents are stopped before it returns. Raises
     AssertionError when a round does not form within `form_timeout` s or an agent exits meanwhile."""
     name = f"rest{nodes}{store}{int(time.time()) % 100000}"
+    knobs = dataclasses.asdict(aws_timeouts()) if timeouts == "aws" else {}
     job = PetctlJob.create(root / name, endpoint, name, min_size=max(1, nodes - 1) if reform else nodes,
-                           max_size=nodes, size=nodes, script=STEADY, initial_wait=120.0)
+                           max_size=nodes, size=nodes, script=STEADY, **{**knobs, "initial_wait": 120.0})
     job.spec.etcd_store = store
     if hasattr(job.spec, "warm_workers"):
         job.spec.warm_workers = False  # the worker imports no torch: nothing to preload
@@ -148,7 +154,8 @@ def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACK
         assert not exited, f"agents exited during the window: {exited}"
         ranks = job.frozen_ranks(nodes)
         assert ranks, "the round changed during the window: not at rest"
-        out = {"nodes": nodes, "store": store, "settle_s": settle, "ranked_after_s": round(ranked_s, 2),
+        out = {"nodes": nodes, "store": store, "timeouts": timeouts, "settle_s": settle,
+               "ranked_after_s": round(ranked_s, 2),
                **counted,
                "agent_cpu_per_node_per_10s": round((cpu1 - cpu0) * 10.0 / counted["window_s"] / nodes, 4)}
         if etcd_idle_per_10s is not None:
@@ -182,13 +189,13 @@ def _reform(job: PetctlJob, started: list[Node], ranks: dict[str, int], nodes: i
 
 
 def table(runs: list[dict[str, Any]], etcd_idle_per_10s: float | None = None) -> str:
-    rows = ["| nodes | store | window | proposals / node / 10 s | per node / min | requests / node / 10 s "
-            "(by kind) | etcd CPU s / node / 10 s (above idle) | agent CPU s / node / 10 s | re-form: wall, "
-            "agent CPU s (mean, max), in rendezvous |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| nodes | store | timeouts | window | proposals / node / 10 s | per node / min | "
+            "requests / node / 10 s (by kind) | etcd CPU s / node / 10 s (above idle) | "
+            "agent CPU s / node / 10 s | re-form: wall, agent CPU s (mean, max), in rendezvous |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         kinds = ", ".join(f"{k} {v:g}" for k, v in sorted(r["requests_per_node_per_10s"].items()))
-        rows.append(f"| {r['nodes']} | {r['store']} | {r['window_s']:g} s "
+        rows.append(f"| {r['nodes']} | {r['store']} | {r.get('timeouts', 'local')} | {r['window_s']:g} s "
                     f"| {r['proposals_per_node_per_10s']:g} | {r['proposals_per_node_per_min']:g} "
                     f"| {r['requests_total_per_node_per_10s']:g} ({kinds}) "
                     f"| {r.get('etcd_cpu_per_node_per_10s', '-')} "
@@ -215,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--no-reform", dest="reform", action="store_false",
                         help="skip the re-form after the window")
+    parser.add_argument("--timeouts", default="local", choices=("local", "aws"),
+                        help="the agent timeouts: the defaults, or an AWS job's")
     parser.add_argument("--idle", type=float, default=30.0,
                         help="seconds of etcd's own CPU with no client, read before the agents start")
     parser.add_argument("--out", default=str(BENCH / "results" / "rest-latest.json"))
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         idle = idle_cpu(etcd.endpoint, args.idle) if args.idle > 0 else None
         for _ in range(args.reps):
             runs.append(measure(scratch, etcd.endpoint, args.nodes, args.store, args.settle, args.window,
-                                reform=args.reform, etcd_idle_per_10s=idle))
+                                reform=args.reform, etcd_idle_per_10s=idle, timeouts=args.timeouts))
             print(json.dumps(runs[-1]), flush=True)
     finally:
         etcd.stop(remove_data=True)
