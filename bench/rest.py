@@ -118,6 +118,40 @@ def idle_cpu(endpoint: str, window: float) -> float:
     return round(counted["etcd_cpu_s"] * 10.0 / counted["window_s"], 4)
 
 
+def whole_read_cost(endpoint: str, keys: int, seconds: float, idle_per_10s: float) -> dict[str, Any]:
+    """What one read of a `live/` of `keys` heartbeat keys costs etcd: `keys` keys shaped like an
+    agent's heartbeat (`NodeRecord`) under a scratch prefix, read whole 20 times a second for `seconds`
+    by one client, etcd's CPU above `idle_per_10s` per read and per key. Why: a job at rest reads
+    `live/` whole on a budget of 100 reads a second across the fleet past 200 nodes
+    (`decisions.safety_period`), so at 1000 nodes that is 100 reads of 1000 keys a second, which no
+    3- or 64-node job shows. The keys are deleted after. Raises OSError or ValueError as `etcd_window`
+    does, or one of the store's errors."""
+    from petctl.core.records import NodeRecord
+    from petctl.io.store import open_store
+
+    kv = open_store(endpoint, JOB_DEFAULT_BACKEND, None, 5.0)  # type: ignore[arg-type]
+    prefix = "/petctl-bench/whole-read/live/nodes"
+    try:
+        for i in range(keys):
+            record = NodeRecord(node_id=f"i-{i:017x}", host_addr=f"10.42.{i // 250}.{i % 250}", pid=4000 + i)
+            kv.put(f"{prefix}/{record.node_id}", record.to_json())
+        _, _, cpu0 = metrics(endpoint)
+        reads, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            assert len(kv.list(prefix).entries) == keys
+            reads += 1
+            time.sleep(0.05)
+        span = time.monotonic() - t0
+        _, _, cpu1 = metrics(endpoint)
+    finally:
+        kv.delete_dir(prefix)
+        kv.close()
+    busy = (cpu1 - cpu0) / span - idle_per_10s / 10.0
+    per_read = busy / (reads / span)
+    return {"keys": keys, "reads": reads, "seconds": round(span, 2), "etcd_cpu_s": round(cpu1 - cpu0, 2),
+            "etcd_ms_per_read": round(per_read * 1000, 3), "etcd_us_per_key": round(per_read / keys * 1e6, 3)}
+
+
 def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACKEND, settle: float = 90.0,
             window: float = 60.0, form_timeout: float = 180.0, reform: bool = False,
             etcd_idle_per_10s: float | None = None, timeouts: str = "local") -> dict[str, Any]:
@@ -226,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agent timeouts: the defaults, or an AWS job's")
     parser.add_argument("--idle", type=float, default=30.0,
                         help="seconds of etcd's own CPU with no client, read before the agents start")
+    parser.add_argument("--read-keys", type=int, default=0,
+                        help="first, what etcd spends on a whole read of a live/ of this many keys")
     parser.add_argument("--out", default=str(BENCH / "results" / "rest-latest.json"))
     args = parser.parse_args(argv)
     # SIGTERM (a timeout, a background job's kill) ends the run through the `finally` below: the agents
@@ -237,8 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="petctl-rest-"))
     etcd = EtcdServer.start(scratch / "etcd", log_path=scratch / "etcd.log")
     runs: list[dict[str, Any]] = []
+    whole_read: dict[str, Any] | None = None
     try:
         idle = idle_cpu(etcd.endpoint, args.idle) if args.idle > 0 else None
+        if args.read_keys > 0 and idle is not None:
+            whole_read = whole_read_cost(etcd.endpoint, args.read_keys, 20.0, idle)
+            print(json.dumps({"whole_read": whole_read}), flush=True)
         for _ in range(args.reps):
             runs.append(measure(scratch, etcd.endpoint, args.nodes, args.store, args.settle, args.window,
                                 reform=args.reform, etcd_idle_per_10s=idle, timeouts=args.timeouts))
@@ -246,8 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         etcd.stop(remove_data=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    runmeta.write(meta, Path(args.out), table(runs, idle), title="etcd's cost of a job at rest", runs=runs,
-                  etcd_idle_cpu_per_10s=idle)
+    text = table(runs, idle)
+    if whole_read is not None:
+        text += (f"\nOne whole read of {whole_read['keys']} keys: {whole_read['etcd_ms_per_read']:g} ms of "
+                 f"etcd CPU ({whole_read['etcd_us_per_key']:g} us a key; {whole_read['reads']} reads).")
+    runmeta.write(meta, Path(args.out), text, title="etcd's cost of a job at rest", runs=runs,
+                  etcd_idle_cpu_per_10s=idle, whole_read=whole_read)
     return 0
 
 

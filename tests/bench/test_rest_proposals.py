@@ -24,3 +24,20 @@ def test_three_nodes_at_rest_make_at_most_one_proposal_per_node_per_minute(etcd_
     # ... and cost etcd CPU: about 2700 requests in the window, each far above the counter's 0.01 s tick
     # over all of them, and far below the window.
     assert 0 < result["etcd_cpu_s"] < result["window_s"], result
+
+
+@pytest.mark.timeout(120)
+def test_a_whole_read_costs_etcd_cpu_per_key_and_leaves_no_key_behind(etcd_server):
+    from bench.rest import idle_cpu, whole_read_cost
+    from petctl.io.store import open_store
+
+    idle = idle_cpu(etcd_server.endpoint, 3.0)
+    cost = whole_read_cost(etcd_server.endpoint, keys=500, seconds=3.0, idle_per_10s=idle)
+    assert cost["keys"] == 500 and cost["reads"] >= 20, cost  # 20 reads a second, each of every key
+    # 500 keys read 20 times a second cost etcd well above its idle: a positive cost per key
+    assert cost["etcd_us_per_key"] > 0 and cost["etcd_ms_per_read"] > 0, cost
+    kv = open_store(etcd_server.endpoint, "v3", None, 5.0)
+    try:
+        assert not kv.list("/petctl-bench/whole-read").entries, "the scratch keys were left behind"
+    finally:
+        kv.close()
