@@ -218,3 +218,24 @@ def test_a_quota_refusal_is_one_line_and_non_zero_through_the_cli(ready, moto, t
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "L-3819A6DF" in errors[0] and "Traceback" not in err
     assert live_stack(moto, f"{stack_name}-job-gpu") is None
+
+
+# --- the etcd host's size, against the job's ------------------------------------------------------
+def test_a_job_of_hundreds_of_nodes_on_a_burstable_etcd_host_is_warned_once_and_still_runs(
+        ready, moto, tmp_path, stack_name):
+    ready.create_job(submit(spec(name="big", max_size=400), write_script(tmp_path / "src")))
+    warned = [line for line in ready.lines if "burstable etcd host" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: a job of up to 400 nodes"), ready.lines
+    assert "etcd_instance_type=c7i.large" in warned[0] and "(t3.small)" in warned[0]
+    assert live_stack(moto, f"{stack_name}-job-big")["StackStatus"] == "CREATE_COMPLETE"
+    ready.create_job(submit(spec(name="small", max_size=300), write_script(tmp_path / "src2")))
+    assert len([line for line in ready.lines if "burstable etcd host" in line]) == 1, "300 nodes: no warning"
+
+
+def test_the_etcd_warning_follows_the_setup_option_not_only_the_default():
+    from petctl.providers.aws.basestack import etcd_host_warning
+
+    assert etcd_host_warning({}, 301) is not None  # the default t3.small
+    assert etcd_host_warning({"options": {"etcd_instance_type": "t4g.medium"}}, 1000) is not None
+    assert etcd_host_warning({"options": {"etcd_instance_type": "c7i.large"}}, 1000) is None
+    assert etcd_host_warning({"options": {"etcd_instance_type": "t3.small"}}, 300) is None

@@ -53,6 +53,25 @@ SETUP_OPTIONS = {  # every option `setup` accepts, with its default
     "subnets": "public", "etcd_download_url": "", "store": "",  # store: "" is the stack's own (stack_store)
 }
 
+BURSTABLE_FAMILIES = ("t2.", "t3.", "t3a.", "t4g.")  # EC2's burstable instance families
+# A job at rest cost etcd 0.94 ms of CPU per node a second on AWS's timeouts, plus whole reads of live/
+# capped at 100 a second (bench/README.md, "What a job at rest costs etcd's CPU"): past about this many
+# nodes that is more than a t3.small's baseline of 0.4 vCPU. Arithmetic on this project's machine, so a
+# rough line: docs/aws.md, "Sizing the etcd host".
+BURSTABLE_ETCD_NODES = 300
+
+
+def etcd_host_warning(settings: dict[str, Any], max_nodes: int) -> str | None:
+    """A warning for a job of `max_nodes` on this stack's etcd host, or None: a job of more than
+    `BURSTABLE_ETCD_NODES` on a burstable host may keep etcd above the host's CPU baseline at rest, which
+    AWS bills (unlimited mode) or throttles (standard mode). Pure: from the recorded setup options."""
+    kind = {**SETUP_OPTIONS, **settings.get("options", {})}["etcd_instance_type"]
+    if max_nodes <= BURSTABLE_ETCD_NODES or not kind.startswith(BURSTABLE_FAMILIES):
+        return None
+    return (f"a job of up to {max_nodes} nodes on a burstable etcd host ({kind}) may keep etcd above the "
+            "host's CPU baseline even at rest; for such jobs run `petctl setup --provider aws --option "
+            "etcd_instance_type=c7i.large` (docs/aws.md, \"Sizing the etcd host\")")
+
 
 def chosen_options(settings: dict[str, Any], options: dict[str, Any]) -> dict[str, str]:
     """The options the user chose, now and at earlier setups (strings, as `--option KEY=VALUE` gives

@@ -107,6 +107,8 @@ def create_job(provider: AwsContext, job: JobSubmission) -> None:
     role = provider.stack_role()
     job_boundary(settings["outputs"])  # before anything is created
     check_quota(provider, session, spec)
+    if (warning := basestack.etcd_host_warning(settings, spec.max_size)) is not None:
+        provider.progress(f"warning: {warning}")
     store = provider.store(session, spec.name)
     spec.code_url, _ = store.upload_code(job.script)
     root = {"root_volume_gb": ami.root_volume_gb(int(settings.get("root_volume_gb", 100))),
