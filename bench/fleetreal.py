@@ -74,7 +74,7 @@ from bench import runmeta  # noqa: E402
 from petctl.agent.decisions import Settings  # noqa: E402
 from petctl.agent.health import OutageReporter, StoreHealth  # noqa: E402
 from petctl.agent.leases import LeaseClasses  # noqa: E402
-from petctl.agent.liveness import GAP_BEATS, Heartbeat  # noqa: E402
+from petctl.agent.liveness import Heartbeat  # noqa: E402
 from petctl.agent.rendezvous import EtcdRendezvous, LiveWatcher, RequestStats  # noqa: E402
 from petctl.core.keys import JobKeys  # noqa: E402
 from petctl.core.records import NodeRecord  # noqa: E402
@@ -169,20 +169,21 @@ def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
         node.error = f"{type(e).__name__}: {e}"
 
 
-TIMEOUTS = ("local", "aws")
 LATE_S = 0.3  # a keep-alive, or the loop's timer, this late: the bench's process was the bottleneck
 LAG_PERIOD = 0.05  # how often `LoopLag` times the shared loop
+# The default wait between the last rank and the window at rest, in keep-alive intervals (and at least
+# 2 s): every node's first keep-alive, an interval after its registration was answered, falls before it.
+SETTLE_INTERVALS = 2.5
 
 
 def job_spec(endpoint: str, name: str, n: int, store: str, timeouts: str = "local") -> JobSpec:
-    """The bench job: `n` nodes, fixed size, with the agent timeouts `timeouts` names (`TIMEOUTS`: the
-    defaults, or an AWS job's)."""
+    """The bench job: `n` nodes, fixed size, with the agent timeouts `timeouts` names (bench/rest.py's
+    `timeouts_named`: the defaults, or an AWS job's). Raises ValueError for an unknown name."""
+    from bench.rest import timeouts_named
+
     spec = JobSpec(name=name, min_size=n, max_size=n, size=n, entrypoint="none.py", etcd_endpoint=endpoint)
     spec.etcd_store = store
-    if timeouts == "aws":
-        from petctl.providers.aws.provider import aws_timeouts
-
-        spec.timeouts = aws_timeouts()
+    spec.timeouts = timeouts_named(timeouts)
     return spec
 
 
@@ -202,7 +203,6 @@ class LoopLag:
         self.worst = 0.0
         self._loop = loop
         self._stopped = threading.Event()
-        self._handle: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         if self._loop is not None:
@@ -214,7 +214,7 @@ class LoopLag:
     def _arm(self) -> None:
         if not self._stopped.is_set():
             due = self._loop.time() + LAG_PERIOD  # type: ignore[union-attr]
-            self._handle = self._loop.call_at(due, self._tick, due)  # type: ignore[union-attr]
+            self._loop.call_at(due, self._tick, due)  # type: ignore[union-attr]
 
     def _tick(self, due: float) -> None:
         self.worst = max(self.worst, self._loop.time() - due)  # type: ignore[union-attr]
@@ -359,7 +359,9 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
     the figures of the module docstring."""
     name = f"fleetreal{n}x{int(time.time() * 1000) % 10**8}"
     spec = job_spec(endpoint, name, n, store, timeouts)
-    settle = settle_s if settle_s is not None else max(2.0, GAP_BEATS * spec.timeouts.heartbeat_interval)
+    interval = spec.timeouts.heartbeat_interval
+    settle = settle_s if settle_s is not None else max(2.0, SETTLE_INTERVALS * interval)
+    judged_after = settle if rest_s > 0 else 0.0  # no window: nothing to hold the nodes up for
     ids = [f"n{i:04d}" for i in range(n)]
     rested: dict[str, Any] = {}
     formed: dict[str, float] = {}
@@ -371,10 +373,10 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
             rested.update(rest_window(endpoint, n, settle, rest_s))
 
     if procs <= 1:
-        results, cpu, gap, lag = run_nodes(spec, ids, timeout, hold=hold, settle_s=settle)
+        results, cpu, gap, lag = run_nodes(spec, ids, timeout, hold=hold, settle_s=judged_after)
     else:
         results, cpu, gap, lag = _run_shards(endpoint, name, n, ids, store, timeout, procs, hold, timeouts,
-                                             settle)
+                                             judged_after)
     out = _figures(results, n, store, spec, cpu, formed["lag"])
     out["procs"] = max(1, procs)
     out["timeouts"] = timeouts
@@ -448,16 +450,15 @@ def _figures(nodes: list[NodeResult], n: int, store: str, spec: JobSpec, cpu: fl
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the valid runs (None where none was valid), and how many were not."""
     valid = [r for r in runs if r["valid"]]
-    def med(key: str) -> float | None:
+    def med(key: str, digits: int = 4) -> float | None:
         vals = [r[key] for r in valid if r.get(key) is not None]
-        return round(statistics.median(vals), 4) if vals else None
+        return round(statistics.median(vals), digits) if vals else None
     rests = [r["rest"] for r in valid if r.get("rest", {}).get("valid")]
     def rest_med(key: str, digits: int = 3) -> float | None:
         return round(statistics.median(x[key] for x in rests), digits) if rests else None
     return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
-            "etcd_cpu_per_node_s": (round(statistics.median(r["etcd_cpu_per_node_s"] for r in valid), 5)
-                                    if valid and all("etcd_cpu_per_node_s" in r for r in valid) else None),
+            "etcd_cpu_per_node_s": med("etcd_cpu_per_node_s", 5),
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
                                if valid else None),
             "keys_read_per_node": (round(statistics.median(r["keys_read_per_node"]["mean"] for r in valid), 1)
@@ -499,6 +500,8 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.rest import TIMEOUTS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="8,16,32", help="comma-separated fleet sizes")
     parser.add_argument("--store", default=JOB_DEFAULT_BACKEND, choices=("v3", "v2"))

@@ -55,10 +55,21 @@ from bench import runmeta  # noqa: E402
 from bench.petctl_runner import BENCH, PetctlJob  # noqa: E402
 from bench.procs import Node, wait_for  # noqa: E402
 from bench.scenarios.rendezvous import parse_counts  # noqa: E402
+from petctl.core.spec import Timeouts  # noqa: E402
 from petctl.core.store import JOB_DEFAULT_BACKEND  # noqa: E402
 from petctl.providers.aws.provider import aws_timeouts  # noqa: E402
 
 STEADY = BENCH / "steady_worker.py"
+TIMEOUTS = ("local", "aws")  # the agent timeouts a bench's nodes can run with (`timeouts_named`)
+
+
+def timeouts_named(name: str) -> Timeouts:
+    """The agent timeouts `name` names: `local`, the defaults (the local provider's: a keep-alive every
+    0.2 s, the peer watch's read every 0.1 s), or `aws`, an AWS job's (`aws_timeouts`: 2 s and 0.8 s).
+    Raises ValueError for another name."""
+    if name not in TIMEOUTS:
+        raise ValueError(f"unknown timeouts {name!r}: choose from {', '.join(TIMEOUTS)}")
+    return aws_timeouts() if name == "aws" else Timeouts()
 
 
 def metrics(endpoint: str) -> tuple[int, dict[str, int], float]:
@@ -159,12 +170,11 @@ def measure(root: Path, endpoint: str, nodes: int, store: str = JOB_DEFAULT_BACK
     `settle` s, and count what etcd saw over `window` s; with `reform`, then kill the highest rank and
     time the survivors' re-form (module docstring). `etcd_idle_per_10s`: etcd's CPU with no client (from
     `idle_cpu`), taken off its CPU in the window before that is shared per node. `timeouts`: the agent
-    timeouts, the defaults (`local`) or an AWS job's (`aws`: a keep-alive every 2 s, the peer watch's read
-    every 0.8 s, where the defaults have 0.2 s and 0.1 s). Returns the figures
+    timeouts by name (`timeouts_named`). Returns the figures
     (per node per 10 s, and the raw counts); the agents are stopped before it returns. Raises
     AssertionError when a round does not form within `form_timeout` s or an agent exits meanwhile."""
     name = f"rest{nodes}{store}{int(time.time()) % 100000}"
-    knobs = dataclasses.asdict(aws_timeouts()) if timeouts == "aws" else {}
+    knobs = dataclasses.asdict(timeouts_named(timeouts))
     job = PetctlJob.create(root / name, endpoint, name, min_size=max(1, nodes - 1) if reform else nodes,
                            max_size=nodes, size=nodes, script=STEADY, **{**knobs, "initial_wait": 120.0})
     job.spec.etcd_store = store
@@ -256,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--no-reform", dest="reform", action="store_false",
                         help="skip the re-form after the window")
-    parser.add_argument("--timeouts", default="local", choices=("local", "aws"),
+    parser.add_argument("--timeouts", default="local", choices=TIMEOUTS,
                         help="the agent timeouts: the defaults, or an AWS job's")
     parser.add_argument("--idle", type=float, default=30.0,
                         help="seconds of etcd's own CPU with no client, read before the agents start")

@@ -118,6 +118,8 @@ def test_a_loop_that_ran_late_makes_a_run_invalid_whatever_the_heartbeats_say():
     assert spec.timeouts.heartbeat_interval == 2.0 and fleetreal.late_gap(spec) == pytest.approx(2.3)
     local = fleetreal.job_spec("http://127.0.0.1:1", "f", 2, "v3")
     assert fleetreal.late_gap(local) == pytest.approx(0.5)  # 2.5 beats of 0.2 s, as before
+    with pytest.raises(ValueError, match="unknown timeouts 'lan'"):
+        fleetreal.job_spec("http://127.0.0.1:1", "f", 2, "v3", "lan")
     fine = fleetreal._figures(nodes([0.0, 0.0]), 2, "v3", spec, cpu=0.1, loop_lag=0.1)
     late = fleetreal._figures(nodes([0.0, 0.0]), 2, "v3", spec, cpu=0.1, loop_lag=0.35)
     assert fine["valid"] and fine["longest_loop_lag_s"] == 0.1, fine

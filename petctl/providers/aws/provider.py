@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from petctl.core.boots import BootReport
     from petctl.providers.aws.pricing import AwsPrices
 
-AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see AwsProvider.default_timeouts
+AWS_HEARTBEAT_INTERVAL = 2.0  # seconds; see aws_timeouts
 AWS_HEARTBEAT_TTL = 10.0
 
 
