@@ -54,10 +54,9 @@ SETUP_OPTIONS = {  # every option `setup` accepts, with its default
 }
 
 BURSTABLE_FAMILIES = ("t2.", "t3.", "t3a.", "t4g.")  # EC2's burstable instance families
-# A job at rest cost etcd 0.94 ms of CPU per node a second on AWS's timeouts, plus whole reads of live/
-# capped at 100 a second (bench/README.md, "What a job at rest costs etcd's CPU"): past about this many
-# nodes that is more than a t3.small's baseline of 0.4 vCPU. Arithmetic on this project's machine, so a
-# rough line: docs/aws.md, "Sizing the etcd host".
+# A cautious line, not a measured limit. At 64 nodes a job at rest cost etcd 0.94 ms of CPU per node a
+# second on AWS's timeouts, and its whole reads of live/ grow with the job (bench/README.md, "What a job
+# at rest costs etcd's CPU"); a t3.small's baseline is 0.4 vCPU. docs/aws.md, "Sizing the etcd host".
 BURSTABLE_ETCD_NODES = 300
 
 
