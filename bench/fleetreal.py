@@ -34,6 +34,12 @@ first node's registration. Reported, per N:
 - keys read per node to ranked (`RequestStats.keys_read`: what its reads returned; one per node in the
   job for a whole read of `live/` or of the round's join records, which only the closer makes since
   the joiners look for a live joiner ahead of them instead). Its mean and max (the closer's);
+- `cpu_bound_s`: the least time the run's own CPU allows (`cpu_bound_s`, the utilization law): the
+  busiest of the shard processes (one core each at most: an interpreter's GIL) and the host's cores
+  (which also run etcd), its work over its capacity. `ranked_s` near it says the ranking was the host's
+  CPU queue, not the protocol's waits; `tests/bench/test_fleetreal.py` holds every committed run to 30 %
+  of it. `--bound-from RESULT` carries a result's per-node work to other sizes and hosts (a bound, not
+  a run: what it leaves out is in `bound_at`'s docstring);
 - `saturated`: a node's heartbeat ran late (two applied keep-alives `LATE_S` or more further apart than
   the interval, `Heartbeat.longest_gap`), the process's shared event loop ran a 50 ms timer `LATE_S` or
   more late (`LoopLag`, v3), or a node missed `--timeout`: this process, not petctl, was the
@@ -381,12 +387,56 @@ def run_once(endpoint: str, n: int, store: str = JOB_DEFAULT_BACKEND, timeout: f
     out["procs"] = max(1, procs)
     out["timeouts"] = timeouts
     out["etcd_cpu_per_node_s"] = round(formed["etcd_cpu_s"] / n, 5)
+    out["cores"] = host_cores()
+    out["cpu_bound_s"] = round(cpu_bound_s(n, out["procs"], out["cores"], cpu / n,
+                                           formed["etcd_cpu_s"] / n), 4)
     if rested:
         late = late_gap(spec)
         rested.update(valid=out["valid"] and gap < late and lag < LATE_S,
                       longest_heartbeat_gap_s=round(gap, 3), longest_loop_lag_s=round(lag, 3))
         out["rest"] = rested
     return out
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset narrows)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cpu_bound_s(nodes: int, procs: int, cores: int, cpu_per_node_s: float,
+                etcd_cpu_per_node_s: float) -> float:
+    """The least time `nodes` nodes can be ranked in, from the CPU they and etcd spent: the utilization
+    law over the two resources the run shares. The shard processes hold the nodes' work, each at most one
+    core (one interpreter, one GIL), `min(procs, cores)` in all; the host's `cores` hold the nodes' work
+    and etcd's. Time can exceed the bound by waits (the closer's poll, round trips), never fall below it
+    by more than the CPU spent outside the timed window (the nodes' CPU is counted from the go, the time
+    from the first registration). Raises ValueError on a size, process or core count below 1."""
+    if min(nodes, procs, cores) < 1:
+        raise ValueError(f"nodes, procs and cores must be at least 1, got {nodes}, {procs}, {cores}")
+    client = nodes * cpu_per_node_s / min(procs, cores)
+    host = nodes * (cpu_per_node_s + etcd_cpu_per_node_s) / cores
+    return max(client, host)
+
+
+def bound_at(result: dict[str, Any], nodes: int, cores: int, procs: int) -> dict[str, Any]:
+    """A committed fleet result's per-node work carried to `nodes` nodes on `cores` cores in `procs`
+    processes: `cpu_bound_s` with the CPU per node (the nodes' and etcd's) of the result's largest size
+    whose every run was valid (their medians; a size that saturated in any run was at the host's edge).
+    What it leaves out: that work stays flat per node beyond the sizes run (it did from 64 to 256:
+    fleetreal-aws-2cores.json), a host that stays unsaturated (at the bound the shard loops run no
+    slack, so their keep-alives go late), the protocol's own waits, and hosts of their own, where each
+    node's work runs in parallel and only etcd's queues. Raises ValueError when no size has every run
+    valid and etcd's CPU measured."""
+    sizes = [res for res in result["results"].values()
+             if res["summary"]["valid_runs"] and not res["summary"]["invalid_runs"]
+             and res["summary"].get("etcd_cpu_per_node_s") is not None]
+    if not sizes:
+        raise ValueError("the result has no size with every run valid and etcd's CPU measured")
+    base = max(sizes, key=lambda res: res["nodes"])
+    a, e = base["summary"]["cpu_per_node_s"], base["summary"]["etcd_cpu_per_node_s"]
+    return {"nodes": nodes, "cores": cores, "procs": procs, "from_nodes": base["nodes"],
+            "cpu_per_node_s": a, "etcd_cpu_per_node_s": e,
+            "cpu_bound_s": round(cpu_bound_s(nodes, procs, cores, a, e), 3)}
 
 
 def rest_window(endpoint: str, n: int, settle_s: float, window_s: float) -> dict[str, Any]:
@@ -459,6 +509,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"valid_runs": len(valid), "invalid_runs": len(runs) - len(valid),
             **{k: med(k) for k in ("mass_join_s", "ranking_s", "ranked_s", "cpu_per_node_s")},
             "etcd_cpu_per_node_s": med("etcd_cpu_per_node_s", 5),
+            "cpu_bound_s": med("cpu_bound_s"),
             "ranked_s_range": ([min(r["ranked_s"] for r in valid), max(r["ranked_s"] for r in valid)]
                                if valid else None),
             "keys_read_per_node": (round(statistics.median(r["keys_read_per_node"]["mean"] for r in valid), 1)
@@ -471,9 +522,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     rows = ["| nodes | store | timeouts | processes | valid runs | first registration → all ranked | "
-            "mass join | ranking | CPU / node | etcd CPU / node | keys read / node | "
+            "mass join | ranking | CPU bound (work / cores) | CPU / node | etcd CPU / node | "
+            "keys read / node | "
             "at rest: proposals / node / 10 s | requests / node / 10 s | etcd CPU s / node / 10 s | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def fmt(v: float | None, unit: str = " s") -> str:
         return "invalid" if v is None else f"{v:g}{unit}"
 
@@ -487,16 +539,36 @@ def table(results: dict[str, Any]) -> str:
         note = "; ".join(sorted({r["saturated"] for r in res["runs"] if r["saturated"]}))
         etcd_s = s.get("etcd_cpu_per_node_s")
         etcd = "-" if etcd_s is None and s["valid_runs"] else fmt(etcd_s)  # "-": not read then
+        bound_s = s.get("cpu_bound_s")
+        bound = "-" if bound_s is None and s["valid_runs"] else fmt(bound_s)  # "-": not computed then
         rows.append(f"| {res['nodes']} | {res['store']} | {res.get('timeouts', 'local')} | "
                     f"{res.get('procs', 1)} | "
                     f"{s['valid_runs']} of {len(res['runs'])} | "
-                    f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | "
+                    f"{fmt(s['ranked_s'])} | {fmt(s['mass_join_s'])} | {fmt(s['ranking_s'])} | {bound} | "
                     f"{fmt(s['cpu_per_node_s'])} | {etcd} | "
                     f"{fmt(s.get('keys_read_per_node'), '')} | "
                     f"{rest(res, 'rest_proposals_per_node_per_10s')} | "
                     f"{rest(res, 'rest_requests_per_node_per_10s')} | "
                     f"{rest(res, 'rest_etcd_cpu_per_node_per_10s')} | {note} |")
     return "\n".join(rows)
+
+
+def print_bounds(path: Path, sizes: list[int], cores: list[int], procs: int) -> int:
+    """`bound_at` for each size and core count, as a table on stdout; 2 with a one-line error on stderr
+    when the file is missing or not a fleet result."""
+    try:
+        result = json.loads(path.read_text())
+        rows = [bound_at(result, n, c, procs) for c in cores for n in sizes]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"fleetreal: cannot carry {path}: {e}", file=sys.stderr)
+        return 2
+    print(f"The CPU bound from {path.name} (commit {str(result.get('commit'))[:7]}), "
+          f"per-node work at N={rows[0]['from_nodes']}: the nodes' {rows[0]['cpu_per_node_s']} s, "
+          f"etcd's {rows[0]['etcd_cpu_per_node_s']} s. A bound, not a run.")
+    print("| nodes | cores | processes | CPU bound |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['nodes']} | {r['cores']} | {r['procs']} | {r['cpu_bound_s']} s |")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -517,7 +589,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agent timeouts the nodes run with: the defaults, or an AWS job's")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
                                              / "fleetreal-latest.json"))
+    parser.add_argument("--bound-from", default=None, metavar="RESULT",
+                        help="run nothing: carry this result's per-node work to --nodes on --cores cores "
+                             "in --procs processes (`bound_at`)")
+    parser.add_argument("--cores", default=None,
+                        help="with --bound-from: comma-separated core counts (default: this host's)")
     args = parser.parse_args(argv)
+    if args.bound_from:
+        return print_bounds(Path(args.bound_from), [int(x) for x in args.nodes.split(",") if x],
+                            [int(x) for x in (args.cores or str(host_cores())).split(",") if x], args.procs)
     import shutil
     import signal
     import tempfile
