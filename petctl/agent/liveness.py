@@ -77,6 +77,14 @@ class Heartbeat:
         # across the re-assertion it triggers
         self._lock = threading.RLock()
 
+    @property
+    def revision(self) -> int | None:
+        """The store revision of our key's latest write (the registration, or a re-assertion); None
+        before the first. A watch opened after it misses nothing that happened since this node arrived
+        (`LiveWatcher.start`)."""
+        with self._lock:
+            return self._written or None
+
     def register(self) -> None:
         """(Re)create the key under a new lease of `ttl`. Safe to call when it already exists. Raises
         one of `store_errors()` if etcd cannot be reached."""

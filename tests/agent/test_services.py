@@ -107,6 +107,41 @@ def test_watcher_wakes_on_live_events_and_stops_at_once_mid_poll(etcd_server, ba
     client.close()
 
 
+@pytest.mark.parametrize("backend", ["v2", "v3"])
+def test_a_watcher_started_after_the_registration_reads_nothing_and_misses_nothing(etcd_server, backend):
+    """`start(after=R)` (R: the node's heartbeat registration, before anything it reads): both watches
+    open from R + 1 without a read of the store's revision and without a wake for a fresh view, and a
+    change made after R, before the watches opened, still reaches the agent as an event. Without `after`
+    each watch reads the revision and the agent is woken (issue 47: 4 of a joiner's 7 reads)."""
+    keys = JobKeys(f"started-after-{backend}")
+    client = store_for(etcd_server.endpoint, backend=backend)
+    registered = client.put(keys.node("me"), "{}")
+    client.put(keys.node("other"), "{}")  # after our registration, before the watches open
+    stats, rec = RequestStats(), Recorder()
+    watcher = LiveWatcher(client, keys.live, stats, OutageReporter("watch", rec), poll_timeout=30)
+    watcher.start(after=registered)
+    try:
+        assert watcher.wait(5), "the change after the registration wakes the agent, as an event"
+        wait_for(lambda: len(watcher._open) == 2, 5, what="both watches open")
+        events, stale = watcher.take()
+        assert [e.key for e in events] == [keys.node("other")] and not stale, (events, stale)
+        assert stats.reads == 0, stats  # no revision read: the watches opened from R + 1
+        client.put(keys.round, "{}")
+        assert watcher.wait(5) and watcher.round_seen() is not None
+    finally:
+        watcher.stop()
+    fresh = LiveWatcher(client, keys.live, RequestStats(), OutageReporter("watch", rec), poll_timeout=30)
+    fresh.start()
+    try:
+        assert fresh.wait(5)
+        wait_for(lambda: len(fresh._open) == 2, 5, what="both watches open")
+        assert fresh.stats.reads == 2 and fresh.take() == ([], True)
+    finally:
+        fresh.stop()
+        client.close()
+    assert rec.events == []
+
+
 @contextmanager
 def started_watcher(etcd_server, backend: str, job: str) -> Iterator[tuple[JobKeys, Store, RequestStats,
                                                                          LiveWatcher]]:
