@@ -168,7 +168,7 @@ def _run_node(node: Node, go: threading.Event, abort: threading.Event) -> None:
     try:
         node.heartbeat.start()
         node.registered = time.monotonic()
-        node.watcher.start(after=node.heartbeat.revision)
+        node.watcher.start(after=node.heartbeat.revision, membership=False)  # as agent.py starts it
         info = node.rdzv.next_rendezvous(None, abort.is_set)
         node.ranked, node.rank = time.monotonic(), info.rank
     except Exception as e:  # noqa: BLE001 - recorded on the node and reported in the run's errors

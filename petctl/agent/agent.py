@@ -171,7 +171,7 @@ class Agent:
             return self._leave(None)
         self.preemption.registered()  # our heartbeat is in etcd: the boot worked (the launch hook)
         services.callback(self.heartbeat.stop, delete=True)  # a no-op after a leave or the job's end
-        self.watcher.start(after=self.heartbeat.revision)
+        self.watcher.start(after=self.heartbeat.revision, membership=False)  # the rendezvous resumes it
         services.callback(self.watcher.stop)
         if self.peers is not None:
             self.peers.start()

@@ -153,14 +153,18 @@ class LiveWatcher:
                              name="live-watch", daemon=True),
         ]
 
-    def start(self, after: int | None = None) -> None:
+    def start(self, after: int | None = None, membership: bool = True) -> None:
         """Start both watches. With `after` (a revision read before anything the agent will read: its
         heartbeat's registration, `Heartbeat.revision`), each first opens from the next revision, with
         no read and no wake: every later change reaches the agent as an event, and it reads its own
         state after. Without it, each first reads the store's revision and wakes the agent for a fresh
-        view. Why: those two reads and the wake's extra step were 4 of a joiner's 7 reads to be ranked
-        (bench/fleetreal.py; issue 47)."""
+        view. With `membership` False the membership watch starts paused, until a `resume`: an agent's
+        rendezvous resumes it where it needs arrivals (the closer), and once it is admitted. Why: those
+        two reads and the wake's extra step were 4 of a joiner's 7 reads to be ranked, and arrivals in a
+        mass join woke joiners that had not yet paused it (bench/fleetreal.py; issue 47)."""
         self._start_after = after
+        if not membership:
+            self._active.clear()
         for t in self._threads:
             t.start()
 
@@ -697,7 +701,7 @@ class EtcdRendezvous:
         elif isinstance(action, EndJob):
             self.end_job(action.state, action.reason, action.round)
         elif isinstance(action, Wait):
-            self._wait(action, view.round, on_state)
+            self._wait(action, view.round, on_state, view.etcd_index)
         return None, state
 
     def _live_ahead(self, rnd: Round, state: RendezvousState) -> str | None:
@@ -750,9 +754,13 @@ class EtcdRendezvous:
                          rdzv_cpu_s=round(cpu - self._cpu_at_start, 3))
         return info
 
-    def _wait(self, action: Wait, rnd: Round | None, on_state: Callable[[str], None]) -> None:
+    def _wait(self, action: Wait, rnd: Round | None, on_state: Callable[[str], None],
+              known: int | None = None) -> None:
+        """Wait for a change or `action.timeout`. With `action.watch_membership` the membership watch
+        runs: resumed after `known` (the revision of the view this wait was decided on: every change
+        since is an event to it), or from now with a wake for a fresh view where that is not known."""
         if action.watch_membership:
-            self.watcher.resume()
+            self.watcher.resume(after=known)
         else:
             self.watcher.pause()
         if action.waiting_for_world is not None and rnd is not None:

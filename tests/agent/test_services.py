@@ -138,6 +138,26 @@ def test_a_watcher_started_after_the_registration_reads_nothing_and_misses_nothi
         assert fresh.stats.reads == 2 and fresh.take() == ([], True)
     finally:
         fresh.stop()
+    # As an agent starts it: the membership watch paused until its rendezvous resumes it (the closer,
+    # after the view it decided on), the round watch on.
+    at = client.put(keys.node("me"), "{}")
+    joiner = LiveWatcher(client, keys.live, RequestStats(), OutageReporter("watch", rec), poll_timeout=30)
+    joiner.start(after=at, membership=False)
+    try:
+        wait_for(lambda: len(joiner._open) == 1, 5, what="the round watch open")
+        client.put(keys.node("arrival"), "{}")
+        assert not joiner.wait(1.0), "an arrival wakes no joiner"
+        seen = client.put(keys.round, '{"round": 2}')
+        assert joiner.wait(5) and joiner.round_seen().revision == seen, "a round change wakes it"
+        joiner.take()
+        joiner.resume(after=seen)  # the closer: from the view it decided on, no fresh read, no wake
+        wait_for(lambda: len(joiner._open) == 2, 5, what="the membership watch open")
+        assert not joiner.wait(0.5) and joiner.stats.reads == 0
+        client.put(keys.node("late"), "{}")
+        assert joiner.wait(5)
+        assert [e.key for e in joiner.take()[0]] == [keys.node("late")]
+    finally:
+        joiner.stop()
         client.close()
     assert rec.events == []
 
