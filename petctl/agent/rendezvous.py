@@ -159,9 +159,10 @@ class LiveWatcher:
         no read and no wake: every later change reaches the agent as an event, and it reads its own
         state after. Without it, each first reads the store's revision and wakes the agent for a fresh
         view. With `membership` False the membership watch starts paused, until a `resume`: an agent's
-        rendezvous resumes it where it needs arrivals (the closer), and once it is admitted. Why: those
-        two reads and the wake's extra step were 4 of a joiner's 7 reads to be ranked, and arrivals in a
-        mass join woke joiners that had not yet paused it (bench/fleetreal.py; issue 47)."""
+        rendezvous resumes it where it needs arrivals (the closer), and once it is admitted. Why: with the
+        two reads, the wake's second step and arrivals waking joiners that had not yet paused the watch,
+        a node made 10 requests to be ranked in a mass join; without them, 7 (bench/README.md, "A
+        joiner's watches, from its registration"; issue 47)."""
         self._start_after = after
         if not membership:
             self._active.clear()

@@ -112,7 +112,7 @@ def test_a_watcher_started_after_the_registration_reads_nothing_and_misses_nothi
     """`start(after=R)` (R: the node's heartbeat registration, before anything it reads): both watches
     open from R + 1 without a read of the store's revision and without a wake for a fresh view, and a
     change made after R, before the watches opened, still reaches the agent as an event. Without `after`
-    each watch reads the revision and the agent is woken (issue 47: 4 of a joiner's 7 reads)."""
+    each watch reads the revision and the agent is woken (issue 47)."""
     keys = JobKeys(f"started-after-{backend}")
     client = store_for(etcd_server.endpoint, backend=backend)
     registered = client.put(keys.node("me"), "{}")
