@@ -127,7 +127,8 @@ def test_a_watcher_started_after_the_registration_reads_nothing_and_misses_nothi
         assert [e.key for e in events] == [keys.node("other")] and not stale, (events, stale)
         assert stats.reads == 0, stats  # no revision read: the watches opened from R + 1
         client.put(keys.round, "{}")
-        assert watcher.wait(5) and watcher.round_seen() is not None
+        assert watcher.wait(5)  # the membership watch (it covers live/round too) may wake it first
+        wait_for(lambda: watcher.round_seen() is not None, 5, what="the round watch's event")
     finally:
         watcher.stop()
     fresh = LiveWatcher(client, keys.live, RequestStats(), OutageReporter("watch", rec), poll_timeout=30)
