@@ -37,9 +37,9 @@ first node's registration. Reported, per N:
 - `cpu_bound_s`: the least time the run's own CPU allows (`cpu_bound_s`, the utilization law): the
   busiest of the shard processes (one core each at most: an interpreter's GIL) and the host's cores
   (which also run etcd), its work over its capacity. `ranked_s` near it says the ranking was the host's
-  CPU queue, not the protocol's waits; `tests/bench/test_fleetreal.py` holds every committed run to 30 %
-  of it. `--bound-from RESULT` carries a result's per-node work to other sizes and hosts (a bound, not
-  a run: what it leaves out is in `bound_at`'s docstring);
+  CPU queue, not the protocol's waits; `tests/bench/test_fleetreal.py` holds every committed size (the
+  median of its runs' time over bound) to 30 % of it. `--bound-from RESULT` carries a result's per-node
+  work to other sizes and hosts (a bound, not a run: what it leaves out is in `bound_at`'s docstring);
 - `saturated`: a node's heartbeat ran late (two applied keep-alives `LATE_S` or more further apart than
   the interval, `Heartbeat.longest_gap`), the process's shared event loop ran a 50 ms timer `LATE_S` or
   more late (`LoopLag`, v3), or a node missed `--timeout`: this process, not petctl, was the
