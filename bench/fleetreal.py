@@ -556,6 +556,9 @@ def table(results: dict[str, Any]) -> str:
 def print_bounds(path: Path, sizes: list[int], cores: list[int], procs: int) -> int:
     """`bound_at` for each size and core count, as a table on stdout; 2 with a one-line error on stderr
     when the file is missing or not a fleet result."""
+    if not sizes or not cores:
+        print("fleetreal: --bound-from needs at least one size (--nodes) and one core count", file=sys.stderr)
+        return 2
     try:
         result = json.loads(path.read_text())
         rows = [bound_at(result, n, c, procs) for c in cores for n in sizes]

@@ -4,6 +4,8 @@ registration, and a run whose heartbeats ran late is marked invalid rather than 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import fleetreal
@@ -218,3 +220,7 @@ def test_carrying_a_file_that_is_no_fleet_result_is_one_line_and_exit_2(tmp_path
     err = capsys.readouterr().err
     assert err.startswith("fleetreal: cannot carry") and err.count("\n") == 1, err
     assert fleetreal.main(["--bound-from", str(tmp_path / "none.json"), "--nodes", "1000"]) == 2
+    capsys.readouterr()
+    good = Path(fleetreal.__file__).parent / "results" / "fleetreal-bound-aws.json"
+    assert fleetreal.main(["--bound-from", str(good), "--nodes", ""]) == 2  # no size: no traceback
+    assert capsys.readouterr().err.count("\n") == 1
